@@ -1,0 +1,128 @@
+"""Object keys for KV chunks: a deployment fingerprint plus a chained hash of the chunk's tokens.
+
+Used by both engine connectors (vLLM scheduler and worker, SGLang's HiCache thread), in any thread;
+everything here is pure and deterministic across processes and machines (no Python ``hash()``, no
+per-process seed), so two engines that see the same tokens under the same fingerprint compute the
+same keys.
+
+Key text: ``"<fingerprint digest>/<chunk hash hex>"``. The fingerprint covers everything that
+changes the KV bytes of a token: model id and revision, KV dtype and quantization, the canonical
+layout version, the attention geometry, and the KV shard (TP rank and size). Two deployments that
+differ in any of these never share a key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+import numpy as np
+import xxhash
+
+LAYOUT_VERSION = 1
+
+
+class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What must match for two writers' KV bytes of the same tokens to be interchangeable."""
+
+    model_id: str
+    kv_dtype: str  # e.g. "bfloat16", "float16", "fp8_e4m3"
+    num_layers: int
+    num_kv_heads: int  # per shard
+    head_size: int
+    shard_index: int = 0  # TP rank of the KV shard (for MLA: 0, one shard read by every rank)
+    shard_count: int = 1
+    revision: str | None = None
+    quantization: str | None = None
+    is_mla: bool = False
+    layout_version: int = LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        for name in ("num_layers", "num_kv_heads", "head_size", "shard_count"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(f"shard_index {self.shard_index} not in [0, {self.shard_count})")
+
+    def digest(self) -> str:
+        """32 hex chars identifying this fingerprint (xxh3_128 of its canonical msgpack form)."""
+        return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(self))
+
+
+# A chain hash maps (parent hash or None, token ids of one chunk, extra key bytes) to a hash text.
+ChainHash = Callable[[str | None, Sequence[int], bytes], str]
+
+
+def _xxh3_chain(parent: str | None, tokens: Sequence[int], extra: bytes) -> str:
+    h = xxhash.xxh3_128()
+    h.update(b"\x00" if parent is None else parent.encode("ascii"))
+    h.update(tokens.tobytes() if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(extra)
+    return h.hexdigest()
+
+
+_CHAIN_HASHES: dict[str, ChainHash] = {"xxh3_128": _xxh3_chain}
+
+
+def register_chain_hash(name: str, fn: ChainHash) -> None:
+    """Add a chain-hash scheme (e.g. one that reproduces another engine's page hashes)."""
+    _CHAIN_HASHES[name] = fn
+
+
+def chain_hash(name: str) -> ChainHash:
+    try:
+        return _CHAIN_HASHES[name]
+    except KeyError:
+        raise ValueError(f"unknown hash scheme {name!r}; known: {sorted(_CHAIN_HASHES)}") from None
+
+
+def encode_extra_keys(extra_keys: Iterable[object] | None) -> bytes:
+    """Canonical bytes of a request's extra keys (LoRA name/id, multimodal hashes, cache salt)."""
+    if not extra_keys:
+        return b""
+    return msgspec.msgpack.encode([str(x) for x in extra_keys])
+
+
+def chunk_hashes(
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    *,
+    extra_keys: Iterable[object] | None = None,
+    scheme: str = "xxh3_128",
+    parent: str | None = None,
+) -> list[str]:
+    """Chained hashes of every *full* chunk of ``token_ids`` (a trailing partial chunk has none).
+
+    Each chunk's hash covers its parent's hash, so a hash names the whole prefix up to its chunk.
+    ``parent`` continues a chain from an earlier call.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    fn = chain_hash(scheme)
+    extra = encode_extra_keys(extra_keys)
+    # One int64 conversion for the whole prompt; the xxh3 scheme hashes each chunk's slice bytes.
+    tokens = np.asarray(token_ids, dtype=np.int64) if scheme == "xxh3_128" else token_ids
+    out: list[str] = []
+    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
+        parent = fn(parent, tokens[start:start + chunk_tokens], extra)
+        out.append(parent)
+    return out
+
+
+def object_key(fingerprint_digest: str, chunk_hash: str) -> str:
+    return f"{fingerprint_digest}/{chunk_hash}"
+
+
+def chunk_keys(
+    fingerprint: ModelFingerprint,
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    *,
+    extra_keys: Iterable[object] | None = None,
+    scheme: str = "xxh3_128",
+) -> list[str]:
+    """Store keys of every full chunk of ``token_ids`` under ``fingerprint``."""
+    fp = fingerprint.digest()
+    return [object_key(fp, h) for h in chunk_hashes(token_ids, chunk_tokens, extra_keys=extra_keys, scheme=scheme)]

@@ -1,0 +1,260 @@
+"""Typed configuration of the store, read in this one module.
+
+A config comes from a JSON or YAML file, a dict, or ``MOONCAKE_KV_*`` environment variables
+(``MOONCAKE_KV_CONFIG`` names a file; ``MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`` sets a nested field,
+``__`` separating the levels). Every field whose name ends in ``_bytes`` also accepts a size string
+such as ``"512MiB"`` or ``"4GB"``. A bad value raises :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the reason."""
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def _power_of_two(name: str, value: int) -> None:
+    if value <= 0 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Host-DRAM tier: one page-aligned arena carved by an offset allocator."""
+
+    capacity_bytes: int = 1 * GiB
+    # Name of a /dev/shm segment holding the arena, so processes of one node can map it; None = private.
+    shm_name: str | None = None
+    # Every allocation starts at a multiple of this (4096 lets SSD writes use O_DIRECT from the arena).
+    alignment_bytes: int = 4096
+    eviction_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        _positive("capacity_bytes", self.capacity_bytes)
+        _power_of_two("alignment_bytes", self.alignment_bytes)
+        if self.shm_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.shm_name):
+            raise ValueError(f"shm_name must be 1-200 of [A-Za-z0-9_.-], got {self.shm_name!r}")
+
+
+class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """SSD tier: one directory, one backend."""
+
+    path: str
+    capacity_bytes: int = 64 * GiB
+    backend: Literal["bucket", "offset", "file"] = "bucket"
+    io_engine: Literal["auto", "io_uring", "posix"] = "auto"
+    direct_io: bool = True
+    io_threads: int = 2
+    queue_depth: int = 32
+    # bucket backend: a bucket file is written once when it reaches either threshold.
+    bucket_size_bytes: int = 64 * MiB
+    bucket_max_keys: int = 256
+    bucket_eviction: Literal["fifo", "lru"] = "lru"
+    # Evict when used space (or the file system's use) passes this fraction of capacity.
+    disk_watermark: float = 0.95
+    # Admission policy for the SSD tier ("all" admits every offloaded object).
+    admission_policy: str = "all"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must not be empty")
+        _positive("capacity_bytes", self.capacity_bytes)
+        _positive("io_threads", self.io_threads)
+        _positive("queue_depth", self.queue_depth)
+        _positive("bucket_size_bytes", self.bucket_size_bytes)
+        _positive("bucket_max_keys", self.bucket_max_keys)
+        _fraction("disk_watermark", self.disk_watermark)
+
+
+class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When objects move from DRAM to SSD (never on the put path)."""
+
+    # eager: every new object is copied to SSD soon after it is written (DRAM keeps a clean copy).
+    # watermark: only when DRAM use passes high_watermark, coldest objects move down to low_watermark.
+    policy: Literal["eager", "watermark"] = "eager"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    queue_max_objects: int = 65536
+    batch_bytes: int = 64 * MiB
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        _fraction("high_watermark", self.high_watermark)
+        _fraction("low_watermark", self.low_watermark)
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
+            )
+        _positive("queue_max_objects", self.queue_max_objects)
+        _positive("batch_bytes", self.batch_bytes)
+        _positive("workers", self.workers)
+
+
+class PromotionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When an object read from SSD is copied back into DRAM (in the background)."""
+
+    enabled: bool = True
+    admission_hits: int = 2  # SSD hits before a promotion
+    queue_max_objects: int = 4096
+
+    def __post_init__(self) -> None:
+        _positive("admission_hits", self.admission_hits)
+        _positive("queue_max_objects", self.queue_max_objects)
+
+
+class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    ssd: SsdConfig | None = None
+    offload: OffloadConfig = msgspec.field(default_factory=OffloadConfig)
+    promotion: PromotionConfig = msgspec.field(default_factory=PromotionConfig)
+    max_object_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        _positive("max_object_bytes", self.max_object_bytes)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": KiB, "M": 10**6, "MB": 10**6, "MIB": MiB,
+          "G": 10**9, "GB": 10**9, "GIB": GiB, "T": 10**12, "TB": 10**12, "TIB": 1024 * GiB}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512MiB"``, ``"4GB"``, ``"4096"`` into bytes (raises ValueError)."""
+    m = _SIZE_RE.match(text)
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512MiB, 4GB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _normalize(obj: Any, path: str = "") -> Any:
+    """Turn size strings in ``*_bytes`` fields into ints, recursively."""
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            here = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and k.endswith("_bytes") and isinstance(v, str):
+                try:
+                    v = parse_size(v)
+                except ValueError as e:
+                    raise ConfigError(f"{here}: {e}") from None
+            out[k] = _normalize(v, here)
+        return out
+    return obj
+
+
+def config_from_dict(data: Mapping[str, Any], cls: type = StoreConfig) -> Any:
+    """Build and validate a config Struct from plain data (raises ConfigError)."""
+    try:
+        return msgspec.convert(_normalize(data), cls, str_keys=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid {cls.__name__}: {e}") from None
+
+
+def config_from_file(path: str | os.PathLike[str], cls: type = StoreConfig) -> Any:
+    """Load a JSON (``.json``) or YAML (anything else) config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except Exception as e:  # parse errors of either format
+        raise ConfigError(f"cannot parse config file {p}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {p} must hold a mapping, not {type(data).__name__}")
+    return config_from_dict(data, cls)
+
+
+ENV_PREFIX = "MOONCAKE_KV_"
+
+
+def _env_value(text: str) -> Any:
+    """Environment values are JSON when they parse as JSON (numbers, booleans, null), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Nested dict from ``MOONCAKE_KV_A__B=v`` variables (``MOONCAKE_KV_CONFIG`` excluded)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if not parts:
+            continue
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {p} is both a value and a section")
+        node[parts[-1]] = _env_value(raw)
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    source: StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> StoreConfig:
+    """The one entry point: a Struct (returned as is), a dict, a file path, or None.
+
+    With None, ``MOONCAKE_KV_CONFIG`` (a file) and ``MOONCAKE_KV_*`` variables are read; the
+    variables also override a dict or file source. Raises ConfigError naming the bad field.
+    """
+    if isinstance(source, StoreConfig):
+        return source
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if source is None and environ.get(ENV_PREFIX + "CONFIG"):
+        source = environ[ENV_PREFIX + "CONFIG"]
+    if isinstance(source, (str, os.PathLike)):
+        data = msgspec.to_builtins(config_from_file(source))
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    elif source is not None:
+        raise ConfigError(f"config source must be a dict, a path or a StoreConfig, not {type(source).__name__}")
+    return config_from_dict(_merge(data, env_overrides(environ)))

@@ -1,0 +1,135 @@
+"""Owned background workers that move bytes between tiers (offload to SSD, promotion to DRAM).
+
+A :class:`BatchWorker` is one thread draining one bounded queue in batches. The store creates its
+workers, starts them in ``start()`` and stops them in ``close()``; nothing starts at import or in a
+constructor. ``submit`` never blocks: a full queue refuses the item and the caller counts it.
+Handler exceptions are logged and counted, and the worker keeps going.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class BatchWorker(Generic[T]):
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[list[T]], None],
+        *,
+        queue_max: int,
+        batch_max: int = 64,
+        batch_weight: Callable[[T], int] | None = None,
+        batch_weight_max: int = 0,
+        idle_hook: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.05,
+    ) -> None:
+        self.name = name
+        self._handle = handle
+        self._queue: deque[T] = deque()
+        self._queue_max = queue_max
+        self._batch_max = batch_max
+        self._weight = batch_weight
+        self._weight_max = batch_weight_max
+        self._idle_hook = idle_hook
+        self._idle_interval_s = idle_interval_s
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def submit(self, items: Iterable[T]) -> int:
+        """Queue items; returns how many did not fit (they are dropped). Never blocks."""
+        refused = 0
+        with self._cond:
+            for item in items:
+                if len(self._queue) >= self._queue_max or self._stopping:
+                    refused += 1
+                else:
+                    self._queue.append(item)
+            self._cond.notify()
+        return refused
+
+    def kick(self) -> None:
+        """Wake the worker so it runs its idle hook now (e.g. a watermark was crossed)."""
+        with self._cond:
+            self._cond.notify()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue) + self._in_flight
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until the queue is empty and no batch is in flight; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 0.1)
+        return True
+
+    def close(self, drain: bool = True, timeout_s: float = 60.0) -> None:
+        """Stop the thread; with ``drain``, queued items are handled first (bounded by timeout)."""
+        if drain and self._thread is not None:
+            self.wait_idle(timeout_s)
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _take_batch(self) -> list[T]:
+        batch: list[T] = []
+        weight = 0
+        while self._queue and len(batch) < self._batch_max:
+            item = self._queue[0]
+            w = self._weight(item) if self._weight else 0
+            if batch and self._weight_max and weight + w > self._weight_max:
+                break
+            batch.append(self._queue.popleft())
+            weight += w
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait(self._idle_interval_s if self._idle_hook else None)
+                    if self._idle_hook and not self._queue:
+                        break
+                if self._stopping:
+                    return
+                batch = self._take_batch()
+                self._in_flight = len(batch)
+            try:
+                if batch:
+                    self._handle(batch)
+                elif self._idle_hook is not None:
+                    self._idle_hook()
+            except Exception:  # a worker must survive a bad batch; the store counts failures
+                self.errors += 1
+                logger.exception("%s: batch of %d failed", self.name, len(batch))
+            finally:
+                with self._cond:
+                    self._in_flight = 0
+                    self._cond.notify_all()

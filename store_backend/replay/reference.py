@@ -1,0 +1,124 @@
+"""Offline reference hit ratios for a trace: the maximum (infinite cache) and Belady's optimum.
+
+Both are computed directly over ``hash_ids`` with the replay's accounting (a request's hit is its
+run of leading cached blocks, in tokens, capped at its input length; after the lookup every block of
+the request is stored, as an engine does after prefill). They need the whole trace up front, so no
+online policy can reach them; they bound what the store's policies can do.
+
+Pure functions, called from the replay driver on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import msgspec
+
+from store_backend.replay.trace import Trace, hit_tokens
+
+NEVER = 1 << 62  # next use of a block that is never used again
+
+
+class HitStats(msgspec.Struct):
+    """Prefix-token hits of one replay (per tier where a tier is named)."""
+
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    requests: int = 0
+    tier_hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def tier_ratio(self, tier: str) -> float:
+        return self.tier_hit_tokens.get(tier, 0) / self.input_tokens if self.input_tokens else 0.0
+
+    def add(self, input_length: int, hit_tokens_: int, hit_blocks: int) -> None:
+        self.requests += 1
+        self.input_tokens += input_length
+        self.hit_tokens += hit_tokens_
+        self.hit_blocks += hit_blocks
+
+
+def speedup(ratio: float) -> float:
+    """Ideal prefill speed-up at prefix hit ratio ``ratio``: 1 / (1 - r)."""
+    return float("inf") if ratio >= 1.0 else 1.0 / (1.0 - ratio)
+
+
+def max_hits(trace: Trace) -> HitStats:
+    """Hits with an unbounded cache: every block ever seen stays."""
+    seen: set[int] = set()
+    out = HitStats()
+    bt = trace.block_tokens
+    for req in trace.requests:
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
+        seen.update(ids)
+    return out
+
+
+def next_uses(trace: Trace) -> list[list[int]]:
+    """For each request and block position, the index of the next request using that block (or NEVER)."""
+    last: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(trace.requests)
+    for r in range(len(trace.requests) - 1, -1, -1):
+        ids = trace.requests[r].hash_ids
+        row = [last.get(b, NEVER) for b in ids]
+        for b in ids:
+            last[b] = r
+        out[r] = row
+    return out
+
+
+def belady_hits(trace: Trace, capacity_blocks: int, nxt: Sequence[Sequence[int]] | None = None) -> HitStats:
+    """Belady's MIN with bypass at a capacity of ``capacity_blocks`` blocks.
+
+    When a block must be stored into a full cache, the resident block whose next use is farthest is
+    evicted, unless the new block's own next use is farther still (then the new block is not stored).
+    Ties go to the deeper block (later in its prefix), so the cache stays prefix-closed: a parent is
+    always used whenever its child is, so it is never evicted before it. ``nxt`` may pass a
+    precomputed :func:`next_uses` to share it across capacities.
+    """
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if nxt is None:
+        nxt = next_uses(trace)
+    resident: dict[int, int] = {}  # block -> its current next use
+    heap: list[tuple[int, int, int]] = []  # (-next_use, -depth, block), stale entries skipped
+    out = HitStats()
+    bt = trace.block_tokens
+    push, pop = heapq.heappush, heapq.heappop
+    for r, req in enumerate(trace.requests):
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and ids[k] in resident:
+            k += 1
+        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
+        row = nxt[r]
+        for depth, b in enumerate(ids):
+            nu = row[depth]
+            if b in resident:
+                resident[b] = nu
+                push(heap, (-nu, -depth, b))
+                continue
+            if nu == NEVER or capacity_blocks == 0:
+                continue
+            if len(resident) >= capacity_blocks:
+                while True:  # the farthest live entry
+                    neg_nu, neg_d, victim = heap[0]
+                    if resident.get(victim) == -neg_nu:
+                        break
+                    pop(heap)
+                if (-neg_nu, -neg_d) <= (nu, depth):
+                    continue  # the new block is the one used farthest in the future: bypass it
+                pop(heap)
+                del resident[victim]
+            resident[b] = nu
+            push(heap, (-nu, -depth, b))
+    return out

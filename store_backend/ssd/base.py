@@ -1,0 +1,62 @@
+"""The SSD tier's seam: one Protocol that the bucket, offset-allocator and file-per-key backends share.
+
+Called by the store's offload/promotion engine (its worker threads) and by readers on the get path
+(any thread). Every implementation is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from store_backend.types import Buffer, ReadResult, Status
+
+
+class SsdStats(msgspec.Struct):
+    objects: int = 0
+    used_bytes: int = 0  # bytes on disk, headers and padding included
+    capacity_bytes: int = 0
+    evictions: int = 0  # objects dropped by the backend's own eviction
+    corrupt_reads: int = 0  # records that failed their checksum (each one served as a miss)
+    recovered_objects: int = 0  # objects found on disk when the backend was opened
+    discarded_records: int = 0  # partial/torn records dropped during recovery
+
+
+@runtime_checkable
+class SsdBackend(Protocol):
+    """Durable object storage on one directory.
+
+    Contracts shared by every backend (the contract suite in tests/store_backend checks them):
+
+    - ``put`` blocks until each object it reports OK is durable: after a crash (even SIGKILL right
+      after it returns) a backend reopened on the same directory serves it byte-identical. Objects
+      are immutable: a key already present answers EXISTS and keeps its bytes.
+    - ``get_into`` copies an object into the caller's buffer and verifies its checksum; a torn or
+      corrupt record answers CORRUPT (and is dropped from the index), never bytes. The caller owns
+      the buffer; the backend does not keep it after the call returns.
+    - A record being read is never overwritten under the reader.
+    - When full, the backend evicts by its own policy to make room; an object larger than the
+      capacity answers TOO_LARGE; a full disk (ENOSPC) answers NO_SPACE and loses nothing
+      previously stored.
+    - Opening a backend on a directory that holds data recovers every object reported durable.
+    """
+
+    name: str
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]: ...
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]: ...
+
+    def contains(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]: ...
+
+    def remove(self, keys: Sequence[str]) -> list[Status]: ...
+
+    def keys(self) -> Iterator[str]: ...
+
+    def stats(self) -> SsdStats: ...
+
+    def close(self) -> None: ...

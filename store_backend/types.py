@@ -1,0 +1,92 @@
+"""Vocabulary shared by every tier: per-key outcomes, read results and key validation.
+
+Batch calls in this package never raise for a per-key problem; they return one outcome per key.
+Exceptions are reserved for misuse (wrong argument types, a closed store) and misconfiguration.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple, Union
+
+# Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays, mmap slices.
+Buffer = Union[bytes, bytearray, memoryview]
+
+MAX_KEY_BYTES = 1024
+
+
+class Status(enum.IntEnum):
+    """Outcome of one key in a batch call."""
+
+    OK = 0
+    NOT_FOUND = 1
+    EXISTS = 2  # put of a key already stored: objects are immutable, the stored bytes are kept
+    NO_SPACE = 3  # no room even after eviction (everything left is leased or in flight)
+    TOO_LARGE = 4  # object larger than the tier (or max_object_bytes) can ever hold
+    BUFFER_TOO_SMALL = 5  # get_into: the caller's buffer is smaller than the object
+    CORRUPT = 6  # checksum mismatch or torn record: treated as a miss, never returned as bytes
+    BUSY = 7  # remove of a key that is leased by a reader
+    INVALID_KEY = 8
+    IO_ERROR = 9
+
+    @property
+    def ok(self) -> bool:
+        return self in (Status.OK, Status.EXISTS)
+
+
+class ReadResult(NamedTuple):
+    """One key of a get: ``nbytes`` is the object's size when ``status`` is OK, else 0."""
+
+    status: Status
+    nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+class InvalidKeyError(ValueError):
+    """A key that no tier accepts (empty, too long, not text, or holding NUL)."""
+
+
+def check_key(key: object) -> str | None:
+    """Return an explanation when ``key`` is not a valid object key, else None.
+
+    Keys are opaque text: any characters but NUL, 1..MAX_KEY_BYTES bytes of UTF-8. Path separators
+    are allowed because no tier ever uses a key as a path (the file-per-key backend hashes it).
+    """
+    if not isinstance(key, str):
+        return f"key must be str, got {type(key).__name__}"
+    if not key:
+        return "key must not be empty"
+    if "\x00" in key:
+        return "key must not contain NUL"
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "key is not valid UTF-8 text"
+    if n > MAX_KEY_BYTES:
+        return f"key is {n} bytes of UTF-8, more than {MAX_KEY_BYTES}"
+    return None
+
+
+def nbytes_of(buf: object) -> int:
+    """Size in bytes of a buffer-protocol object (raises TypeError for anything else)."""
+    return memoryview(buf).nbytes  # type: ignore[arg-type]
+
+
+def byte_view(buf: object) -> memoryview:
+    """A flat unsigned-byte view of a C-contiguous buffer (numpy arrays and tensors of any dtype)."""
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    if mv.ndim == 1 and mv.format == "B":
+        return mv
+    return mv.cast("B")
+
+
+def check_batch(keys: Sequence[object], buffers: Sequence[object] | None = None) -> None:
+    """Raise TypeError/ValueError for a malformed batch call (misuse, not a per-key outcome)."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a sequence of str, not a single str")
+    if buffers is not None and len(buffers) != len(keys):
+        raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers")
