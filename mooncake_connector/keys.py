@@ -13,6 +13,7 @@ differ in any of these never share a key.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -126,3 +127,42 @@ def chunk_keys(
     """Store keys of every full chunk of ``token_ids`` under ``fingerprint``."""
     fp = fingerprint.digest()
     return [object_key(fp, h) for h in chunk_hashes(token_ids, chunk_tokens, extra_keys=extra_keys, scheme=scheme)]
+
+
+# --- SGLang page-hash scheme ("sglang") ---------------------------------------------------------
+# Reproduces SGLang 0.5.23's HiCache storage page hash (sglang/srt/mem_cache/cpp_utils/
+# hash_binding.cpp, reached through mem_cache/utils.py:get_hash_str): each page's hash is
+# SHA-256(parent digest (32 raw bytes, absent for the first page) || the page's token ids as
+# little-endian uint32), hex-encoded; a page holding any id above 2**32 - 1 is hashed as a tag byte
+# 0xff followed by the ids as little-endian uint64. With chunk_tokens equal to SGLang's page size, a
+# connector using this scheme computes exactly the keys SGLang hands its storage backend, so one
+# prefix cache serves both engines.
+#
+# Extra keys have no SGLang counterpart that can be reproduced here (SGLang seeds its chain from its
+# own extra_key/cache_salt namespace): a first chunk with extra keys is chained from
+# SHA-256(b"mooncake-kv/sglang-extra/v1" || extra) instead, which keeps such requests apart from
+# plain ones and from each other, but never equal to any SGLang key.
+
+_SGLANG_EXTRA_SEED = b"mooncake-kv/sglang-extra/v1"
+_U32_MAX = 0xFFFFFFFF
+
+
+def sglang_page_hash(parent: str | None, tokens: Sequence[int], extra: bytes = b"") -> str:
+    """SGLang's storage hash of one page of ``tokens`` chained from ``parent`` (hex), as text."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError("token ids must be non-negative")
+    h = hashlib.sha256()
+    if parent is not None:
+        h.update(bytes.fromhex(parent))
+    elif extra:
+        h.update(hashlib.sha256(_SGLANG_EXTRA_SEED + extra).digest())
+    if ids.size and int(ids.max()) > _U32_MAX:
+        h.update(b"\xff")
+        h.update(ids.astype("<u8").tobytes())
+    else:
+        h.update(ids.astype("<u4").tobytes())
+    return h.hexdigest()
+
+
+register_chain_hash("sglang", sglang_page_hash)

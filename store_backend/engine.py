@@ -44,6 +44,7 @@ class BatchWorker(Generic[T]):
         self._idle_interval_s = idle_interval_s
         self._cond = threading.Condition()
         self._in_flight = 0
+        self._hook_pending = False  # kick() asked for an idle pass that has not finished yet
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -67,8 +68,10 @@ class BatchWorker(Generic[T]):
         return refused
 
     def kick(self) -> None:
-        """Wake the worker so it runs its idle hook now (e.g. a watermark was crossed)."""
+        """Ask for an idle-hook pass now (e.g. a watermark was crossed); wait_idle waits for it."""
         with self._cond:
+            if self._idle_hook is not None and self._thread is not None:
+                self._hook_pending = True
             self._cond.notify()
 
     @property
@@ -79,7 +82,7 @@ class BatchWorker(Generic[T]):
         """Block until the queue is empty and no batch is in flight; False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._in_flight:
+            while self._queue or self._in_flight or self._hook_pending:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -92,6 +95,7 @@ class BatchWorker(Generic[T]):
             self.wait_idle(timeout_s)
         with self._cond:
             self._stopping = True
+            self._hook_pending = False
             self._queue.clear()
             self._cond.notify_all()
         if self._thread is not None:
@@ -113,14 +117,14 @@ class BatchWorker(Generic[T]):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._stopping and not self._hook_pending:
                     self._cond.wait(self._idle_interval_s if self._idle_hook else None)
                     if self._idle_hook and not self._queue:
                         break
                 if self._stopping:
                     return
                 batch = self._take_batch()
-                self._in_flight = len(batch)
+                self._in_flight = max(1, len(batch))
             try:
                 if batch:
                     self._handle(batch)
@@ -132,4 +136,6 @@ class BatchWorker(Generic[T]):
             finally:
                 with self._cond:
                     self._in_flight = 0
+                    if not batch:
+                        self._hook_pending = False
                     self._cond.notify_all()

@@ -368,12 +368,18 @@ class TieredStore:
 
     # -- background movement -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until queued offloads (and a watermark demotion under way) are done."""
+        """Wait until queued offloads and promotions are done (False on timeout).
+
+        In watermark mode this also runs a demotion pass first, if DRAM is above its high mark.
+        """
         if not self._started or self._ssd is None:
             return True
         if self.config.offload.policy == "watermark":
             self._offloader.kick()
-        return self._offloader.wait_idle(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        ok = self._offloader.wait_idle(timeout_s)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._promoter.wait_idle(remaining) and ok
 
     def _queued_size(self, key: str) -> int:
         e = self._dram.entries.get(key)  # racy read of a dict is safe; only used to size batches

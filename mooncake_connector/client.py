@@ -1,0 +1,241 @@
+"""The client API engines use: prefix lookup, asynchronous batched save/load, per-key results, leases.
+
+Engine connectors (vLLM's scheduler and worker halves, SGLang's HiCache thread) hold one
+:class:`KVClient` each. It owns a small bounded pool of I/O threads (started by ``start()``, stopped by
+``close()``; nothing runs before ``start()``) that copies bytes between the engine's staging buffers
+and the store. Every method is thread-safe.
+
+Outcomes are data: ``save`` resolves to one :class:`store_backend.types.Status` per key, ``load`` to
+one :class:`store_backend.types.ReadResult` per key; a problem with one key never raises. Buffers
+stay owned by the caller, who must keep them alive (and, for loads, not read them) until the returned
+future is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from store_backend.types import Buffer, ReadResult, Status
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """What the client needs from a store (``store_backend.store.TieredStore`` provides it)."""
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer],
+            parents: Sequence[str | None] | None = None) -> list[Status]: ...
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]: ...
+
+    def exists(self, keys: Sequence[str]) -> int: ...
+
+    def contains(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
+
+    def unpin(self, keys: Sequence[str]) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+class ClientCounters(msgspec.Struct):
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hits: int = 0  # leading keys found
+    save_batches: int = 0
+    saved_objects: int = 0  # newly stored
+    save_exists: int = 0  # already stored (content-addressed: nothing to do)
+    save_failed: int = 0  # NO_SPACE, TOO_LARGE, IO_ERROR ...
+    saves_dropped: int = 0  # never submitted: too many saves in flight
+    saved_bytes: int = 0
+    load_batches: int = 0
+    loaded_objects: int = 0
+    load_failed: int = 0  # missing, corrupt, I/O error, wrong size
+    loaded_bytes: int = 0
+
+
+class ClientClosedError(RuntimeError):
+    """A save or load submitted to a client that is not started, or already closed."""
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class KVClient:
+    """Batched, asynchronous access to a :class:`KVStore` for one engine connector."""
+
+    def __init__(self, store: KVStore, *, io_workers: int = 2, max_pending_batches: int = 64,
+                 lease_ttl_s: float = 60.0, name: str = "kv-client") -> None:
+        if io_workers <= 0 or max_pending_batches <= 0:
+            raise ValueError("io_workers and max_pending_batches must be > 0")
+        self.store = store
+        self.lease_ttl_s = lease_ttl_s
+        self._io_workers = io_workers
+        self._name = name
+        self._slots = threading.BoundedSemaphore(max_pending_batches)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.counters = ClientCounters()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> KVClient:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._io_workers, thread_name_prefix=self._name)
+        return self
+
+    def close(self) -> None:
+        """Finish every submitted save and load, then stop the threads (blocking)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> KVClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, block: bool) -> Future | None:
+        if not self._slots.acquire(blocking=block):
+            return None
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                self._slots.release()
+                raise ClientClosedError(f"{self._name} is not started (or closed)")
+            fut = pool.submit(fn, *args)
+        fut.add_done_callback(lambda _f: self._slots.release())
+        return fut
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Number of leading keys present in the store (blocking; cheap for the embedded store)."""
+        n = self.store.exists(keys) if keys else 0
+        with self._lock:
+            c = self.counters
+            c.lookups += 1
+            c.lookup_keys += len(keys)
+            c.lookup_hits += n
+        return n
+
+    def lookup_async(self, keys: Sequence[str]) -> Future:
+        """``lookup`` on an I/O thread: a future of the number of leading keys present."""
+        return self.lookup_all_async([keys])
+
+    def lookup_all(self, key_lists: Sequence[Sequence[str]]) -> int:
+        """Leading positions present in every list (one list per KV shard of the same chunks)."""
+        return min((self.lookup(keys) for keys in key_lists), default=0)
+
+    def lookup_all_async(self, key_lists: Sequence[Sequence[str]]) -> Future:
+        """``lookup_all`` on an I/O thread (never blocks the caller for the lookup itself)."""
+        fut = self._submit(self.lookup_all, [list(k) for k in key_lists], block=True)
+        assert fut is not None
+        return fut
+
+    # -- leases ------------------------------------------------------------------------------------
+    def pin(self, keys: Sequence[str]) -> list[bool]:
+        """Lease objects for a coming load (see ``TieredStore.pin``); presence per key."""
+        return self.store.pin(keys, ttl_s=self.lease_ttl_s) if keys else []
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.store.unpin(keys)
+
+    # -- save --------------------------------------------------------------------------------------
+    def save(self, keys: Sequence[str], buffers: Sequence[Buffer],
+             parents: Sequence[str | None] | None = None) -> Future:
+        """Store objects from the caller's buffers on an I/O thread; never blocks the caller.
+
+        The future resolves to one Status per key (OK, EXISTS, NO_SPACE, ...). When too many batches
+        are already in flight the batch is dropped at once (every key NO_SPACE, ``saves_dropped``
+        counted): a dropped save is only a future cache miss, while a blocked forward is lost time.
+        """
+        keys = list(keys)
+        if not keys:
+            return _done([])
+        fut = self._submit(self._save, keys, list(buffers), parents, block=False)
+        if fut is None:
+            with self._lock:
+                self.counters.saves_dropped += len(keys)
+            return _done([Status.NO_SPACE] * len(keys))
+        return fut
+
+    def _save(self, keys: list[str], buffers: list[Buffer], parents: Sequence[str | None] | None) -> list[Status]:
+        try:
+            statuses = self.store.put(keys, buffers, parents)
+        except Exception:
+            logger.exception("save of %d objects failed", len(keys))
+            statuses = [Status.IO_ERROR] * len(keys)
+        with self._lock:
+            c = self.counters
+            c.save_batches += 1
+            for buf, st in zip(buffers, statuses):
+                if st is Status.OK:
+                    c.saved_objects += 1
+                    c.saved_bytes += memoryview(buf).nbytes
+                elif st is Status.EXISTS:
+                    c.save_exists += 1
+                else:
+                    c.save_failed += 1
+        return statuses
+
+    # -- load --------------------------------------------------------------------------------------
+    def load(self, keys: Sequence[str], buffers: Sequence[Buffer], *, sizes: Sequence[int] | None = None,
+             unpin_after: bool = False) -> Future:
+        """Copy objects into the caller's writable buffers on an I/O thread.
+
+        The future resolves to one ReadResult per key. With ``sizes``, an object of another size is
+        reported CORRUPT (a stored object that does not match the reader's layout is never used).
+        ``unpin_after`` releases leases taken with ``pin`` once the bytes are copied. Blocks only
+        while the client already has its maximum of batches in flight.
+        """
+        keys = list(keys)
+        if not keys:
+            return _done([])
+        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, block=True)
+        assert fut is not None
+        return fut
+
+    def _load(self, keys: list[str], buffers: list[Buffer], sizes: Sequence[int] | None,
+              unpin_after: bool) -> list[ReadResult]:
+        try:
+            results = self.store.get_into(keys, buffers)
+        except Exception:
+            logger.exception("load of %d objects failed", len(keys))
+            results = [ReadResult(Status.IO_ERROR)] * len(keys)
+        finally:
+            if unpin_after:
+                self.unpin(keys)
+        if sizes is not None:
+            results = [r if not r.ok or r.nbytes == want else ReadResult(Status.CORRUPT, r.nbytes)
+                       for r, want in zip(results, sizes)]
+        with self._lock:
+            c = self.counters
+            c.load_batches += 1
+            for r in results:
+                if r.ok:
+                    c.loaded_objects += 1
+                    c.loaded_bytes += r.nbytes
+                else:
+                    c.load_failed += 1
+        return results
+
+    # -- observability -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return msgspec.structs.asdict(self.counters)

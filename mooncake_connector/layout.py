@@ -1,0 +1,161 @@
+"""The canonical byte layout of a KV chunk object, and conversion to and from an engine's paged KV.
+
+A chunk object holds ``chunk_tokens`` tokens of one KV shard, all layers, **layer-major**: layer ``l``
+is the contiguous byte range ``layer_range(l)``, so one layer can be read or written alone (the basis
+of layer-wise loading). Inside a layer the bytes are ``[plane, token, head, dim]`` in the KV dtype,
+C order, where the planes are K then V (one plane, the latent vector, for MLA). This layout does not
+depend on the engine or its attention backend: the same tokens under the same fingerprint give the
+same bytes whichever engine wrote them (the fingerprint's ``layout_version`` names this layout).
+
+Engines keep KV in paged per-layer tensors whose block interiors differ by attention backend.
+:class:`PagedLayer` wraps one layer's tensor as a ``[plane, block, token_in_block, head, dim]`` view
+(no copy) and copies whole blocks between that view and a canonical layer region; the conversion
+happens inside the one copy that moves the bytes anyway (gather on save, scatter on load).
+
+Who calls it: the engine connectors' worker side (vLLM's forward thread, SGLang's cache thread).
+Not thread-safe per :class:`PagedLayer` instance; distinct layers may be used from distinct threads.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+
+class PageFormat(str, enum.Enum):
+    """How an engine's per-layer page ``[block, head, token, content]`` encodes K and V."""
+
+    # Each (block, head) holds all of the block's K rows, then all its V rows (vLLM CPU_ATTN).
+    KV_HALVES = "kv_halves"
+    # Each token's content is K's head_size values followed by V's (FlashAttention-style backends).
+    KV_INTERLEAVED = "kv_interleaved"
+    # One latent vector per token and no separate V (MLA); head count 1.
+    LATENT = "latent"
+
+
+class ChunkLayout(msgspec.Struct, frozen=True):
+    """Geometry of one canonical chunk object (pure arithmetic; no tensors)."""
+
+    num_layers: int
+    chunk_tokens: int
+    num_heads: int  # KV heads of this shard (1 for MLA)
+    head_size: int  # per-plane values per head (MLA: the latent size)
+    element_bytes: int  # bytes per value of the KV dtype
+    num_planes: int = 2  # K and V; 1 for MLA
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "chunk_tokens", "num_heads", "head_size", "element_bytes", "num_planes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_planes not in (1, 2):
+            raise ValueError(f"num_planes must be 1 or 2, got {self.num_planes}")
+
+    @property
+    def token_bytes_per_layer(self) -> int:
+        return self.num_planes * self.num_heads * self.head_size * self.element_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.chunk_tokens * self.token_bytes_per_layer
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    def layer_range(self, layer: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of ``layer`` inside a chunk object."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} not in [0, {self.num_layers})")
+        start = layer * self.layer_bytes
+        return start, start + self.layer_bytes
+
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one layer region in values: ``(planes, tokens, heads, head_size)``."""
+        return (self.num_planes, self.chunk_tokens, self.num_heads, self.head_size)
+
+
+def canonical_layer(chunk: torch.Tensor, layout: ChunkLayout, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """View of ``layer`` inside a flat uint8 chunk tensor as ``[planes, tokens, heads, head_size]``."""
+    start, end = layout.layer_range(layer)
+    return chunk[start:end].view(dtype).view(layout.layer_shape())
+
+
+class PagedLayer:
+    """One layer of an engine's paged KV cache, seen as ``[plane, block, token, head, dim]``.
+
+    ``kv`` is the layer's tensor with blocks on dim 0 (vLLM's per-layer ``[B, H, N, C]`` view, in
+    the KV dtype). The wrapped view aliases ``kv``: ``scatter`` writes into the engine's memory.
+    """
+
+    def __init__(self, kv: torch.Tensor, page_format: PageFormat, *, num_heads: int, head_size: int) -> None:
+        if kv.dim() != 4:
+            raise ValueError(f"expected a [blocks, heads, tokens, content] tensor, got shape {tuple(kv.shape)}")
+        blocks, heads, tokens, content = kv.shape
+        if page_format is PageFormat.LATENT:
+            if heads != 1 or content != head_size:
+                raise ValueError(f"latent page needs [B, 1, N, {head_size}], got {tuple(kv.shape)}")
+        elif heads != num_heads or content != 2 * head_size:
+            raise ValueError(f"K/V page needs [B, {num_heads}, N, {2 * head_size}], got {tuple(kv.shape)}")
+        elif page_format is PageFormat.KV_HALVES and (kv.stride(3) != 1 or kv.stride(2) != content):
+            raise ValueError("kv_halves pages need each (block, head) interior contiguous")
+        self.page_format = page_format
+        self.head_size = head_size
+        planes = self._planes(kv)
+        self.kv = kv
+        self.planes = planes  # [P, B, N, H, D]
+        self.block_tokens = tokens
+        self.num_blocks = blocks
+        self.device = kv.device
+        self.dtype = kv.dtype
+
+    def _planes(self, kv: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, C]`` pages -> ``[P, B, N, H, D]`` view of the same memory."""
+        blocks, heads, tokens, _ = kv.shape
+        if self.page_format is PageFormat.LATENT:
+            return kv.permute(0, 2, 1, 3).unsqueeze(0)
+        if self.page_format is PageFormat.KV_HALVES:
+            # The (token, content) interior of each (block, head) is read as [2, tokens, head_size].
+            return kv.view(blocks, heads, 2, tokens, self.head_size).permute(2, 0, 3, 1, 4)
+        return kv.unflatten(-1, (2, self.head_size)).permute(3, 0, 2, 1, 4)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], dest: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """Copy blocks ``block_ids`` (in order) into ``dest``, a canonical region ``[P, T, H, D]``
+        with ``T == len(block_ids) * block_tokens``. ``dest`` may live on another device (host
+        staging for a GPU cache): the copy is then issued ``non_blocking`` on the current stream."""
+        n = len(block_ids)
+        p, _, _, h, d = self.planes.shape
+        out = dest.view(p, n, self.block_tokens, h, d)
+        # Whole pages are gathered first (dim 0 of the engine tensor: fast row copies); the
+        # transposition into the canonical order then runs over the small gathered copy only.
+        pages = self.kv.index_select(0, self._ids(block_ids))
+        out.copy_(self._planes(pages), non_blocking=non_blocking)
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, *, first_block: int = 0,
+                non_blocking: bool = False) -> None:
+        """Write canonical region ``src`` (``[P, T, H, D]``) into blocks ``block_ids``.
+
+        ``src`` holds ``first_block + len(block_ids)`` blocks' worth of tokens or more; blocks
+        ``first_block, first_block + 1, ...`` of it go to ``block_ids`` in order (a chunk whose
+        leading blocks the engine already holds is written from the middle)."""
+        n = len(block_ids)
+        if n == 0:
+            return
+        p, _, _, h, d = self.planes.shape
+        region = src.view(p, -1, self.block_tokens, h, d)[:, first_block:first_block + n]
+        pages = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
+        self._planes(pages).copy_(region, non_blocking=non_blocking)
+        self.kv.index_copy_(0, self._ids(block_ids), pages)
+
+
+def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """Engine blocks split into ``ratio`` kernel blocks each: manager block ``b`` is kernel blocks
+    ``b * ratio .. b * ratio + ratio - 1``."""
+    if ratio == 1:
+        return list(block_ids)
+    return [b * ratio + r for b in block_ids for r in range(ratio)]

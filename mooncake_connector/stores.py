@@ -1,0 +1,63 @@
+"""One embedded store per configuration per process, shared by every connector in that process.
+
+An engine process may hold several connector objects at once (vLLM builds a scheduler-side and a
+worker-side connector in the same process when it runs one worker); they must see one store, and
+one SSD directory must never be opened twice by one process. :func:`acquire_store` hands out the
+same started :class:`store_backend.store.TieredStore` for equal configs, counting references;
+:func:`release_store` closes it (flushing queued offloads first) when the last holder lets go.
+
+This registry is the one piece of process-wide state in the connector core; it exists because the
+engine, not this project, decides how many connector objects a process holds. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+
+from store_backend.config import StoreConfig
+from store_backend.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_stores: dict[bytes, tuple[TieredStore, int]] = {}
+
+
+def _key(config: StoreConfig) -> bytes:
+    return msgspec.json.encode(config)
+
+
+def acquire_store(config: StoreConfig) -> TieredStore:
+    """The started store for ``config`` in this process (opened on first use; blocking)."""
+    k = _key(config)
+    with _lock:
+        held = _stores.get(k)
+        if held is not None:
+            _stores[k] = (held[0], held[1] + 1)
+            return held[0]
+        store = TieredStore(config).start()
+        _stores[k] = (store, 1)
+        logger.info("opened embedded store (dram %d bytes, ssd %s)", config.dram.capacity_bytes,
+                    config.ssd.path if config.ssd else None)
+        return store
+
+
+def release_store(store: TieredStore, *, flush: bool = True, flush_timeout_s: float = 120.0) -> None:
+    """Drop one reference; the last one closes the store (blocking), first waiting up to
+    ``flush_timeout_s`` for queued offloads to reach the SSD tier when ``flush``."""
+    with _lock:
+        for k, (held, refs) in _stores.items():
+            if held is store:
+                if refs > 1:
+                    _stores[k] = (held, refs - 1)
+                    return
+                del _stores[k]
+                break
+        else:
+            return
+    if flush and not store.flush(timeout_s=flush_timeout_s):
+        logger.warning("store flush did not finish within %.0f s; closing anyway", flush_timeout_s)
+    store.close(flush=flush, timeout_s=flush_timeout_s)

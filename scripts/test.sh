@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up everything (vLLM CPU build and SGLang included), start the servers the tests need, and run
+# the whole test suite. Exits non-zero when any test fails or when no test ran.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
+bash "$ROOT/scripts/setup.sh" all
+cd "$ROOT"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests "$@"

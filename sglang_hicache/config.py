@@ -1,0 +1,77 @@
+"""The SGLang backend's settings, read once from ``--hicache-storage-backend-extra-config``.
+
+SGLang hands the whole extra-config dict to the backend (``HiCacheStorageConfig.extra_config``).
+It holds three kinds of keys:
+
+* SGLang's own (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, and
+  ``tp_lcm_size``, which SGLang pops before the backend sees the dict): read by SGLang, ignored here.
+* The connector keys shared with the vLLM connector (:class:`mooncake_connector.config.
+  ConnectorConfig`: ``model_id``, ``revision``, ``store``, ``config_file``, ``chunk_tokens`` ...),
+  with the same names and meanings. SGLang's page is the stored object, so ``chunk_tokens``, when
+  given, must equal SGLang's ``--page-size``.
+* Keys only this backend reads (:class:`SglangOnlySettings`).
+
+Called from SGLang's scheduler thread when it attaches the storage backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from mooncake_connector.config import ConnectorConfig, load_connector_config
+from store_backend.config import ConfigError
+
+# Keys SGLang reads from the same dict (the dynamic-backend loader and the controller).
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+
+
+class SglangOnlySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Keys that only the SGLang backend reads."""
+
+    # Name of the KV dtype in the fingerprint, e.g. "fp8_e4m3". Needed when SGLang stores the KV
+    # cache as raw bytes (fp8 caches are kept as uint8, which hides which fp8 format they hold);
+    # otherwise derived from the host pool's dtype ("bfloat16", "float16", ...).
+    kv_dtype: str | None = None
+    # Quantization named in the fingerprint (e.g. a KV-scale scheme), when the dtype alone is not it.
+    quantization: str | None = None
+    # Host staging for pages whose host-pool layout is not the canonical one (copied in batches of
+    # at most this many bytes; always room for at least one page).
+    staging_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is not None and not self.kv_dtype:
+            raise ValueError("kv_dtype must not be empty")
+        if self.staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be > 0, got {self.staging_bytes}")
+
+
+class BackendSettings(msgspec.Struct, frozen=True):
+    connector: ConnectorConfig
+    sglang: SglangOnlySettings
+    # chunk_tokens as written by the user (None: not given, so it takes SGLang's page size).
+    chunk_tokens_given: int | None = None
+
+
+_ONLY_KEYS = frozenset(SglangOnlySettings.__struct_fields__)
+
+
+def load_backend_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
+    """Split and validate the extra config (raises ConfigError naming the bad field).
+
+    ``staging_bytes`` is read by both halves: the connector keeps its meaning (staging memory)
+    and this backend sizes its page staging with it.
+    """
+    data = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS and k != "staging_bytes"}
+    connector = load_connector_config(data)
+    only["staging_bytes"] = connector.staging_bytes
+    try:
+        sglang = msgspec.convert(only, SglangOnlySettings, str_keys=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid SGLang backend config: {e}") from None
+    given = data.get("chunk_tokens")
+    return BackendSettings(connector=connector, sglang=sglang,
+                           chunk_tokens_given=None if given is None else connector.chunk_tokens)

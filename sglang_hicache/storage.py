@@ -1,0 +1,352 @@
+"""SGLang HiCache L3 storage backend on the project's tiered store (host DRAM, then SSD).
+
+Loaded by SGLang's ``dynamic`` storage backend, which builds it as ``cls(storage_config, kwargs)``::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "mooncake_tiered",
+        "module_path": "sglang_hicache.storage", "class_name": "MooncakeTieredStorage",
+        "interface_v1": 1, "model_id": "...", "store": {...}}'
+
+(see docs/SGLANG.md for every key). With ``interface_v1`` SGLang's HiCacheController calls the
+zero-copy pair ``batch_set_v1`` (from its backup thread) and ``batch_get_v1`` (from its prefetch I/O
+thread) with host-pool indices; ``batch_exists`` runs on its prefetch thread. These calls may run
+concurrently; the backend is thread-safe.
+
+Each SGLang page is one store object in the canonical chunk layout (:mod:`sglang_hicache.pages`),
+under the key ``<fingerprint digest>/<SGLang page hash>``. SGLang's page hashes carry no model,
+dtype, layout or rank, so the fingerprint adds them: model id, KV dtype, layout version, layers,
+heads, head size, and the KV shard (``pp_rank * tp_size + tp_rank`` of ``pp_size * tp_size``; for
+MLA, whose KV every TP rank holds whole, ``pp_rank`` of ``pp_size``: one writer rank, every rank reads).
+
+Failures are data: every batch call returns one bool per key (never ``None``, never raises for a
+per-key problem), so SGLang's backup and prefetch threads survive a missing or corrupt object and
+stop the prefetch at that page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mooncake_connector.keys import ModelFingerprint, object_key
+from mooncake_connector.stores import acquire_store, release_store
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+from sglang_hicache.config import BackendSettings, load_backend_settings
+from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
+from store_backend.config import ConfigError
+from store_backend.store import TieredStore
+from store_backend.types import Status
+
+logger = logging.getLogger(__name__)
+
+
+class _Staging:
+    """One reusable flat uint8 buffer with its lock (one per direction: backup and prefetch)."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        self.pages = max(1, capacity_bytes // page_bytes)
+        self.page_bytes = page_bytes
+        self.lock = threading.Lock()
+        self._buf: torch.Tensor | None = None
+
+    def buffer(self, pages: int) -> torch.Tensor:
+        """The buffer (allocated on first use), at least ``pages`` pages long. Hold ``lock``."""
+        if self._buf is None:
+            self._buf = torch.empty(self.pages * self.page_bytes, dtype=torch.uint8)
+        assert pages <= self.pages
+        return self._buf
+
+    def slices(self, pages: int) -> list[memoryview]:
+        flat = memoryview(self.buffer(pages).numpy())
+        return [flat[i * self.page_bytes:(i + 1) * self.page_bytes] for i in range(pages)]
+
+
+class MooncakeTieredStorage(HiCacheStorage):
+    """HiCache storage on an embedded :class:`store_backend.store.TieredStore`."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        """Validate the extra config and open the store (shared by equal configs in a process).
+
+        Raises ConfigError for a bad extra-config value; the key prefix is fixed later, in
+        ``register_mem_pool_host``, once the host pool's geometry is known.
+        """
+        self.storage_config = storage_config
+        self.settings: BackendSettings = load_backend_settings(storage_config.extra_config)
+        self.model_id = self.settings.connector.model_id or storage_config.model_name
+        if not self.model_id:
+            raise ConfigError("model_id: SGLang passed no model name; set model_id in the extra config")
+        if storage_config.attn_cp_size != 1 or getattr(storage_config, "dcp_size", 1) != 1:
+            raise ConfigError("context parallel KV shards (attn_cp_size or dcp_size > 1) are not supported")
+        self.is_mla = bool(storage_config.is_mla_model)
+        self._store: TieredStore | None = acquire_store(self.settings.connector.store_config())
+        self.mem_pool_host: Any = None
+        self.geometry: PoolGeometry | None = None
+        self.fingerprint: ModelFingerprint | None = None
+        self._pages: HostPages | None = None
+        self._prefix = ""
+        self._set_staging: _Staging | None = None
+        self._get_staging: _Staging | None = None
+        self._stats_lock = threading.Lock()
+        self._prefetch_pages: list[int] = []
+        self._backup_pages: list[int] = []
+        self._prefetch_gbps: list[float] = []
+        self._backup_gbps: list[float] = []
+
+    # -- set-up --------------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Read the host pool's layout and geometry and fix the key prefix (SGLang's attach thread).
+
+        Raises UnsupportedHostPoolError for a layout or pool this backend cannot store, and
+        ConfigError when the extra config contradicts the pool (chunk_tokens, a raw-byte dtype)."""
+        super().register_mem_pool_host(mem_pool_host)
+        geometry = geometry_of(mem_pool_host, is_mla=self.is_mla)
+        given = self.settings.chunk_tokens_given
+        if given is not None and given != geometry.page_size:
+            raise ConfigError(f"chunk_tokens: {given} differs from SGLang's page size {geometry.page_size}; "
+                              "one SGLang page is one stored chunk")
+        kv_dtype = self.settings.sglang.kv_dtype or geometry.dtype
+        if kv_dtype in ("uint8", "int8") and self.settings.sglang.kv_dtype is None:
+            raise ConfigError(f"kv_dtype: the KV cache is stored as raw {geometry.dtype}; name its format "
+                              "(e.g. \"fp8_e4m3\") so caches of different formats never share keys")
+        sc = self.storage_config
+        if self.is_mla:
+            shard_index, shard_count = sc.pp_rank, sc.pp_size
+        else:
+            shard_index, shard_count = sc.pp_rank * sc.tp_size + sc.tp_rank, sc.pp_size * sc.tp_size
+        self.fingerprint = ModelFingerprint(
+            model_id=self.model_id, kv_dtype=kv_dtype, num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_heads, head_size=geometry.head_size, shard_index=shard_index,
+            shard_count=shard_count, revision=self.settings.connector.revision,
+            quantization=self.settings.sglang.quantization, is_mla=self.is_mla)
+        self.geometry = geometry
+        self._pages = HostPages(mem_pool_host.kv_buffer, geometry)
+        self._prefix = self.fingerprint.digest()
+        staging_bytes = self.settings.sglang.staging_bytes
+        self._set_staging = _Staging(staging_bytes, geometry.page_bytes)
+        self._get_staging = _Staging(staging_bytes, geometry.page_bytes)
+        logger.info("HiCache tiered storage: model %s, %s layout, %d-byte pages (%s), shard %d/%d, key prefix %s",
+                    self.model_id, geometry.layout, geometry.page_bytes,
+                    "direct" if self._pages.direct else "staged", shard_index, shard_count, self._prefix)
+
+    def object_keys(self, keys: Sequence[str]) -> list[str]:
+        """Store keys of SGLang page hashes (after ``register_mem_pool_host``)."""
+        if not self._prefix:
+            raise RuntimeError("register_mem_pool_host() has not been called")
+        return [object_key(self._prefix, k) for k in keys]
+
+    @property
+    def store(self) -> TieredStore:
+        if self._store is None:
+            raise RuntimeError("the storage backend is closed")
+        return self._store
+
+    # -- zero-copy interface (v1) ----------------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Number of leading pages present in any tier. The found pages are leased until loaded
+        (or ``lease_ttl_s`` passes) so eviction cannot take them between this call and the load."""
+        try:
+            okeys = self.object_keys(keys)
+            hit = self.store.exists(okeys)
+            if hit:
+                self.store.pin(okeys[:hit], ttl_s=self.settings.connector.lease_ttl_s)
+            return hit
+        except Exception:
+            logger.exception("batch_exists of %d pages failed", len(keys))
+            return 0
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the pages at ``host_indices`` (``len(keys) * page_size`` indices) under ``keys``.
+
+        Blocking; runs on SGLang's backup thread. A page already stored counts as stored. Returns
+        one bool per key."""
+        n = len(keys)
+        if n == 0:
+            return []
+        try:
+            starts = self._page_starts(host_indices, n)
+            okeys = self.object_keys(keys)
+            t0 = time.perf_counter()
+            done = [bool(x) for x in self.store.contains(okeys)]
+            todo = [i for i in range(n) if not done[i]]
+            pages = self._pages
+            assert pages is not None and self._set_staging is not None
+            if pages.direct:
+                statuses = self.store.put([okeys[i] for i in todo], [pages.page_array(starts[i]) for i in todo])
+                for i, st in zip(todo, statuses):
+                    done[i] = st.ok
+            else:
+                staging = self._set_staging
+                with staging.lock:
+                    for lo in range(0, len(todo), staging.pages):
+                        part = todo[lo:lo + staging.pages]
+                        pages.gather([starts[i] for i in part], staging.buffer(len(part)))
+                        statuses = self.store.put([okeys[i] for i in part], staging.slices(len(part)))
+                        for i, st in zip(part, statuses):
+                            done[i] = st.ok
+            self._record(self._backup_pages, self._backup_gbps, len(todo), time.perf_counter() - t0)
+            failed = [s for s in done if not s]
+            if failed:
+                logger.warning("backup: %d of %d pages not stored", len(failed), n)
+            return done
+        except Exception:
+            logger.exception("batch_set_v1 of %d pages failed", n)
+            return [False] * n
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load pages ``keys`` into the host pool at ``host_indices``; one bool per key.
+
+        Blocking; runs on SGLang's prefetch I/O thread. A missing, corrupt or wrong-sized object is
+        False and its bytes are never used; SGLang keeps only the leading True pages, so once a
+        batch of pages has a failure the later batches are not read (False)."""
+        n = len(keys)
+        if n == 0:
+            return []
+        okeys: list[str] = []
+        try:
+            starts = self._page_starts(host_indices, n)
+            okeys = self.object_keys(keys)
+            t0 = time.perf_counter()
+            out = [False] * n
+            pages = self._pages
+            assert pages is not None and self._get_staging is not None
+            size = pages.page_bytes
+            if pages.direct:
+                results = self.store.get_into(okeys, [pages.page_array(s) for s in starts])
+                out = [r.status is Status.OK and r.nbytes == size for r in results]
+            else:
+                staging = self._get_staging
+                with staging.lock:
+                    for lo in range(0, n, staging.pages):
+                        hi = min(n, lo + staging.pages)
+                        results = self.store.get_into(okeys[lo:hi], staging.slices(hi - lo))
+                        good = [j for j, r in enumerate(results) if r.status is Status.OK and r.nbytes == size]
+                        pages.scatter(starts[lo:hi], staging.buffer(hi - lo), good)
+                        for j in good:
+                            out[lo + j] = True
+                        if len(good) < hi - lo:
+                            break
+            loaded = out.index(False) if False in out else n
+            self._record(self._prefetch_pages, self._prefetch_gbps, loaded, time.perf_counter() - t0)
+            if loaded < n:
+                logger.warning("prefetch: page %d of %d not loaded (%s)", loaded, n, keys[loaded])
+            return out
+        except Exception:
+            logger.exception("batch_get_v1 of %d pages failed", n)
+            return [False] * n
+        finally:
+            if okeys and self._store is not None:
+                self._store.unpin(okeys)
+
+    def _page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
+        assert self.geometry is not None
+        p = self.geometry.page_size
+        if host_indices.numel() != n * p:
+            raise ValueError(f"{host_indices.numel()} host indices for {n} pages of {p} tokens")
+        return [int(x) for x in host_indices[::p].tolist()]
+
+    def _record(self, pages_log: list[int], gbps_log: list[float], pages: int, elapsed_s: float) -> None:
+        if not self.storage_config.enable_storage_metrics or pages == 0 or self.geometry is None:
+            return
+        with self._stats_lock:
+            pages_log.append(pages)
+            gbps_log.append(pages * self.geometry.page_bytes / max(elapsed_s, 1e-9) / 1e9)
+
+    # -- legacy interface (flat data pages) ------------------------------------------------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Load one page into ``target_location``, a flat data page (``get_dummy_flat_data_page``).
+        Returns it, or None when the page is missing or unreadable."""
+        if target_location is None:
+            raise ValueError("target_location (a flat data page) is required")
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError("batch_get needs one flat data page per key")
+        if not keys:
+            return []
+        pages = self._pages
+        if pages is None:
+            raise RuntimeError("register_mem_pool_host() has not been called")
+        okeys = self.object_keys(keys)
+        tmp = torch.empty(len(keys) * pages.page_bytes, dtype=torch.uint8)
+        flat = memoryview(tmp.numpy())
+        results = self.store.get_into(
+            okeys, [flat[i * pages.page_bytes:(i + 1) * pages.page_bytes] for i in range(len(keys))])
+        out: list[torch.Tensor | None] = []
+        for i, (r, target) in enumerate(zip(results, target_locations)):
+            if r.status is Status.OK and r.nbytes == pages.page_bytes:
+                pages.canonical_to_flat(tmp[i * pages.page_bytes:], target)
+                out.append(target)
+            else:
+                out.append(None)
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one flat data page (``get_data_page(index, flat=True)``) under ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat data pages; True when every page is stored (or already was)."""
+        if values is None or len(values) != len(keys):
+            raise ValueError("batch_set needs one flat data page per key")
+        if not keys:
+            return True
+        pages = self._pages
+        if pages is None:
+            raise RuntimeError("register_mem_pool_host() has not been called")
+        tmp = torch.empty(len(keys) * pages.page_bytes, dtype=torch.uint8)
+        for i, value in enumerate(values):
+            pages.flat_to_canonical(value, tmp[i * pages.page_bytes:])
+        flat = memoryview(tmp.numpy())
+        statuses = self.store.put(self.object_keys(keys),
+                                  [flat[i * pages.page_bytes:(i + 1) * pages.page_bytes] for i in range(len(keys))])
+        return all(st.ok for st in statuses)
+
+    def exists(self, key: str) -> bool:
+        return self.store.contains(self.object_keys([key]))[0]
+
+    # -- housekeeping ------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Remove every object of this backend's fingerprint from every tier of the store."""
+        if not self._prefix:
+            return
+        keys = self.store.keys(prefix=self._prefix + "/")
+        for lo in range(0, len(keys), 1024):
+            self.store.remove(keys[lo:lo + 1024])
+        logger.info("HiCache tiered storage: cleared %d objects", len(keys))
+
+    def close(self) -> None:
+        """Release the store (the last holder in the process flushes offloads and closes it)."""
+        store, self._store = self._store, None
+        if store is not None:
+            release_store(store, flush_timeout_s=self.settings.connector.flush_timeout_s)
+
+    def get_stats(self) -> StorageMetrics:
+        """SGLang's StorageMetrics since the last call (with --enable-cache-report storage metrics)."""
+        with self._stats_lock:
+            stats = StorageMetrics(prefetch_pgs=self._prefetch_pages, backup_pgs=self._backup_pages,
+                                   prefetch_bandwidth=self._prefetch_gbps, backup_bandwidth=self._backup_gbps)
+            self._prefetch_pages, self._backup_pages = [], []
+            self._prefetch_gbps, self._backup_gbps = [], []
+        return stats
+
+    def store_metrics(self) -> dict[str, Any]:
+        """The store's per-tier counters (hits, misses, bytes, evictions, offloads ...)."""
+        return self.store.metrics()
+
+
+__all__ = ["MooncakeTieredStorage", "UnsupportedHostPoolError"]

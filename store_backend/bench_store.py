@@ -1,0 +1,206 @@
+"""``mooncake-kv bench store``: tier throughput against the physical limits, measured in one run.
+
+DRAM tier: batch put and get of KV-chunk-sized objects (256 KiB to 16 MiB) through TieredStore,
+against plain memcpy of the same bytes between the same buffers (the limit). SSD tier: batched
+writes and reads through each backend with O_DIRECT, against raw O_DIRECT reads and writes of the
+same sizes at the same queue depth outside the store (the limit), and fio's figures where fio is
+installed. The last line printed with ``--json`` is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
+from store_backend.config import SsdConfig, parse_size
+from store_backend.ssd import raw_bench
+from store_backend.ssd.factory import open_ssd_backend
+from store_backend.store import TieredStore
+from store_backend.types import Status
+
+SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--batch-bytes", default="128MiB", help="bytes per batch at each object size")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions of each DRAM measurement")
+    p.add_argument("--ssd-dir", type=Path, default=None, help="directory on the SSD to test (default: a temp dir)")
+    p.add_argument("--ssd-bytes", default="512MiB", help="bytes written per SSD measurement and size")
+    p.add_argument("--backends", default="bucket,offset,file", help="SSD backends to measure")
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--io-engine", default="auto", choices=["auto", "io_uring", "posix"])
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned, pre-faulted buffer (first touch would otherwise dominate the timing)."""
+    raw = np.empty(nbytes + 4096, np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    buf = raw[off:off + nbytes]
+    buf[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+def _best_gbps(nbytes: int, fn: Callable[[], None], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def bench_dram(batch_bytes: int, repeat: int, progress: Progress) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {"put": {}, "get": {}, "memcpy": {}}
+    task = progress.add_task("DRAM tier vs memcpy", total=len(SIZES))
+    for size in SIZES:
+        n = max(2, batch_bytes // size)
+        src = [_aligned(size) for _ in range(n)]
+        dst = [_aligned(size) for _ in range(n)]
+        total = n * size
+        with TieredStore({"dram": {"capacity_bytes": 2 * total + (16 << 20)}}) as store:
+            counter = iter(range(1 << 30))
+
+            def put() -> None:
+                i = next(counter)
+                keys = [f"{size}/{i}/{j}" for j in range(n)]
+                st = store.put(keys, src)
+                assert all(s is Status.OK for s in st), st[:3]
+                store.remove(keys)
+
+            keys = [f"{size}/g/{j}" for j in range(n)]
+            store.put(keys, src)
+
+            def get() -> None:
+                res = store.get_into(keys, dst)
+                assert all(r.ok for r in res)
+
+            def memcpy() -> None:
+                for a, b in zip(dst, src):
+                    np.copyto(a, b)
+
+            get()  # fault in and warm up
+            memcpy()
+            out["memcpy"][size] = _best_gbps(total, memcpy, repeat)
+            out["get"][size] = _best_gbps(total, get, repeat)
+            out["put"][size] = _best_gbps(total, put, repeat)
+            assert all(np.array_equal(a, b) for a, b in zip(dst, src))
+        progress.advance(task)
+    return out
+
+
+def bench_ssd(directory: Path, backend: str, io_engine: str, total_bytes: int, queue_depth: int,
+              progress: Progress) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {"write": {}, "read": {}}
+    task = progress.add_task(f"SSD {backend} backend", total=len(SIZES))
+    for size in SIZES:
+        n = max(queue_depth, total_bytes // size)
+        path = directory / f"{backend}-{size}"
+        cfg = SsdConfig(path=str(path), capacity_bytes=4 * n * size + (256 << 20), backend=backend,
+                        io_engine=io_engine, queue_depth=queue_depth, bucket_size_bytes=64 << 20)
+        bufs = [_aligned(size) for _ in range(queue_depth)]
+        backend_obj = open_ssd_backend(cfg)
+        try:
+            keys = [f"{size}/{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            for i in range(0, n, queue_depth):
+                st = backend_obj.put(keys[i:i + queue_depth], bufs[:len(keys[i:i + queue_depth])])
+                assert all(s.ok for s in st), st[:3]
+            out["write"][size] = n * size / (time.perf_counter() - t0) / 1e9
+            t0 = time.perf_counter()
+            for i in range(0, n, queue_depth):
+                batch = keys[i:i + queue_depth]
+                res = backend_obj.get_into(batch, bufs[:len(batch)])
+                assert all(r.ok for r in res), res[:3]
+            out["read"][size] = n * size / (time.perf_counter() - t0) / 1e9
+        finally:
+            backend_obj.close()
+        progress.advance(task)
+    return out
+
+
+def bench_raw(directory: Path, total_bytes: int, queue_depth: int, progress: Progress) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {"write": {}, "read": {}}
+    task = progress.add_task("raw O_DIRECT (limit)", total=len(SIZES))
+    for size in SIZES:
+        n = max(queue_depth, total_bytes // size)
+        r = raw_bench.measure_raw_direct(directory, object_bytes=size, count=n, queue_depth=queue_depth)
+        out["write"][size] = r.write_gbps
+        out["read"][size] = r.read_gbps
+        progress.advance(task)
+    return out
+
+
+def _mean(d: dict[int, float]) -> float:
+    return sum(d.values()) / len(d)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    batch_bytes = parse_size(args.batch_bytes)
+    ssd_bytes = parse_size(args.ssd_bytes)
+    backends = [b for b in args.backends.split(",") if b]
+    tmp = None
+    directory = args.ssd_dir
+    if directory is None:
+        tmp = tempfile.TemporaryDirectory(prefix="mooncake-kv-bench-", dir="/var/tmp")
+        directory = Path(tmp.name)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with Progress(console=console, transient=True) as progress:
+            dram = bench_dram(batch_bytes, args.repeat, progress)
+            raw = bench_raw(directory, ssd_bytes, args.queue_depth, progress)
+            ssd = {b: bench_ssd(directory, b, args.io_engine, ssd_bytes, args.queue_depth, progress)
+                   for b in backends}
+            fio = raw_bench.measure_fio(directory, object_bytes=1 << 20, total_bytes=ssd_bytes,
+                                        queue_depth=args.queue_depth)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    console.print("size      put GB/s  get GB/s  memcpy GB/s  get/memcpy")
+    for size in SIZES:
+        console.print(f"{size >> 10:>6} KiB {dram['put'][size]:>9.2f} {dram['get'][size]:>9.2f} "
+                      f"{dram['memcpy'][size]:>12.2f} {dram['get'][size] / dram['memcpy'][size]:>11.2f}")
+    for b, r in ssd.items():
+        console.print(f"SSD {b:>6}: " + "  ".join(
+            f"{s >> 10} KiB r {r['read'][s]:.2f} (raw {raw['read'][s]:.2f}) w {r['write'][s]:.2f} "
+            f"(raw {raw['write'][s]:.2f})" for s in SIZES))
+    if fio:
+        console.print(f"fio 1 MiB O_DIRECT at QD {args.queue_depth}: read {fio['read_gbps']:.2f} GB/s, "
+                      f"write {fio['write_gbps']:.2f} GB/s")
+    default = backends[0]
+    summary = {
+        "dram_put_gbps": round(_mean(dram["put"]), 3),
+        "dram_get_gbps": round(_mean(dram["get"]), 3),
+        "memcpy_gbps": round(_mean(dram["memcpy"]), 3),
+        "ssd_backend": default,
+        "ssd_read_gbps": round(_mean(ssd[default]["read"]), 3),
+        "ssd_write_gbps": round(_mean(ssd[default]["write"]), 3),
+        "raw_direct_read_gbps": round(_mean(raw["read"]), 3),
+        "raw_direct_write_gbps": round(_mean(raw["write"]), 3),
+        "dram_get_vs_memcpy": round(_mean(dram["get"]) / _mean(dram["memcpy"]), 3),
+        "ssd_read_vs_raw": round(_mean(ssd[default]["read"]) / _mean(raw["read"]), 3),
+        "ssd_write_vs_raw": round(_mean(ssd[default]["write"]) / _mean(raw["write"]), 3),
+        "per_backend": {b: {"read_gbps": round(_mean(r["read"]), 3), "write_gbps": round(_mean(r["write"]), 3),
+                            "read_vs_raw": round(_mean(r["read"]) / _mean(raw["read"]), 3)}
+                        for b, r in ssd.items()},
+        "per_size": {str(s): {"dram_get_gbps": round(dram["get"][s], 3), "memcpy_gbps": round(dram["memcpy"][s], 3),
+                              "raw_read_gbps": round(raw["read"][s], 3),
+                              "ssd_read_gbps": round(ssd[default]["read"][s], 3)} for s in SIZES},
+        "fio": fio,
+        "queue_depth": args.queue_depth,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        console.print(summary)
+    return 0

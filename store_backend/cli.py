@@ -1,0 +1,67 @@
+"""``mooncake-kv``: the console script. Subcommands live in their own modules.
+
+Subcommand modules are imported only when chosen, so ``mooncake-kv demo`` never imports vLLM
+or SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("store_backend.demo", "write, offload, evict, read back and promote a stream of KV chunks"),
+    "replay": ("store_backend.replay.cli", "replay a request trace through the store and report hit ratios"),
+}
+_BENCHES: dict[str, tuple[str, str]] = {
+    "store": ("store_backend.bench_store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),
+    "vllm": ("store_backend.bench_vllm", "TTFT with a full external hit versus recompute on vLLM (CPU build)"),
+    "sglang": ("store_backend.bench_sglang", "HiCache backend throughput against SGLang's file backend"),
+}
+
+
+def _module(name: str):  # noqa: ANN202
+    return importlib.import_module(name)
+
+
+def _add_lazy(sub: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.set_defaults(_module=module)
+    # Arguments are added on demand in main(): importing every module here would import the engines.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mooncake-kv", description="Tiered KV-cache store for vLLM and SGLang")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in _COMMANDS.items():
+        _add_lazy(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks (each prints one JSON object as its last line with --json)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in _BENCHES.items():
+        _add_lazy(bench_sub, name, module, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # First pass finds the subcommand; the chosen module then adds its own arguments.
+    args, _ = parser.parse_known_args(argv)
+    module = _module(args._module)
+    chosen = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    sub = chosen[args.command]
+    if args.command == "bench":
+        sub = sub._subparsers._group_actions[0].choices[args.bench]  # type: ignore[union-attr]
+    module.add_arguments(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,627 @@
+"""The bucket SSD backend (the default): the objects of one put are written once, sequentially, as
+bucket files; eviction drops whole buckets.
+
+Layout of a directory::
+
+    bucket-<id:016x>.bkt   records (see record.py) | footer: msgpack index, padding | trailer (64 B)
+    bucket-<id:016x>.tmp   a bucket being written (deleted at open: it was never acknowledged)
+    tombstones.log         framed (bucket id, key) entries: keys removed from a bucket
+
+A put groups its objects into buckets (a new bucket when the next object would pass
+``bucket_size_bytes`` or the bucket holds ``bucket_max_keys``), writes each bucket to a temporary
+file with one gathered write, syncs them all, renames them into place and syncs the directory:
+a bucket is on disk whole or not at all. The footer indexes the bucket so that opening a directory
+reads only trailers and footers; a bucket whose footer is damaged is recovered by scanning and
+verifying its records. Removing a key writes a tombstone; a bucket left without live keys is
+deleted. When a put would pass ``capacity_bytes``, or the file system's use would pass
+``disk_watermark`` of its size, whole buckets are evicted first (FIFO by creation or LRU by last
+read, ``bucket_eviction``).
+
+Thread-safe: one lock guards the index; file I/O runs outside it. A bucket that is deleted while
+being read stays readable through the reader's descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+
+import msgspec
+import xxhash
+
+from store_backend.config import SsdConfig
+from store_backend.ssd.base import SsdStats
+from store_backend.ssd.io_engine import (ALIGN, IoEngine, IoRequest, align_up, aligned_buffer, fsync_dir,
+                                         probe_direct_io)
+from store_backend.ssd.record import (HEADER_BLOCK, RecordRead, decode_header, encode_header, read_records,
+                                      record_bytes, status_for_errno, value_checksum, write_buffers)
+from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key
+
+logger = logging.getLogger(__name__)
+
+_TRAILER = struct.Struct("<8sQQQQI")  # magic, bucket id, footer offset, footer length, footer xxh3, count
+_TRAILER_MAGIC = b"MKVBKT\x00\x01"
+_FRAME = struct.Struct("<IQ")  # tombstone frame: payload length, xxh3_64 of payload
+_NAME = re.compile(r"^bucket-([0-9a-f]{16})\.(bkt|tmp)$")
+_MAX_OPEN_FILES = 256  # bucket descriptors kept open for readers
+
+
+class _FooterEntry(msgspec.Struct, array_like=True):
+    key: str
+    offset: int
+    value_len: int
+    seq: int
+    checksum: int
+
+
+class _Loc(msgspec.Struct):
+    bucket: int
+    offset: int
+    value_len: int
+    seq: int
+
+
+class _Bucket:
+    __slots__ = ("id", "path", "file_bytes", "live", "last_access", "fd", "readers", "deleted")
+
+    def __init__(self, bucket_id: int, path: str, file_bytes: int, live: set[str], last_access: int) -> None:
+        self.id = bucket_id
+        self.path = path
+        self.file_bytes = file_bytes
+        self.live = live
+        self.last_access = last_access
+        self.fd = -1
+        self.readers = 0
+        self.deleted = False
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+class BucketBackend:
+    """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
+
+    name = "bucket"
+
+    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> None:
+        self.cfg = cfg
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self._dir = cfg.path
+        os.makedirs(self._dir, exist_ok=True)
+        self._direct = cfg.direct_io and probe_direct_io(self._dir)
+        if cfg.direct_io and not self._direct:
+            logger.warning("O_DIRECT not supported under %s; bucket backend uses buffered I/O", self._dir)
+        self._lock = threading.Lock()
+        self._tomb_lock = threading.Lock()
+        self._index: dict[str, _Loc] = {}
+        self._buckets: dict[int, _Bucket] = {}
+        self._open: dict[int, None] = {}  # ids of buckets with an open descriptor, oldest first
+        self._pending: set[str] = set()
+        self._reserved_bytes = 0
+        self._used_bytes = 0
+        self._next_id = 1
+        self._seq = 1
+        self._clock = 0
+        self._stats = SsdStats(capacity_bytes=cfg.capacity_bytes)
+        self._closed = False
+        self._tomb_fd = -1
+        self._recover()
+
+    # -- recovery -------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        found: dict[int, list[_FooterEntry]] = {}
+        sizes: dict[int, int] = {}
+        for name in sorted(os.listdir(self._dir)):
+            m = _NAME.match(name)
+            if not m:
+                continue
+            path = os.path.join(self._dir, name)
+            if m.group(2) == "tmp":
+                os.unlink(path)  # never renamed into place, so never acknowledged
+                continue
+            bid = int(m.group(1), 16)
+            entries = self._load_bucket(bid, path)
+            if entries is None:
+                continue
+            found[bid] = entries
+            sizes[bid] = os.stat(path).st_size
+        tombs = self._load_tombstones()
+        winners: dict[str, tuple[int, _FooterEntry]] = {}
+        for bid in sorted(found):
+            for e in found[bid]:
+                if (bid, e.key) in tombs:
+                    continue
+                best = winners.get(e.key)
+                if best is None or e.seq > best[1].seq:
+                    winners[e.key] = (bid, e)
+        live: dict[int, set[str]] = {bid: set() for bid in found}
+        for key, (bid, e) in winners.items():
+            live[bid].add(key)
+            self._index[key] = _Loc(bid, e.offset, e.value_len, e.seq)
+            self._seq = max(self._seq, e.seq + 1)
+        for bid in sorted(found):
+            path = self._bucket_path(bid)
+            if not live[bid]:
+                os.unlink(path)
+                continue
+            self._clock += 1
+            self._buckets[bid] = _Bucket(bid, path, sizes[bid], live[bid], self._clock)
+            self._used_bytes += sizes[bid]
+        ids = list(found) + [bid for bid, _ in tombs]
+        self._next_id = max(ids, default=0) + 1
+        self._rewrite_tombstones({t for t in tombs if t[0] in self._buckets})
+        fsync_dir(self._dir)
+        self._stats.recovered_objects = len(self._index)
+        if self._index or self._stats.discarded_records:
+            logger.info("bucket backend at %s: recovered %d objects in %d buckets (%d records discarded)",
+                        self._dir, len(self._index), len(self._buckets), self._stats.discarded_records)
+
+    def _bucket_path(self, bid: int, tmp: bool = False) -> str:
+        return os.path.join(self._dir, f"bucket-{bid:016x}.{'tmp' if tmp else 'bkt'}")
+
+    def _load_bucket(self, bid: int, path: str) -> list[_FooterEntry] | None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            entries = self._read_footer(fd, bid, size)
+            if entries is None:
+                logger.warning("bucket %s: footer damaged, scanning its records", path)
+                entries = self._scan_records(fd, size)
+        finally:
+            os.close(fd)
+        if not entries:
+            os.unlink(path)
+            return None
+        return entries
+
+    @staticmethod
+    def _read_footer(fd: int, bid: int, size: int) -> list[_FooterEntry] | None:
+        if size < _TRAILER.size:
+            return None
+        magic, tid, foff, flen, fcheck, count = _TRAILER.unpack(os.pread(fd, _TRAILER.size, size - _TRAILER.size))
+        if magic != _TRAILER_MAGIC or tid != bid or foff + flen > size - _TRAILER.size:
+            return None
+        footer = os.pread(fd, flen, foff)
+        if len(footer) != flen or xxhash.xxh3_64_intdigest(footer) != fcheck:
+            return None
+        try:
+            entries = msgspec.msgpack.decode(footer, type=list[_FooterEntry])
+        except msgspec.DecodeError:
+            return None
+        if len(entries) != count or any(e.offset + record_bytes(e.value_len) > foff for e in entries):
+            return None
+        return entries
+
+    def _scan_records(self, fd: int, size: int) -> list[_FooterEntry]:
+        """Fallback: walk the records from the start, keeping each one whose checksum verifies."""
+        out: list[_FooterEntry] = []
+        pos = 0
+        while pos + HEADER_BLOCK <= size:
+            h = decode_header(os.pread(fd, HEADER_BLOCK, pos))
+            if h is None or pos + record_bytes(h.value_len) > size:
+                break
+            value = os.pread(fd, h.value_len, pos + HEADER_BLOCK)
+            if len(value) == h.value_len and value_checksum(h.key, value) == h.checksum:
+                out.append(_FooterEntry(h.key.decode(), pos, h.value_len, h.seq, h.checksum))
+            else:
+                self._stats.discarded_records += 1
+            pos += record_bytes(h.value_len)
+        return out
+
+    def _load_tombstones(self) -> set[tuple[int, str]]:
+        path = os.path.join(self._dir, "tombstones.log")
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return set()
+        out: set[tuple[int, str]] = set()
+        pos = 0
+        while pos + _FRAME.size <= len(data):
+            n, check = _FRAME.unpack_from(data, pos)
+            payload = data[pos + _FRAME.size:pos + _FRAME.size + n]
+            if len(payload) != n or xxhash.xxh3_64_intdigest(payload) != check:
+                break  # a torn tail: the remove it belonged to never returned
+            bid, key = msgspec.msgpack.decode(payload, type=tuple[int, str])
+            out.add((bid, key))
+            pos += _FRAME.size + n
+        return out
+
+    def _rewrite_tombstones(self, tombs: set[tuple[int, str]]) -> None:
+        path = os.path.join(self._dir, "tombstones.log")
+        tmp = path + ".tmp"
+        data = b"".join(_frame(msgspec.msgpack.encode(t)) for t in sorted(tombs))
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, data)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._tomb_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+
+    def _append_tombstones(self, tombs: list[tuple[int, str]]) -> None:
+        if not tombs:
+            return
+        data = b"".join(_frame(msgspec.msgpack.encode(t)) for t in tombs)
+        with self._tomb_lock:
+            os.write(self._tomb_fd, data)
+            os.fdatasync(self._tomb_fd)
+
+    # -- put --------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
+        """Write new objects; blocks until every object reported OK is durable. Thread-safe."""
+        check_batch(keys, buffers)
+        out = [Status.OK] * len(keys)
+        views: dict[int, memoryview] = {}
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if check_key(key) is not None:
+                    out[i] = Status.INVALID_KEY
+                    continue
+                v = byte_view(buffers[i])
+                if record_bytes(v.nbytes) + 2 * ALIGN > self.cfg.capacity_bytes:
+                    out[i] = Status.TOO_LARGE
+                elif key in self._index or key in self._pending:
+                    out[i] = Status.EXISTS
+                else:
+                    self._pending.add(key)
+                    views[i] = v
+        if not views:
+            return out
+        groups = self._group(list(views), views)
+        try:
+            self._write_groups(keys, views, groups, out)
+        finally:
+            with self._lock:
+                self._pending.difference_update(keys[i] for i in views)
+        return out
+
+    def _group(self, idx: list[int], views: dict[int, memoryview]) -> list[list[int]]:
+        groups: list[list[int]] = []
+        size = 0
+        for i in idx:
+            rb = record_bytes(views[i].nbytes)
+            if not groups or len(groups[-1]) >= self.cfg.bucket_max_keys or (
+                    size + rb > self.cfg.bucket_size_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += rb
+        return groups
+
+    def _write_groups(self, keys: Sequence[str], views: dict[int, memoryview], groups: list[list[int]],
+                      out: list[Status]) -> None:
+        # Lay each bucket out: records, then footer and trailer, then reserve its bytes.
+        plans: list[tuple[int, list[int], list[Buffer], list[_FooterEntry], int]] = []
+        headers = aligned_buffer(sum(len(g) for g in groups) * HEADER_BLOCK)
+        hpos = 0
+        with self._lock:
+            for g in groups:
+                bid = self._next_id
+                self._next_id += 1
+                bufs: list[Buffer] = []
+                entries: list[_FooterEntry] = []
+                pos = 0
+                for i in g:
+                    key_b = keys[i].encode()
+                    v = views[i]
+                    seq = self._seq
+                    self._seq += 1
+                    checksum = value_checksum(key_b, v)
+                    block = headers[hpos:hpos + HEADER_BLOCK]
+                    hpos += HEADER_BLOCK
+                    encode_header(block, key_b, v.nbytes, seq, checksum)
+                    bufs += write_buffers(block, v)
+                    entries.append(_FooterEntry(keys[i], pos, v.nbytes, seq, checksum))
+                    pos += record_bytes(v.nbytes)
+                footer = msgspec.msgpack.encode(entries)
+                tail_len = align_up(len(footer) + _TRAILER.size)
+                tail = bytearray(tail_len)
+                tail[:len(footer)] = footer
+                tail[-_TRAILER.size:] = _TRAILER.pack(_TRAILER_MAGIC, bid, pos, len(footer),
+                                                      xxhash.xxh3_64_intdigest(footer), len(entries))
+                bufs.append(tail)
+                plans.append((bid, g, bufs, entries, pos + tail_len))
+            doomed, admitted = self._make_room([p[4] for p in plans])
+        self._delete_files(doomed)
+
+        writable = []
+        for k, (bid, g, bufs, entries, nbytes) in enumerate(plans):
+            if k < admitted:
+                writable.append(k)
+            else:
+                for i in g:
+                    out[i] = Status.NO_SPACE
+        fds: dict[int, int] = {}
+        results: dict[int, int] = {}
+        try:
+            for k in writable:
+                try:
+                    fds[k] = os.open(self._bucket_path(plans[k][0], tmp=True),
+                                     os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self._direct else 0), 0o644)
+                except OSError as e:
+                    results[k] = -(e.errno or errno.EIO)
+            order = [k for k in writable if k in fds]
+            for k, res in zip(order, self._engine.write([IoRequest(fds[k], 0, plans[k][2]) for k in order])):
+                results[k] = res if res < 0 else 0
+            synced = [k for k in order if results[k] == 0]
+            for k, res in zip(synced, self._engine.sync([fds[k] for k in synced])):
+                results[k] = res
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        done: list[int] = []
+        for k in writable:
+            tmp = self._bucket_path(plans[k][0], tmp=True)
+            if results.get(k, -errno.EIO) == 0:
+                try:
+                    os.rename(tmp, self._bucket_path(plans[k][0]))
+                    done.append(k)
+                    continue
+                except OSError as e:
+                    results[k] = -(e.errno or errno.EIO)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if done:
+            try:
+                fsync_dir(self._dir)
+            except OSError as e:
+                logger.error("fsync of %s failed: %s", self._dir, e)
+                for k in done:
+                    results[k] = -(e.errno or errno.EIO)
+                done = []
+        with self._lock:
+            for k in writable:
+                bid, g, _, entries, nbytes = plans[k]
+                self._reserved_bytes -= nbytes
+                if k in done:
+                    self._clock += 1
+                    self._buckets[bid] = _Bucket(bid, self._bucket_path(bid), nbytes,
+                                                 {keys[i] for i in g}, self._clock)
+                    self._used_bytes += nbytes
+                    for i, e in zip(g, entries):
+                        self._index[keys[i]] = _Loc(bid, e.offset, e.value_len, e.seq)
+                else:
+                    err = -results.get(k, -errno.EIO)
+                    if err not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        logger.error("writing bucket %d failed: %s", bid, os.strerror(err))
+                    for i in g:
+                        out[i] = status_for_errno(err)
+
+    def _make_room(self, sizes: list[int]) -> tuple[list[_Bucket], int]:
+        """Under the lock: evict buckets so that the new ones fit; returns the evicted buckets and
+        how many of the new ones (in order) may be written, their bytes reserved."""
+        cap = self.cfg.capacity_bytes
+        try:
+            st = os.statvfs(self._dir)
+            fs_size = st.f_blocks * st.f_frsize
+            fs_used = (st.f_blocks - st.f_bavail) * st.f_frsize
+        except OSError:
+            fs_size, fs_used = 0, 0
+        fs_limit = self.cfg.disk_watermark * fs_size
+        if self.cfg.bucket_eviction == "fifo":
+            order = sorted(self._buckets.values(), key=lambda b: b.id)
+        else:
+            order = sorted(self._buckets.values(), key=lambda b: b.last_access)
+        victims: list[_Bucket] = []
+        admitted = 0
+        for size in sizes:
+            def fits() -> bool:
+                used = self._used_bytes + self._reserved_bytes + size
+                return used <= cap and (not fs_size or fs_used + size <= fs_limit)
+            while not fits() and order:
+                b = order.pop(0)
+                victims.append(b)
+                self._drop_bucket(b)
+                fs_used -= b.file_bytes
+                self._stats.evictions += len(b.live)
+            if not fits():
+                break
+            self._reserved_bytes += size
+            fs_used += size
+            admitted += 1
+        return victims, admitted
+
+    def _drop_bucket(self, b: _Bucket) -> None:
+        """Under the lock: forget a bucket and its keys (the file is deleted by the caller)."""
+        for key in b.live:
+            loc = self._index.get(key)
+            if loc is not None and loc.bucket == b.id:
+                del self._index[key]
+        b.live = set()
+        b.deleted = True
+        del self._buckets[b.id]
+        self._used_bytes -= b.file_bytes
+        if b.fd >= 0 and b.readers == 0:
+            os.close(b.fd)
+            b.fd = -1
+            self._open.pop(b.id, None)
+
+    def _delete_files(self, buckets: list[_Bucket]) -> None:
+        """Unlink buckets and make it durable (an evicted bucket must not come back after a crash)."""
+        for b in buckets:
+            try:
+                os.unlink(b.path)
+            except FileNotFoundError:
+                pass
+        if buckets:
+            try:
+                fsync_dir(self._dir)
+            except OSError as e:
+                logger.error("fsync of %s failed: %s", self._dir, e)
+
+    # -- get ---------------------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        """Copy objects into the caller's buffers, verifying each; CORRUPT ones are dropped."""
+        check_batch(keys, buffers)
+        out = [ReadResult(Status.NOT_FOUND)] * len(keys)
+        reads: list[tuple[int, _Bucket, RecordRead]] = []
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if check_key(key) is not None:
+                    out[i] = ReadResult(Status.INVALID_KEY)
+                    continue
+                loc = self._index.get(key)
+                if loc is None:
+                    continue
+                dest = byte_view(buffers[i])
+                if dest.nbytes < loc.value_len:
+                    out[i] = ReadResult(Status.BUFFER_TOO_SMALL)
+                    continue
+                b = self._buckets[loc.bucket]
+                try:
+                    fd = self._fd(b)
+                except OSError as e:
+                    logger.error("cannot open %s: %s", b.path, e)
+                    out[i] = ReadResult(Status.IO_ERROR)
+                    continue
+                b.readers += 1
+                self._clock += 1
+                b.last_access = self._clock
+                reads.append((i, b, RecordRead(fd, loc.offset, key.encode(), loc.value_len, loc.seq, dest)))
+        if not reads:
+            return out
+        try:
+            statuses = read_records(self._engine, [r for _, _, r in reads])
+        finally:
+            with self._lock:
+                for _, b, _ in reads:
+                    b.readers -= 1
+                    if b.deleted and b.readers == 0 and b.fd >= 0:
+                        os.close(b.fd)
+                        b.fd = -1
+                        self._open.pop(b.id, None)
+        corrupt: list[tuple[int, str]] = []
+        for (i, b, r), st in zip(reads, statuses):
+            out[i] = ReadResult(st, r.value_len if st is Status.OK else 0)
+            if st is Status.CORRUPT:
+                corrupt.append((b.id, keys[i]))
+        if corrupt:
+            logger.warning("%d corrupt records in %s dropped", len(corrupt), self._dir)
+            try:
+                self._forget(corrupt, corrupt=True)
+            except OSError as e:  # the tombstone is lost: the record is found corrupt again later
+                logger.error("cannot tombstone corrupt records in %s: %s", self._dir, e)
+        return out
+
+    def _fd(self, b: _Bucket) -> int:
+        """Under the lock: the bucket's read descriptor, opened on demand (a few hundred stay open)."""
+        if b.fd >= 0:
+            self._open.pop(b.id, None)
+            self._open[b.id] = None
+            return b.fd
+        b.fd = os.open(b.path, os.O_RDONLY | (os.O_DIRECT if self._direct else 0))
+        self._open[b.id] = None
+        if len(self._open) > _MAX_OPEN_FILES:
+            for bid in list(self._open):
+                if len(self._open) <= _MAX_OPEN_FILES:
+                    break
+                other = self._buckets.get(bid)
+                if other is not None and other.readers == 0 and other is not b:
+                    os.close(other.fd)
+                    other.fd = -1
+                    del self._open[bid]
+        return b.fd
+
+    # -- remove and queries ------------------------------------------------------------------------
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Remove objects durably (a tombstone each); the bucket file goes when its last key does."""
+        check_batch(keys)
+        out = [Status.NOT_FOUND] * len(keys)
+        targets: list[tuple[int, str]] = []
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if check_key(key) is not None:
+                    out[i] = Status.INVALID_KEY
+                    continue
+                loc = self._index.get(key)
+                if loc is not None:
+                    targets.append((loc.bucket, key))
+                    out[i] = Status.OK
+        if targets:
+            try:
+                self._forget(targets)
+            except OSError as e:
+                logger.error("remove in %s failed: %s", self._dir, e)
+                return [Status.IO_ERROR if st is Status.OK else st for st in out]
+        return out
+
+    def _forget(self, targets: list[tuple[int, str]], corrupt: bool = False) -> None:
+        """Tombstone (bucket, key) pairs durably, drop them from the index, delete emptied buckets."""
+        self._append_tombstones(targets)
+        emptied: list[_Bucket] = []
+        with self._lock:
+            for bid, key in targets:
+                loc = self._index.get(key)
+                if loc is None or loc.bucket != bid:
+                    continue
+                del self._index[key]
+                if corrupt:
+                    self._stats.corrupt_reads += 1
+                b = self._buckets.get(bid)
+                if b is not None:
+                    b.live.discard(key)
+                    if not b.live:
+                        self._drop_bucket(b)
+                        emptied.append(b)
+        self._delete_files(emptied)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        check_batch(keys)
+        with self._lock:
+            return [isinstance(k, str) and k in self._index for k in keys]
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        check_batch(keys)
+        out: list[int | None] = []
+        with self._lock:
+            for k in keys:
+                loc = self._index.get(k) if isinstance(k, str) else None
+                out.append(None if loc is None else loc.value_len)
+        return out
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            snapshot = list(self._index)
+        return iter(snapshot)
+
+    def stats(self) -> SsdStats:
+        with self._lock:
+            s = msgspec.structs.replace(self._stats)
+            s.objects = len(self._index)
+            s.used_bytes = self._used_bytes
+            return s
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SSD backend is closed")
+
+    def close(self) -> None:
+        """Close descriptors (and the engine when owned). Idempotent; no call may be in flight."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for b in self._buckets.values():
+                if b.fd >= 0:
+                    os.close(b.fd)
+                    b.fd = -1
+            self._open.clear()
+        if self._tomb_fd >= 0:
+            os.close(self._tomb_fd)
+            self._tomb_fd = -1
+        if self._owns_engine:
+            self._engine.close()

@@ -1,0 +1,551 @@
+"""The offset-allocator SSD backend: one preallocated file, object-level allocation and eviction.
+
+Layout of ``offset.data`` (``capacity_bytes`` long, preallocated)::
+
+    block 0:   superblock (magic, per-file seed, size, checksum)
+    block 1…:  records (see record.py) at 4 KiB-aligned offsets handed out by a free-extent
+               allocator; space between records is free
+
+Unlike Mooncake's offset backend, opening an existing file never truncates it: recovery walks the
+file from the start, hopping from a valid header over its record and searching free space block by
+block (skipping holes with SEEK_DATA), and serves every record found; the highest sequence number
+wins for a key. This is sound because of two write-ordering rules:
+
+- A header is written only after its value is durable (value writes, fdatasync, header writes,
+  fdatasync), so a valid header always sits in front of a complete value: a torn put leaves no
+  header and its space is simply free again after a restart.
+- Space is reused only after the headers of the records that lived there (removed, evicted or
+  found corrupt) are zeroed durably, so a stale header never hides a newer record from the walk
+  and a removed object never comes back.
+
+Headers are checked with a seed kept in the superblock, so a record-shaped value (or a record from
+another file) is never taken for a header.
+
+Thread-safe: reads run concurrently; puts, removes and the invalidation of corrupt records hold
+one write lock in turn (they order writes to the shared file). A record being read is never
+evicted, and ``remove`` of one answers BUSY.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import logging
+import os
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import msgspec
+import xxhash
+
+from store_backend.config import SsdConfig
+from store_backend.ssd.base import SsdStats
+from store_backend.ssd.io_engine import (ALIGN, IoEngine, IoRequest, align_down, aligned_buffer, fsync_dir,
+                                         probe_direct_io)
+from store_backend.ssd.record import (HEADER_BLOCK, MAGIC, RecordRead, decode_header, encode_header, read_records,
+                                      record_bytes, status_for_errno, value_buffers, value_checksum)
+from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "offset.data"
+DATA_START = ALIGN
+_SUPER = struct.Struct("<8sQQQ")  # magic, seed, file bytes, xxh3_64 of the first three
+_SUPER_MAGIC = b"MKVOFF\x00\x01"
+_SCAN_CHUNK = 1 << 20
+_ZERO_BLOCK = memoryview(bytes(HEADER_BLOCK))
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """fallocate(2) without glibc's write-zeros emulation (which would write the whole file)."""
+    if _libc.fallocate(fd, 0, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class FreeExtents:
+    """First-fit allocator over [0, capacity) with coalescing, able to reserve a given extent
+    (recovery rebuilds it from the records found). Not thread-safe: the backend's lock guards it."""
+
+    def __init__(self, capacity: int, used: Sequence[tuple[int, int]] = ()) -> None:
+        self.capacity = capacity
+        self._starts: list[int] = []
+        self._sizes: list[int] = []
+        self.free_bytes = 0
+        pos = 0
+        for off, size in sorted(used):
+            if off > pos:
+                self._starts.append(pos)
+                self._sizes.append(off - pos)
+            pos = max(pos, off + size)
+        if capacity > pos:
+            self._starts.append(pos)
+            self._sizes.append(capacity - pos)
+        self.free_bytes = sum(self._sizes)
+
+    def allocate(self, size: int) -> int | None:
+        for k, n in enumerate(self._sizes):
+            if n >= size:
+                off = self._starts[k]
+                if n == size:
+                    del self._starts[k], self._sizes[k]
+                else:
+                    self._starts[k] += size
+                    self._sizes[k] -= size
+                self.free_bytes -= size
+                return off
+        return None
+
+    def free(self, off: int, size: int) -> None:
+        k = bisect.bisect_left(self._starts, off)
+        self._starts.insert(k, off)
+        self._sizes.insert(k, size)
+        self.free_bytes += size
+        if k + 1 < len(self._starts) and off + size == self._starts[k + 1]:
+            self._sizes[k] += self._sizes[k + 1]
+            del self._starts[k + 1], self._sizes[k + 1]
+        if k > 0 and self._starts[k - 1] + self._sizes[k - 1] == off:
+            self._sizes[k - 1] += self._sizes[k]
+            del self._starts[k], self._sizes[k]
+
+    def reserve(self, off: int, size: int) -> bool:
+        """Take exactly [off, off + size) out of free space; False when it is not wholly free."""
+        k = bisect.bisect_right(self._starts, off) - 1
+        if k < 0 or self._starts[k] + self._sizes[k] < off + size:
+            return False
+        start, n = self._starts[k], self._sizes[k]
+        del self._starts[k], self._sizes[k]
+        if off + size < start + n:
+            self._starts.insert(k, off + size)
+            self._sizes.insert(k, start + n - off - size)
+        if off > start:
+            self._starts.insert(k, start)
+            self._sizes.insert(k, off - start)
+        self.free_bytes -= size
+        return True
+
+
+class _Entry:
+    __slots__ = ("offset", "value_len", "seq", "readers", "dead", "zapped")
+
+    def __init__(self, offset: int, value_len: int, seq: int) -> None:
+        self.offset = offset  # file offset of the header block
+        self.value_len = value_len
+        self.seq = seq
+        self.readers = 0
+        self.dead = False  # found corrupt: invalidate once the last reader is done
+        self.zapped = False
+
+    @property
+    def nbytes(self) -> int:
+        return record_bytes(self.value_len)
+
+
+class OffsetBackend:
+    """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
+
+    name = "offset"
+
+    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> None:
+        self.cfg = cfg
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self._dir = cfg.path
+        os.makedirs(self._dir, exist_ok=True)
+        self._path = os.path.join(self._dir, FILE_NAME)
+        self._direct = cfg.direct_io and probe_direct_io(self._dir)
+        if cfg.direct_io and not self._direct:
+            logger.warning("O_DIRECT not supported under %s; offset backend uses buffered I/O", self._dir)
+        self._lock = threading.Lock()  # index, allocator, counters
+        self._wlock = threading.Lock()  # one writer of the file at a time (see the module docstring)
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # eviction order: oldest/least recent first
+        self._pending: set[str] = set()
+        self._seq = 1
+        self._stats = SsdStats()
+        self._closed = False
+        self._seed, size = self._open_file()
+        self._size = size
+        self._stats.capacity_bytes = size - DATA_START
+        self._fd = os.open(self._path, os.O_RDWR | (os.O_DIRECT if self._direct else 0))
+        try:
+            self._recover()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    # -- file and recovery ---------------------------------------------------------------------------
+    def _open_file(self) -> tuple[int, int]:
+        want = max(2 * ALIGN, align_down(self.cfg.capacity_bytes))
+        if not os.path.exists(self._path):
+            return self._create(want), want
+        fd = os.open(self._path, os.O_RDWR)
+        try:
+            raw = os.pread(fd, _SUPER.size, 0)
+            if len(raw) != _SUPER.size:
+                raise OSError(errno.EINVAL, f"{self._path}: too short for an offset-backend superblock")
+            magic, seed, _, check = _SUPER.unpack(raw)
+            if magic != _SUPER_MAGIC or xxhash.xxh3_64_intdigest(raw[:24]) != check:
+                raise OSError(errno.EINVAL, f"{self._path}: not an offset-backend data file (bad superblock)")
+            size = align_down(os.fstat(fd).st_size)
+            if want > size:
+                self._grow(fd, size, want)
+                size = want
+            elif want < size:
+                logger.info("%s is %d bytes, more than capacity_bytes=%d: keeping it whole (its records stay)",
+                            self._path, size, self.cfg.capacity_bytes)
+        finally:
+            os.close(fd)
+        return seed, size
+
+    def _grow(self, fd: int, old: int, new: int) -> None:
+        try:
+            _fallocate(fd, old, new - old)
+        except OSError as e:
+            logger.warning("cannot preallocate %s (%s); the file stays sparse", self._path, e)
+            os.ftruncate(fd, new)
+        os.fsync(fd)
+
+    def _create(self, size: int) -> int:
+        seed = secrets.randbits(64)
+        tmp = self._path + ".tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644)
+        try:
+            self._grow(fd, 0, size)
+            head = _SUPER.pack(_SUPER_MAGIC, seed, size, 0)[:24]
+            os.pwrite(fd, head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._path)
+        fsync_dir(self._dir)
+        return seed
+
+    def _scan(self) -> list[tuple[int, int, int, bytes]]:
+        """Walk the file: (offset, value_len, seq, key) of every record whose header is valid."""
+        found: list[tuple[int, int, int, bytes]] = []
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            pos = DATA_START
+            while pos + HEADER_BLOCK <= self._size:
+                try:
+                    pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # only holes from here on
+                        break
+                    raise
+                h = decode_header(os.pread(fd, HEADER_BLOCK, pos), self._seed)
+                if h is not None and pos + record_bytes(h.value_len) <= self._size:
+                    found.append((pos, h.value_len, h.seq, h.key))
+                    pos += record_bytes(h.value_len)
+                    continue
+                pos = self._next_candidate(fd, pos + HEADER_BLOCK)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return found
+
+    def _next_candidate(self, fd: int, pos: int) -> int:
+        """First block at or after ``pos`` holding a valid header (or the end of the file)."""
+        while pos < self._size:
+            chunk = os.pread(fd, min(_SCAN_CHUNK, self._size - pos), pos)
+            if not chunk:
+                break
+            i = chunk.find(MAGIC)
+            while i >= 0:
+                if i % ALIGN == 0:
+                    block = chunk[i:i + HEADER_BLOCK]
+                    if len(block) < HEADER_BLOCK:
+                        return pos + i  # the main loop reads it whole
+                    if decode_header(block, self._seed) is not None:
+                        return pos + i
+                i = chunk.find(MAGIC, i + 1)
+            pos += len(chunk)
+        return self._size
+
+    def _recover(self) -> None:
+        found = self._scan()
+        best: dict[bytes, tuple[int, int, int, bytes]] = {}
+        losers: list[int] = []
+        for rec in found:
+            other = best.get(rec[3])
+            if other is None or rec[2] > other[2]:
+                if other is not None:
+                    losers.append(other[0])
+                best[rec[3]] = rec
+            else:
+                losers.append(rec[0])
+        for off, value_len, seq, key in sorted(best.values(), key=lambda r: r[2]):  # oldest first
+            self._index[key.decode()] = _Entry(off, value_len, seq)
+        if found:
+            self._seq = max(r[2] for r in found) + 1
+        used = [(e.offset - DATA_START, e.nbytes) for e in self._index.values()]
+        self._alloc = FreeExtents(self._size - DATA_START, used)
+        if losers:
+            self._invalidate(losers)
+        self._stats.recovered_objects = len(self._index)
+        self._stats.discarded_records = len(losers)
+        if found:
+            logger.info("offset backend at %s: recovered %d objects (%d superseded records dropped)",
+                        self._dir, len(self._index), len(losers))
+
+    def _invalidate(self, offsets: list[int]) -> int:
+        """Zero the header blocks at ``offsets`` durably; 0 or -errno."""
+        if not offsets:
+            return 0
+        results = self._engine.write([IoRequest(self._fd, off, [_ZERO_BLOCK]) for off in offsets])
+        bad = [r for r in results if r < 0]
+        if bad:
+            return bad[0]
+        return self._engine.sync([self._fd])[0]
+
+    # -- put ---------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
+        """Write new objects; blocks until every object reported OK is durable. Thread-safe."""
+        check_batch(keys, buffers)
+        out = [Status.OK] * len(keys)
+        views: dict[int, memoryview] = {}
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if check_key(key) is not None:
+                    out[i] = Status.INVALID_KEY
+                    continue
+                v = byte_view(buffers[i])
+                if record_bytes(v.nbytes) > self._stats.capacity_bytes:
+                    out[i] = Status.TOO_LARGE
+                elif key in self._index or key in self._pending:
+                    out[i] = Status.EXISTS
+                else:
+                    self._pending.add(key)
+                    views[i] = v
+        if not views:
+            return out
+        try:
+            with self._wlock:
+                self._put_locked(keys, views, out)
+        finally:
+            with self._lock:
+                self._pending.difference_update(keys[i] for i in views)
+        return out
+
+    def _put_locked(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status]) -> None:
+        placed: dict[int, int] = {}  # batch index -> file offset
+        victims: list[_Entry] = []
+        with self._lock:
+            candidates = iter(list(self._index.items()))
+            for i, v in views.items():
+                need = record_bytes(v.nbytes)
+                off = self._alloc.allocate(need)
+                while off is None:
+                    victim = next(((k, e) for k, e in candidates if e.readers == 0 and self._index.get(k) is e),
+                                  None)
+                    if victim is None:
+                        break
+                    del self._index[victim[0]]
+                    victims.append(victim[1])
+                    self._alloc.free(victim[1].offset - DATA_START, victim[1].nbytes)
+                    off = self._alloc.allocate(need)
+                if off is None:
+                    out[i] = Status.NO_SPACE
+                else:
+                    placed[i] = off + DATA_START
+            self._stats.evictions += len(victims)
+
+        # Phase 0: the evicted records' headers go before their space is written over.
+        err = self._invalidate([e.offset for e in victims])
+        if err < 0:
+            logger.error("invalidating %d evicted records failed: %s", len(victims), os.strerror(-err))
+            with self._lock:
+                for i, off in placed.items():
+                    self._alloc.free(off - DATA_START, record_bytes(views[i].nbytes))
+                for e in victims:  # their space stays out of use until a restart sorts it out
+                    self._alloc.reserve(e.offset - DATA_START, e.nbytes)
+            for i in placed:
+                out[i] = status_for_errno(-err)
+            return
+
+        # Phase 1: values (and padding), then fdatasync.
+        order = [i for i in placed if views[i].nbytes]
+        results = self._engine.write([IoRequest(self._fd, placed[i] + HEADER_BLOCK, value_buffers(views[i]))
+                                      for i in order])
+        failed = {i: r for i, r in zip(order, results) if r < 0}
+        alive = [i for i in placed if i not in failed]
+        if alive:
+            r = self._engine.sync([self._fd])[0]
+            if r < 0:
+                failed.update((i, r) for i in alive)
+                alive = []
+
+        # Phase 2: headers, then fdatasync: from here on each record exists.
+        headers = aligned_buffer(max(1, len(alive)) * HEADER_BLOCK)
+        entries: dict[int, _Entry] = {}
+        with self._lock:
+            for i in alive:
+                entries[i] = _Entry(placed[i], views[i].nbytes, self._seq)
+                self._seq += 1
+        requests = []
+        for k, i in enumerate(alive):
+            key_b = keys[i].encode()
+            block = headers[k * HEADER_BLOCK:(k + 1) * HEADER_BLOCK]
+            encode_header(block, key_b, views[i].nbytes, entries[i].seq, value_checksum(key_b, views[i]), self._seed)
+            requests.append(IoRequest(self._fd, placed[i], [block]))
+        for i, r in zip(alive, self._engine.write(requests)):
+            if r < 0:
+                failed[i] = r
+        done = [i for i in alive if i not in failed]
+        if done:
+            r = self._engine.sync([self._fd])[0]
+            if r < 0:
+                failed.update((i, r) for i in done)
+                done = []
+
+        with self._lock:
+            for i in done:
+                self._index[keys[i]] = entries[i]
+            for i, r in failed.items():
+                self._alloc.free(placed[i] - DATA_START, record_bytes(views[i].nbytes))
+                out[i] = status_for_errno(-r)
+        if failed:
+            logger.warning("offset backend: %d of %d writes failed (%s)", len(failed), len(placed),
+                           os.strerror(-next(iter(failed.values()))))
+
+    # -- get ---------------------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        """Copy objects into the caller's buffers, verifying each; CORRUPT ones are dropped."""
+        check_batch(keys, buffers)
+        out = [ReadResult(Status.NOT_FOUND)] * len(keys)
+        reads: list[tuple[int, _Entry, RecordRead]] = []
+        lru = self.cfg.bucket_eviction == "lru"
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if check_key(key) is not None:
+                    out[i] = ReadResult(Status.INVALID_KEY)
+                    continue
+                e = self._index.get(key)
+                if e is None:
+                    continue
+                dest = byte_view(buffers[i])
+                if dest.nbytes < e.value_len:
+                    out[i] = ReadResult(Status.BUFFER_TOO_SMALL)
+                    continue
+                e.readers += 1
+                if lru:
+                    self._index.move_to_end(key)
+                reads.append((i, e, RecordRead(self._fd, e.offset, key.encode(), e.value_len, e.seq, dest)))
+        if not reads:
+            return out
+        statuses = [Status.IO_ERROR] * len(reads)
+        try:
+            statuses = read_records(self._engine, [r for _, _, r in reads], self._seed)
+        finally:
+            zap: list[_Entry] = []
+            with self._lock:
+                for (i, e, r), st in zip(reads, statuses):
+                    e.readers -= 1
+                    if st is Status.CORRUPT and not e.dead:
+                        e.dead = True
+                        self._stats.corrupt_reads += 1
+                        if self._index.get(keys[i]) is e:
+                            del self._index[keys[i]]
+                    if e.dead and e.readers == 0 and not e.zapped:
+                        e.zapped = True
+                        zap.append(e)
+            if zap:
+                logger.warning("%d corrupt records in %s dropped", len(zap), self._path)
+                self._zap(zap)
+        for (i, e, r), st in zip(reads, statuses):
+            out[i] = ReadResult(st, r.value_len if st is Status.OK else 0)
+        return out
+
+    def _zap(self, entries: list[_Entry]) -> None:
+        """Invalidate corrupt records on disk, then give their space back."""
+        with self._wlock:
+            err = self._invalidate([e.offset for e in entries])
+            if err < 0:  # keep the space out of use: a restart finds the record corrupt again
+                logger.error("cannot invalidate corrupt records in %s: %s", self._path, os.strerror(-err))
+                return
+            with self._lock:
+                for e in entries:
+                    self._alloc.free(e.offset - DATA_START, e.nbytes)
+
+    # -- remove and queries ------------------------------------------------------------------------
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Remove objects durably (their headers are zeroed); BUSY for an object being read."""
+        check_batch(keys)
+        out = [Status.NOT_FOUND] * len(keys)
+        with self._wlock:
+            gone: list[tuple[int, str, _Entry]] = []
+            with self._lock:
+                self._check_open()
+                for i, key in enumerate(keys):
+                    if check_key(key) is not None:
+                        out[i] = Status.INVALID_KEY
+                        continue
+                    e = self._index.get(key)
+                    if e is None:
+                        continue
+                    if e.readers:
+                        out[i] = Status.BUSY
+                        continue
+                    del self._index[key]
+                    gone.append((i, key, e))
+            if not gone:
+                return out
+            err = self._invalidate([e.offset for _, _, e in gone])
+            with self._lock:
+                for i, key, e in gone:
+                    if err < 0:
+                        self._index[key] = e
+                        out[i] = Status.IO_ERROR
+                    else:
+                        self._alloc.free(e.offset - DATA_START, e.nbytes)
+                        out[i] = Status.OK
+        return out
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        check_batch(keys)
+        with self._lock:
+            return [isinstance(k, str) and k in self._index for k in keys]
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        check_batch(keys)
+        out: list[int | None] = []
+        with self._lock:
+            for k in keys:
+                e = self._index.get(k) if isinstance(k, str) else None
+                out.append(None if e is None else e.value_len)
+        return out
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            snapshot = list(self._index)
+        return iter(snapshot)
+
+    def stats(self) -> SsdStats:
+        with self._lock:
+            s = msgspec.structs.replace(self._stats)
+            s.objects = len(self._index)
+            s.used_bytes = self._alloc.capacity - self._alloc.free_bytes
+            return s
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SSD backend is closed")
+
+    def close(self) -> None:
+        """Close the file (and the engine when owned). Idempotent; no call may be in flight."""
+        with self._wlock, self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._fd)
+        if self._owns_engine:
+            self._engine.close()

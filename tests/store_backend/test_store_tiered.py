@@ -1,0 +1,174 @@
+"""DRAM over SSD: offload (eager and watermark), eviction to SSD, promotion, restart, slow SSD."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from store_backend.ssd.base import SsdStats
+from store_backend.store import TieredStore
+from store_backend.types import ReadResult, Status
+from tests.store_backend.conftest import payload
+
+MiB = 1 << 20
+CHUNK = 256 * 1024
+BACKENDS = ["bucket", "offset", "file"]
+
+
+def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str = "eager", **extra) -> TieredStore:
+    cfg = {
+        "dram": {"capacity_bytes": dram},
+        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": backend,
+                "bucket_size_bytes": 1 * MiB},
+        "offload": {"policy": policy, "high_watermark": 0.8, "low_watermark": 0.5},
+    }
+    for section, values in extra.items():
+        cfg.setdefault(section, {}).update(values)
+    return TieredStore(cfg).start()
+
+
+def read_ok(store: TieredStore, keys: Sequence[str], size: int = CHUNK) -> list[bool]:
+    outs = [np.zeros(size, np.uint8) for _ in keys]
+    res = store.get_into(keys, outs)
+    return [r.status is Status.OK and np.array_equal(o, payload(k, size)) for k, o, r in zip(keys, outs, res)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_offload_then_evicted_objects_come_from_ssd(tmp_path, backend) -> None:
+    with tiered(tmp_path, backend) as s:
+        keys = [f"k{i}" for i in range(24)]  # 6 MiB through a 2 MiB DRAM tier
+        for k in keys:
+            assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
+            s.flush(timeout_s=30)  # an SSD that keeps up: nothing is dropped
+        tiers = s.tier_of(keys)
+        assert tiers.count("dram") <= 8 and tiers.count("ssd") >= 16 and None not in tiers
+        assert s.exists(keys) == len(keys)
+        assert all(read_ok(s, keys))
+        m = s.metrics()
+        assert m["dram"]["offloads"] == len(keys)
+        assert m["ssd"]["hits"] >= 16 and m["dram"]["evictions"] >= 16
+        assert m["store"]["dropped_unpersisted"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_promotion_after_admission_hits(tmp_path, backend) -> None:
+    with tiered(tmp_path, backend, promotion={"admission_hits": 2}) as s:
+        keys = [f"k{i}" for i in range(16)]
+        for k in keys:
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+        cold = keys[0]
+        assert s.tier_of([cold]) == ["ssd"]
+        assert read_ok(s, [cold]) == [True]
+        s.flush(timeout_s=30)
+        assert s.tier_of([cold]) == ["ssd"]  # one hit is below the admission threshold
+        assert read_ok(s, [cold]) == [True]
+        s.flush(timeout_s=30)
+        assert s.tier_of([cold]) == ["dram"]
+        assert read_ok(s, [cold]) == [True]
+        assert s.metrics()["dram"]["promotions"] == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_watermark_moves_down_to_low_mark(tmp_path, backend) -> None:
+    with tiered(tmp_path, backend, dram=4 * MiB, policy="watermark") as s:
+        keys = [f"k{i}" for i in range(15)]  # 3.75 MiB: above the 80% mark of 4 MiB
+        assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 15
+        assert s.flush(timeout_s=30)
+        m = s.metrics()
+        assert m["dram"]["used_bytes"] <= 0.5 * 4 * MiB
+        assert m["dram"]["offloads"] >= 7
+        assert s.tier_of(keys[:7]) == ["ssd"] * 7  # the coldest went down first
+        assert all(read_ok(s, keys))
+        assert m["store"]["dropped_unpersisted"] == 0
+
+
+def test_restart_serves_everything_persisted(tmp_path) -> None:
+    keys = [f"k{i}" for i in range(12)]
+    s = tiered(tmp_path, "bucket", dram=8 * MiB)
+    s.put(keys, [payload(k, CHUNK) for k in keys])
+    s.close()  # flushes queued offloads
+    with tiered(tmp_path, "bucket", dram=8 * MiB) as s2:
+        assert s2.tier_of(keys) == ["ssd"] * 12
+        assert all(read_ok(s2, keys))
+        assert s2.put(keys[:1], [b"different"]) == [Status.EXISTS]
+
+
+def test_remove_reaches_every_tier(tmp_path) -> None:
+    with tiered(tmp_path, "offset") as s:
+        s.put(["a"], [payload("a", CHUNK)])
+        s.flush(timeout_s=30)
+        assert s.remove(["a"]) == [Status.OK]
+        assert s.contains(["a"]) == [False]
+        assert s.get_into(["a"], [bytearray(CHUNK)])[0].status is Status.NOT_FOUND
+
+
+class SlowSsd:
+    """Fault injection: an SSD backend that takes ``delay_s`` per put and stores in a dict."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        time.sleep(self.delay_s)
+        with self.lock:
+            for k, b in zip(keys, buffers):
+                self.data.setdefault(k, bytes(b))
+        return [Status.OK] * len(keys)
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        out = []
+        for k, b in zip(keys, buffers):
+            v = self.data.get(k)
+            if v is None:
+                out.append(ReadResult(Status.NOT_FOUND))
+            else:
+                memoryview(b).cast("B")[:len(v)] = v
+                out.append(ReadResult(Status.OK, len(v)))
+        return out
+
+    def contains(self, keys):  # noqa: ANN001, ANN201
+        return [k in self.data for k in keys]
+
+    def size_of(self, keys):  # noqa: ANN001, ANN201
+        return [len(self.data[k]) if k in self.data else None for k in keys]
+
+    def remove(self, keys):  # noqa: ANN001, ANN201
+        return [Status.OK if self.data.pop(k, None) is not None else Status.NOT_FOUND for k in keys]
+
+    def keys(self):  # noqa: ANN201
+        return iter(list(self.data))
+
+    def stats(self) -> SsdStats:
+        return SsdStats(objects=len(self.data))
+
+    def close(self) -> None:
+        pass
+
+
+def test_slow_ssd_never_blocks_puts_and_drops_are_counted() -> None:
+    ssd = SlowSsd(delay_s=0.2)
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd).start()
+    try:
+        keys = [f"k{i}" for i in range(40)]
+        t0 = time.monotonic()
+        statuses = [s.put([k], [payload(k, CHUNK)])[0] for k in keys]
+        assert time.monotonic() - t0 < 2.0  # 40 puts while the SSD takes 0.2 s per batch
+        assert statuses.count(Status.OK) + statuses.count(Status.NO_SPACE) == 40
+        assert statuses[-1] is Status.OK  # the newest object always finds room
+        m = s.metrics()
+        assert m["store"]["dropped_unpersisted"] > 0  # SSD fell behind: said so in metrics
+        s.flush(timeout_s=30)
+        # whatever is still claimed present is served byte-identical
+        present = [k for k, hit in zip(keys, s.contains(keys)) if hit]
+        assert present and all(read_ok(s, present))
+    finally:
+        s.close()

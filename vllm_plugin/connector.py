@@ -1,0 +1,133 @@
+"""``MooncakeTieredConnector``: vLLM's V1 KV connector over the tiered store (a thin façade).
+
+vLLM builds one instance per role: in the scheduler (``KVConnectorRole.SCHEDULER``) every call goes
+to :class:`vllm_plugin.scheduler.SchedulerSide`; in each worker (``KVConnectorRole.WORKER``) to
+:class:`vllm_plugin.worker.WorkerSide`. The role is checked once here; each half can be read alone.
+
+Load it by module path::
+
+    --kv-transfer-config '{"kv_connector": "MooncakeTieredConnector",
+                           "kv_connector_module_path": "vllm_plugin.connector",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
+
+or by name alone once the ``vllm.general_plugins`` entry point has registered it
+(see :mod:`vllm_plugin.registration`). ``kv_connector_extra_config`` is validated by
+:func:`mooncake_connector.config.load_connector_config`; docs/VLLM.md lists every key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from mooncake_connector.config import load_connector_config
+from vllm_plugin.metadata import TieredConnectorMetadata
+from vllm_plugin.model_info import kv_geometry
+from vllm_plugin.scheduler import SchedulerSide
+from vllm_plugin.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+CONNECTOR_NAME = "MooncakeTieredConnector"
+
+
+class MooncakeTieredConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
+        cfg.check_block_size(vllm_config.cache_config.block_size)
+        geometry = kv_geometry(vllm_config, kv_cache_config)
+        self.config = cfg
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, cfg, geometry)
+        else:
+            self._worker = WorkerSide(vllm_config, cfg, geometry, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # Every save is staged during the forward: a preempted request loses nothing in flight.
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # per-layer load/save hooks must run between graph pieces
+
+    # -- worker side -------------------------------------------------------------------------------
+    def _meta(self) -> TieredConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(self._meta(), layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_kv_layer(self._meta(), layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- both --------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        side = self._scheduler or self._worker
+        self._scheduler = self._worker = None
+        if side is not None:
+            side.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this half plus the store's per-tier metrics (for tests and benchmarks)."""
+        side = self._scheduler or self._worker
+        if side is None:
+            return {}
+        return {"role": self.role.name.lower(), **side.stats(), "store": side.store.metrics()}

@@ -1,0 +1,236 @@
+"""Scheduler half of the vLLM connector: prefix lookups, and the per-step load/save plan.
+
+Lives in vLLM's scheduler (engine-core process) and is called only from the scheduler thread; the
+lookups it starts run on its :class:`mooncake_connector.client.KVClient`'s I/O threads.
+
+Per request it keeps the chained chunk hashes of the tokens seen so far, the external hit found for
+it, the engine blocks it holds, and how many of its chunks are stored or planned for saving. It
+decides; the worker half moves bytes.
+
+- ``get_num_new_matched_tokens`` answers how many tokens beyond vLLM's local hit the store holds,
+  whole chunks only, never the prompt's last token. It starts a lookup and answers ``None`` ("ask
+  later") if the lookup is not back within ``lookup_wait_s``; it changes nothing but its own cache of
+  lookup results, so calling it twice is harmless.
+- ``update_state_after_alloc`` turns an accepted hit into a load plan and leases the objects.
+- ``build_connector_meta`` emits the loads, and saves for every chunk whose tokens were all computed
+  by the end of this step: prompt chunks, chunked-prefill chunks and decode-produced chunks alike.
+- ``request_finished`` hands disaggregated-prefill parameters to the decode instance. Saves copy
+  their blocks into staging memory during the forward, so blocks are never held after a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+from mooncake_connector.client import KVClient
+from mooncake_connector.config import ConnectorConfig
+from mooncake_connector.keys import chunk_hashes, object_key
+from mooncake_connector.stores import acquire_store, release_store
+from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata
+from vllm_plugin.model_info import KVGeometry, fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# kv_transfer_params keys (the proxy passes the prefill response's params on to the decode request).
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_PREFIX_TOKENS = "remote_prefix_tokens"
+REMOTE_FINGERPRINT = "remote_fingerprint"
+
+
+def request_extra_keys(request: Request) -> list[str]:
+    """What besides the tokens makes KV differ: LoRA adapter, multimodal inputs, cache salt."""
+    extra: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extra.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
+    for feature in getattr(request, "mm_features", None) or ():
+        extra.append(f"mm:{feature.identifier}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extra.append(f"salt:{salt}")
+    return extra
+
+
+class _Tracked:
+    """Scheduler-side state of one live request."""
+
+    __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
+                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.extra = request_extra_keys(request)
+        self.hashes: list[str] = []
+        self.lookup: Future | None = None
+        self.lookup_chunks = 0
+        self.hit_chunks = 0  # leading chunks found in the store by the last finished lookup
+        self.local_tokens = 0  # vLLM's own (block-aligned) hit when the hit was computed
+        self.block_ids: list[int] = []
+        self.saved_chunks = 0  # chunks [0, saved_chunks) are in the store or planned for saving
+        self.plan_loads: list[ChunkLoad] = []
+        self.remote_chunks = 0  # chunks a prefill instance promised (disaggregated decode)
+        self.remote_deadline = 0.0
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, cfg: ConnectorConfig, geometry: KVGeometry) -> None:
+        kv_role = vllm_config.kv_transfer_config.kv_role
+        self.cfg = cfg
+        self.chunk_tokens = cfg.chunk_tokens
+        self.blocks_per_chunk = cfg.chunk_tokens // geometry.block_size
+        self.can_load = kv_role in ("kv_both", "kv_consumer", "kv_producer")
+        self.can_save = kv_role in ("kv_both", "kv_producer")
+        # One key prefix per KV shard: a chunk counts as present only when every shard stored it.
+        self.shard_digests = [fingerprint(vllm_config, geometry, cfg, i).digest()
+                              for i in range(1 if geometry.is_mla else geometry.shard_count)]
+        self.store = acquire_store(cfg.store_config())
+        self.client = KVClient(self.store, io_workers=1, lease_ttl_s=cfg.lease_ttl_s,
+                               name="kv-sched-lookup").start()
+        self._reqs: dict[str, _Tracked] = {}
+        self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0}
+
+    def close(self) -> None:
+        self.client.close()
+        release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
+
+    # -- keys --------------------------------------------------------------------------------------
+    def _hashes_upto(self, t: _Tracked, num_chunks: int) -> list[str]:
+        """Chain hashes of the request's first ``num_chunks`` chunks (extended incrementally)."""
+        have = len(t.hashes)
+        if num_chunks > have:
+            tokens = t.request.all_token_ids
+            new = tokens[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
+            t.hashes.extend(chunk_hashes(new, self.chunk_tokens, extra_keys=t.extra,
+                                         parent=t.hashes[-1] if t.hashes else None))
+        return t.hashes[:num_chunks]
+
+    def _keys(self, hashes: list[str]) -> list[list[str]]:
+        return [[object_key(d, h) for h in hashes] for d in self.shard_digests]
+
+    # -- vLLM scheduler hooks ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        t = self._reqs.get(request.request_id)
+        if t is None:
+            t = self._reqs[request.request_id] = _Tracked(request)
+            self._note_remote_prefill(t)
+        if not self.can_load:
+            return 0, False
+        # Whole chunks only, and never the last token: vLLM must compute at least one token.
+        max_chunks = (request.num_tokens - 1) // self.chunk_tokens
+        if max_chunks * self.chunk_tokens <= num_computed_tokens:
+            return 0, False
+        if t.lookup is None or t.lookup_chunks != max_chunks:
+            t.lookup = self.client.lookup_all_async(self._keys(self._hashes_upto(t, max_chunks)))
+            t.lookup_chunks = max_chunks
+            self.counters["lookups"] += 1
+        try:
+            hit = t.lookup.result(timeout=self.cfg.lookup_wait_s)
+        except FutureTimeout:
+            self.counters["ask_later"] += 1
+            return None, False
+        want_remote = min(t.remote_chunks, max_chunks)
+        if hit < want_remote and time.monotonic() < t.remote_deadline:
+            # The prefill instance's saves may still be on their way: look again next step.
+            t.lookup = None
+            self.counters["ask_later"] += 1
+            return None, False
+        t.hit_chunks = hit
+        t.local_tokens = num_computed_tokens
+        return max(0, hit * self.chunk_tokens - num_computed_tokens), False
+
+    def _note_remote_prefill(self, t: _Tracked) -> None:
+        params = t.request.kv_transfer_params or {}
+        if params.get(DO_REMOTE_PREFILL) and params.get(REMOTE_FINGERPRINT) in (None, self.shard_digests[0]):
+            t.remote_chunks = int(params.get(REMOTE_PREFIX_TOKENS, 0)) // self.chunk_tokens
+            t.remote_deadline = time.monotonic() + self.cfg.remote_prefill_wait_s
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        t = self._reqs.get(request.request_id)
+        if t is None:
+            return
+        t.block_ids = list(blocks.get_block_ids()[0])
+        # Chunks already in the store need no saving; the ones vLLM held locally get saved.
+        t.saved_chunks = max(t.saved_chunks, t.hit_chunks)
+        if num_external_tokens <= 0:
+            return
+        start, end = t.local_tokens, t.local_tokens + num_external_tokens
+        block_size = self.chunk_tokens // self.blocks_per_chunk
+        loads: list[ChunkLoad] = []
+        for c in range(start // self.chunk_tokens, end // self.chunk_tokens):
+            lo = c * self.blocks_per_chunk
+            first = max(lo, start // block_size)
+            loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
+        t.plan_loads = loads
+        self.client.pin([k for keys in self._keys([ld.chunk_hash for ld in loads]) for k in keys])
+        self.counters["load_plans"] += 1
+        self.counters["hit_tokens"] += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredConnectorMetadata:
+        meta = TieredConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            self._plan(meta, t, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._reqs.get(req_id)
+            if t is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                t.block_ids.extend(new_blocks[0])
+            self._plan(meta, t, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str, computed_after: int) -> None:
+        plan = RequestPlan(req_id, loads=t.plan_loads)
+        t.plan_loads = []
+        if self.can_save:
+            limit = computed_after
+            if not self.cfg.save_decode:
+                limit = min(limit, t.request.num_prompt_tokens)
+            # Only tokens the scheduler already knows can be hashed (async scheduling lags a step).
+            upto = min(limit, len(t.request.all_token_ids)) // self.chunk_tokens
+            upto = min(upto, len(t.block_ids) // self.blocks_per_chunk)
+            if upto > t.saved_chunks:
+                hashes = self._hashes_upto(t, upto)
+                bpc = self.blocks_per_chunk
+                for c in range(t.saved_chunks, upto):
+                    plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
+                                                t.block_ids[c * bpc:(c + 1) * bpc]))
+                self.counters["save_chunks"] += upto - t.saved_chunks
+                t.saved_chunks = upto
+        if plan.loads or plan.saves:
+            meta.requests.append(plan)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        t = self._reqs.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if t is None or not self.can_save or not params.get(DO_REMOTE_DECODE):
+            return False, None
+        # Disaggregated prefill: tell the decode instance how much prefix it will find in the store.
+        return False, {
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            REMOTE_PREFIX_TOKENS: t.saved_chunks * self.chunk_tokens,
+            REMOTE_FINGERPRINT: self.shard_digests[0],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "live_requests": len(self._reqs), "client": self.client.stats()}
