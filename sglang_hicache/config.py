@@ -3,8 +3,9 @@
 SGLang hands the whole extra-config dict to the backend (``HiCacheStorageConfig.extra_config``).
 It holds three kinds of keys:
 
-* SGLang's own (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, and
-  ``tp_lcm_size``, which SGLang pops before the backend sees the dict): read by SGLang, ignored here.
+* SGLang's own (:data:`SGLANG_KEYS`: the dynamic loader's ``backend_name``, ``module_path``,
+  ``class_name``; the controller's ``interface_v1``, ``prefetch_threshold``, ... some of which SGLang
+  pops before the backend sees the dict): read by SGLang, ignored here.
 * The connector keys shared with the vLLM connector (:class:`mooncake_connector.config.
   ConnectorConfig`: ``model_id``, ``revision``, ``store``, ``config_file``, ``chunk_tokens`` ...),
   with the same names and meanings. SGLang's page is the stored object, so ``chunk_tokens``, when
@@ -24,8 +25,13 @@ import msgspec
 from mooncake_connector.config import ConnectorConfig, load_connector_config
 from store_backend.config import ConfigError
 
-# Keys SGLang reads from the same dict (the dynamic-backend loader and the controller).
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+# Keys SGLang reads from the same dict (the dynamic-backend loader, the cache controller, and the
+# server, which adds file_storage_path when --file-storage-path is given).
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
+    "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+    "file_storage_path",
+})
 
 
 class SglangOnlySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -4,7 +4,7 @@ SGLang keeps its host KV pool (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost`
 layouts; the store holds each page as one canonical chunk object (:mod:`mooncake_connector.layout`:
 layer-major, inside a layer ``[plane, token, head, dim]``, planes K then V, one latent plane for
 MLA). :class:`HostPages` gives, for a page that starts at host index ``s``, a *view* of the host
-pool's bytes with the canonical axes ``[layer, plane, token, head, byte]`` (no copy), so moving a
+pool's bytes with the canonical axes ``[layer, plane, token, head, word]`` (no copy), so moving a
 page is one copy between that view and a flat buffer. When the view is contiguous (MLA with
 ``page_first_direct``) the store reads and writes the host pool directly and nothing is staged.
 
@@ -21,7 +21,7 @@ layout                 ``kv`` shape                    page ``s`` in native orde
 The native order of a page is also the order of SGLang's "flat data page" (``get_data_page`` /
 ``set_from_flat_data_page``), which the legacy storage calls pass around.
 
-Pure tensor code, no SGLang import; thread-safe (views only, no shared state after construction).
+Pure array code (numpy views of the pool's torch tensor), no SGLang import; thread-safe (views only, no shared state after construction).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from mooncake_connector.layout import ChunkLayout
@@ -36,7 +37,7 @@ from mooncake_connector.layout import ChunkLayout
 # Host-pool layouts whose pages map onto the canonical layout with a fixed permutation.
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
-# Permutation from the native page order to [layer, plane, token, head, byte], per layout.
+# Permutation from the native page order to [layer, plane, token, head, word], per layout.
 _TO_CANONICAL = {
     "layer_first": (1, 0, 2, 3, 4),  # [plane, layer, token, h, b]
     "page_first": (2, 0, 1, 3, 4),  # [plane, token, layer, h, b]
@@ -74,10 +75,17 @@ class PoolGeometry(msgspec.Struct, frozen=True):
         return self.chunk_layout().chunk_bytes
 
     @property
+    def word_dtype(self) -> np.dtype:
+        """The widest integer type that divides a head's row of bytes: pages are copied in these
+        units (a byte-wise strided copy runs several times slower)."""
+        row = self.head_size * self.element_bytes
+        return next(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.uint8) if row % np.dtype(t).itemsize == 0)
+
+    @property
     def canonical_shape(self) -> tuple[int, int, int, int, int]:
-        """A page in canonical order, in bytes: ``[layer, plane, token, head, byte]``."""
+        """A page in canonical order, in words: ``[layer, plane, token, head, word]``."""
         return (self.num_layers, self.num_planes, self.page_size, self.num_heads,
-                self.head_size * self.element_bytes)
+                self.head_size * self.element_bytes // self.word_dtype.itemsize)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -117,7 +125,12 @@ def geometry_of(host_pool: object, *, is_mla: bool) -> PoolGeometry:
 
 
 class HostPages:
-    """Canonical views of the pages of one host pool. The pool must outlive this object."""
+    """Canonical views of the pages of one host pool. The pool must outlive this object.
+
+    Copies run in numpy, one thread, in the caller's thread: SGLang calls from its own background
+    threads, and torch's intra-op thread pool, competing with the engine for a few cores, copies
+    permuted views several times slower than a single thread does.
+    """
 
     def __init__(self, kv_buffer: torch.Tensor, geometry: PoolGeometry) -> None:
         if kv_buffer.device.type != "cpu":
@@ -125,24 +138,24 @@ class HostPages:
         if not kv_buffer.is_contiguous():
             raise UnsupportedHostPoolError("host pool buffer is not contiguous")
         g = geometry
-        kv = kv_buffer.view(torch.uint8)
+        self._word = g.word_dtype
+        kv = kv_buffer.view(torch.uint8).numpy().view(self._word)
         if g.is_mla:
-            kv = kv.unsqueeze(0)
+            kv = kv[np.newaxis]
         self.geometry = g
         self._kv = kv
         self._perm = _TO_CANONICAL[g.layout]
-        b = g.head_size * g.element_bytes
-        if g.layout == "page_first_direct":
-            self.native_page_shape = (g.num_planes, g.num_layers, g.page_size, g.num_heads, b)
-        elif g.layout == "page_first":
+        self._shape = g.canonical_shape
+        b = self._shape[-1]
+        if g.layout == "page_first":
             self.native_page_shape = (g.num_planes, g.page_size, g.num_layers, g.num_heads, b)
         else:
             self.native_page_shape = (g.num_planes, g.num_layers, g.page_size, g.num_heads, b)
         self.page_bytes = g.page_bytes
         # Whether a page's canonical view is one contiguous range of the host pool.
-        self.direct = self.page_view(0).is_contiguous()
+        self.direct = bool(self.page_view(0).flags.c_contiguous)
 
-    def _native_page(self, start: int) -> torch.Tensor:
+    def _native_page(self, start: int) -> np.ndarray:
         p = self.geometry.page_size
         if start % p:
             raise ValueError(f"host index {start} is not at a page boundary (page size {p})")
@@ -153,41 +166,44 @@ class HostPages:
             return self._kv[:, start:start + p]
         return self._kv[:, :, start:start + p]
 
-    def page_view(self, start: int) -> torch.Tensor:
-        """The page starting at host index ``start`` as ``[layer, plane, token, head, byte]`` (a view)."""
-        return self._native_page(start).permute(self._perm)
+    def page_view(self, start: int) -> np.ndarray:
+        """The page starting at host index ``start`` as ``[layer, plane, token, head, word]`` (a view)."""
+        return self._native_page(start).transpose(self._perm)
 
     def page_array(self, start: int) -> memoryview:
         """Writable flat bytes of a page, for ``direct`` pools only (the store copies to/from it)."""
         view = self.page_view(start)
-        if not view.is_contiguous():
+        if not view.flags.c_contiguous:
             raise ValueError("page is not contiguous in this layout; stage it")
-        return memoryview(view.reshape(-1).numpy())
+        return memoryview(view.reshape(-1).view(np.uint8))
 
-    def gather(self, starts: Sequence[int], dest: torch.Tensor) -> None:
-        """Copy pages into ``dest`` (uint8, ``len(starts) * page_bytes`` or more), canonical order."""
-        shape = self.geometry.canonical_shape
+    def _region(self, flat: np.ndarray, i: int) -> np.ndarray:
+        """Page ``i`` of a flat uint8 buffer, shaped canonically in words."""
+        return flat[i * self.page_bytes:(i + 1) * self.page_bytes].view(self._word).reshape(self._shape)
+
+    def gather(self, starts: Sequence[int], dest: np.ndarray) -> None:
+        """Copy pages into ``dest`` (flat uint8, ``len(starts) * page_bytes`` or more), canonical order."""
         for i, start in enumerate(starts):
-            dest[i * self.page_bytes:(i + 1) * self.page_bytes].view(shape).copy_(self.page_view(start))
+            np.copyto(self._region(dest, i), self.page_view(start))
 
-    def scatter(self, starts: Sequence[int], src: torch.Tensor, which: Sequence[int] | None = None) -> None:
+    def scatter(self, starts: Sequence[int], src: np.ndarray, which: Sequence[int] | None = None) -> None:
         """Write pages ``which`` (default: all) of canonical ``src`` into the host pool at ``starts``."""
-        shape = self.geometry.canonical_shape
         for i in range(len(starts)) if which is None else which:
-            self.page_view(starts[i]).copy_(src[i * self.page_bytes:(i + 1) * self.page_bytes].view(shape))
+            np.copyto(self.page_view(starts[i]), self._region(src, i))
 
     # -- SGLang's flat data pages (legacy get/set) --------------------------------------------------
-    def flat_to_canonical(self, flat: torch.Tensor, dest: torch.Tensor) -> None:
+    def flat_to_canonical(self, flat: torch.Tensor, dest: np.ndarray) -> None:
         """Copy a flat data page (native order, any dtype) into canonical bytes ``dest``."""
-        src = self._flat_view(flat).permute(self._perm)
-        dest[:self.page_bytes].view(self.geometry.canonical_shape).copy_(src)
+        np.copyto(self._region(dest, 0), self._flat_view(flat).transpose(self._perm))
 
-    def canonical_to_flat(self, src: torch.Tensor, flat: torch.Tensor) -> None:
+    def canonical_to_flat(self, src: np.ndarray, flat: torch.Tensor) -> None:
         """Write canonical bytes ``src`` into a flat data page (native order)."""
-        self._flat_view(flat).permute(self._perm).copy_(src[:self.page_bytes].view(self.geometry.canonical_shape))
+        np.copyto(self._flat_view(flat).transpose(self._perm), self._region(src, 0))
 
-    def _flat_view(self, flat: torch.Tensor) -> torch.Tensor:
-        raw = flat.reshape(-1).view(torch.uint8)
-        if raw.numel() != self.page_bytes:
-            raise ValueError(f"flat page of {raw.numel()} bytes, expected {self.page_bytes}")
-        return raw.view(self.native_page_shape)
+    def _flat_view(self, flat: torch.Tensor) -> np.ndarray:
+        if not flat.is_contiguous() or flat.device.type != "cpu":
+            raise ValueError("a flat data page must be a contiguous host tensor")
+        raw = flat.reshape(-1).view(torch.uint8).numpy()
+        if raw.size != self.page_bytes:
+            raise ValueError(f"flat page of {raw.size} bytes, expected {self.page_bytes}")
+        return raw.view(self._word).reshape(self.native_page_shape)

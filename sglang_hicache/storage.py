@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mooncake_connector.keys import ModelFingerprint, object_key
@@ -57,17 +58,17 @@ class _Staging:
         self.pages = max(1, capacity_bytes // page_bytes)
         self.page_bytes = page_bytes
         self.lock = threading.Lock()
-        self._buf: torch.Tensor | None = None
+        self._buf: np.ndarray | None = None
 
-    def buffer(self, pages: int) -> torch.Tensor:
+    def buffer(self, pages: int) -> np.ndarray:
         """The buffer (allocated on first use), at least ``pages`` pages long. Hold ``lock``."""
         if self._buf is None:
-            self._buf = torch.empty(self.pages * self.page_bytes, dtype=torch.uint8)
+            self._buf = np.empty(self.pages * self.page_bytes, dtype=np.uint8)
         assert pages <= self.pages
         return self._buf
 
     def slices(self, pages: int) -> list[memoryview]:
-        flat = memoryview(self.buffer(pages).numpy())
+        flat = memoryview(self.buffer(pages))
         return [flat[i * self.page_bytes:(i + 1) * self.page_bytes] for i in range(pages)]
 
 
@@ -281,8 +282,8 @@ class MooncakeTieredStorage(HiCacheStorage):
         if pages is None:
             raise RuntimeError("register_mem_pool_host() has not been called")
         okeys = self.object_keys(keys)
-        tmp = torch.empty(len(keys) * pages.page_bytes, dtype=torch.uint8)
-        flat = memoryview(tmp.numpy())
+        tmp = np.empty(len(keys) * pages.page_bytes, dtype=np.uint8)
+        flat = memoryview(tmp)
         results = self.store.get_into(
             okeys, [flat[i * pages.page_bytes:(i + 1) * pages.page_bytes] for i in range(len(keys))])
         out: list[torch.Tensor | None] = []
@@ -308,10 +309,10 @@ class MooncakeTieredStorage(HiCacheStorage):
         pages = self._pages
         if pages is None:
             raise RuntimeError("register_mem_pool_host() has not been called")
-        tmp = torch.empty(len(keys) * pages.page_bytes, dtype=torch.uint8)
+        tmp = np.empty(len(keys) * pages.page_bytes, dtype=np.uint8)
         for i, value in enumerate(values):
             pages.flat_to_canonical(value, tmp[i * pages.page_bytes:])
-        flat = memoryview(tmp.numpy())
+        flat = memoryview(tmp)
         statuses = self.store.put(self.object_keys(keys),
                                   [flat[i * pages.page_bytes:(i + 1) * pages.page_bytes] for i in range(len(keys))])
         return all(st.ok for st in statuses)

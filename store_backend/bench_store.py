@@ -127,16 +127,23 @@ def bench_ssd(directory: Path, backend: str, io_engine: str, total_bytes: int, q
     return out
 
 
-def bench_raw(directory: Path, total_bytes: int, queue_depth: int, progress: Progress) -> dict[str, dict[int, float]]:
+def bench_raw(directory: Path, total_bytes: int, queue_depth: int, io_engine: str,
+              progress: Progress) -> tuple[dict[str, dict[int, float]], dict[str, object]]:
+    """Raw O_DIRECT at each size (the limit), plus fio's figures at 1 MiB where fio is installed."""
     out: dict[str, dict[int, float]] = {"write": {}, "read": {}}
+    fio: dict[str, object] = {}
     task = progress.add_task("raw O_DIRECT (limit)", total=len(SIZES))
     for size in SIZES:
         n = max(queue_depth, total_bytes // size)
-        r = raw_bench.measure_raw_direct(directory, object_bytes=size, count=n, queue_depth=queue_depth)
+        r = raw_bench.raw_direct_bench(str(directory), size, n, queue_depth, engine=io_engine,
+                                       use_fio=size == 1 << 20)
         out["write"][size] = r.write_gbps
         out["read"][size] = r.read_gbps
+        if size == 1 << 20:
+            fio = {"read_gbps": r.fio_read_gbps, "write_gbps": r.fio_write_gbps, "note": r.fio_note,
+                   "direct": r.direct, "engine": r.engine}
         progress.advance(task)
-    return out
+    return out, fio
 
 
 def _mean(d: dict[int, float]) -> float:
@@ -157,11 +164,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Progress(console=console, transient=True) as progress:
             dram = bench_dram(batch_bytes, args.repeat, progress)
-            raw = bench_raw(directory, ssd_bytes, args.queue_depth, progress)
+            raw, fio = bench_raw(directory, ssd_bytes, args.queue_depth, args.io_engine, progress)
             ssd = {b: bench_ssd(directory, b, args.io_engine, ssd_bytes, args.queue_depth, progress)
                    for b in backends}
-            fio = raw_bench.measure_fio(directory, object_bytes=1 << 20, total_bytes=ssd_bytes,
-                                        queue_depth=args.queue_depth)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -174,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"SSD {b:>6}: " + "  ".join(
             f"{s >> 10} KiB r {r['read'][s]:.2f} (raw {raw['read'][s]:.2f}) w {r['write'][s]:.2f} "
             f"(raw {raw['write'][s]:.2f})" for s in SIZES))
-    if fio:
-        console.print(f"fio 1 MiB O_DIRECT at QD {args.queue_depth}: read {fio['read_gbps']:.2f} GB/s, "
+    if fio.get("read_gbps") is not None:
+        console.print(f"fio 1 MiB at QD {args.queue_depth} (direct={fio['direct']}): read {fio['read_gbps']:.2f} GB/s, "
                       f"write {fio['write_gbps']:.2f} GB/s")
     default = backends[0]
     summary = {

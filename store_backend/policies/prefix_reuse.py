@@ -10,14 +10,21 @@ Two observations about KV-cache chunks drive this policy:
   time is reused again far more often than a fresh one (Mooncake's conversation trace: 24% of fresh
   chunks are ever reused, about half of the reused ones are reused again). Fresh chunks compete by
   plain recency; a chunk that has been requested twice or more (a hit, or a put of a key recently
-  evicted, remembered in a bounded ghost list) stays ahead of fresh chunks for
-  ``protect_turnovers`` cache turnovers since its last use.
+  evicted, remembered in a bounded ghost list) stays ahead of fresh chunks for a *protection
+  horizon* after its last use.
 
-Each object has one static priority, refreshed on every insert or hit:
-``tick + protect_turnovers * resident_objects`` for reused objects and ``tick`` for fresh ones, where
-``tick`` counts inserts and hits. The leaf with the smallest priority is evicted first. Leaves sit in
-a binary heap with lazy invalidation, so every operation costs O(log n); ``victims`` walks the heap
-without changing it.
+Time is counted in ticks (one per insert or hit). The horizon is learned: it is ``horizon_scale``
+times the ``horizon_quantile`` quantile of the distances (in ticks) between successive uses of
+reused objects, observed on hits and on re-puts of ghost keys, kept in a log-binned histogram that
+halves now and then so it follows the workload. A fixed horizon is either too short for small
+caches or, for large ones, keeps dead chunks for so long that it loses to LRU; the learned one tracks
+how long reuse actually takes. Until enough distances are seen, ``initial_turnovers`` times the
+resident object count is used.
+
+Each object has one static priority, refreshed on every insert or hit: ``tick + horizon`` for
+reused objects and ``tick`` for fresh ones. The leaf with the smallest priority is evicted first.
+Leaves sit in a binary heap with lazy invalidation, so every operation costs O(log n) (plus O(1)
+histogram upkeep); ``victims`` walks the heap without changing it.
 
 Pure decision code (see ``base.py``): the owning tier calls it under its lock; not thread-safe.
 """
@@ -25,31 +32,71 @@ Pure decision code (see ``base.py``): the owning tier calls it under its lock; n
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
-# A reused object outranks fresh ones for this many cache turnovers after its last use.
-DEFAULT_PROTECT_TURNOVERS = 8
-# Evicted keys remembered (their use count and parent), as a multiple of the resident objects.
-DEFAULT_GHOST_FACTOR = 4
+DEFAULT_HORIZON_QUANTILE = 0.8
+DEFAULT_HORIZON_SCALE = 2.0
+# Horizon before enough reuse distances are known, in cache turnovers (resident objects).
+DEFAULT_INITIAL_TURNOVERS = 8.0
+# Evicted keys remembered (use count, parent, last use), as a multiple of the resident objects.
+DEFAULT_GHOST_FACTOR = 4.0
 MIN_GHOST_ENTRIES = 1024
+
+_BINS_PER_OCTAVE = 4
+_HIST_BINS = 64 * _BINS_PER_OCTAVE  # distances up to 2**64 ticks
+_MIN_SAMPLES = 256  # distances needed before the learned horizon replaces the initial one
+_RECOMPUTE_EVERY = 512  # samples between quantile updates
+_HALVE_EVERY = 1 << 16  # samples between halvings of the histogram
 
 
 class _Node:
-    __slots__ = ("size", "parent", "children", "uses", "prio")
+    __slots__ = ("size", "parent", "children", "uses", "prio", "last")
 
     def __init__(self, size: int, parent: str | None, children: int, uses: int) -> None:
         self.size = size
         self.parent = parent
         self.children = children  # resident children
         self.uses = uses  # requests seen: the insert, every hit, and uses remembered from the ghost
-        self.prio = 0
+        self.prio = 0.0
+        self.last = 0  # tick of the last insert or hit
+
+
+class ReuseDistanceHistogram:
+    """Log-binned histogram of reuse distances (ticks) with periodic halving; O(1) per sample."""
+
+    def __init__(self, quantile: float) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        self.quantile = quantile
+        self._counts = [0.0] * _HIST_BINS
+        self._samples = 0
+        self.value: float | None = None  # the quantile, once enough samples are in
+
+    def add(self, distance: int) -> None:
+        b = int(_BINS_PER_OCTAVE * math.log2(distance)) if distance > 1 else 0
+        self._counts[min(b, _HIST_BINS - 1)] += 1.0
+        self._samples += 1
+        if self._samples % _RECOMPUTE_EVERY == 0 and self._samples >= _MIN_SAMPLES:
+            self._recompute()
+        if self._samples % _HALVE_EVERY == 0:
+            self._counts = [c * 0.5 for c in self._counts]
+
+    def _recompute(self) -> None:
+        target = self.quantile * sum(self._counts)
+        acc = 0.0
+        for b, c in enumerate(self._counts):
+            acc += c
+            if acc >= target:
+                self.value = 2.0 ** ((b + 1) / _BINS_PER_OCTAVE)  # upper edge of the bin
+                return
 
 
 class PrefixReusePolicy:
     """Leaf-first eviction of the prefix tree; reused objects outrank fresh ones (see module doc).
 
-    ``protect_turnovers=0`` gives plain leaf-first LRU. ``ghost_factor`` bounds the ghost list of
+    ``horizon_scale=0`` gives plain leaf-first LRU. ``ghost_factor`` bounds the ghost list of
     evicted keys at that many times the resident objects (at least ``MIN_GHOST_ENTRIES``).
     """
 
@@ -57,21 +104,26 @@ class PrefixReusePolicy:
 
     def __init__(
         self,
-        protect_turnovers: float = DEFAULT_PROTECT_TURNOVERS,
+        horizon_quantile: float = DEFAULT_HORIZON_QUANTILE,
+        horizon_scale: float = DEFAULT_HORIZON_SCALE,
+        initial_turnovers: float = DEFAULT_INITIAL_TURNOVERS,
         ghost_factor: float = DEFAULT_GHOST_FACTOR,
     ) -> None:
-        if protect_turnovers < 0:
-            raise ValueError(f"protect_turnovers must be >= 0, got {protect_turnovers}")
-        if ghost_factor < 0:
-            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
-        self.protect_turnovers = protect_turnovers
+        for label, value in (("horizon_scale", horizon_scale), ("initial_turnovers", initial_turnovers),
+                             ("ghost_factor", ghost_factor)):
+            if value < 0:
+                raise ValueError(f"{label} must be >= 0, got {value}")
+        self.horizon_scale = horizon_scale
+        self.initial_turnovers = initial_turnovers
         self.ghost_factor = ghost_factor
+        self.reuse_distances = ReuseDistanceHistogram(horizon_quantile)
         self._nodes: dict[str, _Node] = {}
         # Resident children of keys that are not resident themselves (inserted before their parent,
         # or left behind by an explicit remove of the parent).
         self._orphans: dict[str, int] = {}
         self._heap: list[tuple[float, str]] = []  # (prio, key) of leaves; stale entries skipped
-        self._ghost: OrderedDict[str, tuple[int, str | None]] = OrderedDict()  # key -> (uses, parent)
+        # evicted key -> (uses, parent, tick of its last use)
+        self._ghost: OrderedDict[str, tuple[int, str | None, int]] = OrderedDict()
         self._tick = 0
 
     # -- events from the tier --------------------------------------------------------------------
@@ -83,6 +135,8 @@ class PrefixReusePolicy:
         uses = 1
         if remembered is not None:
             uses += remembered[0]
+            if remembered[0] > 1:
+                self.reuse_distances.add(self._tick + 1 - remembered[2])
             if parent is None:
                 parent = remembered[1]  # e.g. a promotion from the tier below, which lost the link
         if parent == key:
@@ -101,6 +155,8 @@ class PrefixReusePolicy:
         node = self._nodes.get(key)
         if node is None:
             return
+        if node.uses > 1:
+            self.reuse_distances.add(self._tick + 1 - node.last)
         node.uses += 1
         self._touch(key, node)
 
@@ -124,7 +180,7 @@ class PrefixReusePolicy:
                 else:
                     self._orphans.pop(parent, None)
         if self.ghost_factor > 0:
-            self._ghost[key] = (node.uses, parent)
+            self._ghost[key] = (node.uses, parent, node.last)
             self._ghost.move_to_end(key)
             limit = max(MIN_GHOST_ENTRIES, int(self.ghost_factor * len(self._nodes)))
             while len(self._ghost) > limit:
@@ -192,11 +248,20 @@ class PrefixReusePolicy:
         return key in self._nodes
 
     # -- internals -------------------------------------------------------------------------------
+    @property
+    def horizon(self) -> float:
+        """Ticks a reused object stays ahead of fresh ones after its last use."""
+        learned = self.reuse_distances.value
+        if learned is None:
+            return self.initial_turnovers * len(self._nodes) * (self.horizon_scale > 0)
+        return self.horizon_scale * learned
+
     def _touch(self, key: str, node: _Node) -> None:
         self._tick += 1
-        prio: float = self._tick
-        if node.uses > 1 and self.protect_turnovers:
-            prio += self.protect_turnovers * len(self._nodes)
+        node.last = self._tick
+        prio = float(self._tick)
+        if node.uses > 1:
+            prio += self.horizon
         node.prio = prio
         if node.children == 0:
             heapq.heappush(self._heap, (prio, key))
@@ -223,4 +288,4 @@ class PrefixLruPolicy(PrefixReusePolicy):
     name = "prefix_lru"
 
     def __init__(self) -> None:
-        super().__init__(protect_turnovers=0, ghost_factor=0)
+        super().__init__(horizon_scale=0.0, initial_turnovers=0.0, ghost_factor=0.0)

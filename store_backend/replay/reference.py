@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -28,6 +29,7 @@ class HitStats(msgspec.Struct):
     hit_blocks: int = 0
     requests: int = 0
     tier_hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    store_metrics: dict[str, Any] = msgspec.field(default_factory=dict)  # the store's, when one ran
 
     @property
     def ratio(self) -> float:

@@ -205,7 +205,10 @@ class BucketBackend:
         pos = 0
         while pos + HEADER_BLOCK <= size:
             h = decode_header(os.pread(fd, HEADER_BLOCK, pos))
-            if h is None or pos + record_bytes(h.value_len) > size:
+            if h is None:
+                break
+            if pos + record_bytes(h.value_len) > size:  # cut short
+                self._stats.discarded_records += 1
                 break
             value = os.pread(fd, h.value_len, pos + HEADER_BLOCK)
             if len(value) == h.value_len and value_checksum(h.key, value) == h.checksum:
@@ -401,33 +404,44 @@ class BucketBackend:
 
     def _make_room(self, sizes: list[int]) -> tuple[list[_Bucket], int]:
         """Under the lock: evict buckets so that the new ones fit; returns the evicted buckets and
-        how many of the new ones (in order) may be written, their bytes reserved."""
+        how many of the new ones (in order) may be written, their bytes reserved.
+
+        Nothing is evicted for a bucket that eviction cannot make room for (the disk is full of
+        other files, say): that bucket and the rest answer NO_SPACE and the stored ones stay.
+        ``disk_watermark`` 1.0 turns the file-system check off (the disk's own ENOSPC answers).
+        """
         cap = self.cfg.capacity_bytes
-        try:
-            st = os.statvfs(self._dir)
-            fs_size = st.f_blocks * st.f_frsize
-            fs_used = (st.f_blocks - st.f_bavail) * st.f_frsize
-        except OSError:
-            fs_size, fs_used = 0, 0
-        fs_limit = self.cfg.disk_watermark * fs_size
+        watch_fs = self.cfg.disk_watermark < 1.0
+        fs_used = fs_limit = 0.0
+        if watch_fs:
+            try:
+                st = os.statvfs(self._dir)
+                fs_used = (st.f_blocks - st.f_bavail) * st.f_frsize
+                fs_limit = self.cfg.disk_watermark * st.f_blocks * st.f_frsize
+                watch_fs = st.f_blocks > 0  # ramfs and friends report no size at all
+            except OSError:
+                watch_fs = False
         if self.cfg.bucket_eviction == "fifo":
             order = sorted(self._buckets.values(), key=lambda b: b.id)
         else:
             order = sorted(self._buckets.values(), key=lambda b: b.last_access)
+        evictable = sum(b.file_bytes for b in order)
         victims: list[_Bucket] = []
         admitted = 0
         for size in sizes:
-            def fits() -> bool:
-                used = self._used_bytes + self._reserved_bytes + size
-                return used <= cap and (not fs_size or fs_used + size <= fs_limit)
-            while not fits() and order:
+            need = self._used_bytes + self._reserved_bytes + size - cap
+            if watch_fs:
+                need = max(need, fs_used + size - fs_limit)
+            if need > evictable:
+                break
+            while need > 0:
                 b = order.pop(0)
                 victims.append(b)
+                self._stats.evictions += len(b.live)
                 self._drop_bucket(b)
                 fs_used -= b.file_bytes
-                self._stats.evictions += len(b.live)
-            if not fits():
-                break
+                evictable -= b.file_bytes
+                need -= b.file_bytes
             self._reserved_bytes += size
             fs_used += size
             admitted += 1

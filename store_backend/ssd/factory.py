@@ -50,7 +50,8 @@ def open_ssd_backend(cfg: SsdConfig, *, engine: IoEngine | None = None) -> SsdBa
     try:
         cls = _BACKENDS[cfg.backend]
     except KeyError:
-        raise ValueError(f"ssd.backend: unknown backend {cfg.backend!r} (known: {', '.join(backend_names())})") from None
+        known = ", ".join(backend_names())
+        raise ValueError(f"ssd.backend: unknown backend {cfg.backend!r} (known: {known})") from None
     owns = engine is None
     if engine is None:
         engine = make_io_engine(cfg.io_engine, queue_depth=cfg.queue_depth, threads=cfg.io_threads)

@@ -12,8 +12,10 @@ goes straight to the device; head and tail pieces, and buffers that are not cong
 through aligned bounce memory (the thread's staging area, registered with the ring as a fixed
 buffer, or a temporary mapping for a request larger than the staging area), copied after a read
 or before a write. A write whose file range does not start or end on a block boundary reads the
-edge blocks first (read-modify-write); two concurrent unaligned writes sharing a block therefore
-race, as they would on any block device.
+edge blocks first (read-modify-write; two concurrent unaligned writes sharing a block therefore
+race, as on any block device), except that the last partial block of a write that extends the file
+goes through the page cache (a second descriptor of the same file), so the file ends exactly at
+the end of the write.
 
 The io_uring engine does not use liburing (the PyPI package dies with SIGILL on CPUs without
 AVX-512, and the Debian library is not on a fresh machine): it calls ``io_uring_setup``,
@@ -47,7 +49,11 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT alignment used for addresses, lengths and file offsets
 IOV_MAX = 1024  # Linux UIO_MAXIOV: most iovecs one preadv/pwritev/READV may carry
-DEFAULT_STAGING_BYTES = 8 << 20
+DEFAULT_STAGING_BYTES = 4 << 20  # per thread; larger bounces use a temporary mapping
+# Bytes of requests in flight per ring, on top of the queue depth. A few tens of MiB keep a disk
+# busy; beyond that, large requests would all finish together and their completion work (checksums)
+# could no longer overlap the I/O of the next ones.
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
 
 # on_complete(request_index, result): called in the submitting thread as each request finishes.
 Completion = Callable[[int, int], None]
@@ -226,7 +232,7 @@ class _Part(NamedTuple):
 class _Plan:
     """How one request is carried out: parts to submit, bounce copies, write fix-ups."""
 
-    __slots__ = ("fd", "parts", "copies", "head", "length", "bounce", "truncate_to", "done")
+    __slots__ = ("fd", "parts", "copies", "head", "length", "bounce", "tail", "done")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -235,7 +241,9 @@ class _Plan:
         self.head = 0  # bytes of the first part before the request's own offset
         self.length = 0  # the request's own length
         self.bounce: _Bounce | None = None
-        self.truncate_to = -1  # after an unaligned write past EOF: restore the exact file size
+        # An unaligned end of a write that extends the file: (file position, views) written through
+        # the page cache after the direct part, so the file ends exactly there (see _plan).
+        self.tail: tuple[int, list[memoryview]] | None = None
         self.done: list[int] = []  # bytes transferred per part (or -errno)
 
     def release(self) -> None:
@@ -266,12 +274,23 @@ def _plan(req: IoRequest, write: bool, direct: bool,
     plan = _Plan(req.fd)
     bufs = [byte_view(b) for b in req.buffers]
     bufs = [b for b in bufs if b.nbytes]
+    if not write and any(b.readonly for b in bufs):
+        raise TypeError("cannot read into a read-only buffer")
     plan.length = sum(b.nbytes for b in bufs)
     if not plan.length:
         return plan
     if not direct:
         _split_parts(plan, req.offset, bufs, [buffer_address(b) for b in bufs])
         return plan
+    end = req.offset + plan.length
+    if write and end % ALIGN and end > os.fstat(req.fd).st_size:
+        # A direct write would extend the file to a block boundary (and trimming it back races with
+        # other writers), so the bytes of the last partial block go through the page cache instead.
+        cut = max(0, align_down(end) - req.offset)
+        bufs, tail = _split_views(bufs, cut)
+        plan.tail = (req.offset + cut, tail)
+        if not bufs:
+            return plan
 
     # Pieces in file order: (file position, caller view, address or -1 when it must bounce).
     pieces: list[tuple[int, memoryview, int]] = []
@@ -314,7 +333,17 @@ def _plan(req: IoRequest, write: bool, direct: bool,
                     r[2].release()
             return None
     plan.bounce = bounce
+    try:
+        _lay_out(plan, req, runs, end, write)
+    except BaseException:
+        plan.release()  # gives the bounce memory back
+        raise
+    return plan
 
+
+def _lay_out(plan: _Plan, req: IoRequest, runs: list[list], end: int, write: bool) -> None:
+    """Second half of _plan: iovecs and copies over the bounce memory, edge reads for writes."""
+    bounce = plan.bounce
     file_start = align_down(req.offset)
     plan.head = req.offset - file_start
     views: list[memoryview] = []
@@ -341,13 +370,37 @@ def _plan(req: IoRequest, write: bool, direct: bool,
             _read_edge(req.fd, file_start, first[:ALIGN])
         if end != file_end:
             _read_edge(req.fd, file_end - ALIGN, last[last.nbytes - ALIGN:])
-            size = os.fstat(req.fd).st_size
-            if size < file_end:
-                plan.truncate_to = max(size, end)
         for bv, v in plan.copies:
             bv[:] = v
     _split_parts(plan, file_start, views, addrs)
-    return plan
+
+
+def _split_views(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The first ``n`` bytes of a scatter list, and the rest."""
+    head: list[memoryview] = []
+    for k, v in enumerate(views):
+        if n >= v.nbytes:
+            head.append(v)
+            n -= v.nbytes
+            continue
+        if n:
+            head.append(v[:n])
+        return head, [v[n:]] + views[k + 1:]
+    return head, []
+
+
+def _write_tail(fd: int, offset: int, views: list[memoryview]) -> int:
+    """Buffered write through a second descriptor of the same file (no O_DIRECT); 0 or -errno."""
+    try:
+        bfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+    except OSError as e:
+        return -(e.errno or errno.EIO)
+    try:
+        part = _Part(offset, views, [], sum(v.nbytes for v in views))
+        got = _run_part_sync(bfd, part, True)
+        return got if got < 0 else 0
+    finally:
+        os.close(bfd)
 
 
 def _read_edge(fd: int, offset: int, block: memoryview) -> None:
@@ -372,11 +425,10 @@ def _finish(plan: _Plan, write: bool) -> int:
     if write:
         if total < full:
             return -errno.EIO
-        if plan.truncate_to >= 0:
-            try:
-                os.ftruncate(plan.fd, plan.truncate_to)
-            except OSError as e:
-                return -e.errno
+        if plan.tail is not None:
+            err = _write_tail(plan.fd, *plan.tail)
+            if err < 0:
+                return err
         return plan.length
     got = max(0, min(plan.length, total - plan.head))
     if plan.copies:
@@ -427,7 +479,7 @@ def _execute_sync(req: IoRequest, write: bool, alloc: Callable[[int], _Bounce | 
             plan.done.append(got)
             if got < part.nbytes:
                 break
-        return _finish(plan, write) if plan.parts else 0
+        return _finish(plan, write)
     finally:
         plan.release()
 
@@ -480,6 +532,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 def _sys(nr: int, *args: int | ctypes._SimpleCData | object) -> int:
@@ -491,7 +544,7 @@ def _sys(nr: int, *args: int | ctypes._SimpleCData | object) -> int:
 
 
 def _map_ring(fd: int, nbytes: int, offset: int) -> int:
-    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x8000, fd, offset)
+    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of io_uring ring failed: {os.strerror(err)}")
@@ -629,13 +682,18 @@ def io_uring_available() -> tuple[bool, str]:
 
 
 class IoUringEngine:
-    """io_uring engine: a private ring per calling thread, up to ``queue_depth`` requests in flight."""
+    """io_uring engine: a private ring per calling thread, up to ``queue_depth`` requests (and
+    about ``max_inflight_bytes``) in flight. Completion callbacks run after the next requests have
+    been submitted, so their work overlaps the I/O."""
 
     name = "io_uring"
 
-    def __init__(self, queue_depth: int = 32, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, queue_depth: int = 32, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
         self.queue_depth = max(1, queue_depth)
         self.staging_bytes = staging_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self._ring_failures = 0
         self._local = threading.local()
         self._lock = threading.Lock()
         self._rings: list[tuple[weakref.ref[threading.Thread], _Ring]] = []
@@ -661,6 +719,18 @@ class IoUringEngine:
         self._local.ring = ring
         return ring
 
+    def _ring_or_none(self) -> _Ring | None:
+        """This thread's ring, or None when the kernel will not give it one (the calls of this
+        thread then run synchronously with preadv/pwritev)."""
+        try:
+            return self._ring()
+        except OSError as e:
+            if not self._ring_failures:
+                logger.warning("cannot set up an io_uring in thread %s (%s); its I/O runs synchronously",
+                               threading.current_thread().name, e)
+            self._ring_failures += 1
+            return None
+
     def counters(self) -> dict[str, int]:
         """Totals over the live rings: ``rings``, ``enter_calls`` (syscalls), ``entries`` (SQEs)."""
         with self._lock:
@@ -679,53 +749,67 @@ class IoUringEngine:
         results = [0] * n
         if not n:
             return results
-        ring = self._ring()
+        ring = self._ring_or_none()
+        if ring is None:
+            for i, req in enumerate(requests):
+                results[i] = _execute_sync(req, write, _temp_bounce)
+                if on_complete is not None:
+                    on_complete(i, results[i])
+            return results
         staging = ring.staging
-        plans: dict[int, _Plan] = {}
+        plans: dict[int, _Plan] = {}  # planned, not finished
         parts_left: dict[int, int] = {}
         queue: deque[tuple[int, int]] = deque()  # (request, part) ready to submit
-        nxt = inflight = 0
+        ready: list[int] = []  # finished requests whose callbacks are due
+        nxt = inflight = pending_bytes = 0
 
-        def finish(i: int) -> None:
-            plan = plans.pop(i)
-            try:
-                results[i] = _finish(plan, write)
-            finally:
-                plan.release()
-            if on_complete is not None:
-                on_complete(i, results[i])
+        def plan_more() -> None:
+            nonlocal nxt, pending_bytes
+            while nxt < n and len(queue) + inflight < ring.entries and (
+                    pending_bytes < self.max_inflight_bytes or not plans):
+                req = requests[nxt]
+                try:
+                    direct = is_direct(req.fd)
+                    plan = _plan(req, write, direct, staging.alloc)
+                    if plan is None and not plans:
+                        plan = _plan(req, write, direct, _temp_bounce)
+                except OSError as e:
+                    results[nxt] = -(e.errno or errno.EIO)
+                    ready.append(nxt)
+                    nxt += 1
+                    continue
+                if plan is None:
+                    return  # staging is full: completions will give some back
+                plan.done = [0] * len(plan.parts)
+                if plan.parts:
+                    plans[nxt] = plan
+                    parts_left[nxt] = len(plan.parts)
+                    pending_bytes += plan.length
+                    queue.extend((nxt, j) for j in range(len(plan.parts)))
+                else:
+                    try:
+                        results[nxt] = _finish(plan, write)
+                    finally:
+                        plan.release()
+                    ready.append(nxt)
+                nxt += 1
 
         try:
-            while nxt < n or queue or inflight:
-                while nxt < n and len(queue) + inflight < ring.entries:
-                    req = requests[nxt]
-                    try:
-                        direct = is_direct(req.fd)
-                        plan = _plan(req, write, direct, staging.alloc)
-                        if plan is None and not (inflight or queue):
-                            plan = _plan(req, write, direct, _temp_bounce)
-                    except OSError as e:
-                        results[nxt] = -(e.errno or errno.EIO)
-                        if on_complete is not None:
-                            on_complete(nxt, results[nxt])
-                        nxt += 1
-                        continue
-                    if plan is None:
-                        break  # staging is full: wait for completions to give some back
-                    plan.done = [0] * len(plan.parts)
-                    plans[nxt] = plan
-                    if not plan.parts:
-                        finish(nxt)
-                    else:
-                        parts_left[nxt] = len(plan.parts)
-                        queue.extend((nxt, j) for j in range(len(plan.parts)))
-                    nxt += 1
+            while True:
+                plan_more()
                 while queue and inflight < ring.entries:
                     i, j = queue.popleft()
                     self._push(ring, requests[i].fd, plans[i], j, write, (i, j))
                     inflight += 1
-                if not inflight:
-                    continue
+                if ring.unsubmitted:
+                    ring.enter(0)
+                # Callbacks (checksums, say) run while the kernel works on what was just submitted.
+                if on_complete is not None:
+                    for i in ready:
+                        on_complete(i, results[i])
+                ready.clear()
+                if not plans and nxt >= n:
+                    break
                 ring.enter(1)
                 for (i, j, *_), res in ring.reap():
                     inflight -= 1
@@ -738,8 +822,13 @@ class IoUringEngine:
                     plan.done[j] = res
                     parts_left[i] -= 1
                     if not parts_left[i]:
-                        del parts_left[i]
-                        finish(i)
+                        del parts_left[i], plans[i]
+                        pending_bytes -= plan.length
+                        try:
+                            results[i] = _finish(plan, write)
+                        finally:
+                            plan.release()
+                        ready.append(i)
         except BaseException:
             self._drain(ring)  # the kernel may still write into bounce memory and caller buffers
             for plan in plans.values():
@@ -781,7 +870,9 @@ class IoUringEngine:
         results = [0] * len(fds)
         if not fds:
             return results
-        ring = self._ring()
+        ring = self._ring_or_none()
+        if ring is None:
+            return PosixEngine.sync_inline(fds, datasync)
         i = inflight = 0
         try:
             while i < len(fds) or inflight:
@@ -867,17 +958,23 @@ class PosixEngine:
                 on_complete(i, results[i])
         return results
 
-    def sync(self, fds: Sequence[int], *, datasync: bool = True) -> list[int]:
-        def one(fd: int) -> int:
-            try:
-                (os.fdatasync if datasync else os.fsync)(fd)
-                return 0
-            except OSError as e:
-                return -(e.errno or errno.EIO)
+    @staticmethod
+    def _sync_one(fd: int, datasync: bool) -> int:
+        try:
+            (os.fdatasync if datasync else os.fsync)(fd)
+            return 0
+        except OSError as e:
+            return -(e.errno or errno.EIO)
 
+    @staticmethod
+    def sync_inline(fds: Sequence[int], datasync: bool = True) -> list[int]:
+        """fdatasync/fsync each fd in the calling thread; 0 or -errno per fd."""
+        return [PosixEngine._sync_one(fd, datasync) for fd in fds]
+
+    def sync(self, fds: Sequence[int], *, datasync: bool = True) -> list[int]:
         if len(fds) <= 1 or self.threads == 1:
-            return [one(fd) for fd in fds]
-        return list(self._executor().map(one, fds))
+            return self.sync_inline(fds, datasync)
+        return list(self._executor().map(lambda fd: self._sync_one(fd, datasync), fds))
 
     def close(self) -> None:
         with self._lock:

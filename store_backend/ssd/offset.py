@@ -40,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import msgspec
+import numpy as np
 import xxhash
 
 from store_backend.config import SsdConfig
@@ -231,6 +232,10 @@ class OffsetBackend:
         """Walk the file: (offset, value_len, seq, key) of every record whose header is valid."""
         found: list[tuple[int, int, int, bytes]] = []
         fd = os.open(self._path, os.O_RDONLY)
+        # No readahead and no cached pages: cached zero pages of preallocated (unwritten) space
+        # would count as data for SEEK_DATA, and the walk would read the whole file.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         try:
             pos = DATA_START
             while pos + HEADER_BLOCK <= self._size:
@@ -252,21 +257,28 @@ class OffsetBackend:
         return found
 
     def _next_candidate(self, fd: int, pos: int) -> int:
-        """First block at or after ``pos`` holding a valid header (or the end of the file)."""
+        """First block at or after ``pos`` that starts with the record magic (or the end of the
+        file); holes are skipped without reading them."""
+        magic = np.frombuffer(MAGIC, dtype="<u8")[0]
         while pos < self._size:
-            chunk = os.pread(fd, min(_SCAN_CHUNK, self._size - pos), pos)
-            if not chunk:
+            try:
+                pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
+                hole = os.lseek(fd, pos, os.SEEK_HOLE)
+            except OSError as e:
+                if e.errno == errno.ENXIO:
+                    break
+                raise
+            n = min(_SCAN_CHUNK, max(ALIGN, align_down(hole - pos)), self._size - pos)
+            chunk = os.pread(fd, n, pos)
+            if len(chunk) < ALIGN:
                 break
-            i = chunk.find(MAGIC)
-            while i >= 0:
-                if i % ALIGN == 0:
-                    block = chunk[i:i + HEADER_BLOCK]
-                    if len(block) < HEADER_BLOCK:
-                        return pos + i  # the main loop reads it whole
-                    if decode_header(block, self._seed) is not None:
-                        return pos + i
-                i = chunk.find(MAGIC, i + 1)
-            pos += len(chunk)
+            firsts = np.frombuffer(chunk, dtype="<u8", count=len(chunk) // 8)[::ALIGN // 8]
+            hits = np.flatnonzero(firsts == magic)
+            for h in hits:
+                off = pos + int(h) * ALIGN
+                if decode_header(chunk[int(h) * ALIGN:(int(h) + 1) * ALIGN], self._seed) is not None:
+                    return off
+            pos += align_down(len(chunk))
         return self._size
 
     def _recover(self) -> None:

@@ -172,3 +172,44 @@ def test_slow_ssd_never_blocks_puts_and_drops_are_counted() -> None:
         assert present and all(read_ok(s, present))
     finally:
         s.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: an SSD directory whose file system fills up (needs root, as in CI)."""
+    import os
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.fail("mounting a small tmpfs needs root (CI runs as root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_disk_loses_nothing(small_disk, backend) -> None:
+    """SSD capacity claims 64 MiB but the file system holds 3: offloads fail with ENOSPC, every
+    acknowledged object stays readable from DRAM, and the failures are counted."""
+    cfg = {
+        "dram": {"capacity_bytes": 16 * MiB},
+        "ssd": {"path": str(small_disk / "ssd"), "capacity_bytes": 64 * MiB, "backend": backend,
+                "bucket_size_bytes": 1 * MiB, "disk_watermark": 1.0},
+        "offload": {"policy": "eager"},
+    }
+    with TieredStore(cfg) as s:
+        keys = [f"k{i}" for i in range(40)]  # 10 MiB
+        assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 40
+        s.flush(timeout_s=60)
+        assert all(read_ok(s, keys))
+        m = s.metrics()
+        assert m["dram"]["offloads"] < 40
+        assert m["ssd"]["failures"] >= 40 - m["dram"]["offloads"]
+        assert m["store"]["dropped_unpersisted"] == 0
+        # and the store keeps working: newer objects still go in and come out
+        assert s.put(["after"], [payload("after", CHUNK)]) == [Status.OK]
+        assert read_ok(s, ["after"]) == [True]

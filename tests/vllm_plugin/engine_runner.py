@@ -1,0 +1,68 @@
+"""Run one vLLM CPU engine in this (fresh) process and print what it generated, as JSON.
+
+The end-to-end tests start this script once per engine, so every engine is a new process with an
+empty local cache, as in production. Usage::
+
+    python tests/vllm_plugin/engine_runner.py SPEC.json
+
+SPEC: ``model_dir``; ``connector`` (null for a no-connector baseline, else ``extra`` (the
+kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only),
+``failure_policy``); ``engine`` (extra ``LLM`` arguments); ``rounds``: a list of
+``{"prompts": [[token ids]...], "max_tokens": n}`` served one after the other, vLLM's local prefix
+cache cleared before each round so that reuse can only come from the connector.
+
+The last stdout line is ``RESULT {json}``: per round and prompt the generated tokens, finish reason
+and ``num_cached_tokens``, and the connector's stats (scheduler and worker halves, store metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    kwargs = dict(spec.get("engine", {}))
+    conn = spec.get("connector")
+    if conn is not None:
+        ktc = {
+            "kv_connector": "MooncakeTieredConnector",
+            "kv_role": conn.get("role", "kv_both"),
+            "kv_connector_extra_config": conn.get("extra", {}),
+            "kv_load_failure_policy": conn.get("failure_policy", "recompute"),
+        }
+        if not conn.get("by_name"):
+            ktc["kv_connector_module_path"] = "vllm_plugin.connector"
+        kwargs["kv_transfer_config"] = ktc
+    t0 = time.monotonic()
+    llm = LLM(model=spec["model_dir"], skip_tokenizer_init=True, seed=0,
+              enforce_eager=True, **{"block_size": 32, "max_model_len": 4096, "dtype": "float32", **kwargs})
+    start_s = time.monotonic() - t0
+    rounds = []
+    for rnd in spec["rounds"]:
+        llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=rnd.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in rnd["prompts"]], params, use_tqdm=False)
+        rounds.append([{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                        "num_cached_tokens": o.num_cached_tokens} for o in outs])
+    stats: dict = {}
+    if has_kv_transfer_group():
+        stats["worker"] = get_kv_transfer_group().stats()
+        core = llm.llm_engine.engine_core.engine_core  # in-process engine core
+        stats["scheduler"] = core.scheduler.connector.stats()
+    print("RESULT " + json.dumps({"rounds": rounds, "stats": stats, "start_s": start_s}), flush=True)
+    llm.llm_engine.engine_core.shutdown()  # flushes the store to its SSD tier
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
