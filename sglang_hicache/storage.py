@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
-from sglang_hicache.config import BackendSettings, load_backend_settings
+from sglang_hicache.config import BackendSettings, load_backend_settings, per_rank_store_config
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
 from store_backend.config import ConfigError
 from store_backend.store import TieredStore
@@ -89,7 +89,16 @@ class MooncakeTieredStorage(HiCacheStorage):
         if storage_config.attn_cp_size != 1 or getattr(storage_config, "dcp_size", 1) != 1:
             raise ConfigError("context parallel KV shards (attn_cp_size or dcp_size > 1) are not supported")
         self.is_mla = bool(storage_config.is_mla_model)
-        self._store: TieredStore | None = acquire_store(self.settings.connector.store_config())
+        if self.is_mla and storage_config.tp_size > 1:
+            logger.warning("MLA with tp_size %d: only TP rank 0 backs pages up, and each rank's embedded "
+                           "store is its own, so the other ranks find nothing and SGLang's rank-agreed "
+                           "prefetch loads nothing; serve MLA models with one TP rank per store",
+                           storage_config.tp_size)
+        store_config = per_rank_store_config(
+            self.settings.connector.store_config(), tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
+            pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
+            dp_rank=getattr(storage_config, "dp_rank", 0))
+        self._store: TieredStore | None = acquire_store(store_config)
         self.mem_pool_host: Any = None
         self.geometry: PoolGeometry | None = None
         self.fingerprint: ModelFingerprint | None = None

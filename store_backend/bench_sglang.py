@@ -137,16 +137,22 @@ def run(args: argparse.Namespace) -> int:
         # 1. This backend, DRAM tier (offload to SSD runs behind it, as in production).
         backend = StorageBackendFactory.create_backend("dynamic", config(extra), host)
         backend.register_mem_pool_host(host)
+        # First pass: until every page is on SSD as well (eager offload runs behind the sets).
         t0 = time.perf_counter()
         batches(backend.batch_set_v1, src)()
-        set_s = time.perf_counter() - t0
+        backend.store.flush(timeout_s=600)
+        ssd_set_s = time.perf_counter() - t0
+
+        def forget() -> None:  # untimed: drop the pages again so the next pass really stores them
+            backend.store.flush(timeout_s=600)
+            backend.store.remove(backend.object_keys(keys))
+
+        set_s = _best(batches(backend.batch_set_v1, src), args.repeats, forget)
         get_s = _best(batches(backend.batch_get_v1, dst), args.repeats, wipe_dst)
         check("dram get")
-        t0 = time.perf_counter()
         backend.store.flush(timeout_s=600)
-        ssd_set_s = set_s + (time.perf_counter() - t0)
         _log(f"tiered DRAM: set {total / set_s / GB:.2f} GB/s, get {total / get_s / GB:.2f} GB/s "
-             f"(SSD offload done {total / ssd_set_s / GB:.2f} GB/s)")
+             f"(set through to SSD {total / ssd_set_s / GB:.2f} GB/s)")
         backend.close()
 
         # 2. This backend, SSD tier only: a new store over the same directory (empty DRAM).
@@ -175,9 +181,7 @@ def run(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"HiCacheFile lost page {batch_keys[i]}")
                 host.set_from_flat_data_page(int(indices[i * p]), page)
 
-        t0 = time.perf_counter()
-        batches(file_set, src)()
-        file_set_s = time.perf_counter() - t0
+        file_set_s = _best(batches(file_set, src), args.repeats, file_backend.clear)
         file_get_s = _best(batches(file_get, dst), args.repeats, wipe_dst)
         check("file get")
         _log(f"HiCacheFile: set {total / file_set_s / GB:.2f} GB/s, get {total / file_get_s / GB:.2f} GB/s "

@@ -121,17 +121,25 @@ class TieredStore:
         out = [Status.OK] * len(keys)
         reserved: list[tuple[int, Entry]] = []
         m = self.metrics_counters
+        valid = [check_key(k) is None for k in keys]
+        # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
+        # only costs a redundant DRAM copy of the same immutable bytes.
+        on_ssd = [False] * len(keys)
+        if self._ssd is not None:
+            idx = [i for i, ok in enumerate(valid) if ok]
+            for i, hit in zip(idx, self._ssd.contains([keys[i] for i in idx])):
+                on_ssd[i] = hit
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
-                if check_key(key) is not None:
+                if not valid[i]:
                     out[i] = Status.INVALID_KEY
                     continue
                 size = views[i].nbytes
                 if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
                     out[i] = Status.TOO_LARGE
                     continue
-                if key in self._dram.entries or (self._ssd is not None and self._ssd.contains([key])[0]):
+                if key in self._dram.entries or on_ssd[i]:
                     out[i] = Status.EXISTS
                     m.store.put_exists += 1
                     continue

@@ -139,8 +139,8 @@ class PrefixReusePolicy:
                 self.reuse_distances.add(self._tick + 1 - remembered[2])
             if parent is None:
                 parent = remembered[1]  # e.g. a promotion from the tier below, which lost the link
-        if parent == key:
-            parent = None
+        if parent is not None and (parent == key or (key in self._orphans and self._is_ancestor(key, parent))):
+            parent = None  # a link that would close a cycle (misuse): no tree edge, so no deadlock
         node = _Node(size, parent, self._orphans.pop(key, 0), uses)
         self._nodes[key] = node
         if parent is not None:
@@ -266,6 +266,18 @@ class PrefixReusePolicy:
         if node.children == 0:
             heapq.heappush(self._heap, (prio, key))
         self._tidy()
+
+    def _is_ancestor(self, key: str, start: str) -> bool:
+        """Whether ``key`` is on the parent chain above resident ``start`` (only asked for keys that
+        already have resident children, which is rare: children put before their parent)."""
+        seen = 0
+        node = self._nodes.get(start)
+        while node is not None and seen <= len(self._nodes):
+            if node.parent == key:
+                return True
+            node = self._nodes.get(node.parent) if node.parent is not None else None
+            seen += 1
+        return False
 
     def _valid(self, entry: tuple[float, str]) -> bool:
         node = self._nodes.get(entry[1])

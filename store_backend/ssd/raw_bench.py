@@ -48,12 +48,14 @@ def raw_direct_bench(
     engine: IoEngine | str = "auto",
     buffers: Sequence[Buffer] | None = None,
     repeats: int = 1,
+    threads: int | None = None,
     use_fio: bool = True,
     fio_timeout_s: float = 120.0,
 ) -> RawBenchResult:
     """Measure raw O_DIRECT write and read GB/s of ``num_objects`` objects of ``object_bytes``.
 
-    ``engine`` is an engine (kept open) or a kind for :func:`make_io_engine` (closed here).
+    ``engine`` is an engine (kept open) or a kind for :func:`make_io_engine` (closed here; a POSIX
+    engine gets ``threads`` workers, by default ``queue_depth``).
     ``buffers`` (``num_objects`` writable buffers of at least ``object_bytes``) lets a caller
     measure on the very buffers its store benchmark uses; by default page-aligned ones are made.
     The best of ``repeats`` rounds is reported.
@@ -64,7 +66,10 @@ def raw_direct_bench(
         raise ValueError(f"got {len(buffers)} buffers for {num_objects} objects")
     os.makedirs(directory, exist_ok=True)
     owns = isinstance(engine, str)
-    eng = make_io_engine(engine, queue_depth=queue_depth, threads=queue_depth) if isinstance(engine, str) else engine
+    if isinstance(engine, str):
+        eng = make_io_engine(engine, queue_depth=queue_depth, threads=threads or queue_depth)
+    else:
+        eng = engine
     direct = probe_direct_io(directory)
     stride = align_up(object_bytes)
     path = os.path.join(directory, f"raw-bench-{os.getpid()}.dat")

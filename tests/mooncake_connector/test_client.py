@@ -1,0 +1,123 @@
+"""KVClient over a real TieredStore: async batched save/load, per-key results, leases, bounds."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_connector.client import ClientClosedError, KVClient, KVStore
+from mooncake_connector.config import load_connector_config
+from mooncake_connector.stores import acquire_store, release_store
+from store_backend.store import TieredStore
+from store_backend.types import Buffer, Status
+
+SIZE = 64 * 1024
+
+
+def obj(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    with TieredStore({"dram": {"capacity_bytes": 8 * SIZE}, "ssd": {"path": str(tmp_path / "ssd")}}) as s:
+        yield s
+
+
+def test_store_satisfies_the_protocol(store: TieredStore) -> None:
+    assert isinstance(store, KVStore)
+
+
+def test_save_then_load_round_trip_with_per_key_results(store: TieredStore) -> None:
+    with KVClient(store, io_workers=2) as client:
+        keys = [f"fp/{i}" for i in range(4)]
+        assert client.save(keys, [obj(i) for i in range(4)]).result(10) == [Status.OK] * 4
+        assert client.save(keys[:1], [obj(0)]).result(10) == [Status.EXISTS]
+        assert client.lookup(keys + ["fp/missing", "fp/3"]) == 4
+        outs = [np.zeros(SIZE, np.uint8) for _ in range(5)]
+        res = client.load(keys + ["fp/missing"], outs).result(10)
+        assert [r.status for r in res] == [Status.OK] * 4 + [Status.NOT_FOUND]
+        for i in range(4):
+            assert np.array_equal(outs[i], obj(i))
+        stats = client.stats()
+    assert stats["saved_objects"] == 4 and stats["save_exists"] == 1
+    assert stats["loaded_objects"] == 4 and stats["load_failed"] == 1
+
+
+def test_a_stored_object_of_the_wrong_size_is_never_used(store: TieredStore) -> None:
+    with KVClient(store) as client:
+        client.save(["k"], [obj(1)[: SIZE // 2]]).result(10)
+        res = client.load(["k"], [np.zeros(SIZE, np.uint8)], sizes=[SIZE]).result(10)
+    assert res[0].status is Status.CORRUPT
+
+
+def test_lookup_all_needs_every_shard(store: TieredStore) -> None:
+    with KVClient(store) as client:
+        client.save(["s0/a", "s0/b", "s1/a"], [obj(1), obj(2), obj(3)]).result(10)
+        assert client.lookup_all_async([["s0/a", "s0/b"], ["s1/a", "s1/b"]]).result(10) == 1
+        assert client.lookup_all([["s0/a", "s0/b"]]) == 2
+
+
+def test_leases_keep_objects_until_unpinned(store: TieredStore) -> None:
+    with KVClient(store, lease_ttl_s=60) as client:
+        client.save(["pinned"], [obj(7)]).result(10)
+        assert client.pin(["pinned", "absent"]) == [True, False]
+        # Fill DRAM far past its capacity: the leased object must survive eviction.
+        for i in range(20):
+            client.save([f"filler/{i}"], [obj(100 + i)]).result(10)
+        out = np.zeros(SIZE, np.uint8)
+        assert client.load(["pinned"], [out], unpin_after=True).result(10)[0].ok
+        assert np.array_equal(out, obj(7))
+
+
+class _BlockingStore:
+    """Fault injection: a store whose puts hang until released (an SSD that fell far behind)."""
+
+    def __init__(self, inner: TieredStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer], parents=None) -> list[Status]:
+        self.gate.wait(10)
+        return self.inner.put(keys, buffers, parents)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_saves_never_block_the_caller_and_excess_saves_are_dropped(store: TieredStore) -> None:
+    slow = _BlockingStore(store)
+    client = KVClient(slow, io_workers=1, max_pending_batches=2).start()
+    try:
+        first = [client.save([f"d/{i}"], [obj(i)]) for i in range(2)]
+        dropped = client.save(["d/9"], [obj(9)])
+        assert dropped.done() and dropped.result() == [Status.NO_SPACE]
+        assert client.stats()["saves_dropped"] == 1
+        slow.gate.set()
+        assert [f.result(10) for f in first] == [[Status.OK], [Status.OK]]
+    finally:
+        slow.gate.set()
+        client.close()
+    with pytest.raises(ClientClosedError):
+        client.save(["late"], [obj(1)])
+
+
+def test_one_store_per_config_per_process(tmp_path: Path) -> None:
+    cfg = load_connector_config({"store": {"dram": {"capacity_bytes": "1MiB"},
+                                           "ssd": {"path": str(tmp_path / "ssd")}}}).store_config(environ={})
+    a = acquire_store(cfg)
+    b = acquire_store(cfg)
+    assert a is b
+    a.put(["x"], [obj(1)])
+    release_store(a)
+    assert b.contains(["x"]) == [True]  # still open: one holder left
+    release_store(b)  # last holder: flushed to SSD and closed
+    with TieredStore(cfg) as reopened:
+        assert reopened.contains(["x"]) == [True]
+    c = acquire_store(cfg)
+    assert c is not a
+    release_store(c)
