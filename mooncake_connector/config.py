@@ -45,12 +45,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The store: a nested StoreConfig section, or a file (connector config or store config).
     store: StoreConfig | None = None
     config_file: str | None = None
+    # Several engine processes of this node share the SSD directory (file backend): objects any of
+    # them writes are visible to all. Needed for disaggregated prefill/decode on the embedded store.
+    shared_ssd: bool = False
     # Worker threads that move bytes between staging memory and the store, per connector instance.
     io_workers: int = 2
     # Staging memory for in-flight saves; a save that finds no room is dropped (a future miss).
     staging_bytes: int = 512 * 1024 * 1024
     # Longest a prefix lookup may hold the scheduler before it answers "ask later".
     lookup_wait_s: float = 0.002
+    # Directory of the Unix sockets on which workers answer the scheduler's lookups (default: TMPDIR).
+    lookup_socket_dir: str | None = None
     # Longest a layer waits for its load before the load counts as failed (its blocks recomputed).
     load_timeout_s: float = 30.0
     # Lease on objects between lookup and load, so eviction cannot take them away mid-flight.

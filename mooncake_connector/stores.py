@@ -17,7 +17,8 @@ import threading
 
 import msgspec
 
-from store_backend.config import StoreConfig
+from mooncake_connector.shared_ssd import SharedDirectoryBackend
+from store_backend.config import ConfigError, StoreConfig
 from store_backend.store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -26,19 +27,26 @@ _lock = threading.Lock()
 _stores: dict[bytes, tuple[TieredStore, int]] = {}
 
 
-def _key(config: StoreConfig) -> bytes:
-    return msgspec.json.encode(config)
+def _key(config: StoreConfig, shared_ssd: bool) -> bytes:
+    return msgspec.json.encode([config, shared_ssd])
 
 
-def acquire_store(config: StoreConfig) -> TieredStore:
-    """The started store for ``config`` in this process (opened on first use; blocking)."""
-    k = _key(config)
+def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> TieredStore:
+    """The started store for ``config`` in this process (opened on first use; blocking).
+
+    ``shared_ssd``: other processes write to the same SSD directory too (see
+    :mod:`mooncake_connector.shared_ssd`); needs an SSD tier with the file backend.
+    """
+    if shared_ssd and config.ssd is None:
+        raise ConfigError("shared_ssd: needs a store with an ssd section")
+    k = _key(config, shared_ssd)
     with _lock:
         held = _stores.get(k)
         if held is not None:
             _stores[k] = (held[0], held[1] + 1)
             return held[0]
-        store = TieredStore(config).start()
+        ssd = SharedDirectoryBackend(config.ssd) if shared_ssd and config.ssd is not None else None
+        store = TieredStore(config, ssd=ssd).start()
         _stores[k] = (store, 1)
         logger.info("opened embedded store (dram %d bytes, ssd %s)", config.dram.capacity_bytes,
                     config.ssd.path if config.ssd else None)

@@ -90,8 +90,10 @@ EOF
 )
 if [ -n "$missing" ]; then
     say "installing $missing"
+    # The installed torch is pinned in the same command, so no dependency can swap in a CUDA torch.
+    torch_pin=$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")
     # shellcheck disable=SC2086
-    quiet_pip $missing
+    quiet_pip $missing "torch==$torch_pin"
 fi
 
 # 3. torchvision matching the installed torch (2.N -> 0.N+15), beside the venv, not in it.

@@ -42,17 +42,12 @@ class SglangOnlySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # cache as raw bytes (fp8 caches are kept as uint8, which hides which fp8 format they hold);
     # otherwise derived from the host pool's dtype ("bfloat16", "float16", ...).
     kv_dtype: str | None = None
-    # Quantization named in the fingerprint (e.g. a KV-scale scheme), when the dtype alone is not it.
+    # Quantization named in the fingerprint (what the vLLM side reports for a quantized model).
     quantization: str | None = None
-    # Host staging for pages whose host-pool layout is not the canonical one (copied in batches of
-    # at most this many bytes; always room for at least one page).
-    staging_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.kv_dtype is not None and not self.kv_dtype:
             raise ValueError("kv_dtype must not be empty")
-        if self.staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be > 0, got {self.staging_bytes}")
 
 
 class BackendSettings(msgspec.Struct, frozen=True):
@@ -66,15 +61,15 @@ _ONLY_KEYS = frozenset(SglangOnlySettings.__struct_fields__)
 
 
 def load_backend_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
-    """Split and validate the extra config (raises ConfigError naming the bad field).
-
-    ``staging_bytes`` is read by both halves: the connector keeps its meaning (staging memory)
-    and this backend sizes its page staging with it.
-    """
+    """Split and validate the extra config (raises ConfigError naming the bad field)."""
     data = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
-    only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS and k != "staging_bytes"}
+    only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS}
+    # SGLang computes the page keys itself, with its own hash; the vLLM connector's matching setting
+    # is accepted here so that one config text can serve both engines.
+    scheme = data.pop("hash_scheme", "sglang")
+    if scheme != "sglang":
+        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself (\"sglang\"), not {scheme!r}")
     connector = load_connector_config(data)
-    only["staging_bytes"] = connector.staging_bytes
     try:
         sglang = msgspec.convert(only, SglangOnlySettings, str_keys=True)
     except msgspec.ValidationError as e:

@@ -60,7 +60,7 @@ def prepare_sglang_import() -> bool:
 
     if torch.version.cuda is None and _library is None:
         try:
-            getattr(torch.ops.torchvision, "nms")
+            torch.ops.torchvision.nms  # noqa: B018  (raises when the operator is not defined)
         except (AttributeError, RuntimeError):
             lib = torch.library.Library("torchvision", "FRAGMENT")
             for schema in _SCHEMAS.values():

@@ -8,25 +8,27 @@ pool's bytes with the canonical axes ``[layer, plane, token, head, word]`` (no c
 page is one copy between that view and a flat buffer. When the view is contiguous (MLA with
 ``page_first_direct``) the store reads and writes the host pool directly and nothing is staged.
 
-Host layouts (``kv`` is the pool's tensor as bytes; MLA pools get a leading plane axis of 1):
+Host layouts (``kv`` is the pool's tensor in words; MLA pools get a leading plane axis of 1):
 
-=====================  ==============================  ==========================
-layout                 ``kv`` shape                    page ``s`` in native order
-=====================  ==============================  ==========================
-``layer_first``        ``[plane, layer, token, h, b]``  ``kv[:, :, s:s+P]``
-``page_first``         ``[plane, token, layer, h, b]``  ``kv[:, s:s+P]``
-``page_first_direct``  ``[plane, page, layer, P, h, b]``  ``kv[:, s // P]``
-=====================  ==============================  ==========================
+====================== =================================== ======================
+layout                 ``kv`` shape                        page at host index s
+====================== =================================== ======================
+``layer_first``        ``[plane, layer, token, head, w]``  ``kv[:, :, s:s+P]``
+``page_first``         ``[plane, token, layer, head, w]``  ``kv[:, s:s+P]``
+``page_first_direct``  ``[plane, page, layer, P, head, w]`` ``kv[:, s // P]``
+====================== =================================== ======================
 
 The native order of a page is also the order of SGLang's "flat data page" (``get_data_page`` /
 ``set_from_flat_data_page``), which the legacy storage calls pass around.
 
-Pure array code (numpy views of the pool's torch tensor), no SGLang import; thread-safe (views only, no shared state after construction).
+Pure array code (numpy views of the pool's torch tensor), no SGLang import. Thread-safe: views only,
+no state changes after construction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -92,7 +94,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def geometry_of(host_pool: object, *, is_mla: bool) -> PoolGeometry:
+def geometry_of(host_pool: Any, *, is_mla: bool) -> PoolGeometry:
     """Read the geometry of an SGLang host pool (raises UnsupportedHostPoolError)."""
     layout = getattr(host_pool, "layout", None)
     if layout not in SUPPORTED_LAYOUTS:
@@ -103,24 +105,22 @@ def geometry_of(host_pool: object, *, is_mla: bool) -> PoolGeometry:
         raise UnsupportedHostPoolError(f"{type(host_pool).__name__} holds no KV buffer (a logical pool)")
     if getattr(host_pool, "dcp_size", 1) != 1:
         raise UnsupportedHostPoolError("decode context parallel (dcp_size > 1) is not supported")
-    dtype: torch.dtype = host_pool.dtype  # type: ignore[attr-defined]
+    dtype: torch.dtype = host_pool.dtype
     if is_mla:
-        num_heads, head_size = 1, int(host_pool.kv_cache_dim)  # type: ignore[attr-defined]
+        num_heads, head_size = 1, int(host_pool.kv_cache_dim)
     else:
-        num_heads, head_size = int(host_pool.head_num), int(host_pool.head_dim)  # type: ignore[attr-defined]
+        num_heads, head_size = int(host_pool.head_num), int(host_pool.head_dim)
         v_head = int(getattr(host_pool, "v_head_dim", head_size))
         if v_head != head_size:
             raise UnsupportedHostPoolError(f"K head size {head_size} differs from V head size {v_head}")
-    geometry = PoolGeometry(layout=layout, page_size=int(host_pool.page_size),  # type: ignore[attr-defined]
-                            num_layers=int(host_pool.layer_num),  # type: ignore[attr-defined]
+    geometry = PoolGeometry(layout=layout, page_size=int(host_pool.page_size), num_layers=int(host_pool.layer_num),
                             num_heads=num_heads, head_size=head_size, dtype=dtype_name(dtype),
                             element_bytes=dtype.itemsize, is_mla=is_mla)
-    expected = geometry.page_bytes * (host_pool.page_num if layout == "page_first_direct"  # type: ignore[attr-defined]
-                                      else host_pool.size // geometry.page_size)  # type: ignore[attr-defined]
-    if host_pool.kv_buffer.numel() * dtype.itemsize != expected:  # type: ignore[attr-defined]
+    have = host_pool.kv_buffer.numel() * dtype.itemsize
+    expected = geometry.page_bytes * (host_pool.size // geometry.page_size)
+    if have != expected:
         raise UnsupportedHostPoolError(
-            f"host pool buffer of {host_pool.kv_buffer.numel() * dtype.itemsize} bytes does not match "  # type: ignore[attr-defined]
-            f"its geometry {geometry} ({expected} bytes)")
+            f"host pool buffer of {have} bytes does not match its geometry {geometry} ({expected} bytes)")
     return geometry
 
 

@@ -33,15 +33,16 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from mooncake_connector.keys import ModelFingerprint, object_key
-from mooncake_connector.stores import acquire_store, release_store
 from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from mooncake_connector.keys import ModelFingerprint, object_key
+from mooncake_connector.stores import acquire_store, release_store
 from sglang_hicache.config import BackendSettings, load_backend_settings, per_rank_store_config
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
 from store_backend.config import ConfigError
@@ -55,7 +56,8 @@ class _Staging:
     """One reusable flat uint8 buffer with its lock (one per direction: backup and prefetch)."""
 
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
-        self.pages = max(1, capacity_bytes // page_bytes)
+        # SGLang never hands over more than STORAGE_BATCH_SIZE pages in one call.
+        self.pages = max(1, min(capacity_bytes // page_bytes, STORAGE_BATCH_SIZE))
         self.page_bytes = page_bytes
         self.lock = threading.Lock()
         self._buf: np.ndarray | None = None
@@ -89,16 +91,18 @@ class MooncakeTieredStorage(HiCacheStorage):
         if storage_config.attn_cp_size != 1 or getattr(storage_config, "dcp_size", 1) != 1:
             raise ConfigError("context parallel KV shards (attn_cp_size or dcp_size > 1) are not supported")
         self.is_mla = bool(storage_config.is_mla_model)
-        if self.is_mla and storage_config.tp_size > 1:
-            logger.warning("MLA with tp_size %d: only TP rank 0 backs pages up, and each rank's embedded "
-                           "store is its own, so the other ranks find nothing and SGLang's rank-agreed "
-                           "prefetch loads nothing; serve MLA models with one TP rank per store",
-                           storage_config.tp_size)
-        store_config = per_rank_store_config(
-            self.settings.connector.store_config(), tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
-            pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
-            dp_rank=getattr(storage_config, "dp_rank", 0))
-        self._store: TieredStore | None = acquire_store(store_config)
+        connector = self.settings.connector
+        if self.is_mla and storage_config.tp_size > 1 and not connector.shared_ssd:
+            logger.warning("MLA with tp_size %d and no shared_ssd: only TP rank 0 backs pages up and the "
+                           "other ranks' stores stay empty, so SGLang's rank-agreed prefetch loads nothing; "
+                           "set \"shared_ssd\": true (file SSD backend)", storage_config.tp_size)
+        store_config = connector.store_config()
+        if not connector.shared_ssd:
+            store_config = per_rank_store_config(
+                store_config, tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
+                pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
+                dp_rank=getattr(storage_config, "dp_rank", 0))
+        self._store: TieredStore | None = acquire_store(store_config, shared_ssd=connector.shared_ssd)
         self.mem_pool_host: Any = None
         self.geometry: PoolGeometry | None = None
         self.fingerprint: ModelFingerprint | None = None
@@ -141,7 +145,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         self.geometry = geometry
         self._pages = HostPages(mem_pool_host.kv_buffer, geometry)
         self._prefix = self.fingerprint.digest()
-        staging_bytes = self.settings.sglang.staging_bytes
+        staging_bytes = self.settings.connector.staging_bytes
         self._set_staging = _Staging(staging_bytes, geometry.page_bytes)
         self._get_staging = _Staging(staging_bytes, geometry.page_bytes)
         logger.info("HiCache tiered storage: model %s, %s layout, %d-byte pages (%s), shard %d/%d, key prefix %s",
@@ -343,7 +347,8 @@ class MooncakeTieredStorage(HiCacheStorage):
         """Release the store (the last holder in the process flushes offloads and closes it)."""
         store, self._store = self._store, None
         if store is not None:
-            release_store(store, flush_timeout_s=self.settings.connector.flush_timeout_s)
+            release_store(store, flush=self.settings.connector.flush_on_close,
+                          flush_timeout_s=self.settings.connector.flush_timeout_s)
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's StorageMetrics since the last call (with --enable-cache-report storage metrics)."""

@@ -127,7 +127,8 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this half plus the store's per-tier metrics (for tests and benchmarks)."""
-        side = self._scheduler or self._worker
-        if side is None:
-            return {}
-        return {"role": self.role.name.lower(), **side.stats(), "store": side.store.metrics()}
+        if self._worker is not None:
+            return {"role": "worker", **self._worker.stats(), "store": self._worker.store.metrics()}
+        if self._scheduler is not None:
+            return {"role": "scheduler", **self._scheduler.stats()}
+        return {}

@@ -12,6 +12,10 @@ decides; the worker half moves bytes.
   later") if the lookup is not back within ``lookup_wait_s``; it changes nothing but its own cache of
   lookup results, so calling it twice is harmless.
 - ``update_state_after_alloc`` turns an accepted hit into a load plan and leases the objects.
+
+The store lives with the workers (they move the bytes); lookups and leases go to each worker's
+:class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker shares this
+process or not.
 - ``build_connector_meta`` emits the loads, and saves for every chunk whose tokens were all computed
   by the end of this step: prompt chunks, chunked-prefill chunks and decode-produced chunks alike.
 - ``request_finished`` hands disaggregated-prefill parameters to the decode instance. Saves copy
@@ -22,14 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import chunk_hashes, object_key
-from mooncake_connector.stores import acquire_store, release_store
+from mooncake_connector.lookup_service import LookupClient, socket_path
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata
 from vllm_plugin.model_info import KVGeometry, fingerprint
 
@@ -91,18 +94,21 @@ class SchedulerSide:
         self.blocks_per_chunk = cfg.chunk_tokens // geometry.block_size
         self.can_load = kv_role in ("kv_both", "kv_consumer", "kv_producer")
         self.can_save = kv_role in ("kv_both", "kv_producer")
-        # One key prefix per KV shard: a chunk counts as present only when every shard stored it.
-        self.shard_digests = [fingerprint(vllm_config, geometry, cfg, i).digest()
-                              for i in range(1 if geometry.is_mla else geometry.shard_count)]
-        self.store = acquire_store(cfg.store_config())
-        self.client = KVClient(self.store, io_workers=1, lease_ttl_s=cfg.lease_ttl_s,
-                               name="kv-sched-lookup").start()
+        # One key prefix per KV shard (every worker rank); a chunk counts as present only when every
+        # rank's store holds its shard. MLA ranks all hold the same latent: one prefix for all.
+        engine_id = vllm_config.kv_transfer_config.engine_id
+        self.shard_digests = [fingerprint(vllm_config, geometry, cfg, rank).digest()
+                              for rank in range(geometry.shard_count)]
+        self.lookups = [LookupClient(socket_path(engine_id, rank, cfg.lookup_socket_dir))
+                        for rank in range(geometry.shard_count)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
         self._reqs: dict[str, _Tracked] = {}
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0}
 
     def close(self) -> None:
-        self.client.close()
-        release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
+        self._pool.shutdown(wait=True)
+        for client in self.lookups:
+            client.close()
 
     # -- keys --------------------------------------------------------------------------------------
     def _hashes_upto(self, t: _Tracked, num_chunks: int) -> list[str]:
@@ -118,6 +124,10 @@ class SchedulerSide:
     def _keys(self, hashes: list[str]) -> list[list[str]]:
         return [[object_key(d, h) for h in hashes] for d in self.shard_digests]
 
+    def _lookup(self, key_lists: list[list[str]]) -> int:
+        """Lookup thread: leading chunks present in every rank's store."""
+        return min(client.exists(keys) for client, keys in zip(self.lookups, key_lists))
+
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t = self._reqs.get(request.request_id)
@@ -131,7 +141,7 @@ class SchedulerSide:
         if max_chunks * self.chunk_tokens <= num_computed_tokens:
             return 0, False
         if t.lookup is None or t.lookup_chunks != max_chunks:
-            t.lookup = self.client.lookup_all_async(self._keys(self._hashes_upto(t, max_chunks)))
+            t.lookup = self._pool.submit(self._lookup, self._keys(self._hashes_upto(t, max_chunks)))
             t.lookup_chunks = max_chunks
             self.counters["lookups"] += 1
         try:
@@ -172,7 +182,8 @@ class SchedulerSide:
             first = max(lo, start // block_size)
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
-        self.client.pin([k for keys in self._keys([ld.chunk_hash for ld in loads]) for k in keys])
+        for client, keys in zip(self.lookups, self._keys([ld.chunk_hash for ld in loads])):
+            client.pin(keys, ttl_s=self.cfg.lease_ttl_s)
         self.counters["load_plans"] += 1
         self.counters["hit_tokens"] += num_external_tokens
 
@@ -233,4 +244,5 @@ class SchedulerSide:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "live_requests": len(self._reqs), "client": self.client.stats()}
+        return {**self.counters, "live_requests": len(self._reqs),
+                "lookup_failures": sum(c.failures for c in self.lookups)}

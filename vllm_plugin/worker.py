@@ -38,6 +38,7 @@ from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import object_key
 from mooncake_connector.layout import PagedLayer, canonical_layer, kernel_block_ids
+from mooncake_connector.lookup_service import LookupServer, socket_path
 from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
@@ -78,13 +79,14 @@ class WorkerSide:
         self.num_blocks = kv_cache_config.num_blocks
         self.layer_names = kv_layer_names(kv_cache_config)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
-        self.store = acquire_store(cfg.store_config())
+        self.store = acquire_store(cfg.store_config(), shared_ssd=cfg.shared_ssd)
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
         self.paged: list[PagedLayer] = []
         self.ratio = 1  # kernel blocks per engine block
         self.digest = ""
         self.staging: StagingPool | None = None
+        self.lookup_server: LookupServer | None = None
         self._side_stream: Any = None
         # Step state (reset every step).
         self._meta: TieredConnectorMetadata | None = None
@@ -108,6 +110,9 @@ class WorkerSide:
         shard = get_pp_group().rank_in_group * self.vllm_config.parallel_config.tensor_parallel_size
         shard += get_tensor_model_parallel_rank()
         self.digest = fingerprint(self.vllm_config, self.geometry, self.cfg, shard).digest()
+        engine_id = self.vllm_config.kv_transfer_config.engine_id
+        self.lookup_server = LookupServer(self.store, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
+        self.lookup_server.start()
         forward_context = self.vllm_config.compilation_config.static_forward_context
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
@@ -132,6 +137,8 @@ class WorkerSide:
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, device)
 
     def close(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
         self.client.close()
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
 

@@ -14,7 +14,8 @@ from store_backend.config import SsdConfig
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.bucket import BucketBackend
 from store_backend.ssd.file_per_key import FilePerKeyBackend
-from store_backend.ssd.io_engine import IoEngine, make_io_engine
+from store_backend.ssd.io.base import IoEngine
+from store_backend.ssd.io.factory import make_io_engine
 from store_backend.ssd.offset import OffsetBackend
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import xxhash
 
-from store_backend.ssd.io_engine import ALIGN, IoEngine, IoRequest, align_up, aligned_buffer
+from store_backend.ssd.io.base import IoEngine
+from store_backend.ssd.io.requests import ALIGN, IoRequest, align_up, aligned_buffer
 from store_backend.types import Buffer, Status
 
 MAGIC = b"MKVREC\x00\x01"

@@ -198,6 +198,10 @@ def test_bad_configs_are_rejected_with_the_field_named(tmp_path, backends):
         build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, nonsense=1), pools, backends)
     with pytest.raises(ConfigError, match="model_id"):
         build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends, model_name=None)
+    with pytest.raises(ConfigError, match="hash_scheme"):
+        build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, hash_scheme="xxh3_128"), pools, backends)
+    assert build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, hash_scheme="sglang", chunk_tokens=PAGE),
+                 pools, backends)
     with pytest.raises(ConfigError, match="chunk_tokens"):
         build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, chunk_tokens=4 * PAGE), pools, backends)
     fp8 = make_pools("page_first", dtype=torch.float8_e4m3fn)

@@ -20,8 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store_backend.ssd.io_engine import (ALIGN, IoRequest, IoUringEngine, PosixEngine, aligned_buffer,
-                                         io_uring_available, make_io_engine)
+from store_backend.ssd.io.factory import make_io_engine
+from store_backend.ssd.io.posix_engine import PosixEngine
+from store_backend.ssd.io.requests import ALIGN, IoRequest, aligned_buffer
+from store_backend.ssd.io.uring import io_uring_available
+from store_backend.ssd.io.uring_engine import IoUringEngine
 from store_backend.ssd.raw_bench import raw_direct_bench
 
 pytestmark = pytest.mark.timeout(120)
@@ -233,7 +236,9 @@ _SECCOMP_CHILD = textwrap.dedent("""
     p = P(4, prog)
     assert libc.prctl(38, 1, 0, 0, 0) == 0                # PR_SET_NO_NEW_PRIVS
     assert libc.prctl(22, 2, ctypes.byref(p), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-    from store_backend.ssd.io_engine import IoRequest, io_uring_available, make_io_engine
+    from store_backend.ssd.io.factory import make_io_engine
+    from store_backend.ssd.io.requests import IoRequest
+    from store_backend.ssd.io.uring import io_uring_available
     ok, why = io_uring_available()
     names = []
     for kind in ("auto", "io_uring"):

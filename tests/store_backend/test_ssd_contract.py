@@ -25,7 +25,7 @@ import pytest
 from store_backend.config import SsdConfig
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import backend_names, open_ssd_backend
-from store_backend.ssd.io_engine import ALIGN, aligned_buffer
+from store_backend.ssd.io.requests import ALIGN, aligned_buffer
 from store_backend.ssd.record import HEADER_FIXED, record_bytes
 from store_backend.types import MAX_KEY_BYTES, Status
 from tests.store_backend.conftest import payload

@@ -18,7 +18,7 @@ import pytest
 
 from store_backend.config import SsdConfig
 from store_backend.ssd.factory import open_ssd_backend
-from store_backend.ssd.io_engine import ALIGN
+from store_backend.ssd.io.requests import ALIGN
 from store_backend.ssd.offset import DATA_START, FILE_NAME
 from store_backend.ssd.record import HEADER_BLOCK, encode_header, record_bytes, value_checksum
 from store_backend.types import Status

@@ -32,7 +32,7 @@ def test_hits_come_from_ssd_when_dram_is_too_small(tiny_model: Path, tmp_path: P
     again = result["rounds"][3]
     assert [o["num_cached_tokens"] for o in first] == [0] * 6
     assert [o["tokens"] for o in again] == [o["tokens"] for o in first]
-    assert [o["num_cached_tokens"] for o in again] == [4 * CHUNK_TOKENS] * 6
+    assert [o["num_cached_tokens"] for o in again] == [4 * CHUNK_TOKENS] * 6, result["stats"]
 
     metrics = result["stats"]["worker"]["store"]
     assert metrics["dram"]["capacity_bytes"] == 8 * CHUNK_BYTES

@@ -1,0 +1,107 @@
+"""The POSIX fallback engine: :class:`PosixEngine`, preadv/pwritev on a bounded thread pool.
+
+Who calls it: the SSD backends and :mod:`store_backend.ssd.raw_bench` through the
+:class:`~.base.IoEngine` Protocol (any thread), built by :func:`~.factory.make_io_engine` where
+io_uring is refused or not wanted; :class:`~.uring_engine.IoUringEngine` borrows ``sync_inline``
+for a thread without a ring. Thread-safe: a batch runs on the engine's own pool (started on first
+use), each pool thread with its own staging area.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from store_backend.ssd.io.base import Completion
+from store_backend.ssd.io.planning import DEFAULT_STAGING_BYTES, Bounce, Staging, execute_sync
+from store_backend.ssd.io.requests import IoRequest
+
+
+class PosixEngine:
+    """preadv/pwritev on a bounded pool of ``threads`` workers (started on first use)."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 2, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.threads = max(1, threads)
+        self.staging_bytes = staging_bytes
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._stagings: list[Staging] = []
+        self._closed = False
+
+    def _alloc(self, nbytes: int) -> Bounce | None:
+        st = getattr(self._local, "staging", None)
+        if st is None:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("io engine is closed")
+                st = Staging(self.staging_bytes)
+                self._stagings.append(st)
+            self._local.staging = st
+        return st.alloc(nbytes)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("io engine is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv-posix-io")
+            return self._pool
+
+    def read(self, requests: Sequence[IoRequest], on_complete: Completion | None = None) -> list[int]:
+        return self._run(requests, False, on_complete)
+
+    def write(self, requests: Sequence[IoRequest], on_complete: Completion | None = None) -> list[int]:
+        return self._run(requests, True, on_complete)
+
+    def _run(self, requests: Sequence[IoRequest], write: bool, on_complete: Completion | None) -> list[int]:
+        results = [0] * len(requests)
+        if len(requests) == 1 or self.threads == 1:
+            for i, req in enumerate(requests):
+                results[i] = execute_sync(req, write, self._alloc)
+                if on_complete is not None:
+                    on_complete(i, results[i])
+            return results
+        pool = self._executor()
+        futures = {pool.submit(execute_sync, req, write, self._alloc): i for i, req in enumerate(requests)}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            results[i] = fut.result()
+            if on_complete is not None:
+                on_complete(i, results[i])
+        return results
+
+    @staticmethod
+    def _sync_one(fd: int, datasync: bool) -> int:
+        try:
+            (os.fdatasync if datasync else os.fsync)(fd)
+            return 0
+        except OSError as e:
+            return -(e.errno or errno.EIO)
+
+    @staticmethod
+    def sync_inline(fds: Sequence[int], datasync: bool = True) -> list[int]:
+        """fdatasync/fsync each fd in the calling thread; 0 or -errno per fd."""
+        return [PosixEngine._sync_one(fd, datasync) for fd in fds]
+
+    def sync(self, fds: Sequence[int], *, datasync: bool = True) -> list[int]:
+        if len(fds) <= 1 or self.threads == 1:
+            return self.sync_inline(fds, datasync)
+        return list(self._executor().map(lambda fd: self._sync_one(fd, datasync), fds))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+            stagings, self._stagings = self._stagings, []
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for st in stagings:
+            st.close()
