@@ -9,14 +9,20 @@ Outcomes are data: ``save`` resolves to one :class:`store_backend.types.Status` 
 one :class:`store_backend.types.ReadResult` per key; a problem with one key never raises. Buffers
 stay owned by the caller, who must keep them alive (and, for loads, not read them) until the returned
 future is done.
+
+Saves in flight count as present: ``lookup`` reports a key whose save was submitted but has not
+landed yet, and ``load`` of such a key first waits for that save. A request that arrives right after
+the one that produced its prefix therefore reuses it instead of racing the asynchronous save.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -88,6 +94,7 @@ class KVClient:
         self._slots = threading.BoundedSemaphore(max_pending_batches)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}  # key -> its save in flight
         self.counters = ClientCounters()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -111,21 +118,30 @@ class KVClient:
         self.close()
 
     def _submit(self, fn: Callable[..., Any], *args: Any, block: bool) -> Future | None:
+        """Queue ``fn`` on an I/O thread (``self._lock`` may be held by the caller)."""
         if not self._slots.acquire(blocking=block):
             return None
-        with self._lock:
-            pool = self._pool
-            if pool is None:
-                self._slots.release()
-                raise ClientClosedError(f"{self._name} is not started (or closed)")
-            fut = pool.submit(fn, *args)
+        pool = self._pool
+        if pool is None:
+            self._slots.release()
+            raise ClientClosedError(f"{self._name} is not started (or closed)")
+        fut = pool.submit(fn, *args)
         fut.add_done_callback(lambda _f: self._slots.release())
         return fut
 
     # -- lookup ------------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str]) -> int:
-        """Number of leading keys present in the store (blocking; cheap for the embedded store)."""
-        n = self.store.exists(keys) if keys else 0
+        """Number of leading keys present in the store or being saved (blocking; cheap for the
+        embedded store)."""
+        n = 0
+        while n < len(keys):
+            if keys[n] in self._pending:  # racy read of a dict: a save just landing is in the store
+                n += 1
+                continue
+            found = self.store.exists(keys[n:])
+            if found == 0:
+                break
+            n += found
         with self._lock:
             c = self.counters
             c.lookups += 1
@@ -147,10 +163,14 @@ class KVClient:
         assert fut is not None
         return fut
 
+    def exists(self, keys: Sequence[str]) -> int:
+        """``lookup`` under the store's name, so a client can stand in for a store (lookup service)."""
+        return self.lookup(keys)
+
     # -- leases ------------------------------------------------------------------------------------
-    def pin(self, keys: Sequence[str]) -> list[bool]:
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bool]:
         """Lease objects for a coming load (see ``TieredStore.pin``); presence per key."""
-        return self.store.pin(keys, ttl_s=self.lease_ttl_s) if keys else []
+        return self.store.pin(keys, ttl_s=self.lease_ttl_s if ttl_s is None else ttl_s) if keys else []
 
     def unpin(self, keys: Sequence[str]) -> None:
         if keys:
@@ -168,12 +188,21 @@ class KVClient:
         keys = list(keys)
         if not keys:
             return _done([])
-        fut = self._submit(self._save, keys, list(buffers), parents, block=False)
-        if fut is None:
-            with self._lock:
+        with self._lock:  # registered before the put can run, so lookups never miss it
+            fut = self._submit(self._save, keys, list(buffers), parents, block=False)
+            if fut is None:
                 self.counters.saves_dropped += len(keys)
-            return _done([Status.NO_SPACE] * len(keys))
+                return _done([Status.NO_SPACE] * len(keys))
+            for k in keys:
+                self._pending[k] = fut
+        fut.add_done_callback(lambda f, ks=keys: self._landed(ks, f))
         return fut
+
+    def _landed(self, keys: list[str], fut: Future) -> None:
+        with self._lock:
+            for k in keys:
+                if self._pending.get(k) is fut:
+                    del self._pending[k]
 
     def _save(self, keys: list[str], buffers: list[Buffer], parents: Sequence[str | None] | None) -> list[Status]:
         try:
@@ -196,20 +225,34 @@ class KVClient:
 
     # -- load --------------------------------------------------------------------------------------
     def load(self, keys: Sequence[str], buffers: Sequence[Buffer], *, sizes: Sequence[int] | None = None,
-             unpin_after: bool = False) -> Future:
+             unpin_after: bool = False, wait_saves_s: float = 30.0) -> Future:
         """Copy objects into the caller's writable buffers on an I/O thread.
 
         The future resolves to one ReadResult per key. With ``sizes``, an object of another size is
         reported CORRUPT (a stored object that does not match the reader's layout is never used).
-        ``unpin_after`` releases leases taken with ``pin`` once the bytes are copied. Blocks only
-        while the client already has its maximum of batches in flight.
+        ``unpin_after`` releases leases taken with ``pin`` once the bytes are copied. Blocks while
+        a save of one of these keys is still in flight (at most ``wait_saves_s``), and while the
+        client already has its maximum of batches in flight.
         """
         keys = list(keys)
         if not keys:
             return _done([])
+        self.wait_for_saves(keys, wait_saves_s)
         fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, block=True)
         assert fut is not None
         return fut
+
+    def wait_for_saves(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """Block until no save of ``keys`` is in flight (False if ``timeout_s`` passed first)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            waits = {id(f): f for k in keys if (f := self._pending.get(k)) is not None}
+        for fut in waits.values():
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                return False
+        return True
 
     def _load(self, keys: list[str], buffers: list[Buffer], sizes: Sequence[int] | None,
               unpin_after: bool) -> list[ReadResult]:

@@ -53,7 +53,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Staging memory for in-flight saves; a save that finds no room is dropped (a future miss).
     staging_bytes: int = 512 * 1024 * 1024
     # Longest a prefix lookup may hold the scheduler before it answers "ask later".
-    lookup_wait_s: float = 0.002
+    lookup_wait_s: float = 0.01
     # Directory of the Unix sockets on which workers answer the scheduler's lookups (default: TMPDIR).
     lookup_socket_dir: str | None = None
     # Longest a layer waits for its load before the load counts as failed (its blocks recomputed).

@@ -22,16 +22,24 @@ import struct
 import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
-
-from mooncake_connector.client import KVStore
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class PrefixIndex(Protocol):
+    """What the server answers from: a store, or a KVClient (which also counts saves in flight)."""
+
+    def exists(self, keys: Sequence[str]) -> int: ...
+
+    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
+
+    def unpin(self, keys: Sequence[str]) -> None: ...
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -81,7 +89,7 @@ def _recv(sock: socket.socket) -> bytes | None:
 class LookupServer:
     """Answers lookups and leases against ``store`` on a Unix socket at ``path``."""
 
-    def __init__(self, store: KVStore, path: str) -> None:
+    def __init__(self, store: PrefixIndex, path: str) -> None:
         self.store = store
         self.path = path
         self._sock: socket.socket | None = None

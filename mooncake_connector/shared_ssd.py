@@ -41,12 +41,16 @@ class SharedDirectoryBackend:
         self._inner = inner
         self._engine = make_io_engine("posix", threads=1)
 
+    def path_for(self, key: str) -> str:
+        """The record file of ``key`` in the shared directory (whichever process writes it)."""
+        return self._inner.path_for(key)
+
     # -- objects written by other processes --------------------------------------------------------
     def _foreign_header(self, key: str) -> tuple[str, int, int] | None:
         """(path, value_len, seq) of ``key``'s record on disk, if another process wrote one."""
         if check_key(key) is not None:
             return None
-        path = self._inner.path_for(key)
+        path = self.path_for(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:

@@ -305,6 +305,16 @@ class TieredStore:
                 out[i] = "ssd" if hit else None
         return out
 
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every stored key starting with ``prefix`` (DRAM and SSD, each once). A snapshot: O(objects)."""
+        with self._lock:
+            self._check_open()
+            out = [k for k, e in self._dram.entries.items() if e.state is EntryState.READY and k.startswith(prefix)]
+        if self._ssd is not None:
+            seen = set(out)
+            out.extend(k for k in self._ssd.keys() if k.startswith(prefix) and k not in seen)
+        return out
+
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
         check_batch(keys)
         with self._lock:

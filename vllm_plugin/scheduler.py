@@ -129,21 +129,38 @@ class SchedulerSide:
         return min(client.exists(keys) for client, keys in zip(self.lookups, key_lists))
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _track(self, request: Request) -> _Tracked:
         t = self._reqs.get(request.request_id)
         if t is None:
             t = self._reqs[request.request_id] = _Tracked(request)
             self._note_remote_prefill(t)
+        return t
+
+    def _start_lookup(self, t: _Tracked) -> int:
+        """Submit (once per prompt length) the lookup of the request's claimable chunks."""
+        max_chunks = (t.request.num_tokens - 1) // self.chunk_tokens  # never the last token
+        if max_chunks > 0 and (t.lookup is None or t.lookup_chunks != max_chunks):
+            t.lookup = self._pool.submit(self._lookup, self._keys(self._hashes_upto(t, max_chunks)))
+            t.lookup_chunks = max_chunks
+            self.counters["lookups"] += 1
+        return max_chunks
+
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived: start its lookup now, so it is answered when the scheduler asks."""
+        t = self._track(request)
+        if self.can_load:
+            self._start_lookup(t)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        t = self._track(request)
         if not self.can_load:
             return 0, False
         # Whole chunks only, and never the last token: vLLM must compute at least one token.
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         if max_chunks * self.chunk_tokens <= num_computed_tokens:
             return 0, False
-        if t.lookup is None or t.lookup_chunks != max_chunks:
-            t.lookup = self._pool.submit(self._lookup, self._keys(self._hashes_upto(t, max_chunks)))
-            t.lookup_chunks = max_chunks
-            self.counters["lookups"] += 1
+        self._start_lookup(t)
+        assert t.lookup is not None
         try:
             hit = t.lookup.result(timeout=self.cfg.lookup_wait_s)
         except FutureTimeout:
@@ -153,6 +170,7 @@ class SchedulerSide:
         if hit < want_remote and time.monotonic() < t.remote_deadline:
             # The prefill instance's saves may still be on their way: look again next step.
             t.lookup = None
+            self._start_lookup(t)
             self.counters["ask_later"] += 1
             return None, False
         t.hit_chunks = hit

@@ -111,7 +111,7 @@ class WorkerSide:
         shard += get_tensor_model_parallel_rank()
         self.digest = fingerprint(self.vllm_config, self.geometry, self.cfg, shard).digest()
         engine_id = self.vllm_config.kv_transfer_config.engine_id
-        self.lookup_server = LookupServer(self.store, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
+        self.lookup_server = LookupServer(self.client, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
         self.lookup_server.start()
         forward_context = self.vllm_config.compilation_config.static_forward_context
         missing = [n for n in self.layer_names if n not in kv_caches]

@@ -11,6 +11,7 @@ Pure functions, called from the replay driver on the caller's thread.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,4 +124,43 @@ def belady_hits(trace: Trace, capacity_blocks: int, nxt: Sequence[Sequence[int]]
                 del resident[victim]
             resident[b] = nu
             push(heap, (-nu, -depth, b))
+    return out
+
+
+def dead_block_oracle_lru_hits(
+    trace: Trace, capacity_blocks: int, nxt: Sequence[Sequence[int]] | None = None
+) -> HitStats:
+    """LRU that is told, for free, which blocks will never be used again (offline, a bound).
+
+    Dead blocks are never stored and are evicted first if they become dead while resident; live
+    ones are evicted least recently used first. It measures how much of the LRU-to-Belady gap
+    perfect *liveness* prediction could close at most for a recency-ordered policy: the rest of
+    Belady's advantage comes from knowing *when* each block is used next.
+    """
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if nxt is None:
+        nxt = next_uses(trace)
+    live: OrderedDict[int, None] = OrderedDict()
+    dead: OrderedDict[int, None] = OrderedDict()
+    out = HitStats()
+    bt = trace.block_tokens
+    for r, req in enumerate(trace.requests):
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and (ids[k] in live or ids[k] in dead):
+            k += 1
+        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
+        for depth, b in enumerate(ids):
+            is_dead = nxt[r][depth] == NEVER
+            if b in live:
+                del live[b]
+            elif b in dead:
+                del dead[b]
+            else:
+                if is_dead or capacity_blocks == 0:
+                    continue
+                if len(live) + len(dead) >= capacity_blocks:
+                    (dead if dead else live).popitem(last=False)
+            (dead if is_dead else live)[b] = None
     return out

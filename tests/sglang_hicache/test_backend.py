@@ -21,7 +21,6 @@ from mooncake_connector.keys import chunk_hashes  # noqa: E402
 from mooncake_connector.layout import canonical_layer  # noqa: E402
 from sglang_hicache.storage import MooncakeTieredStorage, UnsupportedHostPoolError  # noqa: E402
 from store_backend.config import ConfigError  # noqa: E402
-from store_backend.store import TieredStore  # noqa: E402
 from tests.sglang_hicache.harness import (  # noqa: E402
     PAGE,
     extra_config,
@@ -143,8 +142,6 @@ def test_legacy_interface_round_trips_flat_pages(tmp_path, backends):
     assert backend.get("f" * 64, pools.host.get_dummy_flat_data_page()) is None
 
 
-@pytest.mark.xfail(not hasattr(TieredStore, "keys"), strict=True,
-                   reason="needs TieredStore.keys(prefix) to enumerate stored objects")
 def test_clear_removes_only_this_fingerprint(tmp_path, backends):
     store = {"dram": {"capacity_bytes": "16MiB"}}
     pools = make_pools("page_first")

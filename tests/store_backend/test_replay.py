@@ -13,7 +13,7 @@ import pytest
 from store_backend.cli import main as cli_main
 from store_backend.policies.registry import make_policy
 from store_backend.replay.driver import ReplaySetup, replay_store, store_config
-from store_backend.replay.reference import belady_hits, max_hits, next_uses, speedup
+from store_backend.replay.reference import belady_hits, dead_block_oracle_lru_hits, max_hits, next_uses, speedup
 from store_backend.replay.report import gap_closed, parse_tokens, ssd_key, tokens_label
 from store_backend.replay.simulate import simulate
 from store_backend.replay.trace import TraceError, load_trace, parse_lines, trace_from_hash_ids
@@ -76,6 +76,9 @@ def test_maximum_and_belady_known_answers() -> None:
     assert belady_hits(CHAIN, 2).hit_tokens == 2  # keeps the first two blocks of the chain
     with pytest.raises(ValueError):
         belady_hits(ABC, -1)
+    # LRU told which blocks are dead: C evicts A (all live), then B and C hit: 2 of 3.
+    assert [dead_block_oracle_lru_hits(ABC, c).hit_tokens for c in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert dead_block_oracle_lru_hits(CHAIN, 3).hit_tokens == 3  # block 4 is dead: never stored
 
 
 def test_hits_are_capped_at_the_input_length() -> None:
@@ -176,6 +179,7 @@ def test_store_and_simulator_agree_and_belady_bounds_them() -> None:
         bel = belady_hits(trace, blocks, nxt).ratio
         assert prev <= bel <= mx
         prev = bel
+        assert dead_block_oracle_lru_hits(trace, blocks, nxt).ratio <= bel + 1e-12
         for policy in ("lru", "prefix_reuse"):
             st = replay_store(trace, ReplaySetup(policy, cap_tokens))
             assert st.hit_tokens == simulate(trace, blocks, make_policy(policy)).hit_tokens

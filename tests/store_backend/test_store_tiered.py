@@ -98,6 +98,19 @@ def test_restart_serves_everything_persisted(tmp_path) -> None:
         assert s2.put(keys[:1], [b"different"]) == [Status.EXISTS]
 
 
+def test_keys_lists_every_tier_once(tmp_path) -> None:
+    with tiered(tmp_path, "bucket") as s:
+        keys = [f"a/{i}" for i in range(12)] + ["b/0"]
+        for k in keys:
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+        assert "dram" in s.tier_of(keys) and "ssd" in s.tier_of(keys)
+        assert sorted(s.keys("a/")) == sorted(keys[:-1])
+        assert sorted(s.keys()) == sorted(keys)
+        assert s.remove(s.keys("a/")) == [Status.OK] * 12
+        assert s.keys() == ["b/0"]
+
+
 def test_remove_reaches_every_tier(tmp_path) -> None:
     with tiered(tmp_path, "offset") as s:
         s.put(["a"], [payload("a", CHUNK)])

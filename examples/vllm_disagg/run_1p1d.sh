@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One prefill and one decode vLLM server sharing KV through the tiered store, plus the proxy.
+#
+#   MODEL=meta-llama/Llama-3.2-1B bash examples/vllm_disagg/run_1p1d.sh
+#   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+#        -d '{"model": "'"$MODEL"'", "prompt": "...", "max_tokens": 64}'
+#
+# Both servers use the embedded store on one node; they share its SSD directory (shared_ssd), which
+# is how the decode server finds what the prefill server saved. Ctrl-C stops everything.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
+PY="$VENV/bin/python"
+MODEL=${MODEL:?set MODEL to a model name or a local model directory}
+SSD_DIR=${SSD_DIR:-/tmp/mooncake-kv-1p1d}
+PREFILL_PORT=${PREFILL_PORT:-8100}
+DECODE_PORT=${DECODE_PORT:-8200}
+PROXY_PORT=${PROXY_PORT:-8000}
+CHUNK_TOKENS=${CHUNK_TOKENS:-256}
+EXTRA_ARGS=${EXTRA_ARGS:-}   # e.g. "--block-size 32 --max-model-len 8192" (CPU build: block size a multiple of 32)
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+
+store='{"dram": {"capacity_bytes": "4GiB"},
+        "ssd": {"path": "'"$SSD_DIR"'", "backend": "file", "capacity_bytes": "64GiB"},
+        "offload": {"policy": "eager"}}'
+config() {  # $1: kv_producer | kv_consumer
+  echo '{"kv_connector": "MooncakeTieredConnector", "kv_role": "'"$1"'",
+         "kv_connector_extra_config": {"chunk_tokens": '"$CHUNK_TOKENS"', "shared_ssd": true, "store": '"$store"'}}'
+}
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }
+trap cleanup EXIT INT TERM
+
+# shellcheck disable=SC2086
+"$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$PREFILL_PORT" $EXTRA_ARGS \
+    --kv-transfer-config "$(config kv_producer)" &
+pids+=($!)
+# shellcheck disable=SC2086
+"$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$DECODE_PORT" $EXTRA_ARGS \
+    --kv-transfer-config "$(config kv_consumer)" &
+pids+=($!)
+for port in "$PREFILL_PORT" "$DECODE_PORT"; do
+  until curl -sf "localhost:$port/health" >/dev/null; do sleep 2; done
+done
+"$PY" "$ROOT/examples/vllm_disagg/proxy.py" --port "$PROXY_PORT" \
+    --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" &
+pids+=($!)
+echo "1P1D ready: proxy on port $PROXY_PORT (prefill $PREFILL_PORT, decode $DECODE_PORT)"
+wait

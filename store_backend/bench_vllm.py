@@ -1,0 +1,189 @@
+"""``mooncake-kv bench vllm``: what the connector buys and costs on a real vLLM engine (CPU build).
+
+Two engine processes on the same Llama-shaped model (dummy weights, large enough that prefill takes
+real time): one with the tiered connector on the embedded store, one without.
+
+- **TTFT, full external hit vs recompute**: a long prompt (default 2049 tokens: 2048 of them in
+  whole 256-token chunks) is served once to fill the store; vLLM's local prefix cache is cleared and
+  the same prompt is served again, its prefix loaded from the store. The recompute figure is the same
+  prompt on the engine without connector. ``hit_vs_recompute = ttft_hit_s / ttft_recompute_s``.
+- **Miss overhead**: a batch of distinct prompts (nothing to reuse; the connector looks up, misses
+  and saves everything) served by both engines; ``miss_overhead_ratio`` = with / without.
+
+Each figure is the best of ``--repeat`` runs (fresh prompts each time). Progress goes to stderr; with
+``--json`` the last stdout line is one JSON object. The engines run as child processes of this
+module (``python -m store_backend.bench_vllm --child SPEC``) so each starts clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD_TIMEOUT_S = 1800
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--prompt-tokens", type=int, default=2049, help="tokens of the long prompt")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
+    p.add_argument("--miss-prompts", type=int, default=8, help="prompts in the cache-miss batch")
+    p.add_argument("--miss-prompt-tokens", type=int, default=384)
+    p.add_argument("--miss-output-tokens", type=int, default=32)
+    p.add_argument("--work-dir", type=Path, default=None, help="model config and SSD directory (default: temp)")
+
+
+def write_llama_config(path: Path, *, layers: int, hidden: int, heads: int, kv_heads: int,
+                       intermediate: int, vocab: int = 8192) -> Path:
+    """A Llama config.json for ``load_format="dummy"`` (no weights needed)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads, "num_hidden_layers": layers, "vocab_size": vocab,
+        "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
+    }))
+    return path
+
+
+def _prompt(seed: int, n: int, vocab: int = 8000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench vllm] {msg}", file=sys.stderr, flush=True)
+
+
+# -- child process: one engine ----------------------------------------------------------------------
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    kwargs: dict[str, Any] = {}
+    if spec["connector"]:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_tokens": spec["chunk_tokens"], "store": spec["store"]},
+        }
+    llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, seed=0,
+              block_size=32, max_model_len=8192, enforce_eager=True, **kwargs)
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def timed(prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[Any]]:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, outs
+
+    timed([_prompt(999, 512)], one)  # warm-up: first-call costs are not the connector's
+    out: dict[str, Any] = {"ttft_miss_s": [], "ttft_hit_s": [], "hit_tokens": [], "miss_batch_s": []}
+    for r in range(spec["repeat"]):
+        p = _prompt(1000 + r, spec["prompt_tokens"])
+        llm.reset_prefix_cache()
+        t, _ = timed([p], one)
+        out["ttft_miss_s"].append(t)
+        if spec["connector"]:
+            llm.reset_prefix_cache()  # reuse may only come from the store
+            t, outs = timed([p], one)
+            out["ttft_hit_s"].append(t)
+            out["hit_tokens"].append(outs[0].num_cached_tokens)
+    many = SamplingParams(max_tokens=spec["miss_output_tokens"], temperature=0.0, detokenize=False,
+                          ignore_eos=True)
+    for r in range(spec["repeat"]):
+        prompts = [_prompt(5000 + 100 * r + i, spec["miss_prompt_tokens"]) for i in range(spec["miss_prompts"])]
+        t, _ = timed(prompts, many)
+        out["miss_batch_s"].append(t)
+    if has_kv_transfer_group():
+        out["connector"] = get_kv_transfer_group().stats()
+        out["scheduler"] = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def _run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    spec_path = work / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    log = work / f"{name}.log"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "store_backend.bench_vllm", "--child", str(spec_path)],
+                              stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root, timeout=CHILD_TIMEOUT_S)
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("CHILD ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine {name} failed (rc={proc.returncode}); see {log}")
+    return json.loads(lines[-1][len("CHILD "):])
+
+
+def run(args: argparse.Namespace) -> int:
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = write_llama_config(work / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
+                               kv_heads=args.kv_heads, intermediate=args.intermediate)
+    store = {"dram": {"capacity_bytes": "2GiB"}, "offload": {"policy": "eager"},
+             "ssd": {"path": str(work / "ssd"), "capacity_bytes": "16GiB"}}
+    base = {"model_dir": str(model), "chunk_tokens": args.chunk_tokens, "store": store, "repeat": args.repeat,
+            "prompt_tokens": args.prompt_tokens, "miss_prompts": args.miss_prompts,
+            "miss_prompt_tokens": args.miss_prompt_tokens, "miss_output_tokens": args.miss_output_tokens}
+    _progress(f"engine without connector ({args.layers} layers, hidden {args.hidden}); log in {work}")
+    plain = _run_child({**base, "connector": False}, work, "without-connector")
+    _progress(f"without connector: TTFT {min(plain['ttft_miss_s']):.3f} s, miss batch {min(plain['miss_batch_s']):.3f} s")
+    _progress("engine with the tiered connector")
+    conn = _run_child({**base, "connector": True}, work, "with-connector")
+    _progress(f"with connector: TTFT hit {min(conn['ttft_hit_s']):.3f} s, miss batch {min(conn['miss_batch_s']):.3f} s")
+
+    ttft_recompute = min(plain["ttft_miss_s"])
+    ttft_hit = min(conn["ttft_hit_s"])
+    result = {
+        "ttft_hit_s": round(ttft_hit, 4),
+        "ttft_recompute_s": round(ttft_recompute, 4),
+        "hit_vs_recompute": round(ttft_hit / ttft_recompute, 4),
+        "miss_overhead_ratio": round(min(conn["miss_batch_s"]) / min(plain["miss_batch_s"]), 4),
+        "ttft_miss_with_connector_s": round(min(conn["ttft_miss_s"]), 4),
+        "prompt_tokens": args.prompt_tokens,
+        "hit_tokens": max(conn["hit_tokens"]),
+        "chunk_tokens": args.chunk_tokens,
+        "miss_batch_s": round(min(plain["miss_batch_s"]), 4),
+        "miss_batch_with_connector_s": round(min(conn["miss_batch_s"]), 4),
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "intermediate": args.intermediate, "dtype": "bfloat16"},
+        "connector": {k: v for k, v in conn.get("connector", {}).items() if k != "store"},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k in ("ttft_hit_s", "ttft_recompute_s", "hit_vs_recompute", "miss_overhead_ratio", "hit_tokens"):
+            print(f"{k:>22}: {result[k]}")
+    return 0
+
+
+def _child_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    print("CHILD " + json.dumps(_child(spec)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        sys.exit(_child_main(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,83 @@
+"""The lookup service: a scheduler in another process learns what the worker's store holds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_connector.client import KVClient
+from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
+from store_backend.store import TieredStore
+
+
+def _ask_from_child(path: str, keys: list[str], out: mp.Queue) -> None:
+    client = LookupClient(path)
+    out.put((client.exists(keys), client.pin(keys[:2], ttl_s=5.0)))
+    client.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    store = TieredStore({"dram": {"capacity_bytes": "4MiB"}}).start()
+    client = KVClient(store).start()
+    path = socket_path("test-engine", 0, str(tmp_path))
+    server = LookupServer(client, path).start()
+    yield store, client, server
+    server.close()
+    client.close()
+    store.close()
+
+
+def test_lookups_and_leases_from_another_process(served) -> None:
+    store, client, server = served
+    client.save(["a", "b", "c"], [np.ones(1024, np.uint8)] * 3).result(10)
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    p = ctx.Process(target=_ask_from_child, args=(server.path, ["a", "b", "x", "c"], q))
+    p.start()
+    count, pinned = q.get(timeout=60)
+    p.join(30)
+    assert count == 2
+    assert pinned == [True, True]
+    assert Path(server.path).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_save_in_flight_counts_as_present(served) -> None:
+    store, client, server = served
+    asker = LookupClient(server.path)
+    gate = threading.Event()
+    orig_put = store.put
+
+    def slow_put(keys, buffers, parents=None):  # fault injection: a put that has not landed yet
+        gate.wait(10)
+        return orig_put(keys, buffers, parents)
+
+    store.put = slow_put  # type: ignore[method-assign]
+    fut = client.save(["late"], [np.ones(64, np.uint8)])
+    assert store.contains(["late"]) == [False]
+    assert asker.exists(["late"]) == 1  # the scheduler may plan a load of it already
+    out = np.zeros(64, np.uint8)
+    gate.set()
+    assert client.load(["late"], [out]).result(10)[0].ok  # the load waited for the save
+    assert fut.result(10)[0].ok and out.all()
+    asker.close()
+
+
+def test_unreachable_server_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    asker = LookupClient(str(tmp_path / "nobody.sock"), timeout_s=0.5)
+    assert asker.exists(["a"]) == 0
+    assert asker.pin(["a", "b"]) == [False, False]
+    assert asker.failures >= 1
+
+
+def test_server_close_removes_the_socket(tmp_path: Path) -> None:
+    store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
+    server = LookupServer(store, socket_path("e", 3, str(tmp_path))).start()
+    assert Path(server.path).exists()
+    server.close()
+    assert not Path(server.path).exists()
+    store.close()
