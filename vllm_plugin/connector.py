@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-CONNECTOR_NAME = "MooncakeTieredConnector"
-
 
 class MooncakeTieredConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED

@@ -1,7 +1,7 @@
 """Scheduler half of the vLLM connector: prefix lookups, and the per-step load/save plan.
 
 Lives in vLLM's scheduler (engine-core process) and is called only from the scheduler thread; the
-lookups it starts run on its :class:`mooncake_connector.client.KVClient`'s I/O threads.
+lookups it starts run on one owned lookup thread.
 
 Per request it keeps the chained chunk hashes of the tokens seen so far, the external hit found for
 it, the engine blocks it holds, and how many of its chunks are stored or planned for saving. It

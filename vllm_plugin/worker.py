@@ -110,9 +110,6 @@ class WorkerSide:
         shard = get_pp_group().rank_in_group * self.vllm_config.parallel_config.tensor_parallel_size
         shard += get_tensor_model_parallel_rank()
         self.digest = fingerprint(self.vllm_config, self.geometry, self.cfg, shard).digest()
-        engine_id = self.vllm_config.kv_transfer_config.engine_id
-        self.lookup_server = LookupServer(self.client, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
-        self.lookup_server.start()
         forward_context = self.vllm_config.compilation_config.static_forward_context
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
@@ -126,13 +123,18 @@ class WorkerSide:
             layer = forward_context.get(name)
             if layer is None or not hasattr(layer, "attn_backend"):
                 raise ConfigError(f"layer {name} has no attention backend to read its page format from")
-            paged.append(PagedLayer(kv, page_format_for(layer.attn_backend.get_name()), num_heads=self.layout.num_heads,
+            page_format = page_format_for(layer.attn_backend.get_name())
+            paged.append(PagedLayer(kv, page_format, num_heads=self.layout.num_heads,
                                     head_size=self.layout.head_size))
         self.paged = paged
         device = paged[0].device if paged else torch.device("cpu")
         self.staging = StagingPool(self.cfg.staging_bytes, pin_memory=device.type == "cuda")
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
+        # The scheduler (maybe another process) asks this worker's store what it holds.
+        engine_id = self.vllm_config.kv_transfer_config.engine_id
+        self.lookup_server = LookupServer(self.client, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
+        self.lookup_server.start()
         logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, device %s",
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, device)
 
