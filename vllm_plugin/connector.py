@@ -17,7 +17,10 @@ or by name alone once the ``vllm.general_plugins`` entry point has registered it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -42,6 +45,22 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _timed(fn: F) -> F:
+    """Count the time vLLM's thread spends inside this hook (``stats()["hook_s"]``)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: MooncakeTieredConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._hook_s += time.perf_counter() - t0
+
+    return wrapper  # type: ignore[return-value]
+
 
 class MooncakeTieredConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -52,6 +71,7 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         cfg.check_block_size(vllm_config.cache_config.block_size)
         geometry = kv_geometry(vllm_config, kv_cache_config)
         self.config = cfg
+        self._hook_s = 0.0
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -78,44 +98,54 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
         self._worker.wait_for_layer_load(self._meta(), layer_name)
 
+    @_timed
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.save_kv_layer(self._meta(), layer_name)
 
+    @_timed
     def wait_for_save(self) -> None:
         assert self._worker is not None
         self._worker.wait_for_save(self._meta())
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
 
     # -- scheduler side ----------------------------------------------------------------------------
+    @_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
+    @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
@@ -130,7 +160,8 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, Any]:
         """Counters of this half plus the store's per-tier metrics (for tests and benchmarks)."""
         if self._worker is not None:
-            return {"role": "worker", **self._worker.stats(), "store": self._worker.store.metrics()}
+            return {"role": "worker", "hook_s": self._hook_s, **self._worker.stats(),
+                    "store": self._worker.store.metrics()}
         if self._scheduler is not None:
-            return {"role": "scheduler", **self._scheduler.stats()}
+            return {"role": "scheduler", "hook_s": self._hook_s, **self._scheduler.stats()}
         return {}
