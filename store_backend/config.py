@@ -196,6 +196,7 @@ def config_from_file(path: str | os.PathLike[str], cls: type = StoreConfig) -> A
 
 
 ENV_PREFIX = "MOONCAKE_KV_"
+_TOP_LEVEL = frozenset(f.name for f in msgspec.structs.fields(StoreConfig))
 
 
 def _env_value(text: str) -> Any:
@@ -207,15 +208,17 @@ def _env_value(text: str) -> Any:
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Nested dict from ``MOONCAKE_KV_A__B=v`` variables (``MOONCAKE_KV_CONFIG`` excluded)."""
+    """Nested dict from ``MOONCAKE_KV_A__B=v`` variables whose first level names a StoreConfig field
+    (``dram``, ``ssd``, ``offload``, ``promotion``, ``max_object_bytes``); other ``MOONCAKE_KV_*``
+    variables (``MOONCAKE_KV_CONFIG``, the scripts' ``MOONCAKE_KV_VENV``) are not settings."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
-        if not parts:
-            continue
+        if not parts or parts[0] not in _TOP_LEVEL:
+            continue  # not a store setting (e.g. MOONCAKE_KV_VENV of the set-up scripts)
         node = out
         for p in parts[:-1]:
             node = node.setdefault(p, {})

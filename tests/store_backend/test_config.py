@@ -31,9 +31,15 @@ def test_file_sources(tmp_path) -> None:
 
 def test_env_overrides() -> None:
     cfg = load_config(None, environ={"MOONCAKE_KV_SSD__PATH": "/tmp/s", "MOONCAKE_KV_SSD__DIRECT_IO": "false",
-                                     "MOONCAKE_KV_PROMOTION__ADMISSION_HITS": "3"})
+                                     "MOONCAKE_KV_PROMOTION__ADMISSION_HITS": "3",
+                                     "MOONCAKE_KV_VENV": "/opt/venv"})  # a script's variable, not a setting
     assert cfg.ssd is not None and cfg.ssd.path == "/tmp/s" and cfg.ssd.direct_io is False
     assert cfg.promotion.admission_hits == 3
+
+
+def test_env_typo_in_a_section_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="capcity_bytes"):
+        load_config(None, environ={"MOONCAKE_KV_DRAM__CAPCITY_BYTES": "1MiB"})
 
 
 @pytest.mark.parametrize(

@@ -155,11 +155,14 @@ def test_errors_are_per_request(engine, tmp_path):
 def test_threads_share_an_engine(engine, tmp_path):
     fd = os.open(tmp_path / "t", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
     errors: list[BaseException] = []
+    all_started = threading.Barrier(4, timeout=30)
 
     def worker(t: int) -> None:
         try:
             rnd = random.Random(t)
-            for _ in range(20):
+            for i in range(20):
+                if i == 1:
+                    all_started.wait()  # every thread holds its ring at once, whatever the scheduling
                 region = t * 1_000_000 + rnd.randrange(0, 500_000)
                 data = os.urandom(rnd.randrange(1, 100_000))
                 assert engine.write([IoRequest(fd, region, [data])]) == [len(data)]
