@@ -249,7 +249,8 @@ class KVClient:
             waits = {id(f): f for k in keys if (f := self._pending.get(k)) is not None}
         for fut in waits.values():
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                left = deadline - time.monotonic()
+                fut.result(timeout=None if left == float("inf") else max(0.0, left))
             except FutureTimeout:
                 return False
         return True
@@ -277,6 +278,12 @@ class KVClient:
                 else:
                     c.load_failed += 1
         return results
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every save submitted so far has landed (False if ``timeout_s`` passed)."""
+        with self._lock:
+            keys = list(self._pending)
+        return self.wait_for_saves(keys, float("inf") if timeout_s is None else timeout_s)
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

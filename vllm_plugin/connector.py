@@ -157,6 +157,11 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         if side is not None:
             side.close()
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Worker side: block until every save so far is stored and offloaded to SSD (e.g. before
+        handing the SSD directory to another process). Scheduler side: nothing to do."""
+        return self._worker.flush(timeout_s) if self._worker is not None else True
+
     def stats(self) -> dict[str, Any]:
         """Counters of this half plus the store's per-tier metrics (for tests and benchmarks)."""
         if self._worker is not None:

@@ -314,6 +314,13 @@ class WorkerSide:
         self._saves = None
         self._saved_layers = set()
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Block until every save submitted so far is in the store and queued offloads reached SSD."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self.client.drain(timeout_s):
+            return False
+        return self.store.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
     # -- results -----------------------------------------------------------------------------------
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

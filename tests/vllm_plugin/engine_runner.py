@@ -8,8 +8,9 @@ empty local cache, as in production. Usage::
 SPEC: ``model_dir``; ``connector`` (null for a no-connector baseline, else ``extra`` (the
 kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only),
 ``failure_policy``); ``engine`` (extra ``LLM`` arguments); ``rounds``: a list of
-``{"prompts": [[token ids]...], "max_tokens": n}`` served one after the other, vLLM's local prefix
-cache cleared before each round so that reuse can only come from the connector.
+``{"prompts": [[token ids]...], "max_tokens": n, "flush": bool}`` served one after the other, vLLM's
+local prefix cache cleared before each round so that reuse can only come from the connector
+(``flush``: first wait until the connector's saves so far reached the SSD tier).
 
 The last stdout line is ``RESULT {json}``: per round and prompt the generated tokens, finish reason
 and ``num_cached_tokens``, and the connector's stats (scheduler and worker halves, store metrics).
@@ -49,6 +50,8 @@ def main(spec_path: str) -> int:
     rounds = []
     for rnd in spec["rounds"]:
         llm.reset_prefix_cache()
+        if rnd.get("flush") and has_kv_transfer_group():
+            assert get_kv_transfer_group().flush(timeout_s=120)
         params = SamplingParams(max_tokens=rnd.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                 detokenize=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in rnd["prompts"]], params, use_tqdm=False)

@@ -25,8 +25,12 @@ def test_hits_come_from_ssd_when_dram_is_too_small(tiny_model: Path, tmp_path: P
     result = run_engine({
         "model_dir": str(tiny_model),
         "connector": {"extra": {"chunk_tokens": CHUNK_TOKENS, "store": store}},
-        "rounds": [{"prompts": prompts[0:2], "max_tokens": 8}, {"prompts": prompts[2:4], "max_tokens": 8},
-                   {"prompts": prompts[4:6], "max_tokens": 8}, {"prompts": prompts, "max_tokens": 8}],
+        # Each round waits for the previous one's saves to reach SSD: DRAM holds one round's chunks,
+        # and a store whose SSD falls behind drops unpersisted objects (by design) on a busy machine.
+        "rounds": [{"prompts": prompts[0:2], "max_tokens": 8},
+                   {"prompts": prompts[2:4], "max_tokens": 8, "flush": True},
+                   {"prompts": prompts[4:6], "max_tokens": 8, "flush": True},
+                   {"prompts": prompts, "max_tokens": 8, "flush": True}],
     }, tmp_path, "engine")
     first = [o for rnd in result["rounds"][:3] for o in rnd]
     again = result["rounds"][3]
@@ -38,6 +42,7 @@ def test_hits_come_from_ssd_when_dram_is_too_small(tiny_model: Path, tmp_path: P
     assert metrics["dram"]["capacity_bytes"] == 8 * CHUNK_BYTES
     assert metrics["dram"]["evictions"] >= 24 - 8  # the working set did not fit
     assert metrics["ssd"]["bytes_in"] >= 24 * CHUNK_BYTES  # everything reached SSD
+    assert metrics["store"]["dropped_unpersisted"] == 0
     # 24 chunks loaded; at most the 8 DRAM still held can have been DRAM hits of the first pass.
     assert result["stats"]["worker"]["chunks_loaded"] == 24
     assert metrics["ssd"]["hits"] + metrics["dram"]["promotions"] >= 24 - 8

@@ -72,9 +72,10 @@ def test_recompute_policy_gives_baseline_tokens(engine_a: dict[str, Any], tiny_m
     assert [o["tokens"] for o in got] == want
     worker = b["stats"]["worker"]
     # P_A's chunk 1 failed its checksum: one chunk, two 32-token blocks reported to vLLM.
-    assert worker["chunks_load_failed"] == 1
+    assert worker["chunks_load_failed"] == 1, b["stats"]
     assert worker["load_error_blocks"] == CHUNK_TOKENS // 32
-    assert worker["store"]["ssd"]["corrupt_reads"] == 1
+    # The checksum caught it (a promotion started by the lookup's lease may have read it too).
+    assert worker["store"]["ssd"]["corrupt_reads"] >= 1
     # P_B: the lookup stops at the deleted chunk, so only 3 chunks were claimed and loaded.
     assert got[1]["num_cached_tokens"] == 3 * CHUNK_TOKENS
     assert worker["chunks_loaded"] == 3 + 3  # P_A's chunks 0, 2, 3 and P_B's chunks 0-2
