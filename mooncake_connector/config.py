@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from mooncake_connector.keys import chain_hash
 from store_backend.config import (
     ConfigError,
     StoreConfig,
@@ -38,6 +39,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     # Tokens per stored object; a multiple of the engine's block (page) size.
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # Chain hash of a chunk's tokens: "xxh3_128" (default), or "sglang" to reproduce SGLang's HiCache
+    # page keys, so a vLLM and an SGLang deployment of the same model share cached KV (with
+    # chunk_tokens = SGLang's --page-size and the same model_id).
+    hash_scheme: str = "xxh3_128"
     # Fingerprint overrides: a stable model identity (default: the engine's model path or name) and
     # weights revision. Two deployments share cached KV only when these match.
     model_id: str | None = None
@@ -71,6 +76,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens}")
+        chain_hash(self.hash_scheme)  # raises ValueError naming the known schemes
         if self.io_workers <= 0:
             raise ValueError(f"io_workers must be > 0, got {self.io_workers}")
         if self.staging_bytes <= 0:

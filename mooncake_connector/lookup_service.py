@@ -15,6 +15,7 @@ with mode 0600 (same user only) and removed on close.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import socket
@@ -60,6 +61,24 @@ def socket_path(engine_id: str, shard_index: int, directory: str | None = None) 
     return os.path.join(directory or tempfile.gettempdir(), f"mooncake-kv-{safe}-{shard_index}.sock")
 
 
+def _remove_stale_sockets(directory: str) -> None:
+    """Unlink lookup sockets nobody listens on any more (engines killed before they could close)."""
+    for path in glob.glob(os.path.join(directory, "mooncake-kv-*.sock")):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.2)
+            probe.connect(path)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            pass  # not ours to judge (permissions, a busy listener)
+        finally:
+            probe.close()
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -101,6 +120,7 @@ class LookupServer:
     def start(self) -> LookupServer:
         if self._sock is not None:
             return self
+        _remove_stale_sockets(os.path.dirname(self.path))
         if os.path.exists(self.path):
             os.unlink(self.path)  # left by an engine that died; engine ids are unique per start
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

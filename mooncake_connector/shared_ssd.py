@@ -23,7 +23,7 @@ from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.ssd.file_per_key import FilePerKeyBackend
-from store_backend.ssd.io_engine import make_io_engine
+from store_backend.ssd.io.factory import make_io_engine
 from store_backend.ssd.record import HEADER_BLOCK, RecordRead, decode_header, read_records
 from store_backend.types import Buffer, ReadResult, Status, byte_view, check_key
 

@@ -117,7 +117,7 @@ class SchedulerSide:
         if num_chunks > have:
             tokens = t.request.all_token_ids
             new = tokens[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
-            t.hashes.extend(chunk_hashes(new, self.chunk_tokens, extra_keys=t.extra,
+            t.hashes.extend(chunk_hashes(new, self.chunk_tokens, extra_keys=t.extra, scheme=self.cfg.hash_scheme,
                                          parent=t.hashes[-1] if t.hashes else None))
         return t.hashes[:num_chunks]
 

@@ -121,3 +121,18 @@ def test_one_store_per_config_per_process(tmp_path: Path) -> None:
     c = acquire_store(cfg)
     assert c is not a
     release_store(c)
+
+
+def test_drain_waits_for_every_save(store: TieredStore) -> None:
+    slow = _BlockingStore(store)
+    client = KVClient(slow, io_workers=2).start()
+    try:
+        futs = [client.save([f"w/{i}"], [obj(i)]) for i in range(2)]
+        assert client.drain(timeout_s=0.2) is False  # both puts are held back
+        slow.gate.set()
+        assert client.drain(timeout_s=10) is True
+        assert all(f.done() for f in futs)
+        assert store.exists(["w/0", "w/1"]) == 2
+    finally:
+        slow.gate.set()
+        client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import threading
 from pathlib import Path
 
@@ -81,3 +82,18 @@ def test_server_close_removes_the_socket(tmp_path: Path) -> None:
     server.close()
     assert not Path(server.path).exists()
     store.close()
+
+
+def test_sockets_of_dead_engines_are_cleaned_up(tmp_path: Path) -> None:
+    stale = tmp_path / "mooncake-kv-dead-0.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # bound, never listening: what a killed engine leaves behind
+    store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
+    server = LookupServer(store, socket_path("alive", 0, str(tmp_path))).start()
+    try:
+        assert not stale.exists()
+        assert Path(server.path).exists()
+    finally:
+        server.close()
+        store.close()

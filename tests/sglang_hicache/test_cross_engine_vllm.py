@@ -23,14 +23,11 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/i
 
 import torch  # noqa: E402
 
-from mooncake_connector.config import ConnectorConfig  # noqa: E402
 from tests.sglang_hicache.harness import Scheduler, extra_config, make_pools, token_kv  # noqa: E402
 from tests.vllm_plugin.tiny_model import write_tiny_llama  # noqa: E402
 
 pytestmark = [
     pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600),
-    pytest.mark.skipif("hash_scheme" not in ConnectorConfig.__struct_fields__,
-                       reason="the vLLM connector has no hash_scheme setting yet"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,29 +41,28 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     work = tmp_path_factory.mktemp("reuse")
     ssd = work / "ssd"
     base_spec = {"model_dir": str(tiny_model), "engine": ENGINE, "connector": None}
-    # The baseline decodes turn 1 first: its tokens build the turn-2 prompt (greedy, so A's are equal).
-    base1 = run_engine({**base_spec, "rounds": [{"prompts": [P_TURN1], "max_tokens": TURN1_TOKENS}]},
-                       work, "baseline-turn1")
-    turn1_out = base1["rounds"][0][0]["tokens"]
+    extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(ssd)}
+    turn1 = {"prompts": [P_TURN1], "max_tokens": TURN1_TOKENS}
+    a = run_engine({**base_spec, "connector": {"extra": extra},
+                    "rounds": [turn1, {"prompts": [P_300, P_200, P_LONG], "max_tokens": 8}]}, work, "engine-a")
+    # The follow-up turn continues A's answer (greedy: the baseline's first round must agree).
+    turn1_out = a["rounds"][0][0]["tokens"]
     p_turn2 = P_TURN1 + turn1_out + TURN2_SUFFIX
     b_prompts = [P_300, P_200_BRANCH, P_LONG, p_turn2]
-    baseline = run_engine({**base_spec, "rounds": [{"prompts": b_prompts, "max_tokens": 16}]}, work, "baseline")
-    extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(ssd)}
-    a = run_engine({**base_spec, "connector": {"extra": extra},
-                    "rounds": [{"prompts": [P_TURN1], "max_tokens": TURN1_TOKENS},
-                               {"prompts": [P_300, P_200, P_LONG], "max_tokens": 8}]}, work, "engine-a")
+    baseline = run_engine({**base_spec, "rounds": [turn1, {"prompts": b_prompts, "max_tokens": 16}]},
+                          work, "baseline")
     b = run_engine({**base_spec, "connector": {"extra": extra, "by_name": True},
                     "rounds": [{"prompts": b_prompts, "max_tokens": 16}]}, work, "engine-b")
     return {"turn1": turn1_out, "a": a, "b": b, "baseline": baseline, "b_prompts": b_prompts}
 
 
 def test_engine_a_decode_matches_baseline(runs: dict[str, Any]) -> None:
-    assert runs["a"]["rounds"][0][0]["tokens"] == runs["turn1"]
+    assert runs["turn1"] == runs["baseline"]["rounds"][0][0]["tokens"]
 
 
 def test_engine_b_tokens_equal_baseline(runs: dict[str, Any]) -> None:
     got = [o["tokens"] for o in runs["b"]["rounds"][0]]
-    want = [o["tokens"] for o in runs["baseline"]["rounds"][0]]
+    want = [o["tokens"] for o in runs["baseline"]["rounds"][1]]
     assert got == want
 
 
