@@ -3,7 +3,8 @@
 # outside the checkout (so repeated runs and CI skip the long installs), and the project itself.
 #
 #   bash scripts/setup.sh            # the store alone
-#   bash scripts/setup.sh all        # plus vLLM (CPU build), SGLang and the test tools
+#   bash scripts/setup.sh vllm       # plus vLLM (the CPU build where there is no GPU)
+#   bash scripts/setup.sh all        # plus vLLM, SGLang and the test tools
 #
 # The virtualenv lives at $MOONCAKE_KV_VENV (default ~/.cache/mooncake-kv/venv).
 set -euo pipefail
@@ -37,11 +38,13 @@ echo "setup: installing mooncake-kv$extras into $VENV"
 "$PY" -m pip install -q -e "$ROOT$extras" 2>&1 | grep -v "^WARNING: Location" || true
 "$PY" -c "import store_backend, msgspec, xxhash" # fail here, not later, if the install did not take
 
-if [ "$WHAT" = all ]; then
-  for extra in vllm sglang; do
-    if [ -f "$ROOT/scripts/install_$extra.sh" ]; then
-      MOONCAKE_KV_VENV="$VENV" bash "$ROOT/scripts/install_$extra.sh"
-    fi
-  done
-fi
+case "$WHAT" in
+  store) engines=() ;;
+  vllm) engines=(vllm) ;;
+  all) engines=(vllm sglang) ;;
+  *) echo "setup: unknown target '$WHAT' (store, vllm or all)" >&2; exit 2 ;;
+esac
+for engine in ${engines[@]+"${engines[@]}"}; do
+  MOONCAKE_KV_VENV="$VENV" bash "$ROOT/scripts/install_$engine.sh"
+done
 echo "setup: done ($VENV)"
