@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from store_backend.allocator import OffsetAllocator
-from store_backend.config import DramConfig
+from store_backend.config import ConfigError, DramConfig
 from store_backend.policies.base import EvictionPolicy
 from store_backend.policies.registry import make_policy
 
@@ -84,9 +84,14 @@ class HostDramTier:
 
     def __init__(self, cfg: DramConfig, policy: EvictionPolicy | None = None) -> None:
         self.cfg = cfg
+        if policy is None:
+            try:
+                policy = make_policy(cfg.eviction_policy)
+            except ValueError as e:
+                raise ConfigError(f"dram.eviction_policy: {e}") from None
+        self.policy = policy
         self.arena = Arena(cfg.capacity_bytes, cfg.shm_name)
         self.allocator = OffsetAllocator(cfg.capacity_bytes, cfg.alignment_bytes)
-        self.policy = policy if policy is not None else make_policy(cfg.eviction_policy)
         self.entries: dict[str, Entry] = {}
 
     # -- queries ---------------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import pytest
 
+from store_backend.config import ConfigError
 from store_backend.store import StoreClosedError, TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
@@ -63,6 +65,11 @@ def test_bad_input_is_per_key() -> None:
             s.put("ab", [b"1", b"2"])  # type: ignore[arg-type]
     with pytest.raises(StoreClosedError):
         s.put(["x"], [b"1"])
+
+
+def test_unknown_policy_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="dram.eviction_policy.*known"):
+        TieredStore({"dram": {"eviction_policy": "clairvoyant"}})
 
 
 def test_lru_eviction_keeps_recent_and_hot() -> None:
@@ -154,6 +161,4 @@ def test_shared_memory_arena(tmp_path) -> None:
             assert b"shared" in f.read(8192)
     finally:
         s.close()
-    import os
-
     assert not os.path.exists(f"/dev/shm/{name}")
