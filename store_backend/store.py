@@ -27,7 +27,16 @@ from store_backend.metrics import StoreMetrics
 from store_backend.plans import demotion_bytes, evict_pass_order, should_promote
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
-from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key, nbytes_of
+from store_backend.types import (
+    Buffer,
+    ReadResult,
+    Status,
+    byte_view,
+    check_batch,
+    check_key,
+    copy_bytes,
+    nbytes_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +160,7 @@ class TieredStore:
                 reserved.append((i, entry))
         arena = self._dram.arena.view
         for i, entry in reserved:
-            arena[entry.offset:entry.offset + entry.size] = views[i]
+            copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
         to_offload: list[str] = []
         with self._lock:
             for _i, entry in reserved:
@@ -221,7 +230,7 @@ class TieredStore:
         arena = self._dram.arena.view
         try:
             for i, entry in leased:
-                byte_view(buffers[i])[:entry.size] = arena[entry.offset:entry.offset + entry.size]
+                copy_bytes(byte_view(buffers[i]), arena[entry.offset:entry.offset + entry.size])
                 out[i] = ReadResult(Status.OK, entry.size)
         finally:
             with self._lock:

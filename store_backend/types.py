@@ -10,6 +10,8 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple, Union
 
+import numpy as np
+
 # Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays, mmap slices.
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -82,6 +84,13 @@ def byte_view(buf: object) -> memoryview:
     if mv.ndim == 1 and mv.format == "B":
         return mv
     return mv.cast("B")
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """memcpy ``src`` into the start of ``dst`` through numpy, which releases the GIL while it copies
+    (memoryview slice assignment holds it), so other threads run during large copies."""
+    n = src.nbytes
+    np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(src, np.uint8, n))
 
 
 def check_batch(keys: Sequence[object], buffers: Sequence[object] | None = None) -> None:
