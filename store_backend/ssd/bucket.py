@@ -29,12 +29,13 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import xxhash
 
 from store_backend.config import SsdConfig
+from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import ALIGN, IoRequest, align_up, aligned_buffer, fsync_dir, probe_direct_io
@@ -84,7 +85,7 @@ def _frame(payload: bytes) -> bytes:
     return _FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
-class BucketBackend:
+class BucketBackend(IndexedBackend):
     """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
 
     name = "bucket"
@@ -592,36 +593,6 @@ class BucketBackend:
                         self._drop_bucket(b)
                         emptied.append(b)
         self._delete_files(emptied)
-
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        check_batch(keys)
-        with self._lock:
-            return [isinstance(k, str) and k in self._index for k in keys]
-
-    def size_of(self, keys: Sequence[str]) -> list[int | None]:
-        check_batch(keys)
-        out: list[int | None] = []
-        with self._lock:
-            for k in keys:
-                loc = self._index.get(k) if isinstance(k, str) else None
-                out.append(None if loc is None else loc.value_len)
-        return out
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            snapshot = list(self._index)
-        return iter(snapshot)
-
-    def stats(self) -> SsdStats:
-        with self._lock:
-            s = msgspec.structs.replace(self._stats)
-            s.objects = len(self._index)
-            s.used_bytes = self._used_bytes
-            return s
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("SSD backend is closed")
 
     def close(self) -> None:
         """Close descriptors (and the engine when owned). Idempotent; no call may be in flight."""

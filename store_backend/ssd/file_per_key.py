@@ -22,12 +22,13 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import xxhash
 
 from store_backend.config import SsdConfig
+from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import IoRequest, aligned_buffer, fsync_dir, probe_direct_io
@@ -51,7 +52,7 @@ class _Entry(msgspec.Struct):
         return record_bytes(self.value_len)
 
 
-class FilePerKeyBackend:
+class FilePerKeyBackend(IndexedBackend):
     """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
 
     name = "file"
@@ -358,36 +359,6 @@ class FilePerKeyBackend:
                 gone.add(key)
         self._unlink([e.path for e in victims])
         return gone
-
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        check_batch(keys)
-        with self._lock:
-            return [isinstance(k, str) and k in self._index for k in keys]
-
-    def size_of(self, keys: Sequence[str]) -> list[int | None]:
-        check_batch(keys)
-        out: list[int | None] = []
-        with self._lock:
-            for k in keys:
-                e = self._index.get(k) if isinstance(k, str) else None
-                out.append(None if e is None else e.value_len)
-        return out
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            snapshot = list(self._index)
-        return iter(snapshot)
-
-    def stats(self) -> SsdStats:
-        with self._lock:
-            s = msgspec.structs.replace(self._stats)
-            s.objects = len(self._index)
-            s.used_bytes = self._used_bytes
-            return s
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("SSD backend is closed")
 
     def close(self) -> None:
         """Mark closed (and close the engine when owned). Idempotent; no call may be in flight."""

@@ -37,13 +37,13 @@ import secrets
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 import xxhash
 
 from store_backend.config import SsdConfig
+from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import ALIGN, IoRequest, align_down, aligned_buffer, fsync_dir, probe_direct_io
@@ -149,7 +149,7 @@ class _Entry:
         return record_bytes(self.value_len)
 
 
-class OffsetBackend:
+class OffsetBackend(IndexedBackend):
     """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
 
     name = "offset"
@@ -522,35 +522,8 @@ class OffsetBackend:
                         out[i] = Status.OK
         return out
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        check_batch(keys)
-        with self._lock:
-            return [isinstance(k, str) and k in self._index for k in keys]
-
-    def size_of(self, keys: Sequence[str]) -> list[int | None]:
-        check_batch(keys)
-        out: list[int | None] = []
-        with self._lock:
-            for k in keys:
-                e = self._index.get(k) if isinstance(k, str) else None
-                out.append(None if e is None else e.value_len)
-        return out
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            snapshot = list(self._index)
-        return iter(snapshot)
-
-    def stats(self) -> SsdStats:
-        with self._lock:
-            s = msgspec.structs.replace(self._stats)
-            s.objects = len(self._index)
-            s.used_bytes = self._alloc.capacity - self._alloc.free_bytes
-            return s
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("SSD backend is closed")
+    def _used_bytes_now(self) -> int:
+        return self._alloc.capacity - self._alloc.free_bytes
 
     def close(self) -> None:
         """Close the file (and the engine when owned). Idempotent; no call may be in flight."""
