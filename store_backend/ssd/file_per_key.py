@@ -28,13 +28,34 @@ import msgspec
 import xxhash
 
 from store_backend.config import SsdConfig
-from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.base import SsdStats
+from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.io.base import IoEngine
-from store_backend.ssd.io.requests import IoRequest, aligned_buffer, fsync_dir, probe_direct_io
-from store_backend.ssd.record import (HEADER_BLOCK, RecordRead, decode_header, encode_header, read_records,
-                                      record_bytes, status_for_errno, value_checksum, write_buffers)
-from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key
+from store_backend.ssd.io.requests import (
+    IoRequest,
+    aligned_buffer,
+    fsync_dir,
+    probe_direct_io,
+)
+from store_backend.ssd.record import (
+    HEADER_BLOCK,
+    RecordRead,
+    decode_header,
+    encode_header,
+    read_records,
+    record_bytes,
+    status_for_errno,
+    value_checksum,
+    write_buffers,
+)
+from store_backend.types import (
+    Buffer,
+    ReadResult,
+    Status,
+    byte_view,
+    check_batch,
+    check_key,
+)
 
 logger = logging.getLogger(__name__)
 

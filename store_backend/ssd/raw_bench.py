@@ -21,7 +21,12 @@ import msgspec
 
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.factory import make_io_engine
-from store_backend.ssd.io.requests import IoRequest, align_up, aligned_buffer, probe_direct_io
+from store_backend.ssd.io.requests import (
+    IoRequest,
+    align_up,
+    aligned_buffer,
+    probe_direct_io,
+)
 from store_backend.types import Buffer
 
 logger = logging.getLogger(__name__)

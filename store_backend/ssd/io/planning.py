@@ -27,7 +27,14 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from store_backend.ssd.io.requests import ALIGN, IoRequest, align_down, align_up, buffer_address, is_direct
+from store_backend.ssd.io.requests import (
+    ALIGN,
+    IoRequest,
+    align_down,
+    align_up,
+    buffer_address,
+    is_direct,
+)
 from store_backend.types import byte_view
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from store_backend.ssd.io.base import Completion
-from store_backend.ssd.io.planning import DEFAULT_STAGING_BYTES, Bounce, Staging, execute_sync
+from store_backend.ssd.io.planning import (
+    DEFAULT_STAGING_BYTES,
+    Bounce,
+    Staging,
+    execute_sync,
+)
 from store_backend.ssd.io.requests import IoRequest
 
 

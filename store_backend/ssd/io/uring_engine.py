@@ -17,12 +17,29 @@ from collections import deque
 from collections.abc import Sequence
 
 from store_backend.ssd.io.base import Completion
-from store_backend.ssd.io.planning import (DEFAULT_STAGING_BYTES, Plan, execute_sync, finish_plan, plan_request,
-                                           run_part_sync, temp_bounce)
+from store_backend.ssd.io.planning import (
+    DEFAULT_STAGING_BYTES,
+    Plan,
+    execute_sync,
+    finish_plan,
+    plan_request,
+    run_part_sync,
+    temp_bounce,
+)
 from store_backend.ssd.io.posix_engine import PosixEngine
 from store_backend.ssd.io.requests import IoRequest, is_direct
-from store_backend.ssd.io.uring import (FSYNC_DATASYNC, OP_FSYNC, OP_READ, OP_READ_FIXED, OP_READV, OP_WRITE,
-                                        OP_WRITE_FIXED, OP_WRITEV, Iovec, Ring)
+from store_backend.ssd.io.uring import (
+    FSYNC_DATASYNC,
+    OP_FSYNC,
+    OP_READ,
+    OP_READ_FIXED,
+    OP_READV,
+    OP_WRITE,
+    OP_WRITE_FIXED,
+    OP_WRITEV,
+    Iovec,
+    Ring,
+)
 
 logger = logging.getLogger(__name__)
 
