@@ -199,6 +199,11 @@ class PrefixReusePolicy:
         out: list[str] = []
         if need_bytes <= 0 or not heap:
             return out
+        prio, key = heap[0]  # the common case: the top leaf alone is enough
+        node = nodes.get(key)
+        if (node is not None and node.prio == prio and node.children == 0 and node.size >= need_bytes
+                and can_evict(key)):
+            return [key]
         taken: set[str] = set()
         left_children: dict[str, int] = {}
         # frontier entries: (prio, key, heap index or -1 for a parent freed during this walk)
@@ -265,7 +270,8 @@ class PrefixReusePolicy:
         node.prio = prio
         if node.children == 0:
             heapq.heappush(self._heap, (prio, key))
-        self._tidy()
+            if len(self._heap) > 2 * len(self._nodes) + 64:
+                self._compact()
 
     def _is_ancestor(self, key: str, start: str) -> bool:
         """Whether ``key`` is on the parent chain above resident ``start`` (only asked for keys that
@@ -279,19 +285,23 @@ class PrefixReusePolicy:
             seen += 1
         return False
 
-    def _valid(self, entry: tuple[float, str]) -> bool:
-        node = self._nodes.get(entry[1])
-        return node is not None and node.prio == entry[0] and node.children == 0
-
     def _tidy(self) -> None:
-        """Drop stale heap entries from the top, and rebuild when stale ones outnumber live ones."""
+        """Drop stale heap entries from the top (after an eviction, where the next walk starts)."""
         heap = self._heap
-        while heap and not self._valid(heap[0]):
+        nodes = self._nodes
+        while heap:
+            prio, key = heap[0]
+            node = nodes.get(key)
+            if node is not None and node.prio == prio and node.children == 0:
+                break
             heapq.heappop(heap)
-        if len(heap) > 2 * len(self._nodes) + 64:
-            live = {k: n for k, n in self._nodes.items() if n.children == 0}
-            self._heap = [(n.prio, k) for k, n in live.items()]
-            heapq.heapify(self._heap)
+        if len(heap) > 2 * len(nodes) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from live leaves once stale entries outnumber them (amortised O(1))."""
+        self._heap = [(n.prio, k) for k, n in self._nodes.items() if n.children == 0]
+        heapq.heapify(self._heap)
 
 
 class PrefixLruPolicy(PrefixReusePolicy):
