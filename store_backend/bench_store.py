@@ -20,7 +20,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from store_backend.config import SsdConfig, parse_size
+from store_backend.config import DramConfig, SsdConfig, parse_size
+from store_backend.policies.registry import make_policy, policy_names
 from store_backend.ssd import raw_bench
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
@@ -97,6 +98,31 @@ def bench_dram(batch_bytes: int, repeat: int, progress: Progress) -> dict[str, d
     return out
 
 
+def bench_policies(resident: int, ops: int) -> dict[str, float]:
+    """Microseconds per put-with-eviction cycle of each eviction policy alone, at steady state.
+
+    One cycle is what the DRAM tier asks of its policy for a put into a full tier: ``victims`` for
+    one object, ``on_remove`` of it, ``on_insert`` of the new one (its parent the previous key) and
+    ``on_access`` of a recently stored object (a hit). ``resident`` objects stay in the policy.
+    """
+    out: dict[str, float] = {}
+    for name in policy_names():
+        policy = make_policy(name)
+        for i in range(resident):
+            policy.on_insert(f"k{i}", 1, f"k{i - 1}" if i % 16 else None)
+        rng = np.random.default_rng(0)
+        hits = [f"k{resident + i - int(d)}" for i, d in enumerate(rng.integers(1, resident // 2, ops))]
+        always = lambda _k: True  # noqa: E731
+        t0 = time.perf_counter()
+        for i in range(resident, resident + ops):
+            for victim in policy.victims(1, always)[:1]:
+                policy.on_remove(victim)
+            policy.on_insert(f"k{i}", 1, f"k{i - 1}" if i % 16 else None)
+            policy.on_access(hits[i - resident])
+        out[name] = (time.perf_counter() - t0) / ops * 1e6
+    return out
+
+
 def bench_ssd(directory: Path, backend: str, io_engine: str, total_bytes: int, queue_depth: int,
               progress: Progress) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {"write": {}, "read": {}}
@@ -164,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Progress(console=console, transient=True) as progress:
             dram = bench_dram(batch_bytes, args.repeat, progress)
+            policy_us = bench_policies(resident=65536, ops=100_000)
             raw, fio = bench_raw(directory, ssd_bytes, args.queue_depth, args.io_engine, progress)
             ssd = {b: bench_ssd(directory, b, args.io_engine, ssd_bytes, args.queue_depth, progress)
                    for b in backends}
@@ -182,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
     if fio.get("read_gbps") is not None:
         console.print(f"fio 1 MiB at QD {args.queue_depth} (direct={fio['direct']}): read {fio['read_gbps']:.2f} GB/s, "
                       f"write {fio['write_gbps']:.2f} GB/s")
+    # The smallest object is where a policy's per-object cost weighs most against the copy.
+    put_us_small = SIZES[0] / (dram["put"][SIZES[0]] * 1e9) * 1e6
+    default_policy = DramConfig().eviction_policy
+    console.print("policy cost per put-with-eviction: " + ", ".join(
+        f"{n} {us:.2f} us" for n, us in policy_us.items()) + f"; a {SIZES[0] >> 10} KiB put takes {put_us_small:.1f} us")
     default = backends[0]
     summary = {
         "dram_put_gbps": round(_mean(dram["put"]), 3),
@@ -203,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
                               "ssd_read_gbps": round(ssd[default]["read"][s], 3)} for s in SIZES},
         "fio": fio,
         "queue_depth": args.queue_depth,
+        "policy_us_per_put": {n: round(us, 3) for n, us in policy_us.items()},
+        "put_us_smallest_object": round(put_us_small, 2),
+        "default_policy": default_policy,
+        "default_policy_vs_put": round(policy_us[default_policy] / put_us_small, 4),
     }
     if args.json:
         print(json.dumps(summary))

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from store_backend.policies.admission import admission_names
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -50,7 +52,9 @@ class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shm_name: str | None = None
     # Every allocation starts at a multiple of this (4096 lets SSD writes use O_DIRECT from the arena).
     alignment_bytes: int = 4096
-    eviction_policy: str = "lru"
+    # Which object leaves DRAM first (store_backend/policies/registry.py): "prefix_reuse" (leaves of
+    # the prefix tree first, objects requested more than once kept longer), "prefix_lru", "lru", "fifo".
+    eviction_policy: str = "prefix_reuse"
 
     def __post_init__(self) -> None:
         _positive("capacity_bytes", self.capacity_bytes)
@@ -75,8 +79,10 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bucket_eviction: Literal["fifo", "lru"] = "lru"
     # Evict when used space (or the file system's use) passes this fraction of capacity.
     disk_watermark: float = 0.95
-    # Admission policy for the SSD tier ("all" admits every offloaded object).
-    admission_policy: str = "all"
+    # Which DRAM objects are worth an SSD write (store_backend/policies/admission.py): "prefix" skips
+    # objects whose prefix is stored nowhere (they can never be hit), "reused" also skips objects
+    # never requested twice (for offload.policy "watermark"), "all" writes everything.
+    admission_policy: str = "prefix"
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -87,6 +93,8 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _positive("bucket_size_bytes", self.bucket_size_bytes)
         _positive("bucket_max_keys", self.bucket_max_keys)
         _fraction("disk_watermark", self.disk_watermark)
+        if self.admission_policy not in admission_names():
+            raise ValueError(f"admission_policy must be one of {admission_names()}, got {self.admission_policy!r}")
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

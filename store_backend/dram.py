@@ -27,7 +27,8 @@ class EntryState(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "pins", "pin_deadline", "parent")
+    __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "pins", "pin_deadline",
+                 "parent")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -36,9 +37,15 @@ class Entry:
         self.state = EntryState.WRITING
         self.leases = 0  # readers copying out right now
         self.persisted = False  # a durable copy exists in the tier below
+        self.declined = False  # the tier below's admission policy refused it: nothing to write
         self.pins = 0  # leases held for in-flight loads (store.pin)
         self.pin_deadline = 0.0
         self.parent = parent
+
+    @property
+    def clean(self) -> bool:
+        """Nothing is lost by dropping it: it is on the tier below, or that tier did not want it."""
+        return self.persisted or self.declined
 
     def evictable(self, now: float) -> bool:
         return (

@@ -13,9 +13,11 @@ def demotion_bytes(used_bytes: int, capacity_bytes: int, high: float, low: float
     return max(0, used_bytes - int(low * capacity_bytes))
 
 
-def should_promote(ssd_hits: int, admission_hits: int, enabled: bool) -> bool:
-    """Promote an SSD-resident object once it has been hit ``admission_hits`` times."""
-    return enabled and ssd_hits >= admission_hits
+def should_promote(ssd_hits: int, admission_hits: int, enabled: bool, dram_uses: int = 1) -> bool:
+    """Promote an SSD-resident object once it has been hit ``admission_hits`` times, or at its first
+    SSD hit when the DRAM eviction policy remembers it as requested more than once before it moved
+    down (``dram_uses`` >= 2: a reused chunk, the kind ``prefix_reuse`` keeps longer)."""
+    return enabled and (ssd_hits >= admission_hits or (ssd_hits >= 1 and dram_uses >= 2))
 
 
 def evict_pass_order(has_ssd: bool) -> tuple[bool, ...]:

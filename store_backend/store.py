@@ -25,6 +25,7 @@ from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
 from store_backend.metrics import StoreMetrics
 from store_backend.plans import demotion_bytes, evict_pass_order, should_promote
+from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.types import (
@@ -63,6 +64,8 @@ class TieredStore:
         if self._ssd is None and self.config.ssd is not None:
             self._ssd = open_ssd_backend(self.config.ssd)
         self._ssd_hits: dict[str, int] = {}
+        self._admission: AdmissionPolicy = make_admission(
+            self.config.ssd.admission_policy if self.config.ssd is not None else AdmitAll.name)
         self._closed = False
         self._started = False
         off = self.config.offload
@@ -186,11 +189,11 @@ class TieredStore:
                 return None
 
             def evict_ok(e: Entry, _p: bool = persisted_only) -> bool:
-                return e.persisted or not _p
+                return e.clean or not _p
 
             def on_evict(e: Entry) -> None:
                 m.dram.evictions += 1
-                if self._ssd is not None and not e.persisted:
+                if self._ssd is not None and not e.clean:
                     m.store.dropped_unpersisted += 1
 
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
@@ -260,7 +263,8 @@ class TieredStore:
                     m.ssd.hits += 1
                     m.ssd.bytes_out += res.nbytes
                     hits = self._ssd_hits.get(keys[i], 0) + 1
-                    if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled):
+                    if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
+                                      policy_uses(self._dram.policy, keys[i])):
                         self._ssd_hits.pop(keys[i], None)
                         promote.append(keys[i])
                     else:
@@ -425,12 +429,31 @@ class TieredStore:
         with self._lock:
             if self._closed:
                 return
+            todo = [e for e in map(self._dram.ready, keys) if e is not None and not e.clean]
+            parents = {e.parent for e in todo if e.parent is not None and e.parent not in self._dram.entries}
+        # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
+        # only costs one write that admission would have skipped.
+        parents_on_ssd = {p for p, hit in zip(parents, self._ssd.contains(list(parents))) if hit}
+        with self._lock:
             batch: list[Entry] = []
-            for key in keys:
-                e = self._dram.ready(key)
-                if e is not None and not e.persisted:
-                    e.leases += 1
-                    batch.append(e)
+            for e in todo:
+                if self._dram.entries.get(e.key) is not e or e.clean:
+                    continue
+                # The prefix goes on to SSD too (on it, or in DRAM and not declined), so the chain
+                # stays reachable there; a declined parent declines its children in turn.
+                pe = self._dram.entries.get(e.parent) if e.parent is not None else None
+                parent_stored = (e.parent is None or e.parent in parents_on_ssd
+                                 or (pe is not None and not pe.declined))
+                if not self._admission.admit(e.key, e.size, uses=policy_uses(self._dram.policy, e.key),
+                                             parent_stored=parent_stored):
+                    e.declined = True
+                    m.store.offload_declined += 1
+                    if demote and e.leases == 0 and e.pins == 0:
+                        self._dram.drop(e.key)
+                        m.dram.evictions += 1
+                    continue
+                e.leases += 1
+                batch.append(e)
         if not batch:
             return
         arena = self._dram.arena.view
@@ -465,7 +488,7 @@ class TieredStore:
             now = time.monotonic()
             victims = self._dram.policy.victims(
                 need, lambda k: (e := self._dram.entries.get(k)) is not None and e.evictable(now))
-            clean = [k for k in victims if self._dram.entries[k].persisted]
+            clean = [k for k in victims if self._dram.entries[k].clean]
             for k in clean:  # already on SSD: nothing to write, just free DRAM
                 self._dram.drop(k)
                 self.metrics_counters.dram.evictions += 1

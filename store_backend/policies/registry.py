@@ -1,4 +1,8 @@
-"""Policy names -> factories, one constructor shape (no arguments)."""
+"""Policy names -> factories, one constructor shape (no arguments).
+
+Every built-in policy is registered here, so ``make_policy`` (and a config naming a policy) finds it
+whichever module was imported first. ``register_policy`` adds one from outside the package.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,13 @@ from collections.abc import Callable
 
 from store_backend.policies.base import EvictionPolicy
 from store_backend.policies.lru import FifoPolicy, LruPolicy
+from store_backend.policies.prefix_reuse import PrefixLruPolicy, PrefixReusePolicy
 
 _FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LruPolicy,
-    "fifo": FifoPolicy,
+    LruPolicy.name: LruPolicy,
+    FifoPolicy.name: FifoPolicy,
+    PrefixReusePolicy.name: PrefixReusePolicy,
+    PrefixLruPolicy.name: PrefixLruPolicy,
 }
 
 

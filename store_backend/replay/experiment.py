@@ -4,7 +4,8 @@ Called by the CLI (``mooncake-kv replay``) and by tests on the caller's thread. 
 one trace through a fresh store (``engine="store"``, :mod:`driver`) or through the in-memory
 stand-in (``engine="sim"``, :mod:`simulate`); runs are independent, so with ``jobs > 1`` they go to
 a process pool (each worker loads the trace itself). The maximum, Belady's optimum and the
-dead-block-oracle LRU are computed once per trace and capacity in the calling process.
+two oracle
+policies (LRU told which blocks are dead, LFU told how often each block comes back) are computed once per trace and capacity in the calling process.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import msgspec
 
 from store_backend.policies.registry import make_policy
 from store_backend.replay.driver import ReplaySetup, replay_store
-from store_backend.replay.reference import (HitStats, belady_hits, dead_block_oracle_lru_hits, max_hits, next_uses,
-                                            speedup)
+from store_backend.replay.reference import (HitStats, belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits,
+                                            max_hits, next_uses, remaining_uses, speedup)
 from store_backend.replay.simulate import simulate
 from store_backend.replay.trace import Trace, TraceFormat, load_trace
 
@@ -84,6 +85,7 @@ class TraceResult(msgspec.Struct):
     max_ratio: float
     belady: dict[int, float]  # DRAM capacity (tokens) -> hit ratio
     oracle_lru: dict[int, float]  # LRU told which blocks are dead (reference.dead_block_oracle_lru_hits)
+    oracle_lfu: dict[int, float]  # LFU told each block's future use count (reference.frequency_oracle_hits)
     runs: list[RunResult]
 
     def run(self, policy: str, dram_tokens: int, ssd_tokens: int = 0) -> RunResult | None:
@@ -165,6 +167,8 @@ def run_experiment(spec: ExperimentSpec, progress: Progress | None = None) -> li
         caps = sorted({*spec.capacities_tokens, *spec.ssd_dram_tokens})
         belady = {c: belady_hits(trace, c // trace.block_tokens, nxt).ratio for c in caps}
         oracle_lru = {c: dead_block_oracle_lru_hits(trace, c // trace.block_tokens, nxt).ratio for c in caps}
+        rem = remaining_uses(trace)
+        oracle_lfu = {c: frequency_oracle_hits(trace, c // trace.block_tokens, rem).ratio for c in caps}
         runs: list[RunResult] = []
         if spec.jobs > 1:
             with ProcessPoolExecutor(max_workers=spec.jobs) as pool:
@@ -185,6 +189,6 @@ def run_experiment(spec: ExperimentSpec, progress: Progress | None = None) -> li
         results.append(TraceResult(
             name=trace.name, path=str(Path(path)), format=trace.format, block_tokens=trace.block_tokens,
             requests=len(trace.requests), input_tokens=trace.input_tokens, max_ratio=max_hits(trace).ratio,
-            belady=belady, oracle_lru=oracle_lru, runs=runs,
+            belady=belady, oracle_lru=oracle_lru, oracle_lfu=oracle_lfu, runs=runs,
         ))
     return results

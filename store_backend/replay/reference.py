@@ -164,3 +164,65 @@ def dead_block_oracle_lru_hits(
                     (dead if dead else live).popitem(last=False)
             (dead if is_dead else live)[b] = None
     return out
+
+
+def remaining_uses(trace: Trace) -> list[list[int]]:
+    """For each request and block position, how many later requests use that block."""
+    count: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(trace.requests)
+    for r in range(len(trace.requests) - 1, -1, -1):
+        ids = trace.requests[r].hash_ids
+        out[r] = [count.get(b, 0) for b in ids]
+        for b in set(ids):
+            count[b] = count.get(b, 0) + 1
+    return out
+
+
+def frequency_oracle_hits(
+    trace: Trace, capacity_blocks: int, remaining: Sequence[Sequence[int]] | None = None
+) -> HitStats:
+    """LFU told, for free, how many more times each block will be requested, but not when (offline).
+
+    The resident block with the fewest remaining uses is evicted (ties: the least recently used,
+    then the deeper block, so the cache stays prefix-closed); a new block with no remaining use, or
+    fewer than every resident block, is not stored. It bounds what any policy that predicts *how
+    often* blocks come back (frequency, reuse probability, per-class statistics) can reach: the rest of
+    Belady's lead comes from knowing *when* each block is used next, which nothing online sees.
+    """
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if remaining is None:
+        remaining = remaining_uses(trace)
+    resident: dict[int, tuple[int, int, int]] = {}  # block -> its heap key
+    heap: list[tuple[int, int, int, int]] = []  # (remaining uses, request, -depth, block); stale skipped
+    out = HitStats()
+    bt = trace.block_tokens
+    push, pop = heapq.heappush, heapq.heappop
+    for r, req in enumerate(trace.requests):
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and ids[k] in resident:
+            k += 1
+        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
+        row = remaining[r]
+        for depth, b in enumerate(ids):
+            key = (row[depth], r, -depth)
+            if b in resident:
+                resident[b] = key
+                push(heap, (*key, b))
+                continue
+            if row[depth] == 0 or capacity_blocks == 0:
+                continue
+            if len(resident) >= capacity_blocks:
+                while True:  # the live entry with the fewest remaining uses
+                    top = heap[0]
+                    if resident.get(top[3]) == top[:3]:
+                        break
+                    pop(heap)
+                if top[:3] > key:
+                    continue  # every resident block ranks above this one: do not store it
+                pop(heap)
+                del resident[top[3]]
+            resident[b] = key
+            push(heap, (*key, b))
+    return out

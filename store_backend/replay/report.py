@@ -75,6 +75,7 @@ def summarize(results: list[TraceResult], default_policy: str, engine: str) -> d
                 continue
             gc = gap_closed(pol.hit_ratio, lru.hit_ratio, bel)
             oracle = tr.oracle_lru.get(cap)
+            lfu = tr.oracle_lfu.get(cap)
             if gc is not None and cap in GAP_TARGET_CAPACITIES:
                 gaps.append(gc)
             entry[tokens_label(cap)] = {
@@ -82,6 +83,8 @@ def summarize(results: list[TraceResult], default_policy: str, engine: str) -> d
                 "default_policy": _r(pol.hit_ratio), "gap_closed": _r(gc),
                 "dead_block_oracle_lru": _r(oracle),
                 "dead_block_oracle_lru_gap_closed": _r(None if oracle is None else gap_closed(oracle, lru.hit_ratio, bel)),
+                "future_count_oracle_lfu": _r(lfu),
+                "future_count_oracle_lfu_gap_closed": _r(None if lfu is None else gap_closed(lfu, lru.hit_ratio, bel)),
                 "policies": {r.policy: _r(r.hit_ratio) for r in tr.runs if r.dram_tokens == cap and not r.ssd_tokens},
                 "speedup": {"max": _r(speedup(tr.max_ratio)), "belady": _r(speedup(bel)),
                             "lru": _r(lru.speedup), "default_policy": _r(pol.speedup)},
@@ -124,6 +127,9 @@ def table_rows(results: list[TraceResult], default_policy: str) -> list[list[str
         for cap, orc in sorted(tr.oracle_lru.items()):
             rows.append([tr.name, f"DRAM {tokens_label(cap)}", "LRU + dead-block oracle", f"{orc:.4f}", "",
                          f"{speedup(orc):.2f}x", f"{orc / tr.max_ratio:.3f}" if tr.max_ratio else ""])
+        for cap, orc in sorted(tr.oracle_lfu.items()):
+            rows.append([tr.name, f"DRAM {tokens_label(cap)}", "LFU + future-count oracle", f"{orc:.4f}", "",
+                         f"{speedup(orc):.2f}x", f"{orc / tr.max_ratio:.3f}" if tr.max_ratio else ""])
         for r in tr.runs:
             setup = f"DRAM {tokens_label(r.dram_tokens)}" + (f" + SSD {tokens_label(r.ssd_tokens)}" if r.ssd_tokens else "")
             tiers = f"{r.dram_hit_ratio:.4f} / {r.ssd_hit_ratio:.4f}" if r.ssd_tokens else ""
@@ -153,6 +159,8 @@ def plot(results: list[TraceResult], default_policy: str, path: str | Path) -> P
         ax.plot(caps, [tr.belady[c] for c in caps], color="black", linestyle="--", marker="o", label="Belady (offline)")
         ax.plot(caps, [tr.oracle_lru[c] for c in caps], color="gray", linestyle="--", marker=".",
                 label="LRU + dead-block oracle (offline)")
+        ax.plot(caps, [tr.oracle_lfu[c] for c in caps], color="gray", linestyle=":", marker="x",
+                label="LFU + future-count oracle (offline)")
         policies = list(dict.fromkeys(r.policy for r in tr.runs if not r.ssd_tokens))
         for pol in policies:
             pts = sorted((r.dram_tokens, r.hit_ratio) for r in tr.runs if r.policy == pol and not r.ssd_tokens)

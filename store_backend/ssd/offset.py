@@ -375,13 +375,13 @@ class OffsetBackend(IndexedBackend):
         placed: dict[int, int] = {}  # batch index -> file offset
         victims: list[_Entry] = []
         with self._lock:
-            candidates = iter(list(self._index.items()))
             for i, v in views.items():
                 need = record_bytes(v.nbytes)
                 off = self._alloc.allocate(need)
                 while off is None:
-                    victim = next(((k, e) for k, e in candidates if e.readers == 0 and self._index.get(k) is e),
-                                  None)
+                    # Oldest unread record first (the index is in insertion order); found without
+                    # copying the index, which would cost O(objects) per put once the tier is full.
+                    victim = next(((k, e) for k, e in self._index.items() if e.readers == 0), None)
                     if victim is None:
                         break
                     del self._index[victim[0]]

@@ -13,7 +13,8 @@ import pytest
 from store_backend.cli import main as cli_main
 from store_backend.policies.registry import make_policy
 from store_backend.replay.driver import ReplaySetup, replay_store, store_config
-from store_backend.replay.reference import belady_hits, dead_block_oracle_lru_hits, max_hits, next_uses, speedup
+from store_backend.replay.reference import (belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits, max_hits,
+                                            next_uses, speedup)
 from store_backend.replay.report import gap_closed, parse_tokens, ssd_key, tokens_label
 from store_backend.replay.simulate import simulate
 from store_backend.replay.trace import TraceError, load_trace, parse_lines, trace_from_hash_ids
@@ -79,6 +80,21 @@ def test_maximum_and_belady_known_answers() -> None:
     # LRU told which blocks are dead: C evicts A (all live), then B and C hit: 2 of 3.
     assert [dead_block_oracle_lru_hits(ABC, c).hit_tokens for c in (0, 1, 2, 3)] == [0, 1, 2, 3]
     assert dead_block_oracle_lru_hits(CHAIN, 3).hit_tokens == 3  # block 4 is dead: never stored
+    # LFU told the future use counts: on ABC every block comes back once, so it evicts the least
+    # recently used and, like Belady, gets B and C at room for 2.
+    assert [frequency_oracle_hits(ABC, c).hit_tokens for c in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    # On a tie it drops the deeper block, so the cache stays prefix-closed: blocks 1 and 2 hit.
+    assert frequency_oracle_hits(CHAIN, 2).hit_tokens == 2
+    with pytest.raises(ValueError):
+        frequency_oracle_hits(ABC, -1)
+
+
+def test_frequency_oracle_keeps_the_block_used_more_often() -> None:
+    # A is used three times, B twice, room for one block. Knowing only how often, the oracle keeps A
+    # and never stores B (2 hits, as Belady); LRU told just that B is live evicts A for it (1 hit).
+    t = trace_from_hash_ids([[1], [2], [1], [1], [2]], block_tokens=1)
+    assert frequency_oracle_hits(t, 1).hit_tokens == 2 == belady_hits(t, 1).hit_tokens
+    assert dead_block_oracle_lru_hits(t, 1).hit_tokens == 1
 
 
 def test_hits_are_capped_at_the_input_length() -> None:
@@ -180,6 +196,7 @@ def test_store_and_simulator_agree_and_belady_bounds_them() -> None:
         assert prev <= bel <= mx
         prev = bel
         assert dead_block_oracle_lru_hits(trace, blocks, nxt).ratio <= bel + 1e-12
+        assert frequency_oracle_hits(trace, blocks).ratio <= bel + 1e-12
         for policy in ("lru", "prefix_reuse"):
             st = replay_store(trace, ReplaySetup(policy, cap_tokens))
             assert st.hit_tokens == simulate(trace, blocks, make_policy(policy)).hit_tokens

@@ -19,9 +19,10 @@ CHUNK = 256 * 1024
 BACKENDS = ["bucket", "offset", "file"]
 
 
-def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str = "eager", **extra) -> TieredStore:
+def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str = "eager", *,
+           eviction: str = "prefix_reuse", **extra) -> TieredStore:
     cfg = {
-        "dram": {"capacity_bytes": dram},
+        "dram": {"capacity_bytes": dram, "eviction_policy": eviction},
         "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": backend,
                 "bucket_size_bytes": 1 * MiB},
         "offload": {"policy": policy, "high_watermark": 0.8, "low_watermark": 0.5},
@@ -70,6 +71,24 @@ def test_promotion_after_admission_hits(tmp_path, backend) -> None:
         s.flush(timeout_s=30)
         assert s.tier_of([cold]) == ["dram"]
         assert read_ok(s, [cold]) == [True]
+        assert s.metrics()["dram"]["promotions"] == 1
+
+
+def test_a_chunk_reused_in_dram_is_promoted_at_its_first_ssd_hit(tmp_path) -> None:
+    """The DRAM policy (prefix_reuse, the default) remembers use counts of objects it moved down:
+    one that was hit before it left DRAM comes back at its first SSD hit, not after admission_hits."""
+    with tiered(tmp_path, "offset", promotion={"admission_hits": 3}) as s:
+        keys = [f"k{i}" for i in range(8)]  # fills the 2 MiB DRAM tier
+        for k in keys:
+            s.put([k], [payload(k, CHUNK)])
+        s.flush(timeout_s=30)
+        assert all(read_ok(s, keys))  # every object is now reused (two requests)
+        s.put(["new"], [payload("new", CHUNK)])  # evicts the least recently reused: k0
+        s.flush(timeout_s=30)
+        assert s.tier_of(["k0"]) == ["ssd"]
+        assert read_ok(s, ["k0"]) == [True]
+        s.flush(timeout_s=30)
+        assert s.tier_of(["k0"]) == ["dram"]
         assert s.metrics()["dram"]["promotions"] == 1
 
 
@@ -226,3 +245,35 @@ def test_full_disk_loses_nothing(small_disk, backend) -> None:
         # and the store keeps working: newer objects still go in and come out
         assert s.put(["after"], [payload("after", CHUNK)]) == [Status.OK]
         assert read_ok(s, ["after"]) == [True]
+
+
+@pytest.mark.parametrize("admission", ["prefix", "all"])
+def test_ssd_admission_skips_orphans_and_loses_nothing_else(tmp_path, admission) -> None:
+    """ssd.admission_policy "prefix" (the default) keeps chunks whose prefix is stored nowhere off
+    SSD; they still serve hits from DRAM and are then dropped as clean, not counted as lost."""
+    # LRU, so the filler below pushes the (hit, hence protected under prefix_reuse) orphans out.
+    with tiered(tmp_path, "offset", ssd={"admission_policy": admission}, eviction="lru") as s:
+        chain = [f"c{i}" for i in range(4)]
+        orphans = [f"o{i}" for i in range(4)]
+        assert s.put(chain, [payload(k, CHUNK) for k in chain], parents=[None, *chain[:-1]]) == [Status.OK] * 4
+        assert s.put(orphans, [payload(k, CHUNK) for k in orphans],
+                     parents=["gone", *orphans[:-1]]) == [Status.OK] * 4
+        s.flush(timeout_s=30)
+        assert all(read_ok(s, orphans))  # still in DRAM
+        m = s.metrics()
+        declined = 4 if admission == "prefix" else 0
+        assert m["store"]["offload_declined"] == declined
+        assert m["dram"]["offloads"] == 8 - declined
+        filler = [f"f{i}" for i in range(16)]  # 4 MiB more through a 2 MiB DRAM tier
+        for k in filler:
+            assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
+            s.flush(timeout_s=30)
+        assert all(read_ok(s, chain))  # from SSD: the chain was admitted either way
+        assert s.tier_of(orphans) == ([None] * 4 if admission == "prefix" else ["ssd"] * 4)
+        assert s.metrics()["store"]["dropped_unpersisted"] == 0
+
+
+def test_unknown_admission_policy_is_a_config_error(tmp_path) -> None:
+    from store_backend.config import ConfigError
+    with pytest.raises(ConfigError, match="admission_policy"):
+        tiered(tmp_path, ssd={"admission_policy": "sometimes"})
