@@ -120,6 +120,8 @@ def bench_policies(resident: int, ops: int) -> dict[str, float]:
             policy.on_insert(f"k{i}", 1, f"k{i - 1}" if i % 16 else None)
             policy.on_access(hits[i - resident])
         out[name] = (time.perf_counter() - t0) / ops * 1e6
+        if len(policy) != resident:  # each cycle evicts one and inserts one
+            raise RuntimeError(f"policy {name} holds {len(policy)} objects after the run, expected {resident}")
     return out
 
 

@@ -180,8 +180,7 @@ class PrefixReusePolicy:
                 else:
                     self._orphans.pop(parent, None)
         if self.ghost_factor > 0:
-            self._ghost[key] = (node.uses, parent, node.last)
-            self._ghost.move_to_end(key)
+            self._ghost[key] = (node.uses, parent, node.last)  # appended: a resident key is never in it
             limit = max(MIN_GHOST_ENTRIES, int(self.ghost_factor * len(self._nodes)))
             while len(self._ghost) > limit:
                 self._ghost.popitem(last=False)

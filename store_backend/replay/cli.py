@@ -8,7 +8,7 @@ the summary under ``--out``.
 Example::
 
     mooncake-kv replay ../shared/traces/conversation_trace.jsonl ../shared/traces/synthetic_trace.jsonl \\
-        --capacities 1M,3M,10M --ssd-tokens 50M --ssd-dram 1M,3M,10M --jobs 2 --json
+        --policies lru,fifo,prefix_lru --ssd-dram 1M,3M,10M --ssd-policies lru --jobs 2 --json
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ For each request, as an engine does around prefill:
 2. ``get_into`` loads them (a DRAM hit is an access for the eviction policy; an SSD hit may promote);
    the hit is the leading run of blocks actually loaded, in tokens, capped at the input length;
 3. ``put`` stores the missing blocks with ``parents=`` the previous block's key, so a prefix-aware
-   policy sees the tree; with an SSD tier the driver then waits for the offload (``flush``), so
+   policy sees the tree. With an SSD tier the driver waits for promotions after the load and for
+   offloads after the put (``flush``), so the background work never races the request's own and
    every run gives the same numbers.
 
 Keys are ``str(hash_id)``: the traces' hash ids are already prefix-chained.
@@ -140,6 +141,8 @@ def replay_store(
                     results = store.get_into(keys[:k], out_bufs[:k])
                     while loaded < k and results[loaded].status is Status.OK:
                         loaded += 1
+                    if has_ssd:
+                        store.flush()  # promotions land before this request's put, in the same order every run
                 hit = min(loaded * bt, req.input_length)
                 stats.add(req.input_length, hit, loaded)
                 for i in range(loaded):
@@ -150,8 +153,8 @@ def replay_store(
                 if missing:
                     parents = [keys[loaded - 1] if loaded else None, *missing[:-1]]
                     store.put(missing, [payload] * len(missing), parents=parents)
-                    if has_ssd:
-                        store.flush()
+                if has_ssd:
+                    store.flush()  # offloads and promotions done before the next request: no races
                 if progress is not None:
                     progress(n)
             stats.store_metrics = store.metrics()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import msgspec
 
-from store_backend.replay.trace import Trace, hit_tokens
+from store_backend.replay.trace import Request, Trace, hit_tokens
 
 NEVER = 1 << 62  # next use of a block that is never used again
 
@@ -46,6 +46,16 @@ class HitStats(msgspec.Struct):
         self.hit_blocks += hit_blocks
 
 
+def _count_lookup(out: HitStats, req: Request, resident: Container[int], block_tokens: int) -> int:
+    """Add one request's lookup to ``out``: its leading blocks found in ``resident``; returns them."""
+    ids = req.hash_ids
+    k = 0
+    while k < len(ids) and ids[k] in resident:
+        k += 1
+    out.add(req.input_length, hit_tokens(k, block_tokens, req.input_length), k)
+    return k
+
+
 def speedup(ratio: float) -> float:
     """Ideal prefill speed-up at prefix hit ratio ``ratio``: 1 / (1 - r)."""
     return float("inf") if ratio >= 1.0 else 1.0 / (1.0 - ratio)
@@ -57,12 +67,8 @@ def max_hits(trace: Trace) -> HitStats:
     out = HitStats()
     bt = trace.block_tokens
     for req in trace.requests:
-        ids = req.hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in seen:
-            k += 1
-        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
-        seen.update(ids)
+        _count_lookup(out, req, seen, bt)
+        seen.update(req.hash_ids)
     return out
 
 
@@ -92,38 +98,41 @@ def belady_hits(trace: Trace, capacity_blocks: int, nxt: Sequence[Sequence[int]]
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     if nxt is None:
         nxt = next_uses(trace)
-    resident: dict[int, int] = {}  # block -> its current next use
-    heap: list[tuple[int, int, int]] = []  # (-next_use, -depth, block), stale entries skipped
+    return _ranked_cache_hits(trace, capacity_blocks, lambda r, d: (-nxt[r][d], -d), lambda r, d: nxt[r][d] == NEVER)
+
+
+def _ranked_cache_hits(
+    trace: Trace,
+    capacity_blocks: int,
+    rank: Callable[[int, int], tuple[int, ...]],
+    dead: Callable[[int, int], bool],
+) -> HitStats:
+    """An offline cache run by a rank: the block at position ``d`` of request ``r`` gets
+    ``rank(r, d)`` when requested; the resident block with the smallest rank is evicted, and a new
+    block ranked no higher than it, or ``dead(r, d)``, is not stored at all."""
+    resident: dict[int, tuple[int, ...]] = {}  # block -> its current rank
+    heap: list[tuple[tuple[int, ...], int]] = []  # (rank, block); stale entries skipped
     out = HitStats()
     bt = trace.block_tokens
     push, pop = heapq.heappush, heapq.heappop
     for r, req in enumerate(trace.requests):
-        ids = req.hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in resident:
-            k += 1
-        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
-        row = nxt[r]
-        for depth, b in enumerate(ids):
-            nu = row[depth]
+        _count_lookup(out, req, resident, bt)
+        for depth, b in enumerate(req.hash_ids):
+            key = rank(r, depth)
             if b in resident:
-                resident[b] = nu
-                push(heap, (-nu, -depth, b))
+                resident[b] = key
+                push(heap, (key, b))
                 continue
-            if nu == NEVER or capacity_blocks == 0:
+            if capacity_blocks == 0 or dead(r, depth):
                 continue
             if len(resident) >= capacity_blocks:
-                while True:  # the farthest live entry
-                    neg_nu, neg_d, victim = heap[0]
-                    if resident.get(victim) == -neg_nu:
-                        break
+                while resident.get(heap[0][1]) != heap[0][0]:  # the lowest-ranked live entry
                     pop(heap)
-                if (-neg_nu, -neg_d) <= (nu, depth):
-                    continue  # the new block is the one used farthest in the future: bypass it
-                pop(heap)
-                del resident[victim]
-            resident[b] = nu
-            push(heap, (-nu, -depth, b))
+                if key <= heap[0][0]:
+                    continue  # the new block ranks lowest: bypass it
+                del resident[pop(heap)[1]]
+            resident[b] = key
+            push(heap, (key, b))
     return out
 
 
@@ -193,36 +202,5 @@ def frequency_oracle_hits(
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     if remaining is None:
         remaining = remaining_uses(trace)
-    resident: dict[int, tuple[int, int, int]] = {}  # block -> its heap key
-    heap: list[tuple[int, int, int, int]] = []  # (remaining uses, request, -depth, block); stale skipped
-    out = HitStats()
-    bt = trace.block_tokens
-    push, pop = heapq.heappush, heapq.heappop
-    for r, req in enumerate(trace.requests):
-        ids = req.hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in resident:
-            k += 1
-        out.add(req.input_length, hit_tokens(k, bt, req.input_length), k)
-        row = remaining[r]
-        for depth, b in enumerate(ids):
-            key = (row[depth], r, -depth)
-            if b in resident:
-                resident[b] = key
-                push(heap, (*key, b))
-                continue
-            if row[depth] == 0 or capacity_blocks == 0:
-                continue
-            if len(resident) >= capacity_blocks:
-                while True:  # the live entry with the fewest remaining uses
-                    top = heap[0]
-                    if resident.get(top[3]) == top[:3]:
-                        break
-                    pop(heap)
-                if top[:3] > key:
-                    continue  # every resident block ranks above this one: do not store it
-                pop(heap)
-                del resident[top[3]]
-            resident[b] = key
-            push(heap, (*key, b))
-    return out
+    return _ranked_cache_hits(trace, capacity_blocks, lambda r, d: (remaining[r][d], r, -d),
+                              lambda r, d: remaining[r][d] == 0)

@@ -150,7 +150,7 @@ def plot(results: list[TraceResult], default_policy: str, path: str | Path) -> P
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=(6.4 * max(1, len(results)), 4.8))
+    fig = Figure(figsize=(6.4 * max(1, len(results)), 6.0))
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, max(1, len(results)), squeeze=False)
     for ax, tr in zip(axes[0], results):
@@ -176,7 +176,7 @@ def plot(results: list[TraceResult], default_policy: str, path: str | Path) -> P
         ax.set_title(f"{tr.name} ({tr.requests} requests)")
         ax.set_ylim(0, min(1.0, tr.max_ratio * 1.15 + 0.02))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: off the lines
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out

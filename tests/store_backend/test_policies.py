@@ -270,3 +270,11 @@ def test_a_cycle_of_parent_links_cannot_pin_objects() -> None:
     p.on_insert("a", 1, "b")  # b not resident yet
     p.on_insert("b", 1, "a")  # would close a -> b -> a
     assert sorted(p.victims(2, _always)) == ["a", "b"]
+
+
+def test_store_benchmark_times_every_policy_at_steady_state() -> None:
+    from store_backend.bench_store import bench_policies
+
+    us = bench_policies(resident=256, ops=2000)
+    assert sorted(us) == policy_names()
+    assert all(0 < v < 10_000 for v in us.values())

@@ -220,3 +220,13 @@ def test_cli_prints_the_summary_last(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert set(summary["targets"]) >= {"gap_closed_min_1m_3m", "dram3m_ssd50m_vs_max_min", "met"}
     assert (tmp_path / "out" / "hit_ratio.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
+
+
+@needs_trace
+def test_replay_with_an_ssd_tier_is_deterministic() -> None:
+    """Offloads and promotions finish before the next request, so two runs count the same hits per tier."""
+    trace = load_trace(TRACES / "synthetic_trace.jsonl", max_requests=600)
+    setup = ReplaySetup("prefix_reuse", dram_tokens=200_000, ssd_tokens=2_000_000)
+    a, b = replay_store(trace, setup), replay_store(trace, setup)
+    assert a.tier_hit_tokens == b.tier_hit_tokens and a.tier_hit_tokens["ssd"] > 0
+    assert a.hit_tokens == b.hit_tokens <= max_hits(trace).hit_tokens
