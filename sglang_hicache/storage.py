@@ -190,13 +190,18 @@ class MooncakeTieredStorage(HiCacheStorage):
         try:
             starts = self._page_starts(host_indices, n)
             okeys = self.object_keys(keys)
+            # prefix_keys + keys is one contiguous chain: each page's parent is the page before it,
+            # which lets the store's prefix-aware policies see the tree.
+            before = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
+            parents = [self.object_keys(before[-1:])[0] if before else None, *okeys[:-1]]
             t0 = time.perf_counter()
             done = [bool(x) for x in self.store.contains(okeys)]
             todo = [i for i in range(n) if not done[i]]
             pages = self._pages
             assert pages is not None and self._set_staging is not None
             if pages.direct:
-                statuses = self.store.put([okeys[i] for i in todo], [pages.page_array(starts[i]) for i in todo])
+                statuses = self.store.put([okeys[i] for i in todo], [pages.page_array(starts[i]) for i in todo],
+                                          [parents[i] for i in todo])
                 for i, st in zip(todo, statuses):
                     done[i] = st.ok
             else:
@@ -205,7 +210,8 @@ class MooncakeTieredStorage(HiCacheStorage):
                     for lo in range(0, len(todo), staging.pages):
                         part = todo[lo:lo + staging.pages]
                         pages.gather([starts[i] for i in part], staging.buffer(len(part)))
-                        statuses = self.store.put([okeys[i] for i in part], staging.slices(len(part)))
+                        statuses = self.store.put([okeys[i] for i in part], staging.slices(len(part)),
+                                                  [parents[i] for i in part])
                         for i, st in zip(part, statuses):
                             done[i] = st.ok
             self._record(self._backup_pages, self._backup_gbps, len(todo), time.perf_counter() - t0)

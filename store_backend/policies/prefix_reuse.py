@@ -21,10 +21,13 @@ caches or, for large ones, keeps dead chunks for so long that it loses to LRU; t
 how long reuse actually takes. Until enough distances are seen, ``initial_turnovers`` times the
 resident object count is used.
 
-Each object has one static priority, refreshed on every insert or hit: ``tick + horizon`` for
-reused objects and ``tick`` for fresh ones. The leaf with the smallest priority is evicted first.
-Leaves sit in a binary heap with lazy invalidation, so every operation costs O(log n) (plus O(1)
-histogram upkeep); ``victims`` walks the heap without changing it.
+An object's priority is the tick of its last insert or hit, plus the horizon if it has been
+reused (the horizon as it is when the decision is taken); the leaf with the smallest priority is
+evicted first. Within each of the two classes (fresh, reused) that is least-recently-used order, so
+each class keeps its leaves in an insertion-ordered dict (O(1) for the usual arrivals at the young
+end, and for a parent that becomes a leaf when its last child, the oldest leaf, leaves), with a
+small heap for the few leaves that arrive out of order. Every operation is O(1) in the common case
+and O(log n) at worst; ``victims`` reads the queues without changing them.
 
 Pure decision code (see ``base.py``): the owning tier calls it under its lock; not thread-safe.
 """
@@ -34,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 DEFAULT_HORIZON_QUANTILE = 0.8
 DEFAULT_HORIZON_SCALE = 2.0
@@ -51,16 +54,35 @@ _RECOMPUTE_EVERY = 512  # samples between quantile updates
 _HALVE_EVERY = 1 << 16  # samples between halvings of the histogram
 
 
+_QUEUED_NOT = 0  # not a leaf: in no queue
+_QUEUED_ORDER = 1  # in its class's ordered dict
+_QUEUED_HEAP = 2  # in its class's heap (entries of nodes that left it are skipped lazily)
+
+
 class _Node:
-    __slots__ = ("size", "parent", "children", "uses", "prio", "last")
+    __slots__ = ("children", "last", "parent", "queued", "size", "uses")
 
     def __init__(self, size: int, parent: str | None, children: int, uses: int) -> None:
         self.size = size
         self.parent = parent
         self.children = children  # resident children
         self.uses = uses  # requests seen: the insert, every hit, and uses remembered from the ghost
-        self.prio = 0.0
         self.last = 0  # tick of the last insert or hit
+        self.queued = _QUEUED_NOT
+
+
+class _LeafQueue:
+    """The leaves of one class by last-use tick: an ordered dict (key -> tick, oldest first) for
+    leaves that arrive in order, a heap of (tick, key) for those that do not."""
+
+    __slots__ = ("heap", "newest", "order")
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[str, int] = OrderedDict()
+        self.heap: list[tuple[int, str]] = []
+        # Never below the tick at the end of ``order``: a leaf at least this young can be appended
+        # and ``order`` stays sorted.
+        self.newest = 0
 
 
 class ReuseDistanceHistogram:
@@ -121,14 +143,15 @@ class PrefixReusePolicy:
         # Resident children of keys that are not resident themselves (inserted before their parent,
         # or left behind by an explicit remove of the parent).
         self._orphans: dict[str, int] = {}
-        self._heap: list[tuple[float, str]] = []  # (prio, key) of leaves; stale entries skipped
+        self._queues = (_LeafQueue(), _LeafQueue())  # leaves of fresh (uses == 1), reused (uses > 1)
         # evicted key -> (uses, parent, tick of its last use)
         self._ghost: OrderedDict[str, tuple[int, str | None, int]] = OrderedDict()
         self._tick = 0
 
     # -- events from the tier --------------------------------------------------------------------
     def on_insert(self, key: str, size: int, parent: str | None = None) -> None:
-        if key in self._nodes:  # re-insert of a resident key: treat as a use
+        nodes = self._nodes
+        if key in nodes:  # re-insert of a resident key: treat as a use
             self.on_access(key)
             return
         remembered = self._ghost.pop(key, None)
@@ -142,14 +165,21 @@ class PrefixReusePolicy:
         if parent is not None and (parent == key or (key in self._orphans and self._is_ancestor(key, parent))):
             parent = None  # a link that would close a cycle (misuse): no tree edge, so no deadlock
         node = _Node(size, parent, self._orphans.pop(key, 0), uses)
-        self._nodes[key] = node
+        nodes[key] = node
         if parent is not None:
-            pnode = self._nodes.get(parent)
+            pnode = nodes.get(parent)
             if pnode is not None:
+                if pnode.children == 0:
+                    self._unqueue(parent, pnode)
                 pnode.children += 1
             else:
                 self._orphans[parent] = self._orphans.get(parent, 0) + 1
-        self._touch(key, node)
+        self._tick += 1
+        node.last = self._tick
+        if node.children == 0:
+            q = self._queues[uses > 1]
+            q.order[key] = q.newest = self._tick  # the youngest: at the end
+            node.queued = _QUEUED_ORDER
 
     def on_access(self, key: str) -> None:
         node = self._nodes.get(key)
@@ -157,13 +187,22 @@ class PrefixReusePolicy:
             return
         if node.uses > 1:
             self.reuse_distances.add(self._tick + 1 - node.last)
+        if node.queued:
+            self._unqueue(key, node)
         node.uses += 1
-        self._touch(key, node)
+        self._tick += 1
+        node.last = self._tick
+        if node.children == 0:
+            q = self._queues[1]
+            q.order[key] = q.newest = self._tick
+            node.queued = _QUEUED_ORDER
 
     def on_remove(self, key: str) -> None:
         node = self._nodes.pop(key, None)
         if node is None:
             return
+        if node.queued == _QUEUED_ORDER:
+            del self._queues[node.uses > 1].order[key]
         if node.children:
             self._orphans[key] = node.children
         parent = node.parent
@@ -172,7 +211,7 @@ class PrefixReusePolicy:
             if pnode is not None:
                 pnode.children -= 1
                 if pnode.children == 0:
-                    heapq.heappush(self._heap, (pnode.prio, parent))
+                    self._enqueue(parent, pnode)
             else:
                 left = self._orphans.get(parent, 0) - 1
                 if left > 0:
@@ -180,47 +219,49 @@ class PrefixReusePolicy:
                 else:
                     self._orphans.pop(parent, None)
         if self.ghost_factor > 0:
-            self._ghost[key] = (node.uses, parent, node.last)  # appended: a resident key is never in it
+            ghost = self._ghost
+            ghost[key] = (node.uses, parent, node.last)  # appended: a resident key is never in it
             limit = max(MIN_GHOST_ENTRIES, int(self.ghost_factor * len(self._nodes)))
-            while len(self._ghost) > limit:
-                self._ghost.popitem(last=False)
-        self._tidy()
+            while len(ghost) > limit:
+                ghost.popitem(last=False)
 
     # -- decisions -------------------------------------------------------------------------------
     def victims(self, need_bytes: int, can_evict: Callable[[str], bool]) -> list[str]:
-        """Leaves in priority order (a parent joins once all its children are taken); no state change.
-
-        The heap is read through a frontier of indices (the standard ordered walk of a binary heap),
-        so nothing is popped; parents that become leaves on the way enter the frontier too.
-        """
-        heap = self._heap
-        nodes = self._nodes
+        """Leaves in priority order (a parent joins once all its children are taken); no state change."""
         out: list[str] = []
-        if need_bytes <= 0 or not heap:
+        if need_bytes <= 0 or not self._nodes:
             return out
-        prio, key = heap[0]  # the common case: the top leaf alone is enough
-        node = nodes.get(key)
-        if (node is not None and node.prio == prio and node.children == 0 and node.size >= need_bytes
-                and can_evict(key)):
-            return [key]
+        horizon = self.horizon
+        nodes = self._nodes
+        qf, qr = self._queues
+        if qf.heap or qr.heap:
+            fresh, reused = self._head(0), self._head(1)
+        else:  # the usual state: both classes entirely in order
+            f = next(iter(qf.order.items()), None)
+            r = next(iter(qr.order.items()), None)
+            fresh = None if f is None else (f[1], f[0])
+            reused = None if r is None else (r[1], r[0])
+        best = fresh if reused is None or (fresh is not None and fresh[0] <= reused[0] + horizon) else reused
+        if best is not None:  # the common case: the oldest leaf alone is enough
+            node = nodes[best[1]]
+            if node.size >= need_bytes and can_evict(best[1]):
+                return [best[1]]
+        stream = heapq.merge(self._ordered(0, 0.0), self._ordered(1, horizon))
+        ahead = next(stream, None)
+        freed_parents: list[tuple[float, str]] = []  # parents whose children this walk took
         taken: set[str] = set()
         left_children: dict[str, int] = {}
-        # frontier entries: (prio, key, heap index or -1 for a parent freed during this walk)
-        frontier: list[tuple[float, str, int]] = [(heap[0][0], heap[0][1], 0)]
         freed = 0
-        n = len(heap)
-        while frontier and freed < need_bytes:
-            prio, key, idx = heapq.heappop(frontier)
-            if idx >= 0:
-                for child in (2 * idx + 1, 2 * idx + 2):
-                    if child < n:
-                        heapq.heappush(frontier, (heap[child][0], heap[child][1], child))
-            node = nodes.get(key)
-            if node is None or node.prio != prio or key in taken:
-                continue
-            if left_children.get(key, node.children) > 0:
-                continue
-            if not can_evict(key):
+        while freed < need_bytes:
+            if freed_parents and (ahead is None or freed_parents[0] < ahead):
+                _prio, key = heapq.heappop(freed_parents)
+            elif ahead is not None:
+                key = ahead[1]
+                ahead = next(stream, None)
+            else:
+                break
+            node = nodes[key]
+            if key in taken or left_children.get(key, node.children) > 0 or not can_evict(key):
                 continue
             taken.add(key)
             out.append(key)
@@ -231,7 +272,7 @@ class PrefixReusePolicy:
                 remaining = left_children.get(parent, pnode.children) - 1
                 left_children[parent] = remaining
                 if remaining == 0:
-                    heapq.heappush(frontier, (pnode.prio, parent, -1))  # type: ignore[arg-type]
+                    heapq.heappush(freed_parents, (pnode.last + (horizon if pnode.uses > 1 else 0.0), parent))
         return out
 
     def admit(self, key: str, size: int) -> bool:
@@ -260,17 +301,62 @@ class PrefixReusePolicy:
             return self.initial_turnovers * len(self._nodes) * (self.horizon_scale > 0)
         return self.horizon_scale * learned
 
-    def _touch(self, key: str, node: _Node) -> None:
-        self._tick += 1
-        node.last = self._tick
-        prio = float(self._tick)
-        if node.uses > 1:
-            prio += self.horizon
-        node.prio = prio
-        if node.children == 0:
-            heapq.heappush(self._heap, (prio, key))
-            if len(self._heap) > 2 * len(self._nodes) + 64:
+    def _enqueue(self, key: str, node: _Node) -> None:
+        """Queue a node that has just become a leaf, at its last-use tick."""
+        q = self._queues[node.uses > 1]
+        order = q.order
+        tick = node.last
+        if not order or tick >= q.newest:
+            order[key] = q.newest = tick
+            node.queued = _QUEUED_ORDER
+        elif tick <= order[next(iter(order))]:  # e.g. the parent of the oldest leaf, just evicted
+            order[key] = tick
+            order.move_to_end(key, last=False)
+            node.queued = _QUEUED_ORDER
+        else:
+            heapq.heappush(q.heap, (tick, key))
+            node.queued = _QUEUED_HEAP
+            if len(q.heap) > 2 * len(self._nodes) + 64:
                 self._compact()
+
+    def _unqueue(self, key: str, node: _Node) -> None:
+        if node.queued == _QUEUED_ORDER:
+            del self._queues[node.uses > 1].order[key]
+        node.queued = _QUEUED_NOT  # a heap entry is left behind and skipped when met
+
+    def _live(self, tick: int, key: str, cls: int) -> bool:
+        node = self._nodes.get(key)
+        return node is not None and node.queued == _QUEUED_HEAP and node.last == tick and (node.uses > 1) == cls
+
+    def _head(self, cls: int) -> tuple[int, str] | None:
+        """(tick, key) of the oldest leaf of a class; drops dead entries from the top of its heap."""
+        q = self._queues[cls]
+        heap = q.heap
+        while heap and not self._live(heap[0][0], heap[0][1], cls):
+            heapq.heappop(heap)
+        first = next(iter(q.order.items()), None)
+        if first is not None and (not heap or first[1] <= heap[0][0]):
+            return first[1], first[0]
+        return heap[0] if heap else None
+
+    def _ordered(self, cls: int, offset: float) -> Iterator[tuple[float, str]]:
+        """The leaves of a class as (priority, key), lowest first, without changing anything."""
+        q = self._queues[cls]
+        in_order = ((tick + offset, key) for key, tick in q.order.items())
+        return heapq.merge(in_order, self._heap_in_order(q.heap, cls, offset))
+
+    def _heap_in_order(self, heap: list[tuple[int, str]], cls: int, offset: float) -> Iterator[tuple[float, str]]:
+        """Live heap entries in order: the standard walk of a binary heap through a frontier of indices."""
+        frontier = [(heap[0][0], 0)] if heap else []
+        n = len(heap)
+        while frontier:
+            _tick, idx = heapq.heappop(frontier)
+            for child in (2 * idx + 1, 2 * idx + 2):
+                if child < n:
+                    heapq.heappush(frontier, (heap[child][0], child))
+            tick, key = heap[idx]
+            if self._live(tick, key, cls):
+                yield tick + offset, key
 
     def _is_ancestor(self, key: str, start: str) -> bool:
         """Whether ``key`` is on the parent chain above resident ``start`` (only asked for keys that
@@ -284,23 +370,11 @@ class PrefixReusePolicy:
             seen += 1
         return False
 
-    def _tidy(self) -> None:
-        """Drop stale heap entries from the top (after an eviction, where the next walk starts)."""
-        heap = self._heap
-        nodes = self._nodes
-        while heap:
-            prio, key = heap[0]
-            node = nodes.get(key)
-            if node is not None and node.prio == prio and node.children == 0:
-                break
-            heapq.heappop(heap)
-        if len(heap) > 2 * len(nodes) + 64:
-            self._compact()
-
     def _compact(self) -> None:
-        """Rebuild the heap from live leaves once stale entries outnumber them (amortised O(1))."""
-        self._heap = [(n.prio, k) for k, n in self._nodes.items() if n.children == 0]
-        heapq.heapify(self._heap)
+        """Rebuild the heaps from their live entries once dead ones outnumber them (amortised O(1))."""
+        for cls, q in enumerate(self._queues):
+            q.heap = [(t, k) for t, k in q.heap if self._live(t, k, cls)]
+            heapq.heapify(q.heap)
 
 
 class PrefixLruPolicy(PrefixReusePolicy):

@@ -89,6 +89,23 @@ def test_dynamic_factory_builds_backend_from_documented_config(tmp_path, backend
     assert stats.backup_pgs == [4] and stats.prefetch_pgs == [4]
 
 
+def test_pages_are_stored_with_their_prefix_chain(tmp_path, backends):
+    """Each page's parent is the page before it (extra_info.prefix_keys for the first), so the
+    store's prefix-aware eviction (the default, prefix_reuse) sees SGLang's radix chains."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    pools = make_pools("page_first")
+    backend = build(documented_config(tmp_path), pools, backends)
+    keys = chunk_hashes(list(range(7, 7 + 4 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(4 * PAGE)
+    fill_pages(pools.host, src, seed=3)
+    assert backend.batch_set_v1(keys[:2], src[:2 * PAGE]) == [True, True]
+    assert backend.batch_set_v1(keys[2:], src[2 * PAGE:], HiCacheStorageExtraInfo(prefix_keys=keys[:2])) == [True] * 2
+    okeys = backend.object_keys(keys)
+    entries = backend.store._dram.entries
+    assert [entries[k].parent for k in okeys] == [None, *okeys[:-1]]
+
+
 @pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", False),
                                         ("layer_first", False), ("page_first_direct", True),
                                         ("layer_first", True)])

@@ -219,7 +219,7 @@ def test_heap_stays_bounded_under_churn() -> None:
         if len(p) > 400:
             for v in p.victims(1, _always):
                 p.on_remove(v)
-    assert len(p._heap) <= 2 * len(p) + 64
+    assert all(len(q.heap) <= 2 * len(p) + 64 for q in p._queues)
     assert len(p._ghost) <= max(1024, 4 * len(p))
 
 
