@@ -184,12 +184,23 @@ class TieredStore:
     def _reserve(self, key: str, size: int, parent: str | None, *, promotion: bool) -> Entry | None:
         """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries."""
         m = self.metrics_counters
+        lost_copy: list[str] = []  # persisted entries whose SSD copy the SSD tier has since evicted
+        entry = None
         for persisted_only in evict_pass_order(self._ssd is not None):
             if promotion and not persisted_only:
-                return None
+                break
 
             def evict_ok(e: Entry, _p: bool = persisted_only) -> bool:
-                return e.clean or not _p
+                if not _p or e.declined:
+                    return True
+                if not e.persisted:
+                    return False
+                assert self._ssd is not None
+                if self._ssd.contains([e.key])[0]:
+                    return True
+                e.persisted = False  # dirty again: write it back rather than drop the only copy
+                lost_copy.append(e.key)
+                return False
 
             def on_evict(e: Entry) -> None:
                 m.dram.evictions += 1
@@ -198,8 +209,10 @@ class TieredStore:
 
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
             if entry is not None:
-                return entry
-        return None
+                break
+        if lost_copy and self._started:
+            m.store.offload_queue_full += self._offloader.submit(lost_copy)
+        return entry
 
     # -- reads -------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:

@@ -277,3 +277,28 @@ def test_unknown_admission_policy_is_a_config_error(tmp_path) -> None:
     from store_backend.config import ConfigError
     with pytest.raises(ConfigError, match="admission_policy"):
         tiered(tmp_path, ssd={"admission_policy": "sometimes"})
+
+
+def test_a_dram_copy_that_outlived_its_ssd_copy_is_written_back_not_dropped(tmp_path) -> None:
+    """The SSD tier evicts on its own (the offset backend: oldest first). A chunk kept in DRAM all
+    that time is then the only copy; DRAM must write it back before it goes, not drop it as clean."""
+    with tiered(tmp_path, "offset", ssd={"capacity_bytes": 8 * MiB}, eviction="lru") as s:
+        s.put(["hot"], [payload("hot", CHUNK)])
+        s.flush(timeout_s=30)
+        ssd = s._ssd
+        assert ssd is not None and ssd.contains(["hot"]) == [True]
+        i = 0
+        while ssd.contains(["hot"])[0]:  # read all along, so LRU keeps it in DRAM
+            assert read_ok(s, ["hot"]) == [True]
+            k = f"f{i}"
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+            i += 1
+            assert i < 200
+        assert s.tier_of(["hot"]) == ["dram"]
+        for j in range(16):  # DRAM pressure, and "hot" no longer read: it must leave DRAM
+            k = f"g{j}"
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+        assert s.tier_of(["hot"]) == ["ssd"] and read_ok(s, ["hot"]) == [True]
+        assert s.metrics()["store"]["dropped_unpersisted"] == 0
