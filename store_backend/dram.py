@@ -27,8 +27,8 @@ class EntryState(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "pins", "pin_deadline",
-                 "parent")
+    __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "offload_failures",
+                 "offload_queued", "pins", "pin_deadline", "parent")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -38,6 +38,8 @@ class Entry:
         self.leases = 0  # readers copying out right now
         self.persisted = False  # a durable copy exists in the tier below
         self.declined = False  # the tier below's admission policy refused it: nothing to write
+        self.offload_failures = 0  # failed (or refused) attempts to write it to the tier below
+        self.offload_queued = False  # waiting in the offload queue
         self.pins = 0  # leases held for in-flight loads (store.pin)
         self.pin_deadline = 0.0
         self.parent = parent

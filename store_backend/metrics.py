@@ -29,6 +29,8 @@ class StoreCounters(msgspec.Struct):
     # Objects evicted from DRAM before they reached SSD (SSD fell behind, or no SSD tier).
     dropped_unpersisted: int = 0
     offload_queue_full: int = 0
+    # Objects queued for SSD again: a failed or refused write, or an SSD copy the SSD tier evicted.
+    offload_retries: int = 0
     # Objects the SSD admission policy (ssd.admission_policy) kept off SSD.
     offload_declined: int = 0
     promotion_queue_full: int = 0

@@ -41,6 +41,9 @@ from store_backend.types import (
 
 logger = logging.getLogger(__name__)
 
+# Attempts to write one object to SSD (the first included) before DRAM may drop it unpersisted.
+MAX_OFFLOAD_ATTEMPTS = 3
+
 _HIT_TABLE_MAX = 1 << 16  # SSD hit counters kept for promotion decisions
 
 
@@ -166,17 +169,22 @@ class TieredStore:
             copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
         to_offload: list[str] = []
         with self._lock:
+            eager = self._ssd is not None and self._started and self.config.offload.policy == "eager"
             for _i, entry in reserved:
                 self._dram.commit(entry)
                 m.store.puts += 1
                 m.dram.bytes_in += entry.size
                 to_offload.append(entry.key)
+                entry.offload_queued = eager
         if self._ssd is not None and self._started:
             if self.config.offload.policy == "eager":
                 refused = self._offloader.submit(to_offload)
                 if refused:
                     with self._lock:
                         m.store.offload_queue_full += refused
+                        for _i, entry in reserved[len(reserved) - refused:]:  # the queue takes a prefix
+                            entry.offload_queued = False
+                            entry.offload_failures += 1
             elif self._over_high_watermark():
                 self._offloader.kick()
         return out
@@ -184,7 +192,9 @@ class TieredStore:
     def _reserve(self, key: str, size: int, parent: str | None, *, promotion: bool) -> Entry | None:
         """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries."""
         m = self.metrics_counters
-        lost_copy: list[str] = []  # persisted entries whose SSD copy the SSD tier has since evicted
+        # Dirty entries met while looking for clean victims that need a write now: their SSD write
+        # failed or was never queued, or the SSD tier has since evicted their copy.
+        retry: list[Entry] = []
         entry = None
         for persisted_only in evict_pass_order(self._ssd is not None):
             if promotion and not persisted_only:
@@ -194,12 +204,17 @@ class TieredStore:
                 if not _p or e.declined:
                     return True
                 if not e.persisted:
+                    if 0 < e.offload_failures < MAX_OFFLOAD_ATTEMPTS and not e.offload_queued:
+                        e.offload_queued = True
+                        retry.append(e)  # its write failed or was never queued: try again now
                     return False
                 assert self._ssd is not None
                 if self._ssd.contains([e.key])[0]:
                     return True
                 e.persisted = False  # dirty again: write it back rather than drop the only copy
-                lost_copy.append(e.key)
+                if not e.offload_queued:
+                    e.offload_queued = True
+                    retry.append(e)
                 return False
 
             def on_evict(e: Entry) -> None:
@@ -210,8 +225,14 @@ class TieredStore:
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
             if entry is not None:
                 break
-        if lost_copy and self._started:
-            m.store.offload_queue_full += self._offloader.submit(lost_copy)
+        if retry:
+            refused = len(retry)
+            if self._started:
+                refused = self._offloader.submit([e.key for e in retry])
+                m.store.offload_retries += len(retry) - refused
+                m.store.offload_queue_full += refused
+            for e in retry[len(retry) - refused:]:  # the queue takes a prefix
+                e.offload_queued = False
         return entry
 
     # -- reads -------------------------------------------------------------------------------------
@@ -443,6 +464,9 @@ class TieredStore:
             if self._closed:
                 return
             todo = [e for e in map(self._dram.ready, keys) if e is not None and not e.clean]
+            for key in keys:
+                if (queued := self._dram.entries.get(key)) is not None:
+                    queued.offload_queued = False
             parents = {e.parent for e in todo if e.parent is not None and e.parent not in self._dram.entries}
         # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
         # only costs one write that admission would have skipped.
@@ -480,12 +504,14 @@ class TieredStore:
                 e.leases -= 1
                 if st.ok:
                     e.persisted = True
+                    e.offload_failures = 0
                     m.dram.offloads += 1
                     m.ssd.bytes_in += e.size if st is Status.OK else 0
                     if demote and e.leases == 0 and e.pins == 0 and self._dram.entries.get(e.key) is e:
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                 else:
+                    e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
                     m.ssd.failures += 1
 
     def _watermark_tick(self) -> None:

@@ -302,3 +302,49 @@ def test_a_dram_copy_that_outlived_its_ssd_copy_is_written_back_not_dropped(tmp_
             s.flush(timeout_s=30)
         assert s.tier_of(["hot"]) == ["ssd"] and read_ok(s, ["hot"]) == [True]
         assert s.metrics()["store"]["dropped_unpersisted"] == 0
+
+
+class FlakySsd(SlowSsd):
+    """An SSD whose first ``failures`` writes of ``key`` fail with an I/O error (fault injection)."""
+
+    def __init__(self, key: str, failures: int) -> None:
+        super().__init__(delay_s=0.0)
+        self.key = key
+        self.failures = failures
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        out = []
+        for k, b in zip(keys, buffers):
+            if k == self.key and self.failures > 0:
+                self.failures -= 1
+                out.append(Status.IO_ERROR)
+            else:
+                out.extend(super().put([k], [b]))
+        return out
+
+
+@pytest.mark.parametrize("failures,kept", [(1, True), (2, True), (5, False)])
+def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept) -> None:
+    """A write that failed is tried again when DRAM needs the room (at most MAX_OFFLOAD_ATTEMPTS
+    writes in all). An object whose every attempt failed is not retried again; DRAM keeps it while
+    clean objects can go instead, so nothing is dropped here."""
+    from store_backend.store import MAX_OFFLOAD_ATTEMPTS
+
+    ssd = FlakySsd("k0", failures)
+    cfg = {"dram": {"capacity_bytes": 2 * MiB, "eviction_policy": "lru"}, "offload": {"policy": "eager"}}
+    with TieredStore(cfg, ssd=ssd) as s:
+        assert s.put(["k0"], [payload("k0", CHUNK)]) == [Status.OK]
+        s.flush(timeout_s=30)
+        assert "k0" not in ssd.data and s.metrics()["ssd"]["failures"] == 1
+        for i in range(1, 24):  # 6 MiB through 2 MiB: every put evicts, k0 first in LRU order
+            k = f"k{i}"
+            assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
+            s.flush(timeout_s=30)
+        m = s.metrics()
+        assert ("k0" in ssd.data) is kept
+        assert s.tier_of(["k0"]) == (["ssd"] if kept else ["dram"])
+        assert m["store"]["dropped_unpersisted"] == 0
+        attempts = 1 + m["store"]["offload_retries"]
+        assert attempts == (failures + 1 if kept else MAX_OFFLOAD_ATTEMPTS)
+        assert m["ssd"]["failures"] == min(failures, MAX_OFFLOAD_ATTEMPTS)
+        assert read_ok(s, ["k0"]) == [True]
