@@ -527,7 +527,13 @@ class TieredStore:
             now = time.monotonic()
             victims = self._dram.policy.victims(
                 need, lambda k: (e := self._dram.entries.get(k)) is not None and e.evictable(now))
-            clean = [k for k in victims if self._dram.entries[k].clean]
+            entries = self._dram.entries
+            persisted = [k for k in victims if entries[k].persisted]
+            assert self._ssd is not None
+            for k, on_ssd in zip(persisted, self._ssd.contains(persisted)):
+                if not on_ssd:  # the SSD tier evicted its copy since: write it again below
+                    entries[k].persisted = False
+            clean = [k for k in victims if entries[k].clean]
             for k in clean:  # already on SSD: nothing to write, just free DRAM
                 self._dram.drop(k)
                 self.metrics_counters.dram.evictions += 1

@@ -348,3 +348,24 @@ def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept
         assert attempts == (failures + 1 if kept else MAX_OFFLOAD_ATTEMPTS)
         assert m["ssd"]["failures"] == min(failures, MAX_OFFLOAD_ATTEMPTS)
         assert read_ok(s, ["k0"]) == [True]
+
+
+def test_watermark_demotion_rewrites_a_copy_the_ssd_tier_evicted(tmp_path) -> None:
+    """Watermark mode frees DRAM of persisted objects without writing them; one whose SSD copy is
+    gone (here removed behind the store's back, as the SSD tier's own eviction would) is written again."""
+    with tiered(tmp_path, "offset", policy="watermark", eviction="lru", promotion={"admission_hits": 2}) as s:
+        keys = ["hot"] + [f"a{i}" for i in range(7)]
+        for k in keys:
+            s.put([k], [payload(k, CHUNK)])
+        s.flush(timeout_s=30)  # above the high mark: the coldest, "hot" first, move to SSD
+        assert s.tier_of(["hot"]) == ["ssd"]
+        assert read_ok(s, ["hot"]) == [True] and read_ok(s, ["hot"]) == [True]
+        s.flush(timeout_s=30)
+        assert s.tier_of(["hot"]) == ["dram"]  # promoted: in DRAM, and persisted
+        assert s._ssd is not None and s._ssd.remove(["hot"]) == [Status.OK]
+        for i in range(8):
+            k = f"b{i}"
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+        assert s.tier_of(["hot"]) == ["ssd"] and read_ok(s, ["hot"]) == [True]
+        assert s.metrics()["store"]["dropped_unpersisted"] == 0
