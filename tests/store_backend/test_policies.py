@@ -278,3 +278,101 @@ def test_store_benchmark_times_every_policy_at_steady_state() -> None:
     us = bench_policies(resident=256, ops=2000)
     assert sorted(us) == policy_names()
     assert all(0 < v < 10_000 for v in us.values())
+
+
+class _Shadow:
+    """A brute-force model of prefix_reuse's order: every leaf's priority is its last-use tick, plus
+    the horizon once it has been requested twice; ``order`` replays the eviction walk greedily."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str | None] = {}
+        self.links: dict[str, str | None] = {}  # parent links of every key ever stored
+        self.ghost: dict[str, int] = {}  # use counts of removed keys
+        self.uses: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.tick = 0
+
+    def insert(self, key: str, parent: str | None) -> None:
+        if key in self.parent:
+            return self.access(key)
+        self.tick += 1
+        if parent is None:
+            parent = self.links.get(key)  # the policy's ghost list remembers the old link
+        self.parent[key], self.uses[key], self.last[key] = parent, 1 + self.ghost.pop(key, 0), self.tick
+        self.links[key] = parent
+
+    def access(self, key: str) -> None:
+        if key in self.parent:
+            self.tick += 1
+            self.uses[key] += 1
+            self.last[key] = self.tick
+
+    def on_chain(self, key: str, start: str | None) -> bool:
+        """Whether ``key`` is ``start`` or on the chain of parent links above it."""
+        seen: set[str] = set()
+        while start is not None and start not in seen:
+            if start == key:
+                return True
+            seen.add(start)
+            start = self.parent.get(start, self.links.get(start))
+        return False
+
+    def remove(self, key: str) -> None:
+        if key in self.uses:
+            self.ghost[key] = self.uses[key]  # the ghost list keeps use counts (it never fills here)
+        for d in (self.parent, self.uses, self.last):
+            d.pop(key, None)
+
+    def prio(self, key: str, horizon: float) -> float:
+        return self.last[key] + (horizon if self.uses[key] > 1 else 0.0)
+
+    def order(self, horizon: float, allowed: set[str], n: int) -> list[float]:
+        """Priorities of the first ``n`` victims a greedy leaf-first walk takes."""
+        left = set(self.parent)
+        out: list[float] = []
+        while len(out) < n:
+            leaves = [k for k in left if k in allowed and not any(self.parent[c] == k for c in left)]
+            if not leaves:
+                break
+            best = min(leaves, key=lambda k: self.prio(k, horizon))
+            out.append(self.prio(best, horizon))
+            left.discard(best)
+        return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_reuse_order_matches_a_brute_force_model(seed: int) -> None:
+    """Random chains, hits, removals and evictions: every victims() answer takes leaves in the
+    order of the model's priorities (whatever queue or heap the policy keeps them in)."""
+    rng = random.Random(seed)
+    p = PrefixReusePolicy(initial_turnovers=0.3713)  # a non-integer horizon: no ties with ticks
+    model = _Shadow()
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:  # a request: a chain under an existing key, or a new root
+            parent = rng.choice(sorted(model.parent)) if model.parent and rng.random() < 0.7 else None
+            for _ in range(rng.randrange(1, 4)):
+                key = f"k{rng.randrange(400)}"
+                if key in model.parent or model.on_chain(key, parent):
+                    break  # a hit, or a link that would close a cycle: not what this step tests
+                p.on_insert(key, 1, parent)
+                model.insert(key, parent)
+                parent = key
+        elif op < 0.7 and model.parent:
+            key = rng.choice(sorted(model.parent))
+            p.on_access(key)
+            model.access(key)
+        elif op < 0.75 and model.parent:  # an explicit remove, of any object (leaf or not)
+            key = rng.choice(sorted(model.parent))
+            p.on_remove(key)
+            model.remove(key)  # its children keep their link: a leaf-less root until it comes back
+        elif model.parent:
+            allowed = {k for k in model.parent if rng.random() < 0.9}
+            n = rng.choice((1, 1, 1, 3))
+            got = p.victims(n, lambda k: k in allowed)
+            want = model.order(p.horizon, allowed, n)
+            assert [model.prio(k, p.horizon) for k in got] == want, step
+            for k in got:
+                p.on_remove(k)
+                model.remove(k)
+        assert len(p) == len(model.parent)
