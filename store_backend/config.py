@@ -81,7 +81,8 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_watermark: float = 0.95
     # Which DRAM objects are worth an SSD write (store_backend/policies/admission.py): "prefix" skips
     # objects whose prefix is stored nowhere (they can never be hit), "reused" also skips objects
-    # never requested twice (for offload.policy "watermark"), "all" writes everything.
+    # not requested twice by the time they leave DRAM, "all" writes everything. A declined object is
+    # asked again when DRAM is about to evict it.
     admission_policy: str = "prefix"
 
     def __post_init__(self) -> None:

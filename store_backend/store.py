@@ -189,11 +189,21 @@ class TieredStore:
                 self._offloader.kick()
         return out
 
+    def _admitted(self, e: Entry, parent_on_ssd: bool) -> bool:
+        """Whether the SSD admission policy wants ``e`` written, on the facts as they are now (lock
+        held). Its prefix counts as stored when it is on SSD or in DRAM and not declined itself, so
+        a declined parent declines its children in turn."""
+        pe = self._dram.entries.get(e.parent) if e.parent is not None else None
+        parent_stored = e.parent is None or parent_on_ssd or (pe is not None and not pe.declined)
+        return self._admission.admit(e.key, e.size, uses=policy_uses(self._dram.policy, e.key),
+                                     parent_stored=parent_stored)
+
     def _reserve(self, key: str, size: int, parent: str | None, *, promotion: bool) -> Entry | None:
         """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries."""
         m = self.metrics_counters
         # Dirty entries met while looking for clean victims that need a write now: their SSD write
-        # failed or was never queued, or the SSD tier has since evicted their copy.
+        # failed or was never queued, the SSD tier has since evicted their copy, or admission now
+        # wants one it declined before.
         retry: list[Entry] = []
         entry = None
         for persisted_only in evict_pass_order(self._ssd is not None):
@@ -201,8 +211,19 @@ class TieredStore:
                 break
 
             def evict_ok(e: Entry, _p: bool = persisted_only) -> bool:
-                if not _p or e.declined:
+                if not _p:
                     return True
+                if e.declined:  # asked again: its prefix may be stored by now, or it may be reused
+                    assert self._ssd is not None
+                    on_ssd = e.parent is not None and e.parent not in self._dram.entries and \
+                        self._ssd.contains([e.parent])[0]
+                    if not self._admitted(e, on_ssd):
+                        return True
+                    e.declined = False
+                    if not e.offload_queued:
+                        e.offload_queued = True
+                        retry.append(e)
+                    return False
                 if not e.persisted:
                     if 0 < e.offload_failures < MAX_OFFLOAD_ATTEMPTS and not e.offload_queued:
                         e.offload_queued = True
@@ -476,14 +497,8 @@ class TieredStore:
             for e in todo:
                 if self._dram.entries.get(e.key) is not e or e.clean:
                     continue
-                # The prefix goes on to SSD too (on it, or in DRAM and not declined), so the chain
-                # stays reachable there; a declined parent declines its children in turn.
-                pe = self._dram.entries.get(e.parent) if e.parent is not None else None
-                parent_stored = (e.parent is None or e.parent in parents_on_ssd
-                                 or (pe is not None and not pe.declined))
-                if not self._admission.admit(e.key, e.size, uses=policy_uses(self._dram.policy, e.key),
-                                             parent_stored=parent_stored):
-                    e.declined = True
+                if not self._admitted(e, e.parent in parents_on_ssd):
+                    e.declined = True  # asked again when DRAM wants to evict it
                     m.store.offload_declined += 1
                     if demote and e.leases == 0 and e.pins == 0:
                         self._dram.drop(e.key)
@@ -533,6 +548,11 @@ class TieredStore:
             for k, on_ssd in zip(persisted, self._ssd.contains(persisted)):
                 if not on_ssd:  # the SSD tier evicted its copy since: write it again below
                     entries[k].persisted = False
+            for k in victims:  # declined before: asked again, as in _reserve
+                e = entries[k]
+                if e.declined and self._admitted(e, e.parent is not None and e.parent not in entries
+                                                 and self._ssd.contains([e.parent])[0]):
+                    e.declined = False
             clean = [k for k in victims if entries[k].clean]
             for k in clean:  # already on SSD: nothing to write, just free DRAM
                 self._dram.drop(k)

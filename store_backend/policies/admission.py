@@ -6,8 +6,9 @@ prefix is still stored anywhere (a chunk whose parent is gone can never be part 
 and how often the object has been requested (its use count, as the DRAM policy knows it from hits
 and its ghost list: ``PrefixReusePolicy.uses_of``).
 
-Pure decision code: the store's offload engine asks, per object, on its worker thread, under the
-store's lock or with facts gathered under it. Policies are stateless, so one instance may be shared.
+Pure decision code: the store asks, per object and under its lock, when the object is offloaded
+and again, for one it declined, when DRAM is about to evict it. Policies are stateless, so one
+instance may be shared.
 
     admission = make_admission(cfg.ssd.admission_policy)
     if admission.admit(key, size, uses=policy_uses(policy, key), parent_stored=...):
@@ -43,10 +44,11 @@ class AdmitAll:
 
 
 class AdmitPrefix:
-    """Writes every object whose prefix is still stored; skips orphans, which can never be hit.
+    """Writes every object whose prefix is still stored; skips orphans, which cannot be hit.
 
-    Loses no hit: a lookup counts leading hits, so an orphan is unreachable until its parent is
-    stored again, and then the engine recomputes and re-puts both.
+    Loses no hit: a lookup counts leading hits, so an orphan is unreachable while its parent is
+    stored nowhere. The store asks again when DRAM is about to evict a declined object, so one whose
+    parent was put again meanwhile is written then.
     """
 
     name = "prefix"
@@ -58,9 +60,10 @@ class AdmitPrefix:
 class AdmitReused:
     """Writes only objects requested at least ``min_uses`` times whose prefix is still stored.
 
-    Meant for write-back offload (``offload.policy: watermark``), where the decision is taken when an
-    object leaves DRAM and its use count is known. With eager offload every object is decided at put
-    time, when its count is 1, so it would write (almost) nothing: use ``prefix`` there.
+    With write-back offload (``offload.policy: watermark``) the decision is taken when an object
+    leaves DRAM. With eager offload it is taken at put time, when the count is 1, so the object is
+    declined; the store asks again when DRAM is about to evict it, and writes it then if it has been
+    requested twice by that time.
     """
 
     name = "reused"

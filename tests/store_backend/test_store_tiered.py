@@ -369,3 +369,21 @@ def test_watermark_demotion_rewrites_a_copy_the_ssd_tier_evicted(tmp_path) -> No
             s.flush(timeout_s=30)
         assert s.tier_of(["hot"]) == ["ssd"] and read_ok(s, ["hot"]) == [True]
         assert s.metrics()["store"]["dropped_unpersisted"] == 0
+
+
+def test_a_declined_chunk_is_written_once_its_prefix_is_stored_again(tmp_path) -> None:
+    """Admission declines a chunk whose parent is stored nowhere. If the parent is put again while
+    the chunk is still in DRAM, the chain is whole: DRAM writes the chunk to SSD before it goes."""
+    with tiered(tmp_path, "offset", eviction="lru") as s:
+        assert s.put(["child"], [payload("child", CHUNK)], parents=["root"]) == [Status.OK]
+        s.flush(timeout_s=30)
+        assert s.metrics()["store"]["offload_declined"] == 1
+        assert s.put(["root"], [payload("root", CHUNK)]) == [Status.OK]  # the prefix is back
+        s.flush(timeout_s=30)
+        for i in range(12):  # 3 MiB more through a 2 MiB DRAM tier: both leave DRAM
+            k = f"f{i}"
+            s.put([k], [payload(k, CHUNK)])
+            s.flush(timeout_s=30)
+        assert s.tier_of(["root", "child"]) == ["ssd", "ssd"]
+        assert s.exists(["root", "child"]) == 2 and all(read_ok(s, ["root", "child"]))
+        assert s.metrics()["store"]["dropped_unpersisted"] == 0
