@@ -46,9 +46,10 @@ class AdmitAll:
 class AdmitPrefix:
     """Writes every object whose prefix is still stored; skips orphans, which cannot be hit.
 
-    Loses no hit: a lookup counts leading hits, so an orphan is unreachable while its parent is
-    stored nowhere. The store asks again when DRAM is about to evict a declined object, so one whose
-    parent was put again meanwhile is written then.
+    A lookup counts leading hits, so an orphan cannot be hit while its parent is stored nowhere. The
+    store asks again when DRAM is about to evict a declined object, so one whose parent was put
+    again meanwhile is written then. A hit is lost only when the parent comes back after the orphan
+    has left DRAM, put by a request that ends at the parent, and a later request wants both.
     """
 
     name = "prefix"
