@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import msgspec
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,20 @@ class Reply(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 def socket_path(engine_id: str, shard_index: int, directory: str | None = None) -> str:
-    """Where the lookup server of one engine's shard listens (short enough for AF_UNIX)."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64] or "engine"
-    return os.path.join(directory or tempfile.gettempdir(), f"mooncake-kv-{safe}-{shard_index}.sock")
+    """Where the lookup server of one engine's shard listens. The engine id is hashed so the name
+    stays short; raises ValueError naming ``lookup_socket_dir`` when the directory is too long for
+    an AF_UNIX address."""
+    path = os.path.join(directory or tempfile.gettempdir(),
+                        f"mooncake-kv-{xxhash.xxh64_hexdigest(engine_id.encode())}-{shard_index}.sock")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(f"lookup socket path {path!r} is longer than an AF_UNIX address allows "
+                         f"({MAX_SOCKET_PATH_BYTES} bytes): set lookup_socket_dir to a shorter directory")
+    return path
 
 
 def _remove_stale_sockets(directory: str) -> None:

@@ -97,3 +97,12 @@ def test_sockets_of_dead_engines_are_cleaned_up(tmp_path: Path) -> None:
     finally:
         server.close()
         store.close()
+
+
+def test_socket_paths_are_short_and_a_too_long_directory_is_a_clear_error(tmp_path: Path) -> None:
+    a = socket_path("8e618353-3456-40b6-9c0c-3d17e184860a" * 3, 0, str(tmp_path))
+    assert a == socket_path("8e618353-3456-40b6-9c0c-3d17e184860a" * 3, 0, str(tmp_path))  # both sides agree
+    assert a != socket_path("another-engine", 0, str(tmp_path)) != socket_path("another-engine", 1, str(tmp_path))
+    assert len(Path(a).name) <= 40
+    with pytest.raises(ValueError, match="lookup_socket_dir"):
+        socket_path("e", 0, "/tmp/" + "d" * 120)
