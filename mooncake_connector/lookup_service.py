@@ -7,21 +7,31 @@ holds, and lease them until the worker loads them. :class:`LookupServer` (owned 
 answers ``exists``/``pin``/``unpin`` against its store; :class:`LookupClient` (used by the scheduler
 half) asks. When both halves share a process the same socket is used, so there is one code path.
 
-Wire format: a 4-byte little-endian length, then a msgpack :class:`Request` or :class:`Reply`.
-The server runs one accept thread and one thread per connection (the scheduler keeps one), all
-owned by the server: ``start()`` creates them, ``close()`` stops them. The socket file is created
-with mode 0600 (same user only) and removed on close.
+Wire format: a 4-byte little-endian length, then a msgpack :class:`Request` or :class:`Reply`. A
+frame is at most :data:`MAX_FRAME_BYTES`; the client splits a larger request into several. The
+server runs one accept thread and one thread per connection (the scheduler keeps one), at most
+``max_connections`` at a time, all owned by the server: ``start()`` creates them, ``close()`` stops
+them. The socket file is created with mode 0600 (same user only) and removed on close.
+
+A peer is trusted no further than it must be: a length over the limit or an undecodable frame
+closes that connection (one warning per peer process, then debug lines), a body is read as it
+arrives (an announced length is never allocated up front), a lease TTL outside
+(0, :data:`MAX_LEASE_TTL_S`] is refused with an error naming ``ttl_s``. Clients beyond the
+connection limit wait in the listen backlog until a slot frees; a client that finds the backlog
+full retries until its timeout, so a burst of new clients is answered late, never "miss" at once.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import socket
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -31,7 +41,31 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Largest frame either side sends or accepts. 8 MiB holds an exists/pin request of ~100k keys
+# (a million-token prompt in 16-token chunks); the client splits anything larger.
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+# A body is read in pieces of at most this, so memory follows the bytes that actually arrived.
+_READ_PIECE_BYTES = 256 * 1024
+# Longest lease a peer may ask for: a lease bridges one lookup and its load (seconds), and one that
+# outlives an hour is a leak that makes objects unevictable.
+MAX_LEASE_TTL_S = 3600.0
+DEFAULT_MAX_CONNECTIONS = 64
+# Connections idle this long are closed; the client reconnects on its next call.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+# Clients beyond max_connections wait here; the kernel caps it at net.core.somaxconn.
+_LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
+
+
+class FrameError(ValueError):
+    """A frame that breaks the wire format (a length over MAX_FRAME_BYTES)."""
+
+
+def check_ttl_s(ttl_s: float) -> float:
+    """``ttl_s`` if it is a usable lease time, else ValueError naming ``ttl_s``."""
+    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not math.isfinite(ttl_s) \
+            or not 0 < ttl_s <= MAX_LEASE_TTL_S:
+        raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_LEASE_TTL_S:g}], got {ttl_s!r}")
+    return float(ttl_s)
 
 
 class PrefixIndex(Protocol):
@@ -91,15 +125,17 @@ def _remove_stale_sockets(directory: str) -> None:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """``n`` bytes, read in bounded pieces (so a peer that announces much and sends little costs only
+    what it sent); None at end of stream."""
+    pieces: list[bytes] = []
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
+        piece = sock.recv(min(n - got, _READ_PIECE_BYTES))
+        if not piece:
             return None
-        got += k
-    return bytes(buf)
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -107,26 +143,53 @@ def _send(sock: socket.socket, payload: bytes) -> None:
 
 
 def _recv(sock: socket.socket) -> bytes | None:
+    """One frame's body; None when the peer closed the stream. FrameError for a length over the limit."""
     head = _recv_exact(sock, _LEN.size)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {n} bytes is larger than {MAX_MESSAGE_BYTES}")
+    if n > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame of {n} bytes is larger than the {MAX_FRAME_BYTES}-byte limit")
     return _recv_exact(sock, n)
 
 
-class LookupServer:
-    """Answers lookups and leases against ``store`` on a Unix socket at ``path``."""
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The connecting process (SO_PEERCRED), so a bad peer is logged once, not once per connection."""
+    try:
+        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return pid
+    except (AttributeError, OSError):
+        return None
 
-    def __init__(self, store: PrefixIndex, path: str) -> None:
+
+class LookupServer:
+    """Answers lookups and leases against ``store`` on a Unix socket at ``path``.
+
+    ``start()`` and ``close()`` are called by the owner (not thread-safe against each other); the
+    serving threads call ``store`` concurrently, so it must be thread-safe. ``bad_frames`` counts
+    connections closed for breaking the wire format.
+    """
+
+    def __init__(self, store: PrefixIndex, path: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.store = store
         self.path = path
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.bad_frames = 0
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._logged_peers: set[int | None] = set()
+        self._logged_full = False
 
     def start(self) -> LookupServer:
         if self._sock is not None:
@@ -140,7 +203,7 @@ class LookupServer:
             sock.bind(self.path)
         finally:
             os.umask(old_umask)
-        sock.listen(8)
+        sock.listen(_LISTEN_BACKLOG)
         self._sock = sock
         t = threading.Thread(target=self._accept_loop, name="kv-lookup-accept", daemon=True)
         t.start()
@@ -148,6 +211,7 @@ class LookupServer:
         return self
 
     def close(self) -> None:
+        """Stop accepting, close every connection, join the threads, remove the socket file."""
         self._closed.set()
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -158,24 +222,37 @@ class LookupServer:
             sock.close()
         with self._lock:
             conns = list(self._conns)
+            threads = list(self._threads)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for t in self._threads:
+        for t in threads:
             t.join(timeout=5)
         if os.path.exists(self.path):
             os.unlink(self.path)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            # Take a slot before accepting: past the limit, new clients wait in the listen backlog
+            # (their connect has succeeded, their request is buffered) rather than being refused.
+            if not self._slots.acquire(blocking=False):
+                if not self._logged_full:
+                    self._logged_full = True
+                    logger.warning("lookup server %s has %d connections, its limit; new clients wait",
+                                   self.path, self.max_connections)
+                while not self._slots.acquire(timeout=0.5):
+                    if self._closed.is_set():
+                        return
             sock = self._sock
             if sock is None:
+                self._slots.release()
                 return
             try:
                 conn, _ = sock.accept()
             except OSError:
+                self._slots.release()
                 return
             with self._lock:
                 self._conns.add(conn)
@@ -184,41 +261,79 @@ class LookupServer:
                 self._threads.append(t)
             t.start()
 
+    def _bad_peer(self, pid: int | None, message: str, *args: object) -> None:
+        """Log a misbehaving peer: a warning the first time, debug after (one line per peer process)."""
+        with self._lock:
+            self.bad_frames += 1
+            first = pid not in self._logged_peers
+            if first:
+                if len(self._logged_peers) >= 1024:
+                    self._logged_peers.clear()
+                self._logged_peers.add(pid)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "lookup peer pid %s " + message + "; closing its connection%s", pid, *args,
+                   " (further bad frames from it are logged at debug level)" if first else "")
+
     def _serve(self, conn: socket.socket) -> None:
         decoder = msgspec.msgpack.Decoder(Request)
         encoder = msgspec.msgpack.Encoder()
+        pid = _peer_pid(conn)
         try:
-            while True:
-                raw = _recv(conn)
+            conn.settimeout(self.idle_timeout_s)
+            while not self._closed.is_set():
+                try:
+                    raw = _recv(conn)
+                except FrameError as e:
+                    self._bad_peer(pid, "sent a bad frame (%s)", e)
+                    return
                 if raw is None:
                     return
                 try:
-                    reply = self._handle(decoder.decode(raw))
-                except Exception as e:  # a bad request answers an error; the connection stays up
-                    logger.exception("lookup request failed")
-                    reply = Reply(error=f"{type(e).__name__}: {e}")
-                _send(conn, encoder.encode(reply))
+                    req = decoder.decode(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    self._bad_peer(pid, "sent an undecodable frame (%s)", e)
+                    return
+                _send(conn, encoder.encode(self._handle(req, pid)))
+        except TimeoutError:
+            logger.debug("lookup connection of pid %s idle for %.0f s; closed", pid, self.idle_timeout_s)
         except OSError:
-            return
+            pass
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            self._slots.release()
 
-    def _handle(self, req: Request) -> Reply:
-        if req.op == "exists":
-            return Reply(count=self.store.exists(req.keys) if req.keys else 0)
-        if req.op == "pin":
-            return Reply(present=self.store.pin(req.keys, ttl_s=req.ttl_s) if req.keys else [])
-        self.store.unpin(req.keys)
-        return Reply()
+    def _handle(self, req: Request, pid: int | None) -> Reply:
+        """Answer one request; a bad argument or a failing store is an error reply, the connection stays."""
+        try:
+            if req.op == "exists":
+                return Reply(count=self.store.exists(req.keys) if req.keys else 0)
+            if req.op == "pin":
+                ttl_s = check_ttl_s(req.ttl_s)
+                return Reply(present=self.store.pin(req.keys, ttl_s=ttl_s) if req.keys else [])
+            self.store.unpin(req.keys)
+            return Reply()
+        except ValueError as e:  # the peer's argument (a TTL, a key the store refuses)
+            with self._lock:
+                first = pid not in self._logged_peers
+                self._logged_peers.add(pid)
+            logger.log(logging.WARNING if first else logging.DEBUG, "lookup %s from pid %s refused: %s",
+                       req.op, pid, e)
+            return Reply(error=f"{type(e).__name__}: {e}")
+        except Exception as e:  # the store failed (closing, I/O): an error reply, no traceback per call
+            logger.warning("lookup %s failed: %s: %s", req.op, type(e).__name__, e)
+            return Reply(error=f"{type(e).__name__}: {e}")
 
 
 class LookupClient:
-    """Asks a :class:`LookupServer`. Blocking, thread-safe (one request at a time per client).
+    """Asks a :class:`LookupServer`. Blocking (at most about ``timeout_s`` per call), thread-safe
+    (one request at a time per client).
 
-    Any transport failure (server not up yet, engine shutting down) answers "nothing present":
-    a lookup that cannot be answered is a miss, never an error in the scheduler.
+    Any transport failure (server not up, engine shutting down, no answer within ``timeout_s``)
+    answers "nothing present" and counts in ``failures``: a lookup that cannot be answered is a miss,
+    never an error in the scheduler. A server that is up but busy (its listen backlog full) is
+    waited for, within ``timeout_s``. A lease TTL outside (0, MAX_LEASE_TTL_S] is misuse: ValueError.
     """
 
     def __init__(self, path: str, *, timeout_s: float = 5.0) -> None:
@@ -230,16 +345,40 @@ class LookupClient:
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self.failures = 0
 
-    def _call(self, req: Request) -> Reply | None:
+    def _connect(self, deadline: float) -> socket.socket:
+        """A connected socket; retries while the server's backlog is full, until ``deadline``."""
+        backoff_s = 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                sock.connect(self.path)
+                return sock
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                # EAGAIN: the server is up, its backlog is full; a slot frees as others finish.
+                sock.close()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"lookup server at {self.path} busy for {self.timeout_s} s") from None
+                time.sleep(min(backoff_s, left))
+                backoff_s = min(backoff_s * 2, 0.05)
+            except BaseException:
+                sock.close()
+                raise
+
+    def _call(self, payload: bytes) -> Reply | None:
+        if len(payload) > MAX_FRAME_BYTES:
+            logger.warning("lookup request of %d bytes is over the %d-byte frame limit", len(payload),
+                           MAX_FRAME_BYTES)
+            return None
         with self._lock:
-            for attempt in range(2):  # one reconnect: the server may have restarted
+            deadline = time.monotonic() + self.timeout_s
+            for attempt in range(2):  # one reconnect: the server may have restarted or closed an idle one
                 try:
                     if self._sock is None:
-                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        sock.settimeout(self.timeout_s)
-                        sock.connect(self.path)
-                        self._sock = sock
-                    _send(self._sock, self._encoder.encode(req))
+                        self._sock = self._connect(deadline)
+                    self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    _send(self._sock, payload)
                     raw = _recv(self._sock)
                     if raw is None:
                         raise ConnectionError("lookup server closed the connection")
@@ -248,12 +387,18 @@ class LookupClient:
                         logger.warning("lookup server error: %s", reply.error)
                         return None
                     return reply
-                except (OSError, ValueError) as e:
+                except (OSError, ValueError) as e:  # ValueError: FrameError, msgspec errors
                     self._drop()
-                    if attempt:
+                    if attempt or time.monotonic() >= deadline:
                         self.failures += 1
                         logger.debug("lookup at %s failed: %s", self.path, e)
+                        return None
             return None
+
+    def _frame_or_split(self, req: Request) -> bytes | None:
+        """The encoded request, or None when it is over the frame limit and can be split in two."""
+        payload = self._encoder.encode(req)
+        return None if len(payload) > MAX_FRAME_BYTES and len(req.keys) > 1 else payload
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -261,15 +406,36 @@ class LookupClient:
             self._sock = None
 
     def exists(self, keys: Sequence[str]) -> int:
-        reply = self._call(Request("exists", list(keys)))
+        """Number of leading ``keys`` the server's store holds (0 when it cannot be asked)."""
+        keys = list(keys)
+        payload = self._frame_or_split(Request("exists", keys))
+        if payload is None:
+            half = len(keys) // 2
+            head = self.exists(keys[:half])
+            return head if head < half else head + self.exists(keys[half:])
+        reply = self._call(payload)
         return 0 if reply is None else reply.count
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
-        reply = self._call(Request("pin", list(keys), ttl_s))
-        return [False] * len(keys) if reply is None else reply.present
+        """Lease ``keys`` for ``ttl_s`` seconds; presence per key (all False when it cannot be asked)."""
+        ttl_s = check_ttl_s(ttl_s)
+        keys = list(keys)
+        payload = self._frame_or_split(Request("pin", keys, ttl_s))
+        if payload is None:
+            half = len(keys) // 2
+            return self.pin(keys[:half], ttl_s) + self.pin(keys[half:], ttl_s)
+        reply = self._call(payload)
+        return [False] * len(keys) if reply is None or len(reply.present) != len(keys) else reply.present
 
     def unpin(self, keys: Sequence[str]) -> None:
-        self._call(Request("unpin", list(keys)))
+        keys = list(keys)
+        payload = self._frame_or_split(Request("unpin", keys))
+        if payload is None:
+            half = len(keys) // 2
+            self.unpin(keys[:half])
+            self.unpin(keys[half:])
+            return
+        self._call(payload)
 
     def close(self) -> None:
         with self._lock:

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import math
 import multiprocessing as mp
+import os
 import socket
+import struct
 import threading
+import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mooncake_connector.client import KVClient
-from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
+from mooncake_connector.lookup_service import (
+    MAX_FRAME_BYTES,
+    MAX_LEASE_TTL_S,
+    LookupClient,
+    LookupServer,
+    Reply,
+    Request,
+    socket_path,
+)
 from store_backend.store import TieredStore
 
 
@@ -106,3 +123,239 @@ def test_socket_paths_are_short_and_a_too_long_directory_is_a_clear_error(tmp_pa
     assert len(Path(a).name) <= 40
     with pytest.raises(ValueError, match="lookup_socket_dir"):
         socket_path("e", 0, "/tmp/" + "d" * 120)
+
+
+# -- hostile and crowded peers ------------------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _raw_peer(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    return s
+
+
+def _closed_by_server(s: socket.socket, timeout_s: float = 5.0) -> bool:
+    """True when the server closed the connection (EOF or reset) within ``timeout_s``."""
+    s.settimeout(timeout_s)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.fixture
+def thread_errors(monkeypatch: pytest.MonkeyPatch):
+    """Exceptions that escaped any thread during the test (a server thread dying with a traceback)."""
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    return errors
+
+
+@pytest.mark.parametrize("announced", [64 * 1024 * 1024, MAX_FRAME_BYTES])
+def test_a_frame_announcing_a_huge_length_does_not_allocate_it(served, thread_errors, announced: int) -> None:
+    store, client, server = served
+    client.save(["a"], [np.ones(64, np.uint8)]).result(10)
+    asker = LookupClient(server.path)
+    assert asker.exists(["a"]) == 1  # warm: the server's own allocations are done
+    gc.collect()
+    before = _rss_bytes()
+    peers = []
+    for _ in range(8):
+        s = _raw_peer(server.path)
+        s.sendall(struct.pack("<I", announced) + b"\x93")  # the length, then a trickle
+        peers.append(s)
+    time.sleep(0.5)
+    grown = _rss_bytes() - before
+    assert grown < 16 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB for 8 announced frames"
+    if announced > MAX_FRAME_BYTES:
+        assert all(_closed_by_server(s) for s in peers)  # refused at once
+    assert asker.exists(["a"]) == 1  # good clients are still answered
+    for s in peers:
+        s.close()
+    asker.close()
+    assert not thread_errors
+
+
+def test_oversized_frames_close_the_connection_with_one_log_line(served, thread_errors, caplog) -> None:
+    store, client, server = served
+    caplog.set_level(logging.DEBUG, logger="mooncake_connector.lookup_service")
+    for _ in range(20):
+        s = _raw_peer(server.path)
+        s.sendall(struct.pack("<I", 0xFFFFFFFF))
+        assert _closed_by_server(s)
+        s.close()
+    time.sleep(0.2)
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # one bad peer (this process): one line
+    assert "frame" in lines[0].getMessage() and lines[0].exc_info is None
+    assert not thread_errors
+
+
+@pytest.mark.parametrize("ttl_s", [math.inf, -math.inf, math.nan, -1.0, 0.0, 1e300, MAX_LEASE_TTL_S * 2])
+def test_bad_lease_ttls_are_refused_naming_ttl_s(served, ttl_s: float) -> None:
+    store, client, server = served
+    client.save(["a"], [np.ones(64, np.uint8)]).result(10)
+    asker = LookupClient(server.path)
+    with pytest.raises(ValueError, match="ttl_s"):
+        asker.pin(["a"], ttl_s=ttl_s)
+    # A peer that bypasses the client's check gets an error reply naming ttl_s, and nothing is pinned.
+    s = _raw_peer(server.path)
+    s.sendall(_frame(msgspec.msgpack.encode(Request("pin", ["a"], ttl_s))))
+    reply = msgspec.msgpack.decode(_read_frame(s), type=Reply)
+    assert reply.error is not None and "ttl_s" in reply.error
+    assert reply.present == []
+    s.close()
+    assert store._dram.entries["a"].pins == 0
+    assert asker.pin(["a"], ttl_s=5.0) == [True]  # a good lease still works
+    asker.close()
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
+def _read_frame(s: socket.socket) -> bytes:
+    head = b""
+    while len(head) < 4:
+        chunk = s.recv(4 - len(head))
+        assert chunk, "server closed the connection"
+        head += chunk
+    (n,) = struct.unpack("<I", head)
+    body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        assert chunk
+        body += chunk
+    return body
+
+
+_frames = st.one_of(
+    st.binary(max_size=64),  # anything at all, length prefix included
+    st.binary(max_size=48).map(_frame),  # a well-framed but undecodable payload
+    st.tuples(st.sampled_from(["exists", "pin", "unpin", "drop", ""]), st.lists(st.text(max_size=8), max_size=4),
+              st.one_of(st.floats(allow_nan=True), st.integers(-2**63, 2**63 - 1), st.text(max_size=4), st.none())).map(
+        lambda t: _frame(msgspec.msgpack.encode(list(t)))),  # shaped like a request, values off
+    st.integers(min_value=MAX_FRAME_BYTES + 1, max_value=2**32 - 1).map(lambda n: struct.pack("<I", n)),
+)
+
+
+def test_fuzzed_frames_never_break_the_server(tmp_path: Path, thread_errors, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="mooncake_connector.lookup_service")
+    store = TieredStore({"dram": {"capacity_bytes": "4MiB"}}).start()
+    store.put(["k0", "k1"], [np.ones(64, np.uint8)] * 2)
+    server = LookupServer(store, socket_path("fuzz", 0, str(tmp_path))).start()
+    good = LookupClient(server.path)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(frames=st.lists(_frames, min_size=1, max_size=3))
+    def one_bad_peer(frames: list[bytes]) -> None:
+        s = _raw_peer(server.path)
+        try:
+            for f in frames:
+                s.sendall(f)
+        except OSError:
+            pass  # the server may already have closed it
+        s.shutdown(socket.SHUT_WR)
+        _closed_by_server(s, 5.0)  # answered or closed: never left hanging
+        s.close()
+        assert good.exists(["k0", "k1", "nope"]) == 2
+
+    try:
+        one_bad_peer()
+        assert good.pin(["k1"], ttl_s=1.0) == [True]
+        good.unpin(["k1"])
+    finally:
+        good.close()
+        server.close()
+        store.close()
+    assert not thread_errors
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) <= 1, [r.getMessage() for r in loud]  # one bad peer: at most one line
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+def test_a_burst_of_new_clients_waits_and_every_answer_is_right(served) -> None:
+    store, client, server = served
+    keys = [f"k{i}" for i in range(8)]
+    client.save(keys, [np.ones(64, np.uint8)] * len(keys)).result(10)
+    n = 100
+    for _round in range(3):
+        barrier = threading.Barrier(n)
+        answers: list[int | None] = [None] * n
+
+        def ask(i: int) -> None:
+            c = LookupClient(server.path)
+            barrier.wait()
+            answers[i] = c.exists(keys[: 1 + i % len(keys)] + ["missing"])
+            c.close()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        wrong = [i for i in range(n) if answers[i] != 1 + i % len(keys)]
+        assert not wrong, f"{len(wrong)} of {n} clients got a wrong answer"
+
+
+def test_clients_beyond_the_connection_limit_wait_for_a_slot(tmp_path: Path) -> None:
+    store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
+    store.put(["a"], [np.ones(64, np.uint8)])
+    server = LookupServer(store, socket_path("cap", 0, str(tmp_path)), max_connections=4).start()
+    held = [LookupClient(server.path) for _ in range(4)]
+    try:
+        assert [c.exists(["a"]) for c in held] == [1] * 4  # every slot taken, connections kept
+        late = LookupClient(server.path, timeout_s=10.0)
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(late.exists(["a"])))
+        t.start()
+        time.sleep(0.5)
+        assert not result  # queued, not answered "miss"
+        held[0].close()  # a slot frees
+        t.join(10)
+        assert result == [1]
+        assert late.failures == 0
+        late.close()
+    finally:
+        for c in held:
+            c.close()
+        server.close()
+        store.close()
+
+
+def test_large_requests_are_split_to_fit_the_frame_limit(served) -> None:
+    store, client, server = served
+    keys = [f"key-{i:06d}-" + "x" * 60 for i in range(MAX_FRAME_BYTES // 64 + 10)]
+    client.save(keys[:3], [np.ones(64, np.uint8)] * 3).result(10)
+    asker = LookupClient(server.path)
+    assert asker.exists(keys[:3]) == 3
+    assert asker.exists(keys) == 3  # more than one frame's worth of keys: answered, not refused
+    assert asker.pin(keys, ttl_s=1.0)[:4] == [True, True, True, False]
+    asker.unpin(keys)
+    assert asker.failures == 0
+    asker.close()
+
+
+def test_an_idle_connection_closed_by_the_server_is_reopened_transparently(tmp_path: Path) -> None:
+    store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
+    store.put(["a"], [np.ones(64, np.uint8)])
+    server = LookupServer(store, socket_path("idle", 0, str(tmp_path)), idle_timeout_s=0.2).start()
+    asker = LookupClient(server.path)
+    try:
+        assert asker.exists(["a"]) == 1
+        time.sleep(0.6)  # the server has closed the idle connection (and freed its slot)
+        assert asker.exists(["a"]) == 1
+        assert asker.failures == 0
+    finally:
+        asker.close()
+        server.close()
+        store.close()
