@@ -23,7 +23,7 @@ from rich.table import Table
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
-_DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+_DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "conversation_trace.jsonl"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

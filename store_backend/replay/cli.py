@@ -7,7 +7,7 @@ the summary under ``--out``.
 
 Example::
 
-    mooncake-kv replay ../shared/traces/conversation_trace.jsonl ../shared/traces/synthetic_trace.jsonl \\
+    mooncake-kv replay traces/conversation_trace.jsonl traces/synthetic_trace.jsonl \\
         --policies lru,fifo,prefix_lru --ssd-dram 1M,3M,10M --ssd-policies lru --jobs 2 --json
 """
 

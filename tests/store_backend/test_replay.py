@@ -19,7 +19,7 @@ from store_backend.replay.report import gap_closed, parse_tokens, ssd_key, token
 from store_backend.replay.simulate import simulate
 from store_backend.replay.trace import TraceError, load_trace, parse_lines, trace_from_hash_ids
 
-TRACES = Path(os.environ.get("MOONCAKE_KV_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces"))
+TRACES = Path(os.environ.get("MOONCAKE_KV_TRACES", Path(__file__).resolve().parents[2] / "traces"))
 CONVERSATION = TRACES / "conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"FAST'25 trace not at {CONVERSATION}")
 
