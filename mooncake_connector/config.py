@@ -87,6 +87,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("load_timeout_s", "lease_ttl_s", "flush_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.lease_ttl_s <= 3600:  # the lookup service's MAX_LEASE_TTL_S (nan fails too)
+            raise ValueError(f"lease_ttl_s must be at most 3600 s, got {self.lease_ttl_s}")
         if self.model_id is not None and not self.model_id:
             raise ValueError("model_id must not be empty")
 

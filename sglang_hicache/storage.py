@@ -166,14 +166,22 @@ class MooncakeTieredStorage(HiCacheStorage):
 
     # -- zero-copy interface (v1) ----------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Number of leading pages present in any tier. The found pages are leased until loaded
-        (or ``lease_ttl_s`` passes) so eviction cannot take them between this call and the load."""
+        """Number of leading pages present in any tier. Non-blocking (index lookups only); runs on
+        SGLang's prefetch thread.
+
+        The pages found are deliberately *not* leased. SGLang drops most hit queries without loading
+        anything and without telling the backend: a hit below ``prefetch_threshold``, a smaller hit
+        agreed across ranks (MIN all-reduce), a request terminated or revoked before its transfer,
+        an allocation trimmed to the host pool's room (the load then covers only a prefix of the
+        keys queried). A lease taken here would be released only by its TTL, every new query of a
+        hot page would renew it, and pages queried often enough would never be evictable (backups
+        then fail for lack of room). Instead ``batch_get_v1`` is robust: a page that left the store
+        between the query and the load is a False there, and SGLang keeps the pages loaded before it
+        (the same on every rank, by its MIN reduction) and recomputes the rest. The window is one
+        scheduler step; with an SSD tier a page leaving DRAM moves to SSD and is still read from there.
+        """
         try:
-            okeys = self.object_keys(keys)
-            hit = self.store.exists(okeys)
-            if hit:
-                self.store.pin(okeys[:hit], ttl_s=self.settings.connector.lease_ttl_s)
-            return hit
+            return self.store.exists(self.object_keys(keys))
         except Exception:
             logger.exception("batch_exists of %d pages failed", len(keys))
             return 0
@@ -229,11 +237,11 @@ class MooncakeTieredStorage(HiCacheStorage):
 
         Blocking; runs on SGLang's prefetch I/O thread. A missing, corrupt or wrong-sized object is
         False and its bytes are never used; SGLang keeps only the leading True pages, so once a
-        batch of pages has a failure the later batches are not read (False)."""
+        batch of pages has a failure the later batches are not read (False). Each page is leased by
+        the store only while it is copied; no lease outlives the call (see ``batch_exists``)."""
         n = len(keys)
         if n == 0:
             return []
-        okeys: list[str] = []
         try:
             starts = self._page_starts(host_indices, n)
             okeys = self.object_keys(keys)
@@ -265,9 +273,6 @@ class MooncakeTieredStorage(HiCacheStorage):
         except Exception:
             logger.exception("batch_get_v1 of %d pages failed", n)
             return [False] * n
-        finally:
-            if okeys and self._store is not None:
-                self._store.unpin(okeys)
 
     def _page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
         assert self.geometry is not None

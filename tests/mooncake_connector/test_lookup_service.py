@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_connector.client import KVClient
+from mooncake_connector.config import load_connector_config
 from mooncake_connector.lookup_service import (
     MAX_FRAME_BYTES,
     MAX_LEASE_TTL_S,
@@ -29,6 +30,7 @@ from mooncake_connector.lookup_service import (
     Request,
     socket_path,
 )
+from store_backend.config import ConfigError
 from store_backend.store import TieredStore
 
 
@@ -359,3 +361,10 @@ def test_an_idle_connection_closed_by_the_server_is_reopened_transparently(tmp_p
         asker.close()
         server.close()
         store.close()
+
+
+@pytest.mark.parametrize("ttl_s", [MAX_LEASE_TTL_S * 2, math.inf, math.nan])
+def test_a_lease_ttl_the_service_would_refuse_is_refused_in_the_config(ttl_s: float) -> None:
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        load_connector_config({"lease_ttl_s": ttl_s})
+    assert load_connector_config({"lease_ttl_s": MAX_LEASE_TTL_S}).lease_ttl_s == MAX_LEASE_TTL_S

@@ -155,6 +155,14 @@ class Scheduler:
                 break
         return hit, completed, host_indices
 
+    def lookup_only(self, tokens: Sequence[int], rid: str = "req") -> int:
+        """Run the hit query for ``tokens`` and drop the prefetch, as SGLang's scheduler does for a hit
+        below ``prefetch_threshold``, a smaller rank-agreed hit or a terminated request: the backend's
+        ``batch_exists`` runs and no ``batch_get_v1`` follows. Returns the tokens the query found."""
+        c = self.controller
+        c.prefetch(rid, list(tokens))
+        return c.prefetch_hit_queue.get(timeout=ACK_TIMEOUT_S).storage_hit_count
+
     def threads_alive(self) -> bool:
         c = self.controller
         return all(t.is_alive() for t in (c.prefetch_thread, c.prefetch_io_aux_thread, c.prefetch_sync_thread,
