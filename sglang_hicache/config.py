@@ -17,14 +17,13 @@ Called from SGLang's scheduler thread when it attaches the storage backend.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from mooncake_connector.config import ConnectorConfig, load_connector_config
-from store_backend.config import ConfigError, StoreConfig
+from store_backend.config import ConfigError
 
 # Keys SGLang reads from the same dict (the dynamic-backend loader, the cache controller, and the
 # server, which adds file_storage_path when --file-storage-path is given).
@@ -77,23 +76,3 @@ def load_backend_settings(extra_config: Mapping[str, Any] | None) -> BackendSett
     given = data.get("chunk_tokens")
     return BackendSettings(connector=connector, sglang=sglang,
                            chunk_tokens_given=None if given is None else connector.chunk_tokens)
-
-
-def per_rank_store_config(store: StoreConfig, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                          dp_rank: int) -> StoreConfig:
-    """The store config of one SGLang rank process.
-
-    Every rank receives the same extra config, but an embedded store's SSD directory (and a named
-    DRAM segment) belongs to one process: with more than one rank, each gets
-    ``<ssd.path>/dp<d>-tp<t>-pp<p>`` (and ``<shm_name>-dp<d>-tp<t>-pp<p>``). A single-rank server uses
-    the paths as written, so another engine (vLLM) can open the same directory after it.
-    """
-    if tp_size * pp_size == 1 and dp_rank == 0:
-        return store
-    suffix = f"dp{dp_rank}-tp{tp_rank}-pp{pp_rank}"
-    changes: dict[str, Any] = {}
-    if store.ssd is not None:
-        changes["ssd"] = msgspec.structs.replace(store.ssd, path=os.path.join(store.ssd.path, suffix))
-    if store.dram.shm_name is not None:
-        changes["dram"] = msgspec.structs.replace(store.dram, shm_name=f"{store.dram.shm_name}-{suffix}")
-    return msgspec.structs.replace(store, **changes) if changes else store

@@ -42,9 +42,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from mooncake_connector.keys import ModelFingerprint, object_key
+from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.stores import acquire_store, release_store
-from sglang_hicache.config import BackendSettings, load_backend_settings, per_rank_store_config
+from sglang_hicache.config import BackendSettings, load_backend_settings
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
+from sglang_hicache.ranks import rank_position
 from store_backend.config import ConfigError
 from store_backend.store import TieredStore
 from store_backend.types import Status
@@ -96,12 +98,9 @@ class MooncakeTieredStorage(HiCacheStorage):
             logger.warning("MLA with tp_size %d and no shared_ssd: only TP rank 0 backs pages up and the "
                            "other ranks' stores stay empty, so SGLang's rank-agreed prefetch loads nothing; "
                            "set \"shared_ssd\": true (file SSD backend)", storage_config.tp_size)
-        store_config = connector.store_config()
-        if not connector.shared_ssd:
-            store_config = per_rank_store_config(
-                store_config, tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
-                pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
-                dp_rank=getattr(storage_config, "dp_rank", 0))
+        # Each rank process opens its own DRAM segment and (unless shared_ssd) its own SSD directory.
+        self.position = rank_position(storage_config)
+        store_config = rank_store_config(connector.store_config(), self.position, shared_ssd=connector.shared_ssd)
         self._store: TieredStore | None = acquire_store(store_config, shared_ssd=connector.shared_ssd)
         self.mem_pool_host: Any = None
         self.geometry: PoolGeometry | None = None

@@ -4,6 +4,11 @@ Run by test_ranks.py as ``python rank_writer.py ARGS.json`` (``extra``: the extr
 ``tp_size``, ``mla``, ``layout``, ``tokens``, ``seed``). The pages are filled with
 ``harness.fill_pages(seed)``, so the test can rebuild the same bytes; closing the backend flushes the
 store to its SSD directory.
+
+With ``"hold": true`` the rank keeps its store open after the backup: it prints ``WRITTEN`` and waits
+for a line on stdin (the test lets every rank get that far, so all stores are open at once), then
+loads its pages back into fresh host slots, compares them with the bytes it wrote, and reports
+``read_back`` and the DRAM segment and SSD directory its store opened.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ def main(args_path: str) -> int:
     from sglang_hicache.cpu_compat import prepare_sglang_import
 
     assert prepare_sglang_import()
+    import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from mooncake_connector.keys import chunk_hashes
-    from tests.sglang_hicache.harness import PAGE, fill_pages, make_pools
+    from tests.sglang_hicache.harness import PAGE, fill_pages, make_pools, read_pages
 
     pools = make_pools(args["layout"], mla=args["mla"])
     config = HiCacheStorageConfig(tp_rank=args["tp_rank"], tp_size=args["tp_size"], pp_rank=0, pp_size=1,
@@ -31,11 +37,22 @@ def main(args_path: str) -> int:
     backend = StorageBackendFactory.create_backend("dynamic", config, pools.host)
     backend.register_mem_pool_host(pools.host)
     tokens = args["tokens"]
+    keys = chunk_hashes(tokens, PAGE, scheme="sglang")
     indices = pools.host.alloc(len(tokens))
     fill_pages(pools.host, indices, args["seed"])
-    ok = backend.batch_set_v1(chunk_hashes(tokens, PAGE, scheme="sglang"), indices)
+    ok = backend.batch_set_v1(keys, indices)
+    result: dict = {"stored": ok}
+    if args.get("hold"):
+        print("WRITTEN", flush=True)
+        sys.stdin.readline()
+        dst = pools.host.alloc(len(tokens))
+        loaded = backend.batch_get_v1(keys, dst)
+        same = all(torch.equal(a, b) for a, b in zip(read_pages(pools.host, indices), read_pages(pools.host, dst)))
+        cfg = backend.store.config
+        result.update(loaded=loaded, read_back=all(loaded) and same, shm_name=cfg.dram.shm_name,
+                      ssd_path=cfg.ssd.path if cfg.ssd is not None else None)
     backend.close()
-    print("RESULT " + json.dumps({"stored": ok}), flush=True)
+    print("RESULT " + json.dumps(result), flush=True)
     return 0 if all(ok) else 1
 
 
