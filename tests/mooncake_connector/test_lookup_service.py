@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_connector.client import KVClient
+from mooncake_connector import lookup_service
 from mooncake_connector.config import load_connector_config
 from mooncake_connector.lookup_service import (
     MAX_FRAME_BYTES,
@@ -368,3 +369,38 @@ def test_a_lease_ttl_the_service_would_refuse_is_refused_in_the_config(ttl_s: fl
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         load_connector_config({"lease_ttl_s": ttl_s})
     assert load_connector_config({"lease_ttl_s": MAX_LEASE_TTL_S}).lease_ttl_s == MAX_LEASE_TTL_S
+
+
+def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, monkeypatch) -> None:
+    # One connection slot and a backlog of one: later clients find the backlog full (EAGAIN) and must
+    # retry until a slot frees, within their timeout.
+    monkeypatch.setattr(lookup_service, "_LISTEN_BACKLOG", 1)
+    store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
+    store.put(["a"], [np.ones(64, np.uint8)])
+    server = LookupServer(store, socket_path("backlog", 0, str(tmp_path)), max_connections=1).start()
+    holder = LookupClient(server.path)
+    answers: list[int] = []
+    lock = threading.Lock()
+
+    def late() -> None:
+        c = LookupClient(server.path, timeout_s=20.0)
+        got = c.exists(["a"])
+        c.close()  # frees the slot for the next one
+        with lock:
+            answers.append(got)
+
+    try:
+        assert holder.exists(["a"]) == 1  # holds the only slot
+        threads = [threading.Thread(target=late) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert not answers
+        holder.close()
+        for t in threads:
+            t.join(30)
+        assert answers == [1] * 6
+    finally:
+        holder.close()
+        server.close()
+        store.close()
