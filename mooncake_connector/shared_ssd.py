@@ -6,6 +6,10 @@ backend and also serves those objects: a key missing from the index is looked up
 key hashes to, and its record is read and checksum-verified like any other. This is what lets a
 disaggregated decode instance load what a prefill instance saved a moment ago, through the store.
 
+The directory is held with a shared lock (see :mod:`store_backend.ownership`): every process
+opening it through this class may use it at once, and a store that would own it alone (any plain
+``ssd`` section on the same path) is refused, as this class is while such a store holds it.
+
 Every write still goes through this process's own backend (atomic rename into place), so a reader
 never sees a partial record; an object another process evicted reads as NOT_FOUND (the connector
 then recomputes). Opening a directory removes temporary files left by crashed writers, so start
@@ -36,10 +40,16 @@ class SharedDirectoryBackend:
     def __init__(self, cfg: SsdConfig) -> None:
         if cfg.backend != "file":
             raise ConfigError(f"shared_ssd: needs ssd.backend 'file' (one file per object), got {cfg.backend!r}")
-        inner = open_ssd_backend(cfg)
+        # A shared lock: every process of the pair may open the directory, a store that wants it
+        # alone may not (and while one holds it alone, this open is refused).
+        inner = open_ssd_backend(cfg, shared=True)
         assert isinstance(inner, FilePerKeyBackend)
         self._inner = inner
-        self._engine = make_io_engine("posix", threads=1)
+        try:
+            self._engine = make_io_engine("posix", threads=1)
+        except BaseException:
+            inner.close()
+            raise
 
     def path_for(self, key: str) -> str:
         """The record file of ``key`` in the shared directory (whichever process writes it)."""

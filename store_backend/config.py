@@ -34,6 +34,20 @@ def _positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+# Larger sizes are typos (or overflow a file offset): nothing this store maps or writes is that big.
+MAX_BYTES = 1 << 60
+# The smallest SSD tier that can hold one object: a record's header block and one value block,
+# plus a bucket's footer block or the offset file's superblock, in 4 KiB blocks.
+MIN_SSD_CAPACITY_BYTES = 4 * 4096
+
+
+def _size(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if value > MAX_BYTES:
+        raise ValueError(f"{name} must be at most {MAX_BYTES} (1 EiB), got {value}")
+
+
 def _fraction(name: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {value}")
@@ -57,8 +71,9 @@ class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eviction_policy: str = "prefix_reuse"
 
     def __post_init__(self) -> None:
-        _positive("capacity_bytes", self.capacity_bytes)
         _power_of_two("alignment_bytes", self.alignment_bytes)
+        # Below one alignment unit nothing fits: every put would answer TOO_LARGE.
+        _size("dram.capacity_bytes", self.capacity_bytes, minimum=max(1, self.alignment_bytes))
         if self.shm_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.shm_name):
             raise ValueError(f"shm_name must be 1-200 of [A-Za-z0-9_.-], got {self.shm_name!r}")
 
@@ -88,10 +103,10 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path must not be empty")
-        _positive("capacity_bytes", self.capacity_bytes)
+        _size("ssd.capacity_bytes", self.capacity_bytes, minimum=MIN_SSD_CAPACITY_BYTES)
         _positive("io_threads", self.io_threads)
         _positive("queue_depth", self.queue_depth)
-        _positive("bucket_size_bytes", self.bucket_size_bytes)
+        _size("ssd.bucket_size_bytes", self.bucket_size_bytes)
         _positive("bucket_max_keys", self.bucket_max_keys)
         _fraction("disk_watermark", self.disk_watermark)
         if self.admission_policy not in admission_names():
@@ -118,7 +133,7 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
             )
         _positive("queue_max_objects", self.queue_max_objects)
-        _positive("batch_bytes", self.batch_bytes)
+        _size("offload.batch_bytes", self.batch_bytes)
         _positive("workers", self.workers)
 
 
@@ -142,7 +157,7 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_object_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
-        _positive("max_object_bytes", self.max_object_bytes)
+        _size("max_object_bytes", self.max_object_bytes)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)

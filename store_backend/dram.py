@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from store_backend.allocator import OffsetAllocator
 from store_backend.config import ConfigError, DramConfig
+from store_backend.ownership import flock_or_raise
 from store_backend.policies.base import EvictionPolicy
 from store_backend.policies.registry import make_policy
 
@@ -58,21 +59,80 @@ class Entry:
 
 
 class Arena:
-    """The mapped bytes: anonymous private memory, or a named /dev/shm segment."""
+    """The mapped bytes: anonymous private memory, or a named /dev/shm segment.
+
+    A named segment is locked (see :mod:`store_backend.ownership`) before it is resized, so a
+    second opener is refused without touching the owner's bytes, and it is refused at open when
+    /dev/shm has less room than ``capacity_bytes`` (a mapping past the room would die of SIGBUS at
+    the first write there). Every failure after the segment was made removes it again.
+    """
 
     def __init__(self, capacity_bytes: int, shm_name: str | None) -> None:
         self.capacity_bytes = capacity_bytes
         self.shm_path = None if shm_name is None else os.path.join(SHM_DIR, shm_name)
+        self._fd = -1
         if self.shm_path is None:
-            self._mmap = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._mmap = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (OSError, OverflowError) as e:
+                raise ConfigError(f"dram.capacity_bytes={capacity_bytes}: cannot map a private arena of that "
+                                  f"size: {getattr(e, 'strerror', None) or e}") from None
         else:
-            fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+            self._mmap = self._map_segment(capacity_bytes, shm_name or "")
+        self.view = memoryview(self._mmap)
+
+    def _map_segment(self, capacity_bytes: int, shm_name: str) -> mmap.mmap:
+        assert self.shm_path is not None
+        for _attempt in range(10):
+            try:
+                fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise ConfigError(f"dram.shm_name={shm_name!r}: cannot open {self.shm_path}: {e.strerror}") from None
+            try:
+                flock_or_raise(fd, self.shm_path, "dram.shm_name")
+                # The owner unlinks before it unlocks: a lock won on a segment it just unlinked is
+                # not the segment at the path any more; open again.
+                same = os.fstat(fd).st_ino == os.stat(self.shm_path).st_ino
+            except FileNotFoundError:
+                same = False
+            except BaseException:
+                os.close(fd)  # not ours: leave the segment exactly as it is
+                raise
+            if same:
+                break
+            os.close(fd)
+        else:
+            raise ConfigError(f"dram.shm_name={shm_name!r}: {self.shm_path} keeps being replaced; cannot own it")
+        self._fd = fd
+        try:
+            st = os.fstat(fd)
+            vfs = os.statvfs(SHM_DIR)
+            # Pages the segment already holds count as room: a leftover of a crashed owner is reused.
+            room = vfs.f_bavail * vfs.f_frsize + st.st_blocks * 512
+            if vfs.f_blocks and capacity_bytes > room:
+                raise ConfigError(
+                    f"dram.capacity_bytes={capacity_bytes} does not fit {SHM_DIR} for dram.shm_name={shm_name!r}: "
+                    f"{room} bytes are free there (a larger arena would crash the process with SIGBUS when "
+                    f"it fills); lower dram.capacity_bytes or make {SHM_DIR} larger")
             try:
                 os.ftruncate(fd, capacity_bytes)
-                self._mmap = mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-        self.view = memoryview(self._mmap)
+                return mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED)
+            except (OSError, OverflowError) as e:
+                raise ConfigError(f"dram.capacity_bytes={capacity_bytes}: cannot map dram.shm_name={shm_name!r} "
+                                  f"of that size: {getattr(e, 'strerror', None) or e}") from None
+        except BaseException:
+            self._release_segment()
+            raise
+
+    def _release_segment(self) -> None:
+        """Unlink the segment, then drop the lock (in that order: a new owner may create it at once)."""
+        if self.shm_path is not None and self._fd >= 0:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         self.view.release()
@@ -81,11 +141,7 @@ class Arena:
         except BufferError:
             # A caller still holds an exported view; the mapping is released when that view dies.
             pass
-        if self.shm_path is not None:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        self._release_segment()
 
 
 class HostDramTier:
@@ -100,7 +156,11 @@ class HostDramTier:
                 raise ConfigError(f"dram.eviction_policy: {e}") from None
         self.policy = policy
         self.arena = Arena(cfg.capacity_bytes, cfg.shm_name)
-        self.allocator = OffsetAllocator(cfg.capacity_bytes, cfg.alignment_bytes)
+        try:
+            self.allocator = OffsetAllocator(cfg.capacity_bytes, cfg.alignment_bytes)
+        except BaseException:
+            self.arena.close()
+            raise
         self.entries: dict[str, Entry] = {}
 
     # -- queries ---------------------------------------------------------------------------------

@@ -62,13 +62,24 @@ class TieredStore:
         self.config = load_config(config)
         self.metrics_counters = StoreMetrics()
         self._lock = threading.Lock()
-        self._dram = HostDramTier(self.config.dram)
         self._ssd: SsdBackend | None = ssd
-        if self._ssd is None and self.config.ssd is not None:
-            self._ssd = open_ssd_backend(self.config.ssd)
+        # A failed open releases what it took (the /dev/shm segment, the SSD directory's lock and
+        # an injected backend, which the store owns from here on), so a retry finds nothing held.
+        try:
+            self._dram = HostDramTier(self.config.dram)
+            try:
+                if self._ssd is None and self.config.ssd is not None:
+                    self._ssd = open_ssd_backend(self.config.ssd)
+                self._admission: AdmissionPolicy = make_admission(
+                    self.config.ssd.admission_policy if self.config.ssd is not None else AdmitAll.name)
+            except BaseException:
+                self._dram.close()
+                raise
+        except BaseException:
+            if self._ssd is not None:
+                self._ssd.close()
+            raise
         self._ssd_hits: dict[str, int] = {}
-        self._admission: AdmissionPolicy = make_admission(
-            self.config.ssd.admission_policy if self.config.ssd is not None else AdmitAll.name)
         self._closed = False
         self._started = False
         off = self.config.offload
@@ -103,9 +114,11 @@ class TieredStore:
         self._promoter.close(drain=False, timeout_s=timeout_s)
         with self._lock:
             self._closed = True
-        if self._ssd is not None:
-            self._ssd.close()
-        self._dram.close()
+        try:
+            if self._ssd is not None:
+                self._ssd.close()
+        finally:
+            self._dram.close()
 
     def __enter__(self) -> TieredStore:
         return self.start()

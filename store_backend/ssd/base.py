@@ -22,6 +22,7 @@ class SsdStats(msgspec.Struct):
     corrupt_reads: int = 0  # records that failed their checksum (each one served as a miss)
     recovered_objects: int = 0  # objects found on disk when the backend was opened
     discarded_records: int = 0  # partial/torn records dropped during recovery
+    unreadable_files: int = 0  # files skipped at open because reading them failed (left in place, logged)
 
 
 @runtime_checkable

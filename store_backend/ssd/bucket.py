@@ -34,8 +34,9 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from store_backend.config import SsdConfig
+from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.base import SsdStats
+from store_backend.ssd.directory import direct_io_usable, open_directory
 from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import (
@@ -44,7 +45,6 @@ from store_backend.ssd.io.requests import (
     align_up,
     aligned_buffer,
     fsync_dir,
-    probe_direct_io,
 )
 from store_backend.ssd.record import (
     HEADER_BLOCK,
@@ -73,6 +73,11 @@ _TRAILER_MAGIC = b"MKVBKT\x00\x01"
 _FRAME = struct.Struct("<IQ")  # tombstone frame: payload length, xxh3_64 of payload
 _NAME = re.compile(r"^bucket-([0-9a-f]{16})\.(bkt|tmp)$")
 _MAX_OPEN_FILES = 256  # bucket descriptors kept open for readers
+_ENOSPC_RETRIES = 2  # write passes after the first one that met a full file system
+_HWM_FILE = "seq.hwm"
+_HWM = struct.Struct("<8sQQQQ")  # magic, generation, next seq, next bucket id, xxh3_64 of the rest
+_HWM_MAGIC = b"MKVHWM\x00\x01"
+_HWM_STEP = 1 << 16  # numbers handed out per high-water-mark write
 
 
 class _FooterEntry(msgspec.Struct, array_like=True):
@@ -113,15 +118,15 @@ class BucketBackend(IndexedBackend):
 
     name = "bucket"
 
-    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> None:
+    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False,
+                 shared: bool = False) -> None:
         self.cfg = cfg
         self._engine = engine
         self._owns_engine = owns_engine
         self._dir = cfg.path
-        os.makedirs(self._dir, exist_ok=True)
-        self._direct = cfg.direct_io and probe_direct_io(self._dir)
-        if cfg.direct_io and not self._direct:
-            logger.warning("O_DIRECT not supported under %s; bucket backend uses buffered I/O", self._dir)
+        if shared:
+            raise ConfigError("ssd.backend='bucket' cannot share its directory (only 'file' can)")
+        self._owner = open_directory(cfg)
         self._lock = threading.Lock()
         self._tomb_lock = threading.Lock()
         self._index: dict[str, _Loc] = {}
@@ -136,12 +141,27 @@ class BucketBackend(IndexedBackend):
         self._stats = SsdStats(capacity_bytes=cfg.capacity_bytes)
         self._closed = False
         self._tomb_fd = -1
-        self._recover()
+        self._hwm_fd = -1
+        self._hwm_gen = 0
+        self._hwm_lock = threading.Lock()
+        self._seq_limit = 0
+        self._id_limit = 0
+        try:
+            self._direct = direct_io_usable(cfg, self.name)
+            self._recover()
+        except OSError as e:
+            self._release()
+            raise ConfigError(f"ssd.path={self._dir!r}: cannot open the bucket backend: {e}") from None
+        except BaseException:
+            self._release()
+            raise
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self) -> None:
         found: dict[int, list[_FooterEntry]] = {}
         sizes: dict[int, int] = {}
+        seen_ids: list[int] = []
+        skipped: set[int] = set()
         for name in sorted(os.listdir(self._dir)):
             m = _NAME.match(name)
             if not m:
@@ -151,25 +171,40 @@ class BucketBackend(IndexedBackend):
                 os.unlink(path)  # never renamed into place, so never acknowledged
                 continue
             bid = int(m.group(1), 16)
-            entries = self._load_bucket(bid, path)
-            if entries is None:
+            seen_ids.append(bid)
+            try:
+                entries = self._load_bucket(bid, path)
+                if entries is None:
+                    continue
+                sizes[bid] = os.stat(path).st_size
+            except OSError as e:
+                # One bad file must not keep the store closed: it stays on disk (for inspection, and
+                # its id is never reused) and its objects are misses.
+                self._stats.unreadable_files += 1
+                skipped.add(bid)
+                logger.error("bucket backend at %s: skipping unreadable %s: %s", self._dir, name, e)
                 continue
             found[bid] = entries
-            sizes[bid] = os.stat(path).st_size
         tombs = self._load_tombstones()
+        hwm_seq, hwm_id = self._load_hwm()
         winners: dict[str, tuple[int, _FooterEntry]] = {}
         for bid in sorted(found):
             for e in found[bid]:
+                self._seq = max(self._seq, e.seq + 1)
                 if (bid, e.key) in tombs:
                     continue
                 best = winners.get(e.key)
-                if best is None or e.seq > best[1].seq:
+                if best is None or (e.seq, bid) > (best[1].seq, best[0]):
                     winners[e.key] = (bid, e)
+        # Sequence numbers never go back (a key removed, then put again with other bytes, must win
+        # over the old record even if the tombstone that hid it is lost): the persisted high-water
+        # mark covers every number handed out before the restart.
+        self._seq = max(self._seq, hwm_seq)
+        self._seq_limit = self._seq
         live: dict[int, set[str]] = {bid: set() for bid in found}
         for key, (bid, e) in winners.items():
             live[bid].add(key)
             self._index[key] = _Loc(bid, e.offset, e.value_len, e.seq)
-            self._seq = max(self._seq, e.seq + 1)
         for bid in sorted(found):
             path = self._bucket_path(bid)
             if not live[bid]:
@@ -178,9 +213,10 @@ class BucketBackend(IndexedBackend):
             self._clock += 1
             self._buckets[bid] = _Bucket(bid, path, sizes[bid], live[bid], self._clock)
             self._used_bytes += sizes[bid]
-        ids = list(found) + [bid for bid, _ in tombs]
-        self._next_id = max(ids, default=0) + 1
-        self._rewrite_tombstones({t for t in tombs if t[0] in self._buckets})
+        ids = seen_ids + [bid for bid, _ in tombs]
+        self._next_id = max(max(ids, default=0) + 1, hwm_id)
+        self._id_limit = self._next_id
+        self._rewrite_tombstones({t for t in tombs if t[0] in self._buckets or t[0] in skipped})
         fsync_dir(self._dir)
         self._stats.recovered_objects = len(self._index)
         if self._index or self._stats.discarded_records:
@@ -236,7 +272,10 @@ class BucketBackend(IndexedBackend):
                 break
             value = os.pread(fd, h.value_len, pos + HEADER_BLOCK)
             if len(value) == h.value_len and value_checksum(h.key, value) == h.checksum:
-                out.append(_FooterEntry(h.key.decode(), pos, h.value_len, h.seq, h.checksum))
+                try:
+                    out.append(_FooterEntry(h.key.decode(), pos, h.value_len, h.seq, h.checksum))
+                except UnicodeDecodeError:
+                    self._stats.discarded_records += 1
             else:
                 self._stats.discarded_records += 1
             pos += record_bytes(h.value_len)
@@ -256,10 +295,63 @@ class BucketBackend(IndexedBackend):
             payload = data[pos + _FRAME.size:pos + _FRAME.size + n]
             if len(payload) != n or xxhash.xxh3_64_intdigest(payload) != check:
                 break  # a torn tail: the remove it belonged to never returned
-            bid, key = msgspec.msgpack.decode(payload, type=tuple[int, str])
+            try:
+                bid, key = msgspec.msgpack.decode(payload, type=tuple[int, str])
+            except msgspec.DecodeError:
+                logger.error("bucket backend at %s: tombstone log damaged at byte %d; later entries ignored",
+                             self._dir, pos)
+                break
             out.add((bid, key))
             pos += _FRAME.size + n
         return out
+
+    def _load_hwm(self) -> tuple[int, int]:
+        """The persisted (next sequence number, next bucket id); (0, 0) when there is none yet.
+
+        ``seq.hwm`` holds two checksummed slots written in turn, so a write torn by a power loss
+        leaves the other slot (which still covers every number handed out before it)."""
+        path = os.path.join(self._dir, _HWM_FILE)
+        self._hwm_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        raw = os.pread(self._hwm_fd, 2 * ALIGN, 0)
+        best = (0, 0, 0)
+        for slot in range(2):
+            rec = raw[slot * ALIGN:slot * ALIGN + _HWM.size]
+            if len(rec) < _HWM.size:
+                continue
+            magic, gen, seq, bid, check = _HWM.unpack(rec)
+            if magic == _HWM_MAGIC and xxhash.xxh3_64_intdigest(rec[:-8]) == check and gen >= best[0]:
+                best = (gen, seq, bid)
+        if best[0] == 0 and os.fstat(self._hwm_fd).st_size:
+            logger.warning("bucket backend at %s: %s is damaged; sequence numbers continue from the records",
+                           self._dir, _HWM_FILE)
+        self._hwm_gen = best[0]
+        return best[1], best[2]
+
+    def _persist_hwm(self, seq: int, bid: int) -> None:
+        """Make (seq, bid) durable as the new high-water mark (``_hwm_lock`` held, not ``_lock``)."""
+        gen = self._hwm_gen + 1
+        rec = _HWM.pack(_HWM_MAGIC, gen, seq, bid, 0)[:-8]
+        rec += struct.pack("<Q", xxhash.xxh3_64_intdigest(rec))
+        os.pwrite(self._hwm_fd, rec, (gen % 2) * ALIGN)
+        os.fdatasync(self._hwm_fd)
+        self._hwm_gen = gen
+        with self._lock:
+            self._seq_limit = max(self._seq_limit, seq)
+            self._id_limit = max(self._id_limit, bid)
+
+    def _take_numbers(self, nseq: int, nids: int) -> tuple[int, int]:
+        """First of ``nseq`` new sequence numbers and ``nids`` new bucket ids, all below the
+        persisted high-water mark (raised, with one fdatasync, every ``_HWM_STEP`` numbers)."""
+        while True:
+            with self._lock:
+                if self._seq + nseq <= self._seq_limit and self._next_id + nids <= self._id_limit:
+                    seq, bid = self._seq, self._next_id
+                    self._seq += nseq
+                    self._next_id += nids
+                    return seq, bid
+                want = (self._seq + nseq + _HWM_STEP, self._next_id + nids + _HWM_STEP)
+            with self._hwm_lock:
+                self._persist_hwm(*want)
 
     def _rewrite_tombstones(self, tombs: set[tuple[int, str]]) -> None:
         path = os.path.join(self._dir, "tombstones.log")
@@ -306,7 +398,21 @@ class BucketBackend(IndexedBackend):
             return out
         groups = self._group(list(views), views)
         try:
-            self._write_groups(keys, views, groups, out)
+            full = self._write_groups(keys, views, groups, out)
+            for _attempt in range(_ENOSPC_RETRIES):
+                # The file system filled up under the watermark's estimate (another program, or the
+                # watermark off): evict whole buckets by the eviction order and write again.
+                if not full:
+                    break
+                need = sum(record_bytes(views[i].nbytes) for i in full) + ALIGN * len(full)
+                with self._lock:
+                    doomed = self._evict_bytes(need)
+                if not doomed:
+                    break
+                logger.warning("bucket backend at %s: file system full; evicted %d buckets to write %d objects",
+                               self._dir, len(doomed), len(full))
+                self._delete_files(doomed)
+                full = self._write_groups(keys, views, self._group(full, views), out)
         finally:
             with self._lock:
                 self._pending.difference_update(keys[i] for i in views)
@@ -326,29 +432,39 @@ class BucketBackend(IndexedBackend):
         return groups
 
     def _write_groups(self, keys: Sequence[str], views: dict[int, memoryview], groups: list[list[int]],
-                      out: list[Status]) -> None:
+                      out: list[Status]) -> list[int]:
+        """Write ``groups`` as new buckets, setting ``out``; the indices whose bucket write met a
+        full file system (ENOSPC, EDQUOT)."""
         # Lay each bucket out: records, then footer and trailer, then reserve its bytes.
         plans: list[tuple[int, list[int], list[Buffer], list[_FooterEntry], int]] = []
-        headers = aligned_buffer(sum(len(g) for g in groups) * HEADER_BLOCK)
+        nrec = sum(len(g) for g in groups)
+        try:
+            seq, bid = self._take_numbers(nrec, len(groups))
+        except OSError as e:
+            logger.error("bucket backend at %s: cannot persist the sequence high-water mark: %s", self._dir, e)
+            for g in groups:
+                for i in g:
+                    out[i] = status_for_errno(e.errno or errno.EIO)
+            return []
+        bid -= 1
+        headers = aligned_buffer(nrec * HEADER_BLOCK)
         hpos = 0
         with self._lock:
             for g in groups:
-                bid = self._next_id
-                self._next_id += 1
+                bid += 1
                 bufs: list[Buffer] = []
                 entries: list[_FooterEntry] = []
                 pos = 0
                 for i in g:
                     key_b = keys[i].encode()
                     v = views[i]
-                    seq = self._seq
-                    self._seq += 1
                     checksum = value_checksum(key_b, v)
                     block = headers[hpos:hpos + HEADER_BLOCK]
                     hpos += HEADER_BLOCK
                     encode_header(block, key_b, v.nbytes, seq, checksum)
                     bufs += write_buffers(block, v)
                     entries.append(_FooterEntry(keys[i], pos, v.nbytes, seq, checksum))
+                    seq += 1
                     pos += record_bytes(v.nbytes)
                 footer = msgspec.msgpack.encode(entries)
                 tail_len = align_up(len(footer) + _TRAILER.size)
@@ -408,6 +524,7 @@ class BucketBackend(IndexedBackend):
                 for k in done:
                     results[k] = -(e.errno or errno.EIO)
                 done = []
+        full: list[int] = []
         with self._lock:
             for k in writable:
                 bid, g, _, entries, nbytes = plans[k]
@@ -419,12 +536,16 @@ class BucketBackend(IndexedBackend):
                     self._used_bytes += nbytes
                     for i, e in zip(g, entries):
                         self._index[keys[i]] = _Loc(bid, e.offset, e.value_len, e.seq)
+                        out[i] = Status.OK  # a retry after a full file system may follow a NO_SPACE
                 else:
                     err = -results.get(k, -errno.EIO)
                     if err not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                         logger.error("writing bucket %d failed: %s", bid, os.strerror(err))
                     for i in g:
                         out[i] = status_for_errno(err)
+                    if err in (errno.ENOSPC, errno.EDQUOT):
+                        full += g
+        return full
 
     def _make_room(self, sizes: list[int]) -> tuple[list[_Bucket], int]:
         """Under the lock: evict buckets so that the new ones fit; returns the evicted buckets and
@@ -470,6 +591,20 @@ class BucketBackend(IndexedBackend):
             fs_used += size
             admitted += 1
         return victims, admitted
+
+    def _evict_bytes(self, nbytes: int) -> list[_Bucket]:
+        """Under the lock: evict whole buckets in eviction order until ``nbytes`` are freed."""
+        order = sorted(self._buckets.values(),
+                       key=(lambda b: b.id) if self.cfg.bucket_eviction == "fifo" else (lambda b: b.last_access))
+        victims: list[_Bucket] = []
+        for b in order:
+            if nbytes <= 0:
+                break
+            victims.append(b)
+            self._stats.evictions += len(b.live)
+            nbytes -= b.file_bytes
+            self._drop_bucket(b)
+        return victims
 
     def _drop_bucket(self, b: _Bucket) -> None:
         """Under the lock: forget a bucket and its keys (the file is deleted by the caller)."""
@@ -617,19 +752,26 @@ class BucketBackend(IndexedBackend):
                         emptied.append(b)
         self._delete_files(emptied)
 
+    def _release(self) -> None:
+        """Close every descriptor, then give up the directory's lock (last: nothing is written after)."""
+        for b in self._buckets.values():
+            if b.fd >= 0:
+                os.close(b.fd)
+                b.fd = -1
+        self._open.clear()
+        for name in ("_tomb_fd", "_hwm_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+        self._owner.release()
+
     def close(self) -> None:
         """Close descriptors (and the engine when owned). Idempotent; no call may be in flight."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for b in self._buckets.values():
-                if b.fd >= 0:
-                    os.close(b.fd)
-                    b.fd = -1
-            self._open.clear()
-        if self._tomb_fd >= 0:
-            os.close(self._tomb_fd)
-            self._tomb_fd = -1
+            self._release()
         if self._owns_engine:
             self._engine.close()

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class SsdBackendClass(Protocol):
-    def __call__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> SsdBackend: ...
+    def __call__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False,
+                 shared: bool = False) -> SsdBackend: ...
 
 
 _BACKENDS: dict[str, SsdBackendClass] = {
@@ -41,12 +42,15 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def open_ssd_backend(cfg: SsdConfig, *, engine: IoEngine | None = None) -> SsdBackend:
-    """Open (and recover) the backend ``cfg.backend`` on ``cfg.path``.
+def open_ssd_backend(cfg: SsdConfig, *, engine: IoEngine | None = None, shared: bool = False) -> SsdBackend:
+    """Open (and recover) the backend ``cfg.backend`` on ``cfg.path``, owning the directory.
 
     Without ``engine``, one is made from ``cfg.io_engine``/``queue_depth``/``io_threads`` and owned
-    by the backend (closed with it); a given engine stays the caller's. Raises ValueError for an
-    unknown backend name and OSError when the directory cannot be opened.
+    by the backend (closed with it); a given engine stays the caller's. ``shared``: several
+    processes use the directory on purpose (file backend only; see
+    ``mooncake_connector.shared_ssd``). Raises ValueError for an unknown backend name,
+    ``store_backend.ownership.OwnershipError`` when another store holds the directory, and
+    ConfigError naming ``ssd.path`` (or ``ssd.capacity_bytes``) when it cannot be opened.
     """
     try:
         cls = _BACKENDS[cfg.backend]
@@ -57,7 +61,7 @@ def open_ssd_backend(cfg: SsdConfig, *, engine: IoEngine | None = None) -> SsdBa
     if engine is None:
         engine = make_io_engine(cfg.io_engine, queue_depth=cfg.queue_depth, threads=cfg.io_threads)
     try:
-        backend = cls(cfg, engine, owns_engine=owns)
+        backend = cls(cfg, engine, owns_engine=owns, shared=shared) if shared else cls(cfg, engine, owns_engine=owns)
     except BaseException:
         if owns:
             engine.close()

@@ -27,15 +27,15 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from store_backend.config import SsdConfig
+from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.base import SsdStats
+from store_backend.ssd.directory import direct_io_usable, fs_room, open_directory
 from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import (
     IoRequest,
     aligned_buffer,
     fsync_dir,
-    probe_direct_io,
 )
 from store_backend.ssd.record import (
     HEADER_BLOCK,
@@ -59,6 +59,7 @@ from store_backend.types import (
 
 logger = logging.getLogger(__name__)
 
+_ENOSPC_RETRIES = 2  # write passes after the first one that met a full file system
 _REC = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec$")
 _TMP = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec\.tmp$")
 
@@ -78,15 +79,15 @@ class FilePerKeyBackend(IndexedBackend):
 
     name = "file"
 
-    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> None:
+    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False,
+                 shared: bool = False) -> None:
+        """``shared``: other processes use the directory too (a shared lock instead of an
+        exclusive one; see :mod:`mooncake_connector.shared_ssd`)."""
         self.cfg = cfg
         self._engine = engine
         self._owns_engine = owns_engine
+        self._owner = open_directory(cfg, shared=shared)
         self._root = os.path.realpath(cfg.path)
-        os.makedirs(self._root, exist_ok=True)
-        self._direct = cfg.direct_io and probe_direct_io(self._root)
-        if cfg.direct_io and not self._direct:
-            logger.warning("O_DIRECT not supported under %s; file-per-key backend uses buffered I/O", self._root)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()
         self._paths: set[str] = set()  # names in use or being written
@@ -96,7 +97,14 @@ class FilePerKeyBackend(IndexedBackend):
         self._seq = 1
         self._stats = SsdStats(capacity_bytes=cfg.capacity_bytes)
         self._closed = False
-        self._recover()
+        try:
+            self._direct = direct_io_usable(cfg, "file-per-key")
+            self._recover()
+        except BaseException as e:
+            self._owner.release()
+            if isinstance(e, OSError):
+                raise ConfigError(f"ssd.path={cfg.path!r}: cannot open the file backend: {e}") from None
+            raise
 
     def path_for(self, key: str, n: int = 0) -> str:
         """The file of ``key`` (``n``: collision suffix). Always inside the root directory."""
@@ -111,16 +119,23 @@ class FilePerKeyBackend(IndexedBackend):
             d1 = os.path.join(self._root, top)
             if len(top) != 2 or not os.path.isdir(d1):
                 continue
-            for sub in sorted(os.listdir(d1)):
+            for sub in sorted(self._listdir(d1)):
                 d2 = os.path.join(d1, sub)
                 if len(sub) != 2 or not os.path.isdir(d2):
                     continue
-                for name in os.listdir(d2):
+                for name in self._listdir(d2):
                     path = os.path.join(d2, name)
                     if _TMP.match(name):
                         os.unlink(path)  # never renamed into place, so never acknowledged
                     elif _REC.match(name):
-                        rec = self._read_header(path)
+                        try:
+                            rec = self._read_header(path)
+                        except OSError as e:
+                            # One bad file must not keep the store closed: it stays (for inspection)
+                            # and its object is a miss.
+                            self._stats.unreadable_files += 1
+                            logger.error("file-per-key backend: skipping unreadable %s: %s", path, e)
+                            continue
                         if rec is None:
                             self._stats.discarded_records += 1
                             os.unlink(path)
@@ -139,6 +154,14 @@ class FilePerKeyBackend(IndexedBackend):
         self._stats.recovered_objects = len(self._index)
         if found:
             logger.info("file-per-key backend at %s: recovered %d objects", self._root, len(self._index))
+
+    def _listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except OSError as e:
+            self._stats.unreadable_files += 1
+            logger.error("file-per-key backend: skipping unreadable directory %s: %s", path, e)
+            return []
 
     @staticmethod
     def _read_header(path: str) -> tuple[int, str, int] | None:
@@ -160,11 +183,37 @@ class FilePerKeyBackend(IndexedBackend):
 
     # -- put ---------------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
-        """Write new objects; blocks until every object reported OK is durable. Thread-safe."""
+        """Write new objects; blocks until every object reported OK is durable. Thread-safe.
+
+        Room is made by the eviction order for ``capacity_bytes`` and for ``disk_watermark`` of
+        the file system; a write that still meets a full file system (ENOSPC) evicts as many bytes
+        as it needs, in the same order, and is tried again (twice at most)."""
         check_batch(keys, buffers)
+        out, full = self._put_once(keys, buffers)
+        for _attempt in range(_ENOSPC_RETRIES):
+            if not full:
+                break
+            need = sum(record_bytes(byte_view(buffers[i]).nbytes) for i in full)
+            with self._lock:
+                victims = self._evict_bytes(need)
+            if not victims:
+                break
+            logger.warning("file-per-key backend at %s: file system full; evicted %d objects to write %d",
+                           self._root, len(victims), len(full))
+            self._unlink([e.path for e in victims])
+            again, full_again = self._put_once([keys[i] for i in full], [buffers[i] for i in full])
+            for i, st in zip(full, again):
+                out[i] = st
+            full = [full[j] for j in full_again]
+        return out
+
+    def _put_once(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> tuple[list[Status], list[int]]:
+        """One pass of ``put``: the statuses, and the indices whose write met a full file system."""
         out = [Status.OK] * len(keys)
         todo: dict[int, tuple[memoryview, str, int]] = {}  # index -> value, final path, seq
         victims: list[_Entry] = []
+        room = fs_room(self._root, self.cfg.disk_watermark)  # asked before the lock: a system call
+        fs_over = 0 if room is None else room[0] - room[1]  # bytes the file system is past its mark
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
@@ -179,10 +228,22 @@ class FilePerKeyBackend(IndexedBackend):
                 if key in self._index or key in self._pending:
                     out[i] = Status.EXISTS
                     continue
-                victims += self._evict_for(need)
+                for_capacity = self._evict_for(need)
+                victims += for_capacity
+                fs_over -= sum(e.nbytes for e in for_capacity)
                 if self._used_bytes + self._reserved_bytes + need > self.cfg.capacity_bytes:
                     out[i] = Status.NO_SPACE
                     continue
+                if room is not None and fs_over + need > 0:
+                    # Only when eviction can bring the file system under its mark: a disk full of
+                    # other files costs this put, not the objects stored.
+                    if fs_over + need > self._used_bytes:
+                        out[i] = Status.NO_SPACE
+                        continue
+                    more = self._evict_bytes(fs_over + need)
+                    victims += more
+                    fs_over -= sum(e.nbytes for e in more)
+                fs_over += need
                 n = 0
                 while self.path_for(key, n) in self._paths:
                     n += 1
@@ -194,7 +255,7 @@ class FilePerKeyBackend(IndexedBackend):
                 self._seq += 1
         self._unlink([e.path for e in victims])
         if not todo:
-            return out
+            return out, []
         results: dict[int, int] = {}
         try:
             results = self._write(keys, todo)
@@ -209,7 +270,19 @@ class FilePerKeyBackend(IndexedBackend):
                     else:
                         self._paths.discard(path)
                         out[i] = status_for_errno(-results.get(i, -errno.EIO))
-        return out
+        return out, [i for i in todo if -results.get(i, -errno.EIO) in (errno.ENOSPC, errno.EDQUOT)]
+
+    def _evict_bytes(self, nbytes: int) -> list[_Entry]:
+        """Under the lock: drop objects in eviction order until ``nbytes`` are freed (or none is left)."""
+        victims = []
+        while self._index and nbytes > 0:
+            _, e = self._index.popitem(last=False)
+            self._used_bytes -= e.nbytes
+            self._paths.discard(e.path)
+            victims.append(e)
+            nbytes -= e.nbytes
+        self._stats.evictions += len(victims)
+        return victims
 
     def _evict_for(self, need: int) -> list[_Entry]:
         """Under the lock: drop the oldest (or least recently read) objects until ``need`` fits."""
@@ -387,5 +460,6 @@ class FilePerKeyBackend(IndexedBackend):
             if self._closed:
                 return
             self._closed = True
+        self._owner.release()
         if self._owns_engine:
             self._engine.close()

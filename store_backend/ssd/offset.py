@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -42,8 +43,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from store_backend.config import SsdConfig
+from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.base import SsdStats
+from store_backend.ssd.directory import direct_io_usable, fs_room, open_directory
 from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.io.base import IoEngine
 from store_backend.ssd.io.requests import (
@@ -52,7 +54,6 @@ from store_backend.ssd.io.requests import (
     align_down,
     aligned_buffer,
     fsync_dir,
-    probe_direct_io,
 )
 from store_backend.ssd.record import (
     HEADER_BLOCK,
@@ -82,6 +83,8 @@ DATA_START = ALIGN
 _SUPER = struct.Struct("<8sQQQ")  # magic, seed, file bytes, xxh3_64 of the first three
 _SUPER_MAGIC = b"MKVOFF\x00\x01"
 _SCAN_CHUNK = 1 << 20
+_ENOSPC_RETRIES = 2  # write passes after the first one that met a full file system
+_ENOSPC_MAX_VICTIMS = 64  # records looked at per object when making room on a full file system
 _ZERO_BLOCK = memoryview(bytes(HEADER_BLOCK))
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -178,16 +181,16 @@ class OffsetBackend(IndexedBackend):
 
     name = "offset"
 
-    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False) -> None:
+    def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False,
+                 shared: bool = False) -> None:
         self.cfg = cfg
         self._engine = engine
         self._owns_engine = owns_engine
         self._dir = cfg.path
-        os.makedirs(self._dir, exist_ok=True)
+        if shared:
+            raise ConfigError("ssd.backend='offset' cannot share its directory (only 'file' can)")
+        self._owner = open_directory(cfg)
         self._path = os.path.join(self._dir, FILE_NAME)
-        self._direct = cfg.direct_io and probe_direct_io(self._dir)
-        if cfg.direct_io and not self._direct:
-            logger.warning("O_DIRECT not supported under %s; offset backend uses buffered I/O", self._dir)
         self._lock = threading.Lock()  # index, allocator, counters
         self._wlock = threading.Lock()  # one writer of the file at a time (see the module docstring)
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # eviction order: oldest/least recent first
@@ -195,30 +198,72 @@ class OffsetBackend(IndexedBackend):
         self._seq = 1
         self._stats = SsdStats()
         self._closed = False
-        self._seed, size = self._open_file()
-        self._size = size
-        self._stats.capacity_bytes = size - DATA_START
-        self._fd = os.open(self._path, os.O_RDWR | (os.O_DIRECT if self._direct else 0))
+        self._fd = -1
+        self._sparse = False  # parts of the file may be holes: a write there can meet ENOSPC
         try:
+            self._direct = direct_io_usable(cfg, self.name)
+            self._seed, size = self._open_file()
+            self._size = size
+            self._stats.capacity_bytes = size - DATA_START
+            self._fd = os.open(self._path, os.O_RDWR | (os.O_DIRECT if self._direct else 0))
             self._recover()
-        except BaseException:
-            os.close(self._fd)
+        except BaseException as e:
+            if self._fd >= 0:
+                os.close(self._fd)
+            self._owner.release()
+            if isinstance(e, OSError):
+                raise ConfigError(f"ssd.path={self._dir!r}: cannot open the offset backend: {e}") from None
             raise
 
     # -- file and recovery ---------------------------------------------------------------------------
+    def _target_size(self, allocated: int) -> int:
+        """File bytes to preallocate: ``capacity_bytes``, or less where the file system has less
+        room under ``disk_watermark`` (``allocated``: bytes the file already holds on disk)."""
+        want = align_down(self.cfg.capacity_bytes)
+        st = os.statvfs(self._dir)
+        total = st.f_blocks * st.f_frsize
+        if st.f_blocks and want > total:
+            raise ConfigError(f"ssd.capacity_bytes={self.cfg.capacity_bytes} is larger than the whole file system "
+                              f"holding ssd.path={self._dir!r} ({total} bytes)")
+        # Never ask fallocate for more than is free: on ext4 a failed fallocate keeps what it got,
+        # which would leave the file system full.
+        fits = st.f_bavail * st.f_frsize + allocated if st.f_blocks else want
+        room = fs_room(self._dir, self.cfg.disk_watermark)
+        if room is not None:
+            used, limit = room
+            fits = min(fits, limit - used + allocated)
+        fits = align_down(max(0, fits))
+        if want > fits:
+            logger.warning("ssd.capacity_bytes=%d does not fit the file system at %s under ssd.disk_watermark=%.2f "
+                           "(room for %d bytes): the offset backend uses %d bytes",
+                           self.cfg.capacity_bytes, self._dir, self.cfg.disk_watermark, fits, fits)
+            want = fits
+        if want < 2 * ALIGN:
+            raise ConfigError(f"ssd.capacity_bytes={self.cfg.capacity_bytes}: the file system at ssd.path={self._dir!r} "
+                              f"has no room for it under ssd.disk_watermark={self.cfg.disk_watermark}")
+        return want
+
     def _open_file(self) -> tuple[int, int]:
-        want = max(2 * ALIGN, align_down(self.cfg.capacity_bytes))
+        try:
+            os.unlink(self._path + ".tmp")  # a create that crashed (never renamed into place)
+        except FileNotFoundError:
+            pass
         if not os.path.exists(self._path):
+            want = self._target_size(0)
             return self._create(want), want
         fd = os.open(self._path, os.O_RDWR)
         try:
             raw = os.pread(fd, _SUPER.size, 0)
             if len(raw) != _SUPER.size:
-                raise OSError(errno.EINVAL, f"{self._path}: too short for an offset-backend superblock")
+                raise ConfigError(f"ssd.path={self._dir!r}: {self._path} is too short for an offset-backend superblock")
             magic, seed, _, check = _SUPER.unpack(raw)
             if magic != _SUPER_MAGIC or xxhash.xxh3_64_intdigest(raw[:24]) != check:
-                raise OSError(errno.EINVAL, f"{self._path}: not an offset-backend data file (bad superblock)")
-            size = align_down(os.fstat(fd).st_size)
+                raise ConfigError(f"ssd.path={self._dir!r}: {self._path} is not an offset-backend data file "
+                                  "(bad superblock); it was left alone")
+            st = os.fstat(fd)
+            size = align_down(st.st_size)
+            self._sparse = st.st_blocks * 512 < size
+            want = self._target_size(st.st_blocks * 512)
             if want > size:
                 self._grow(fd, size, want)
                 size = want
@@ -234,7 +279,12 @@ class OffsetBackend(IndexedBackend):
             _fallocate(fd, old, new - old)
         except OSError as e:
             logger.warning("cannot preallocate %s (%s); the file stays sparse", self._path, e)
-            os.ftruncate(fd, new)
+            self._sparse = True
+            try:
+                os.ftruncate(fd, new)
+            except OSError as e2:
+                raise ConfigError(f"ssd.capacity_bytes={self.cfg.capacity_bytes}: cannot size {self._path} to "
+                                  f"{new} bytes: {e2.strerror}") from None
         os.fsync(fd)
 
     def _create(self, size: int) -> int:
@@ -246,8 +296,11 @@ class OffsetBackend(IndexedBackend):
             head = _SUPER.pack(_SUPER_MAGIC, seed, size, 0)[:24]
             os.pwrite(fd, head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), 0)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
         os.replace(tmp, self._path)
         fsync_dir(self._dir)
         return seed
@@ -269,7 +322,13 @@ class OffsetBackend(IndexedBackend):
                     if e.errno == errno.ENXIO:  # only holes from here on
                         break
                     raise
-                h = decode_header(os.pread(fd, HEADER_BLOCK, pos), self._seed)
+                try:
+                    h = decode_header(os.pread(fd, HEADER_BLOCK, pos), self._seed)
+                except OSError as e:  # an unreadable block: skip it, serve the rest
+                    self._stats.unreadable_files += 1
+                    logger.error("offset backend: cannot read %s at %d (%s); skipping that block", self._path, pos, e)
+                    pos += HEADER_BLOCK
+                    continue
                 if h is not None and pos + record_bytes(h.value_len) <= self._size:
                     found.append((pos, h.value_len, h.seq, h.key))
                     pos += record_bytes(h.value_len)
@@ -372,13 +431,47 @@ class OffsetBackend(IndexedBackend):
         return out
 
     def _put_locked(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status]) -> None:
+        todo = views
+        for attempt in range(_ENOSPC_RETRIES + 1):
+            full = self._put_once(keys, todo, out, over_victims=attempt > 0)
+            if not full or attempt == _ENOSPC_RETRIES:
+                return
+            # The file has holes and the file system is full: space that records were written to
+            # is on disk, so evict by the eviction order and write over what the victims held.
+            logger.warning("offset backend at %s: file system full (sparse %s); evicting to write %d objects",
+                           self._dir, self._path, len(full))
+            todo = {i: views[i] for i in full}
+
+    def _victim_space(self, need: int) -> tuple[int | None, list[_Entry]]:
+        """Under the lock: evict in eviction order until a victim's own (written, so allocated)
+        extent holds ``need`` bytes; that extent's offset (or None) and the victims."""
+        victims: list[_Entry] = []
+        for key in list(itertools.islice(self._index, _ENOSPC_MAX_VICTIMS)):
+            e = self._index[key]
+            if e.readers:
+                continue
+            del self._index[key]
+            victims.append(e)
+            self._alloc.free(e.offset - DATA_START, e.nbytes)
+            if e.nbytes >= need and self._alloc.reserve(e.offset - DATA_START, need):
+                return e.offset - DATA_START, victims
+        return None, victims
+
+    def _put_once(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status], *,
+                  over_victims: bool) -> list[int]:
+        """One write pass (``_wlock`` held); the batch indices whose write met a full file system."""
         placed: dict[int, int] = {}  # batch index -> file offset
         victims: list[_Entry] = []
         with self._lock:
             for i, v in views.items():
                 need = record_bytes(v.nbytes)
-                off = self._alloc.allocate(need)
-                while off is None:
+                off = None
+                if over_victims:
+                    off, more = self._victim_space(need)
+                    victims += more
+                else:
+                    off = self._alloc.allocate(need)
+                while off is None and not over_victims:
                     # Oldest unread record first (the index is in insertion order); found without
                     # copying the index, which would cost O(objects) per put once the tier is full.
                     victim = next(((k, e) for k, e in self._index.items() if e.readers == 0), None)
@@ -405,7 +498,7 @@ class OffsetBackend(IndexedBackend):
                     self._alloc.reserve(e.offset - DATA_START, e.nbytes)
             for i in placed:
                 out[i] = status_for_errno(-err)
-            return
+            return []
 
         # Phase 1: values (and padding), then fdatasync.
         order = [i for i in placed if views[i].nbytes]
@@ -445,12 +538,14 @@ class OffsetBackend(IndexedBackend):
         with self._lock:
             for i in done:
                 self._index[keys[i]] = entries[i]
+                out[i] = Status.OK  # a retry after a full file system may follow a NO_SPACE
             for i, r in failed.items():
                 self._alloc.free(placed[i] - DATA_START, record_bytes(views[i].nbytes))
                 out[i] = status_for_errno(-r)
         if failed:
             logger.warning("offset backend: %d of %d writes failed (%s)", len(failed), len(placed),
                            os.strerror(-next(iter(failed.values()))))
+        return [i for i, r in failed.items() if -r in (errno.ENOSPC, errno.EDQUOT)]
 
     # -- get ---------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
@@ -556,5 +651,6 @@ class OffsetBackend(IndexedBackend):
                 return
             self._closed = True
             os.close(self._fd)
+            self._owner.release()
         if self._owns_engine:
             self._engine.close()

@@ -319,49 +319,88 @@ def _in_mount_namespace(script: str, *args: str) -> dict:
 
 
 _FULL_DISK = textwrap.dedent("""
-    import json, subprocess, sys
-    from store_backend.config import SsdConfig
+    import ctypes, json, os, subprocess, sys
+    from store_backend.config import ConfigError, SsdConfig
     from store_backend.ssd.factory import open_ssd_backend
     from tests.store_backend.conftest import payload
     path, backend = sys.argv[1], sys.argv[2]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", path], check=True)
+    out = {}
     # capacity far above the 8 MiB the disk has, and no watermark: the disk itself runs out.
     cfg = SsdConfig(path=path + "/ssd", backend=backend, capacity_bytes=64 << 20, disk_watermark=1.0,
                     bucket_size_bytes=1 << 20, bucket_max_keys=4)
+    if backend == "offset":
+        # The offset backend preallocates its capacity: one larger than the file system is refused.
+        try:
+            open_ssd_backend(cfg).close()
+        except ConfigError as e:
+            out["refused"] = str(e)
+        # A sparse data file (copied without its holes, say) on a disk another program filled:
+        # writes into the holes meet ENOSPC, so records are written over what eviction frees.
+        cfg = SsdConfig(path=path + "/ssd", backend=backend, capacity_bytes=6 << 20, disk_watermark=1.0)
+        b = open_ssd_backend(cfg)
+        first = [f"first/{i}" for i in range(4)]
+        b.put(first, [payload(k, 300_000) for k in first])
+        b.close()
+        fd = os.open(path + "/ssd/offset.data", os.O_RDWR)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        assert libc.fallocate(fd, 3, 2 << 20, 4 << 20) == 0  # PUNCH_HOLE | KEEP_SIZE after the records
+        os.close(fd)
+        fd = os.open(path + "/filler", os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            while True:
+                os.write(fd, b"x" * 4096)
+        except OSError:
+            os.close(fd)
     b = open_ssd_backend(cfg)
     written, statuses = [], []
     for r in range(40):
         keys = [f"full/{r}/{i}" for i in range(3)]
         sts = b.put(keys, [payload(k, 300_000) for k in keys])
-        statuses += [s.name for s in sts]
+        statuses.append([s.name for s in sts])
         written += [k for k, s in zip(keys, sts) if s.name == "OK"]
     def check(b):
-        bad = []
+        served, wrong, missing = [], [], []
         for k in written:
             buf = bytearray(300_000)
             r = b.get_into([k], [buf])[0]
-            if r.status.name != "OK" or buf != payload(k, 300_000).tobytes():
-                bad.append((k, r.status.name))
-        return bad
-    bad_before = check(b)
+            if r.status.name == "OK":
+                (served if buf == payload(k, 300_000).tobytes() else wrong).append(k)
+            elif r.status.name == "NOT_FOUND":
+                missing.append(k)
+            else:
+                wrong.append(k)
+        return {"served": served, "wrong": wrong, "missing": missing, "keys": sorted(b.keys()),
+                "evictions": b.stats().evictions}
+    out["before"] = check(b)
     b.close()
     b = open_ssd_backend(cfg)
-    bad_after = check(b)
+    out["after"] = check(b)
     b.close()
-    print(json.dumps({"statuses": statuses, "written": len(written), "bad_before": bad_before,
-                      "bad_after": bad_after}))
+    out.update(statuses=statuses, written=written)
+    print(json.dumps(out))
 """)
 
 
 @pytest.mark.skipif(_UNSHARE is None, reason="cannot mount a private tmpfs here")
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_full_disk_is_no_space_and_loses_nothing(tmp_path, backend):
+def test_full_disk_evicts_by_order_and_keeps_writing(tmp_path, backend):
+    """A full file system (ENOSPC) is met by evicting in the backend's eviction order and writing
+    again: later puts succeed, the newest objects are served, evicted ones are misses (never other
+    bytes), and a reopen serves exactly what was served before."""
     (tmp_path / "mnt").mkdir()
     out = _in_mount_namespace(_FULL_DISK, str(tmp_path / "mnt"), backend)
-    assert "NO_SPACE" in out["statuses"], out["statuses"]
-    assert set(out["statuses"]) <= {"OK", "NO_SPACE"}
-    assert out["written"] >= 6
-    assert out["bad_before"] == [] and out["bad_after"] == []
+    if backend == "offset":
+        assert "ssd.capacity_bytes=67108864" in out["refused"] and "file system" in out["refused"]
+    assert all(sts == ["OK"] * 3 for sts in out["statuses"][-20:]), out["statuses"]
+    for when in ("before", "after"):
+        got = out[when]
+        assert got["wrong"] == [], got["wrong"]
+        assert got["evictions"] > 0 or when == "after"
+        assert out["written"][-3:] == got["served"][-3:]  # the newest objects are there
+        assert sorted(got["served"]) == [k for k in got["keys"] if k.startswith("full/")]
+    assert out["after"]["served"] == out["before"]["served"]
 
 
 _NO_DIRECT = textwrap.dedent("""

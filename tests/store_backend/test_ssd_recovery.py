@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from store_backend.config import SsdConfig
+from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.ssd.io.requests import ALIGN
 from store_backend.ssd.offset import DATA_START, FILE_NAME
@@ -297,7 +297,7 @@ def test_offset_file_that_is_not_ours_is_refused(tmp_path):
     root = tmp_path / "ssd"
     root.mkdir()
     (root / FILE_NAME).write_bytes(b"something else entirely" * 1000)
-    with pytest.raises(OSError, match="not an offset-backend data file"):
+    with pytest.raises(ConfigError, match="not an offset-backend data file"):
         open_ssd_backend(make_cfg(root, "offset", capacity_bytes=1 << 20))
     assert (root / FILE_NAME).read_bytes().startswith(b"something else")  # left alone
 
@@ -314,5 +314,59 @@ def test_offset_grows_but_never_shrinks(tmp_path):
     b = open_ssd_backend(make_cfg(cfg.path, "offset", capacity_bytes=1 << 20))
     try:
         assert data_file.stat().st_size == 4 << 20 and sorted(b.keys()) == ["g"]
+    finally:
+        b.close()
+
+
+def test_bucket_sequence_numbers_never_go_back(tmp_path):
+    """Put, remove, restart, put the key again with other bytes, lose the tombstone log, restart:
+    the newer record must win (its sequence number is higher), so the removed bytes never answer OK."""
+    cfg = make_cfg(tmp_path / "ssd", "bucket", bucket_max_keys=4)
+    old = {k: payload(f"old/{k}", 9000).tobytes() for k in ("a", "b", "k")}
+    b = open_ssd_backend(cfg)
+    assert b.put(["a", "b", "k"], [old["a"], old["b"], old["k"]]) == [Status.OK] * 3  # one bucket
+    assert b.remove(["b", "k"]) == [Status.OK] * 2  # the bucket stays (a lives), k's record with it
+    b.close()
+    new_k = payload("new/k", 9000).tobytes()
+    b = open_ssd_backend(cfg)
+    assert b.put(["k"], [new_k]) == [Status.OK]
+    b.close()
+    log = Path(cfg.path) / "tombstones.log"
+    assert log.stat().st_size > 0
+    log.write_bytes(b"\xff" * log.stat().st_size)  # every tombstone is lost
+    b = open_ssd_backend(cfg)
+    try:
+        buf = bytearray(9000)
+        res = b.get_into(["k"], [buf])[0]
+        assert res.status is Status.OK and bytes(buf) == new_k
+        # And numbering goes on upward after this restart too.
+        assert b.put(["k2"], [old["k"]]) == [Status.OK]
+    finally:
+        b.close()
+    b = open_ssd_backend(cfg)
+    try:
+        buf = bytearray(9000)
+        assert b.get_into(["k"], [buf])[0].ok and bytes(buf) == new_k
+    finally:
+        b.close()
+
+
+def test_bucket_sequence_high_water_mark_survives_a_lost_file(tmp_path):
+    """The high-water mark is the persisted floor; with it gone, numbering still starts above every
+    record on disk (removed ones included)."""
+    cfg = make_cfg(tmp_path / "ssd", "bucket", bucket_max_keys=4)
+    b = open_ssd_backend(cfg)
+    assert b.put(["a", "k"], [payload("a", 100), payload("k-old", 100)]) == [Status.OK] * 2
+    assert b.remove(["k"]) == [Status.OK]
+    b.close()
+    (Path(cfg.path) / "seq.hwm").unlink(missing_ok=True)
+    b = open_ssd_backend(cfg)
+    assert b.put(["k"], [payload("k-new", 100)]) == [Status.OK]
+    b.close()
+    (Path(cfg.path) / "tombstones.log").write_bytes(b"")
+    b = open_ssd_backend(cfg)
+    try:
+        buf = bytearray(100)
+        assert b.get_into(["k"], [buf])[0].ok and bytes(buf) == payload("k-new", 100).tobytes()
     finally:
         b.close()
