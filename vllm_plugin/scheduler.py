@@ -35,6 +35,7 @@ from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_connector.lookup_service import LookupClient, socket_path
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata
 from vllm_plugin.model_info import KVGeometry, fingerprint
+from vllm_plugin.parallel import lookup_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,10 +97,9 @@ class SchedulerSide:
         self.can_save = kv_role in ("kv_both", "kv_producer")
         # One key prefix per KV shard (every worker rank); a chunk counts as present only when every
         # rank's store holds its shard. MLA ranks all hold the same latent: one prefix for all.
-        engine_id = vllm_config.kv_transfer_config.engine_id
         self.shard_digests = [fingerprint(vllm_config, geometry, cfg, rank).digest()
                               for rank in range(geometry.shard_count)]
-        self.lookups = [LookupClient(socket_path(engine_id, rank, cfg.lookup_socket_dir))
+        self.lookups = [LookupClient(socket_path(lookup_name(vllm_config), rank, cfg.lookup_socket_dir))
                         for rank in range(geometry.shard_count)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
         self._reqs: dict[str, _Tracked] = {}

@@ -39,12 +39,14 @@ from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import object_key
 from mooncake_connector.layout import PagedLayer, canonical_layer, kernel_block_ids
 from mooncake_connector.lookup_service import LookupServer, socket_path
+from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
 from store_backend.types import ReadResult, Status
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, TieredConnectorMetadata
 from vllm_plugin.model_info import KVGeometry, fingerprint, kv_layer_names, page_format_for
+from vllm_plugin.parallel import lookup_name, rank_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,7 +81,11 @@ class WorkerSide:
         self.num_blocks = kv_cache_config.num_blocks
         self.layer_names = kv_layer_names(kv_cache_config)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
-        self.store = acquire_store(cfg.store_config(), shared_ssd=cfg.shared_ssd)
+        # Each rank process (TP rank, PP stage, DP engine) opens its own SSD directory and DRAM
+        # segment: an embedded store's directory and segment belong to one process.
+        self.position = rank_position(vllm_config)
+        self.store = acquire_store(rank_store_config(cfg.store_config(), self.position, shared_ssd=cfg.shared_ssd),
+                                   shared_ssd=cfg.shared_ssd)
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
         self.paged: list[PagedLayer] = []
@@ -132,8 +138,8 @@ class WorkerSide:
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
         # The scheduler (maybe another process) asks this worker's store what it holds.
-        engine_id = self.vllm_config.kv_transfer_config.engine_id
-        self.lookup_server = LookupServer(self.client, socket_path(engine_id, shard, self.cfg.lookup_socket_dir))
+        self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
+                                                                   self.cfg.lookup_socket_dir))
         self.lookup_server.start()
         logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, device %s",
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, device)

@@ -37,15 +37,16 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
-    """Run one engine process on ``spec``; return its RESULT (raises with its log on failure)."""
+def run_engine(spec: dict[str, Any], work: Path, name: str, *, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one engine process on ``spec`` (``env``: extra environment variables); return its RESULT
+    (raises with its log on failure)."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = work / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT, timeout=ENGINE_TIMEOUT_S)
+                              stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})}, cwd=ROOT, timeout=ENGINE_TIMEOUT_S)
     out = log_path.read_text()
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -10,7 +10,9 @@ kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only)
 ``failure_policy``); ``engine`` (extra ``LLM`` arguments); ``rounds``: a list of
 ``{"prompts": [[token ids]...], "max_tokens": n, "flush": bool}`` served one after the other, vLLM's
 local prefix cache cleared before each round so that reuse can only come from the connector
-(``flush``: first wait until the connector's saves so far reached the SSD tier).
+(``flush``: first wait until the connector's saves so far reached the SSD tier); ``rank_stats``:
+also collect (and flush) every worker rank's connector through ``collective_rpc``, for executors
+whose workers run in their own processes (TP > 1).
 
 The last stdout line is ``RESULT {json}``: per round and prompt the generated tokens, finish reason
 and ``num_cached_tokens``, and the connector's stats (scheduler and worker halves, store metrics).
@@ -60,11 +62,25 @@ def main(spec_path: str) -> int:
     stats: dict = {}
     if has_kv_transfer_group():
         stats["worker"] = get_kv_transfer_group().stats()
+    if conn is not None:
         core = llm.llm_engine.engine_core.engine_core  # in-process engine core
         stats["scheduler"] = core.scheduler.connector.stats()
+        if spec.get("rank_stats"):
+            # Workers in their own processes (multiprocessing executor): ask each rank, and flush
+            # every rank's saves to SSD, since the executor's shutdown may not let them finish.
+            stats["ranks"] = llm.collective_rpc(_rank_stats)
     print("RESULT " + json.dumps({"rounds": rounds, "stats": stats, "start_s": start_s}), flush=True)
     llm.llm_engine.engine_core.shutdown()  # flushes the store to its SSD tier
     return 0
+
+
+def _rank_stats(worker: object) -> dict:
+    """Runs in a worker process (``collective_rpc``): flush its connector, return its stats."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    flushed = connector.flush(timeout_s=120)
+    return {"flushed": flushed, **connector.stats()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""Tensor parallelism (TP=2, multiprocessing executor) with an SSD tier, on the CPU build.
+
+Each TP rank is its own worker process with its own embedded store, so each must open its own SSD
+directory (``<ssd.path>/dp0-tp<r>-pp0``): two processes on one directory crash at start or read
+each other's records as CORRUPT. Engine A serves prompts and saves both ranks' shards; engine B (a
+fresh TP=2 engine on the same directory) must get the full external hit and, like A, exactly the
+tokens of a TP=2 engine without the connector.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TP_ENGINE = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+# Two cores: one OpenMP thread per rank, each on its own core.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+PROMPTS = [prompt(41, 300), prompt(42, 200)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("tp")
+    ssd = work / "ssd"
+    rounds = [{"prompts": PROMPTS, "max_tokens": MAX_TOKENS}]
+    base = {"model_dir": str(tiny_model), "engine": TP_ENGINE, "rounds": rounds}
+    connector = {"extra": {"chunk_tokens": CHUNK_TOKENS, "store": store_section(ssd, backend="bucket")}}
+    baseline = run_engine({**base, "connector": None}, work, "baseline", env=TP_ENV)
+    a = run_engine({**base, "connector": connector, "rank_stats": True}, work, "engine-a", env=TP_ENV)
+    b = run_engine({**base, "connector": connector, "rank_stats": True}, work, "engine-b", env=TP_ENV)
+    return {"baseline": baseline, "a": a, "b": b, "ssd": ssd}
+
+
+def _tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in result["rounds"][0]]
+
+
+def test_each_rank_opens_its_own_ssd_directory(runs: dict[str, Any]) -> None:
+    assert sorted(p.name for p in runs["ssd"].iterdir()) == ["dp0-tp0-pp0", "dp0-tp1-pp0"]
+
+
+def test_tp2_engine_a_tokens_equal_baseline(runs: dict[str, Any]) -> None:
+    assert _tokens(runs["a"]) == _tokens(runs["baseline"])
+    ranks = runs["a"]["stats"]["ranks"]
+    assert len(ranks) == 2 and all(r["flushed"] for r in ranks)
+    # Both ranks saved their shard of every whole prompt chunk.
+    want = sum(len(p) // CHUNK_TOKENS for p in PROMPTS)
+    assert [r["client"]["saved_objects"] >= want for r in ranks] == [True, True], ranks
+
+
+def test_tp2_fresh_engine_gets_full_hit_and_baseline_tokens(runs: dict[str, Any]) -> None:
+    assert _tokens(runs["b"]) == _tokens(runs["baseline"])
+    want_hits = [(len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS for p in PROMPTS]
+    assert [o["num_cached_tokens"] for o in runs["b"]["rounds"][0]] == want_hits
+    for r in runs["b"]["stats"]["ranks"]:
+        assert r["chunks_loaded"] == sum(want_hits) // CHUNK_TOKENS, r
+        assert r["chunks_load_failed"] == 0
