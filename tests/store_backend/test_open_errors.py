@@ -219,7 +219,7 @@ def test_one_unreadable_file_is_skipped_counted_and_logged(tmp_path, backend):
         b.close()
 
 
-def test_a_bucket_file_that_is_a_directory_is_skipped(tmp_path):
+def test_a_bucket_file_that_is_a_directory_is_skipped(tmp_path, caplog):
     """EISDIR on read: another honest unreadable file, without dropping capabilities."""
     root = tmp_path / "ssd"
     c = SsdConfig(path=str(root), backend="bucket", capacity_bytes=16 << 20, bucket_max_keys=1, io_engine="posix")
@@ -228,7 +228,9 @@ def test_a_bucket_file_that_is_a_directory_is_skipped(tmp_path):
     b.close()
     bogus = root / "bucket-00000000000000ff.bkt"
     bogus.mkdir()
-    b = open_ssd_backend(c)
+    with caplog.at_level("ERROR", logger="store_backend.ssd.bucket"):
+        b = open_ssd_backend(c)
+    assert any("skipping unreadable bucket-00000000000000ff.bkt" in r.getMessage() for r in caplog.records)
     try:
         assert sorted(b.keys()) == ["a", "b"] and b.stats().unreadable_files == 1
         assert b.put(["c"], [np.ones(10, np.uint8)]) == [Status.OK]  # numbered past the bad file
