@@ -7,8 +7,14 @@ same keys.
 
 Key text: ``"<fingerprint digest>/<chunk hash hex>"``. The fingerprint covers everything that
 changes the KV bytes of a token: model id and revision, KV dtype and quantization, the canonical
-layout version, the attention geometry, and the KV shard (TP rank and size). Two deployments that
+layout version, the attention geometry, and the KV shard (TP rank and size), plus, when known, the
+identity of the weights files and the cache epoch (bumped by a cache reset). Two deployments that
 differ in any of these never share a key.
+
+Extra keys (what besides the tokens changes KV: LoRA adapter, cache salt, multimodal items, prompt
+embeddings) are hashed into the chain: request-wide ones into every chunk, per-chunk ones
+(``chunk_extra_keys``) only into the chunk they belong to (an image only into the chunks its
+placeholder tokens overlap), so a text prefix before the first image keys as plain text does.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quantization: str | None = None
     is_mla: bool = False
     layout_version: int = LAYOUT_VERSION
+    # Identity of the weights files (e.g. a stamp of their names, sizes and mtimes, or a hub commit):
+    # new weights at the same path never share keys with the old ones.
+    weights: str | None = None
+    # Cache epoch of the store this fingerprint writes to; a cache reset moves to the next one.
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -46,10 +57,24 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.shard_index < self.shard_count:
             raise ValueError(f"shard_index {self.shard_index} not in [0, {self.shard_count})")
+        if self.epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
 
     def digest(self) -> str:
-        """32 hex chars identifying this fingerprint (xxh3_128 of its canonical msgpack form)."""
-        return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(self))
+        """32 hex chars identifying this fingerprint (xxh3_128 of its canonical msgpack form).
+
+        ``weights`` and ``epoch`` enter the digest only when set, so a fingerprint without them keeps
+        the digest it had before they existed (stores written then stay readable, and an engine that
+        does not know them, e.g. the SGLang backend, keeps matching)."""
+        fields = msgspec.structs.asdict(self)
+        for name in _LATE_FIELDS:
+            if fields[name] == _LATE_FIELDS[name]:
+                del fields[name]
+        return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(fields))
+
+
+# Fields added after digests were in use, with the default under which they are left out of it.
+_LATE_FIELDS: dict[str, object] = {"weights": None, "epoch": 0}
 
 
 # A chain hash maps (parent hash or None, token ids of one chunk, extra key bytes) to a hash text.
@@ -80,7 +105,7 @@ def chain_hash(name: str) -> ChainHash:
 
 
 def encode_extra_keys(extra_keys: Iterable[object] | None) -> bytes:
-    """Canonical bytes of a request's extra keys (LoRA name/id, multimodal hashes, cache salt)."""
+    """Canonical bytes of a chunk's extra keys (LoRA adapter, multimodal hashes, cache salt)."""
     if not extra_keys:
         return b""
     return msgspec.msgpack.encode([str(x) for x in extra_keys])
@@ -93,21 +118,32 @@ def chunk_hashes(
     extra_keys: Iterable[object] | None = None,
     scheme: str = "xxh3_128",
     parent: str | None = None,
+    chunk_extra_keys: Sequence[Iterable[object] | None] | None = None,
 ) -> list[str]:
     """Chained hashes of every *full* chunk of ``token_ids`` (a trailing partial chunk has none).
 
     Each chunk's hash covers its parent's hash, so a hash names the whole prefix up to its chunk.
-    ``parent`` continues a chain from an earlier call.
+    ``parent`` continues a chain from an earlier call. ``extra_keys`` enter every chunk's hash;
+    ``chunk_extra_keys[i]`` (optional, one entry per full chunk of this call, None or empty for
+    none) enters only the i-th chunk's, after ``extra_keys``. A chunk without per-chunk keys hashes
+    exactly as it would without the argument.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     fn = chain_hash(scheme)
-    extra = encode_extra_keys(extra_keys)
+    common = list(extra_keys) if extra_keys else []
+    extra = encode_extra_keys(common)
+    n_chunks = max(0, len(token_ids) // chunk_tokens)
+    if chunk_extra_keys is not None and len(chunk_extra_keys) < n_chunks:
+        raise ValueError(f"chunk_extra_keys has {len(chunk_extra_keys)} entries for {n_chunks} chunks")
     # One int64 conversion for the whole prompt; the xxh3 scheme hashes each chunk's slice bytes.
     tokens = np.asarray(token_ids, dtype=np.int64) if scheme == "xxh3_128" else token_ids
     out: list[str] = []
-    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
-        parent = fn(parent, tokens[start:start + chunk_tokens], extra)
+    for i in range(n_chunks):
+        start = i * chunk_tokens
+        own = list(chunk_extra_keys[i] or ()) if chunk_extra_keys is not None else []
+        chunk_extra = encode_extra_keys([*common, *own]) if own else extra
+        parent = fn(parent, tokens[start:start + chunk_tokens], chunk_extra)
         out.append(parent)
     return out
 

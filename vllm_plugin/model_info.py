@@ -1,18 +1,34 @@
 """What the connector needs to know about a vLLM deployment: its fingerprint and its KV geometry.
 
 Both connector halves call this at construction (scheduler process and worker processes), from the
-engine's construction thread. It reads only ``VllmConfig`` and ``KVCacheConfig``, so the scheduler
-and every worker derive identical fingerprints without talking to each other.
+engine's construction thread. It reads ``VllmConfig``, ``KVCacheConfig`` and (``stat`` only) the
+checkpoint's files, so the scheduler and every worker derive identical fingerprints without talking
+to each other.
+
+Deployments the connector cannot store correctly are refused here, at start-up, with an error that
+names the setting: more than one KV cache group, layers whose cache vLLM does not keep for every
+token (sliding-window or chunked-local attention in every layer), decode or prefill context
+parallelism, and a pipeline split whose KV layers do not follow vLLM's hidden-layer partition.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
+from vllm.distributed.utils import get_pp_indices
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 
+from mooncake_connector.checkpoint import files_stamp, hub_snapshot
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import ModelFingerprint
 from mooncake_connector.layout import ChunkLayout, PageFormat
@@ -20,7 +36,9 @@ from store_backend.config import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+logger = logging.getLogger(__name__)
 
 # vLLM attention backend name -> how its pages hold K and V.
 _PAGE_FORMATS = {
@@ -82,6 +100,41 @@ def kv_layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
     return sorted(dict.fromkeys(names), key=natural_key)
 
 
+def _check_parallelism(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                f"{name}={size}: context parallelism splits each request's KV across ranks by token, "
+                "which the tiered connector does not store (its chunks hold every token of a shard); "
+                f"run with {name}=1 or without the connector")
+
+
+def _check_spec(spec: KVCacheSpec, vllm_config: VllmConfig) -> None:
+    """Only caches vLLM keeps for every token can be saved and loaded chunk by chunk."""
+    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    for s in specs:
+        if isinstance(s, SlidingWindowSpec):
+            # Blocks that fall out of the window are handed back (vLLM's shared null block): a chunk
+            # gathered then holds another request's or no KV. With a full-attention layer anywhere
+            # in the model vLLM promotes window layers to full allocation and this never happens.
+            raise ConfigError(
+                f"every attention layer of {vllm_config.model_config.model} uses a sliding window "
+                f"(sliding_window={s.sliding_window}); vLLM frees the blocks outside the window, so the "
+                "tiered connector cannot store them. Start vLLM with --disable-sliding-window "
+                "(disable_sliding_window=True) to keep every token's KV, or run without the connector")
+        if isinstance(s, ChunkedLocalAttentionSpec):
+            raise ConfigError(
+                f"every attention layer of {vllm_config.model_config.model} uses chunked local attention "
+                f"(attention_chunk_size={s.attention_chunk_size}); vLLM frees blocks of earlier chunks, so "
+                "the tiered connector cannot store them; run it without the connector")
+        if type(s) not in (FullAttentionSpec, MLAAttentionSpec):
+            raise ConfigError(
+                f"KV cache spec {type(s).__name__} is not supported by the tiered connector "
+                "(full attention and MLA only)")
+
+
 def kv_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGeometry:
     """Read the KV geometry (raises ConfigError for layouts the connector cannot store)."""
     groups = kv_cache_config.kv_cache_groups
@@ -89,7 +142,9 @@ def kv_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGe
         raise ConfigError(
             f"the tiered connector supports models with one KV cache group, this one has {len(groups)}"
         )
+    _check_parallelism(vllm_config)
     spec = groups[0].kv_cache_spec
+    _check_spec(spec, vllm_config)
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     dtype = getattr(spec, "dtype", None)
@@ -113,21 +168,95 @@ def kv_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGe
     )
 
 
+def weights_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> str | None:
+    """What names the checkpoint's weights in the fingerprint, beside its revision.
+
+    - ``revision`` or ``model_id`` set in the connector config: None. The operator names the model
+      and its weights (e.g. to share one cache between copies at different paths, or with SGLang)
+      and must change ``revision`` when the weights change.
+    - A local checkpoint (directory or file): :func:`mooncake_connector.checkpoint.files_stamp` of
+      it (names, sizes, mtimes of weights and configs), so weights replaced at the same path get
+      new keys.
+    - A hub id: ``hf:<commit>:<stamp>`` of its snapshot in the local Hugging Face cache (the commit
+      the revision resolved to); when it is not found there, None and a warning (the fingerprint
+      then has the revision only).
+
+    Blocking (``stat`` calls); called once per connector half.
+    """
+    if cfg.revision or cfg.model_id:
+        return None
+    model = vllm_config.model_config
+    path = str(model.model)
+    stamp = files_stamp(path)
+    if stamp is not None:
+        return stamp
+    snap = hub_snapshot(path, model.revision)
+    if snap is not None:
+        commit, snapshot_dir = snap
+        return f"hf:{commit}:{files_stamp(snapshot_dir)}"
+    logger.warning("cannot identify the weights of %s (not a local path, not in the Hugging Face cache): "
+                   "the KV fingerprint has only its revision %r; set the connector's `revision` and change it "
+                   "when the weights change", path, model.revision)
+    return None
+
+
+def stage_layer_counts(vllm_config: VllmConfig, geometry: KVGeometry, stage: int) -> list[int]:
+    """KV layers of every pipeline stage, from vLLM's own partition of the hidden layers
+    (``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``); ``geometry`` was read on stage
+    ``stage``. Raises ConfigError when that stage's KV layers do not match vLLM's partition (a
+    model whose KV layers are not its hidden layers): the other stages' counts would be guesses."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1:
+        return [geometry.num_layers]
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    counts = [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
+    if counts[stage] != geometry.num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size={pp}: stage {stage} holds {geometry.num_layers} KV layers but vLLM's "
+            f"partition of {total} hidden layers gives it {counts[stage]} ({counts}); the tiered connector "
+            "cannot derive the other stages' layouts for this model; run with pipeline_parallel_size=1")
+    return counts
+
+
 def fingerprint(vllm_config: VllmConfig, geometry: KVGeometry, cfg: ConnectorConfig,
-                shard_index: int) -> ModelFingerprint:
-    """The fingerprint of one KV shard (MLA: shard 0 only, since every rank holds the same latent)."""
+                shard_index: int, *, num_layers: int | None = None, weights: str | None = None,
+                epoch: int = 0) -> ModelFingerprint:
+    """The fingerprint of one KV shard (``shard_index = pp_rank * tp_size + tp_rank``).
+
+    ``num_layers``: that shard's KV layers when ``geometry`` was read on another pipeline stage
+    (see :func:`shard_fingerprints`). MLA: every TP rank of a stage holds the same latent, so the
+    shard is the pipeline stage alone."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
     kv_dtype = geometry.kv_dtype if cache.cache_dtype == "auto" else f"{geometry.kv_dtype}:{cache.cache_dtype}"
+    if geometry.is_mla:
+        index, count = shard_index // tp, max(1, geometry.shard_count // tp)
+    else:
+        index, count = shard_index, geometry.shard_count
     return ModelFingerprint(
         model_id=cfg.model_id or str(model.model),
         kv_dtype=kv_dtype,
-        num_layers=geometry.num_layers,
+        num_layers=geometry.num_layers if num_layers is None else num_layers,
         num_kv_heads=geometry.num_kv_heads,
         head_size=geometry.head_size,
-        shard_index=0 if geometry.is_mla else shard_index,
-        shard_count=1 if geometry.is_mla else geometry.shard_count,
+        shard_index=index,
+        shard_count=count,
         revision=cfg.revision or model.revision,
         quantization=model.quantization,
         is_mla=geometry.is_mla,
+        weights=weights,
+        epoch=epoch,
     )
+
+
+def shard_fingerprints(vllm_config: VllmConfig, geometry: KVGeometry, cfg: ConnectorConfig, *,
+                       stage: int = 0, weights: str | None = None, epoch: int = 0) -> list[ModelFingerprint]:
+    """Fingerprints of every KV shard (index ``pp_rank * tp_size + tp_rank``), each with its own
+    stage's layer count; ``geometry`` was read on pipeline stage ``stage`` (the scheduler sees
+    stage 0's). Raises ConfigError as :func:`stage_layer_counts`."""
+    counts = stage_layer_counts(vllm_config, geometry, stage)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return [fingerprint(vllm_config, geometry, cfg, shard, num_layers=counts[shard // tp], weights=weights,
+                        epoch=epoch)
+            for shard in range(geometry.shard_count)]

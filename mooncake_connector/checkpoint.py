@@ -1,0 +1,75 @@
+"""The identity of a checkpoint's files, for the key fingerprint: new weights never share old keys.
+
+Engine connectors call :func:`files_stamp` once at construction (any thread; it only ``stat``s
+files, never reads weights, so a multi-GB checkpoint costs a few system calls) and put the result
+in :class:`mooncake_connector.keys.ModelFingerprint`'s ``weights`` field. Replacing the weights at
+the same path (a new fine-tune copied over the old one, a re-download) changes a file's size,
+mtime or, in a Hugging Face cache snapshot, the content-addressed blob a file links to, and with it
+the stamp; KV saved under the old weights is then never found.
+
+:func:`hub_snapshot` finds the local snapshot of a Hugging Face hub id (offline, from the cache),
+so a hub id is stamped by the commit it resolved to and the files it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+# Files whose change can change the KV of a token: weights (every format vLLM and SGLang load) and
+# the JSON configs (model config, quantization config). Tokenizer files are covered too (a JSON),
+# which costs a miss at worst.
+STAMPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".npz", ".msgpack")
+
+
+def files_stamp(path: str) -> str | None:
+    """A stamp of the checkpoint at ``path`` (a directory, or a single weights file), or None when
+    ``path`` is neither (e.g. a hub id).
+
+    Covers, for every stamped file at the top level of the directory (or the file itself): its
+    name, size, mtime (ns), and, when it is a symbolic link, the name of its target (a Hugging Face
+    snapshot links each file to a blob named by its content hash). Blocking (``stat`` only).
+    """
+    if os.path.isfile(path):
+        entries = [path]
+    elif os.path.isdir(path):
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as e:
+            logger.warning("cannot list checkpoint directory %s (%s); weights identity unknown", path, e)
+            return None
+        entries = [os.path.join(path, n) for n in names if n.endswith(STAMPED_SUFFIXES)]
+    else:
+        return None
+    h = xxhash.xxh3_128()
+    for full in entries:
+        try:
+            st = os.stat(full)
+        except OSError:
+            continue  # a dangling link or a file removed meanwhile: not part of what loads
+        if not os.path.isfile(full):
+            continue
+        target = os.path.basename(os.readlink(full)) if os.path.islink(full) else ""
+        h.update(f"{os.path.basename(full)}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n".encode())
+    return h.hexdigest()
+
+
+def hub_snapshot(repo_id: str, revision: str | None) -> tuple[str, str] | None:
+    """(commit hash, snapshot directory) of ``repo_id`` at ``revision`` in the local Hugging Face
+    cache, or None when it is not cached there (or huggingface_hub is missing). Offline, blocking."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # a malformed repo id and friends: not a hub id we can resolve
+        return None
+    if not isinstance(found, str):
+        return None
+    snapshot = os.path.dirname(found)
+    return os.path.basename(snapshot), snapshot

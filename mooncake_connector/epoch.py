@@ -1,0 +1,188 @@
+"""The cache epoch of a store directory, and removal of the keys of epochs that are over.
+
+A connector's cache reset (vLLM's ``reset_prefix_cache(reset_connector=True)``, a weight update)
+must make everything stored so far unreachable at once. Rather than deleting every object before
+answering, the epoch is part of the key fingerprint: a reset moves to the next epoch (new keys from
+then on) and the old epoch's objects are removed in the background by :class:`EpochSweeper`.
+
+The epoch must survive a restart, or KV stored before a reset would be found again at epoch 0 after
+a crash: :class:`EpochFile` keeps it in ``<ssd.path>/mooncake-kv-epoch`` (JSON ``{"epoch": N}``),
+written atomically (temporary file, fsync, rename, fsync of the directory) under an exclusive
+``flock`` of ``mooncake-kv-epoch.lock`` beside it, and it only ever grows, whichever process of the
+node advances it. The SSD backends ignore files whose names are not theirs, and with several ranks
+the configured ``ssd.path`` holds one subdirectory per rank, so these two files sit beside them. A
+store without an SSD tier loses everything on a restart anyway: its epoch lives in memory.
+
+``EpochFile`` is called from an engine's scheduler thread (rarely: start-up and resets);
+``EpochSweeper`` owns one background thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+
+from store_backend.config import ConfigError
+from store_backend.store import TieredStore
+from store_backend.types import Status
+
+logger = logging.getLogger(__name__)
+
+EPOCH_FILE = "mooncake-kv-epoch"
+LOCK_FILE = EPOCH_FILE + ".lock"
+
+
+class EpochFile:
+    """The persisted epoch of the store directory ``directory`` (None: no SSD tier, in memory).
+
+    Not thread-safe on its own (one caller thread); safe between processes (``flock``)."""
+
+    def __init__(self, directory: str | None) -> None:
+        self.directory = directory
+        self._memory_epoch = 0
+
+    @property
+    def path(self) -> str | None:
+        return None if self.directory is None else os.path.join(self.directory, EPOCH_FILE)
+
+    def read(self) -> int:
+        """The current epoch (0 when none was ever written). Raises ConfigError for a file that is
+        not an epoch file, naming it: guessing an epoch could serve KV from before a reset."""
+        if self.directory is None:
+            return self._memory_epoch
+        assert self.path is not None
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return 0
+        except OSError as e:
+            raise ConfigError(f"ssd.path: cannot read the cache epoch file {self.path}: {e.strerror}") from None
+        try:
+            epoch = json.loads(raw)["epoch"]
+            if not isinstance(epoch, int) or epoch < 0:
+                raise ValueError(epoch)
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(
+                f"ssd.path: {self.path} is not a cache epoch file ({raw[:64]!r}); remove it together "
+                "with the store's objects (they may predate a cache reset)") from None
+        return epoch
+
+    def advance(self, current: int) -> int:
+        """Move to an epoch newer than ``current`` and than any epoch this directory ever had;
+        persist it (durably) before returning it. Blocking (a few fsyncs)."""
+        if self.directory is None:
+            self._memory_epoch = max(self._memory_epoch, current) + 1
+            return self._memory_epoch
+        assert self.path is not None
+        os.makedirs(self.directory, exist_ok=True)
+        lock_fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            new = max(self.read(), current) + 1
+            tmp = f"{self.path}.{os.getpid()}.partial"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, json.dumps({"epoch": new}).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            return new
+        finally:
+            os.close(lock_fd)  # releases the flock
+
+
+class EpochSweeper:
+    """Removes, in the background, every object whose key starts with one of the given fingerprint
+    digests (``"<digest>/..."``): the keys of epochs that are over.
+
+    One owned thread, started by the first :meth:`sweep`, stopped by :meth:`close`. Requests that
+    arrive while a sweep runs are merged into the next one. An object a reader holds right now
+    (BUSY) is left for the store's eviction: nothing looks for old-epoch keys any more."""
+
+    def __init__(self, store: TieredStore, *, settle: Callable[[], object] | None = None,
+                 batch_keys: int = 256) -> None:
+        self._store = store
+        self._settle = settle  # waits for saves still in flight (their keys may be old-epoch ones)
+        self._batch_keys = batch_keys
+        self._cond = threading.Condition()
+        self._pending: set[str] = set()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.removed = 0
+        self.busy = 0
+        self.sweeps = 0
+
+    def sweep(self, digests: Iterable[str]) -> None:
+        """Queue removal of every key under ``digests`` (non-blocking; thread-safe)."""
+        with self._cond:
+            if self._stop:
+                return
+            self._pending.update(digests)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-epoch-sweep", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no sweep is queued or running (for tests and shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._running, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let queued sweeps finish for up to ``timeout_s``, then stop the thread (a sweep still
+        running stops at its next batch; the next start sweeps again). Blocking, bounded."""
+        self.wait_idle(timeout_s)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stop)
+                if self._stop:
+                    return
+                digests, self._pending = self._pending, set()
+                self._running = True
+            try:
+                self._sweep_once(digests)
+            except Exception:
+                logger.exception("removing the keys of %d old cache epochs failed", len(digests))
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def _sweep_once(self, digests: set[str]) -> None:
+        if self._settle is not None:
+            self._settle()
+        victims = [k for k in self._store.keys() if k.partition("/")[0] in digests]
+        busy_before = self.busy
+        for i in range(0, len(victims), self._batch_keys):
+            with self._cond:
+                if self._stop:
+                    return
+            for st in self._store.remove(victims[i:i + self._batch_keys]):
+                if st is Status.OK:
+                    self.removed += 1
+                elif st is Status.BUSY:
+                    self.busy += 1
+        self.sweeps += 1
+        if victims:
+            logger.info("removed %d objects of old cache epochs (%d busy, left to eviction)",
+                        len(victims) - (self.busy - busy_before), self.busy - busy_before)

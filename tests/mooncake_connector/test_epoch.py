@@ -1,0 +1,94 @@
+"""The persisted cache epoch and the background removal of old epochs' keys (real files, real store)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_connector.epoch import EPOCH_FILE, EpochFile, EpochSweeper
+from store_backend.config import ConfigError, load_config
+from store_backend.store import TieredStore
+
+
+def test_epoch_survives_a_restart_and_only_grows(tmp_path: Path) -> None:
+    f = EpochFile(str(tmp_path / "ssd"))
+    assert f.read() == 0  # nothing written yet (the directory need not exist)
+    assert f.advance(0) == 1
+    assert EpochFile(str(tmp_path / "ssd")).read() == 1  # a new process reads it back
+    # Another engine on the directory that is still at 0 moves past what the directory had.
+    assert EpochFile(str(tmp_path / "ssd")).advance(0) == 2
+    assert f.advance(1) == 3
+    assert json.loads((tmp_path / "ssd" / EPOCH_FILE).read_text()) == {"epoch": 3}
+    assert [p.name for p in (tmp_path / "ssd").iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_memory_epoch_without_ssd() -> None:
+    f = EpochFile(None)
+    assert f.read() == 0 and f.advance(0) == 1 and f.read() == 1 and f.advance(0) == 2
+
+
+def test_damaged_epoch_file_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / EPOCH_FILE).write_text("garbage")
+    with pytest.raises(ConfigError, match=EPOCH_FILE):
+        EpochFile(str(tmp_path)).read()
+
+
+def _advance_many(directory: str, n: int) -> None:
+    f = EpochFile(directory)
+    for _ in range(n):
+        f.advance(0)
+
+
+def test_concurrent_advances_from_processes_never_lose_one(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_advance_many, args=(str(tmp_path), 10)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert EpochFile(str(tmp_path)).read() == 30
+
+
+@pytest.mark.parametrize("backend", ["file", "bucket", "offset"])
+def test_epoch_file_beside_the_objects_is_ignored_by_the_ssd_backend(tmp_path: Path, backend: str) -> None:
+    cfg = load_config({"dram": {"capacity_bytes": "8MiB"},
+                       "ssd": {"path": str(tmp_path), "capacity_bytes": "64MiB", "backend": backend},
+                       "offload": {"policy": "eager"}})
+    buf = np.full(4096, 7, dtype=np.uint8)
+    with TieredStore(cfg) as store:
+        store.put(["d/k"], [buf])
+        assert store.flush(30)
+    EpochFile(str(tmp_path)).advance(0)
+    with TieredStore(cfg) as store:  # recovery sees the epoch files and leaves them alone
+        assert store.contains(["d/k"]) == [True]
+        assert store.keys() == ["d/k"]
+    assert EpochFile(str(tmp_path)).read() == 1
+
+
+def test_sweeper_removes_only_old_epoch_keys_from_both_tiers(tmp_path: Path) -> None:
+    cfg = load_config({"dram": {"capacity_bytes": "8MiB"},
+                       "ssd": {"path": str(tmp_path), "capacity_bytes": "64MiB", "backend": "file"},
+                       "offload": {"policy": "eager"}})
+    buf = np.zeros(4096, dtype=np.uint8)
+    with TieredStore(cfg) as store:
+        old = [f"old/{i}" for i in range(300)]  # more than one removal batch
+        keep = [f"new/{i}" for i in range(5)] + [f"other-model/{i}" for i in range(5)]
+        for k in old + keep:
+            store.put([k], [buf])
+        assert store.flush(30)
+        settled = threading.Event()
+        sweeper = EpochSweeper(store, settle=settled.set, batch_keys=128)
+        sweeper.sweep(["old"])
+        assert sweeper.wait_idle(30)
+        sweeper.close()
+        assert settled.is_set()
+        assert sorted(store.keys()) == sorted(keep)
+        assert sweeper.removed == 300
+    with TieredStore(cfg) as store:  # and the SSD copies are gone too
+        assert sorted(store.keys()) == sorted(keep)

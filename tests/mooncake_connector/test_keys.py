@@ -1,0 +1,44 @@
+"""Key fingerprints and chained chunk hashes (engine-agnostic)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mooncake_connector.keys import ModelFingerprint, chunk_hashes
+
+FP = ModelFingerprint(model_id="m", kv_dtype="float32", num_layers=2, num_kv_heads=1, head_size=64)
+
+
+def test_digest_without_weights_or_epoch_is_the_one_stores_were_written_under() -> None:
+    # Digests computed before `weights` and `epoch` existed (stores on disk, SGLang's keys).
+    assert FP.digest() == "9d9f065024a19cd298ca567448586a2a"
+    other = msgspec.structs.replace(FP, shard_index=1, shard_count=2, revision="r", is_mla=True)
+    assert other.digest() == "0bb2d4588242cca29d9599ac8d2ac6b0"
+
+
+def test_weights_and_epoch_enter_the_digest() -> None:
+    digests = {FP.digest(), msgspec.structs.replace(FP, epoch=1).digest(),
+               msgspec.structs.replace(FP, epoch=2).digest(), msgspec.structs.replace(FP, weights="w1").digest(),
+               msgspec.structs.replace(FP, weights="w2").digest()}
+    assert len(digests) == 5
+    with pytest.raises(ValueError, match="epoch"):
+        msgspec.structs.replace(FP, epoch=-1)
+
+
+def test_chunk_extra_keys_enter_only_their_chunk_and_the_chain_after_it() -> None:
+    tokens = list(range(4 * 8))
+    plain = chunk_hashes(tokens, 8)
+    per = chunk_hashes(tokens, 8, chunk_extra_keys=[None, [], ["mm:x:3"], None])
+    assert per[:2] == plain[:2]
+    assert per[2] != plain[2] and per[3] != plain[3]
+    # Request-wide keys come first, per-chunk ones on top.
+    both = chunk_hashes(tokens, 8, extra_keys=["salt:s"], chunk_extra_keys=[None, None, ["mm:x:3"], None])
+    salted = chunk_hashes(tokens, 8, extra_keys=["salt:s"])
+    assert both[:2] == salted[:2] and both[2] != salted[2] and both[2] != per[2]
+    # Extending a chain in two calls gives the one-call hashes.
+    first = chunk_hashes(tokens[:16], 8, chunk_extra_keys=[None, []])
+    rest = chunk_hashes(tokens[16:], 8, parent=first[-1], chunk_extra_keys=[["mm:x:3"], None])
+    assert first + rest == per
+    with pytest.raises(ValueError, match="chunk_extra_keys"):
+        chunk_hashes(tokens, 8, chunk_extra_keys=[None])
