@@ -66,6 +66,6 @@ def release_store(store: TieredStore, *, flush: bool = True, flush_timeout_s: fl
                 break
         else:
             return
-    if flush and not store.flush(timeout_s=flush_timeout_s):
-        logger.warning("store flush did not finish within %.0f s; closing anyway", flush_timeout_s)
+    # close(flush=True) writes everything to SSD first (either offload policy) and logs any
+    # object it could not persist, with why.
     store.close(flush=flush, timeout_s=flush_timeout_s)

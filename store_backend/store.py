@@ -1,25 +1,33 @@
 """TieredStore: the embedded store (host DRAM over an optional SSD tier) that engines call.
 
 Thread-safe; every public method may be called from any thread. One lock guards the index
-(DRAM entries, allocator, policy, counters); byte copies run outside it on entries that are
-reserved or leased, so a slow copy never blocks other callers' bookkeeping. Background movement
-(offload to SSD, promotion back to DRAM) runs on two owned :class:`BatchWorker` threads started by
-``start()`` and stopped by ``close()``; it is never on the put path.
+(DRAM entries, allocator, policy, counters); byte copies and SSD I/O run outside it, on entries
+that are reserved or leased, so a slow copy never blocks other callers' bookkeeping. Background
+movement (offload to SSD, promotion back to DRAM) runs on two owned :class:`BatchWorker` threads
+started by ``start()`` and stopped by ``close()``; it is never on the put path.
 
 Buffers: ``put`` copies from the caller's buffers before it returns (the caller may reuse them at
 once); ``get_into`` copies into the caller's writable buffers before it returns. No other copy of
 an object is made on the way into or out of the DRAM arena.
+
+One contract for both tiers: a call answers the same whether the object sits in DRAM or on SSD
+(``BUFFER_TOO_SMALL`` carries the object's size; a read-only buffer raises ``TypeError``). After
+``close()`` has begun, every method but ``close()`` raises :class:`StoreClosedError`; calls
+already running when it begins finish first (``close`` waits for them), so a caller never sees
+an SSD backend's own "closed" error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from store_backend.coherence import LossLedger, RemovalTracker
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
@@ -30,6 +38,7 @@ from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.types import (
     Buffer,
+    FlushReport,
     ReadResult,
     Status,
     byte_view,
@@ -46,9 +55,12 @@ MAX_OFFLOAD_ATTEMPTS = 3
 
 _HIT_TABLE_MAX = 1 << 16  # SSD hit counters kept for promotion decisions
 
+# How long a removal retries an SSD copy that is busy (a reader of the offset backend holds it).
+_REMOVE_BUSY_S = 5.0
+
 
 class StoreClosedError(RuntimeError):
-    """A call on a store after ``close()``."""
+    """A call on a store after ``close()`` began."""
 
 
 class TieredStore:
@@ -82,6 +94,12 @@ class TieredStore:
         self._ssd_hits: dict[str, int] = {}
         self._closed = False
         self._started = False
+        self._closing = False  # close() has begun: new calls are refused
+        self._calls = 0  # public calls in flight; close() waits for them
+        self._changed = threading.Condition(self._lock)  # notified when a call or an SSD write ends
+        self._removals = RemovalTracker()
+        self._losses = LossLedger()
+        self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         off = self.config.offload
         self._offloader: BatchWorker[str] = BatchWorker(
             "kv-offload",
@@ -107,10 +125,31 @@ class TieredStore:
         return self
 
     def close(self, flush: bool = True, timeout_s: float = 60.0) -> None:
-        """Stop workers (finishing queued offloads when ``flush``), close the SSD tier and the arena."""
-        if self._closed:
-            return
-        self._offloader.close(drain=flush, timeout_s=timeout_s)
+        """Close the store: blocking, idempotent.
+
+        From the moment it begins, new calls raise :class:`StoreClosedError`; calls already
+        running finish first (waited for up to ``timeout_s``). With ``flush``, everything that
+        ``flush()`` promises is then written to SSD, in both offload policies, before the workers
+        stop (objects that could not be are logged); without it, queued offloads are dropped.
+        Then the SSD tier and the arena are closed.
+        """
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            deadline = time.monotonic() + timeout_s
+            while self._calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("close: %d calls still running after %.1f s; closing under them",
+                                   self._calls, timeout_s)
+                    break
+                self._changed.wait(left)
+        if flush and self._ssd is not None:
+            report = self._flush(max(0.0, deadline - time.monotonic()))
+            if not report.ok:
+                logger.warning("close: %s", report.summary())
+        self._offloader.close(drain=False, timeout_s=timeout_s)
         self._promoter.close(drain=False, timeout_s=timeout_s)
         with self._lock:
             self._closed = True
@@ -127,8 +166,54 @@ class TieredStore:
         self.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing or self._closed:
             raise StoreClosedError("the store is closed")
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Count a public call in flight (close() waits for it); refuse it once close() began."""
+        with self._lock:
+            self._check_open()
+            self._calls += 1
+        try:
+            yield
+        except StoreClosedError:
+            raise
+        except Exception as e:
+            # Only when close() gave up waiting for this call: the tiers were closed under it.
+            if self._closed:
+                raise StoreClosedError("the store was closed during the call") from e
+            raise
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if not self._calls:
+                    self._changed.notify_all()
+
+    def _live(self, e: Entry) -> bool:
+        """Whether ``e`` is still the index's entry for its key (lock held): a removed entry is
+        not, though readers or an offload may still hold its bytes."""
+        return self._dram.entries.get(e.key) is e
+
+    def _detach(self, e: Entry) -> None:
+        """Take ``e`` out of the index for a remove (lock held). Its bytes are freed now when
+        nobody holds them, else by whoever lets go last (a reader, an offload, the writer)."""
+        if e.state is EntryState.READY and e.leases == 0:
+            self._dram.drop(e.key)
+            return
+        del self._dram.entries[e.key]
+        if e.state is EntryState.READY:
+            self._dram.policy.on_remove(e.key)
+
+    def _unlease(self, e: Entry) -> None:
+        """Let go of a lease (lock held); the last holder of a removed entry frees its bytes."""
+        e.leases -= 1
+        if e.leases == 0 and not self._live(e):
+            self._dram.allocator.free(e.offset)
+
+    def _release_detached(self, e: Entry) -> None:
+        """The writer of a WRITING entry that a remove took out of the index frees its bytes."""
+        self._dram.allocator.free(e.offset)
 
     # -- writes ------------------------------------------------------------------------------------
     def put(
@@ -141,24 +226,30 @@ class TieredStore:
 
         Per key: OK, EXISTS (already stored; bytes kept), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing
         evictable: every resident object is leased, pinned or being written). Never blocks on I/O.
+        A put that begins after a ``remove`` of its key returned stores the new bytes.
         """
         check_batch(keys, buffers)
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
         views = [byte_view(b) for b in buffers]
+        with self._call():
+            return self._put(keys, views, parents)
+
+    def _put(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
+             ) -> list[Status]:
         out = [Status.OK] * len(keys)
         reserved: list[tuple[int, Entry]] = []
         m = self.metrics_counters
         valid = [check_key(k) is None for k in keys]
         # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
-        # only costs a redundant DRAM copy of the same immutable bytes.
+        # only costs a redundant DRAM copy of the same immutable bytes. A key being removed is
+        # hidden, so a put racing the removal of an older copy stores its bytes.
         on_ssd = [False] * len(keys)
         if self._ssd is not None:
             idx = [i for i, ok in enumerate(valid) if ok]
             for i, hit in zip(idx, self._ssd.contains([keys[i] for i in idx])):
                 on_ssd[i] = hit
         with self._lock:
-            self._check_open()
             for i, key in enumerate(keys):
                 if not valid[i]:
                     out[i] = Status.INVALID_KEY
@@ -167,7 +258,7 @@ class TieredStore:
                 if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
                     out[i] = Status.TOO_LARGE
                     continue
-                if key in self._dram.entries or on_ssd[i]:
+                if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
                     out[i] = Status.EXISTS
                     m.store.put_exists += 1
                     continue
@@ -178,28 +269,38 @@ class TieredStore:
                     continue
                 reserved.append((i, entry))
         arena = self._dram.arena.view
-        for i, entry in reserved:
-            copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
-        to_offload: list[str] = []
-        with self._lock:
-            eager = self._ssd is not None and self._started and self.config.offload.policy == "eager"
-            for _i, entry in reserved:
-                self._dram.commit(entry)
-                m.store.puts += 1
-                m.dram.bytes_in += entry.size
-                to_offload.append(entry.key)
-                entry.offload_queued = eager
-        if self._ssd is not None and self._started:
-            if self.config.offload.policy == "eager":
-                refused = self._offloader.submit(to_offload)
-                if refused:
-                    with self._lock:
-                        m.store.offload_queue_full += refused
-                        for _i, entry in reserved[len(reserved) - refused:]:  # the queue takes a prefix
-                            entry.offload_queued = False
-                            entry.offload_failures += 1
-            elif self._over_high_watermark():
-                self._offloader.kick()
+        copied = 0
+        try:
+            for i, entry in reserved:
+                copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
+                copied += 1
+        finally:
+            queued: list[Entry] = []
+            with self._lock:
+                eager = self._ssd is not None and self._started and self.config.offload.policy == "eager"
+                for n, (_i, entry) in enumerate(reserved):
+                    if not self._live(entry):  # removed while its bytes were copied in
+                        self._release_detached(entry)
+                        continue
+                    if n >= copied:  # the copy failed: forget the half-written entry
+                        self._dram.drop(entry.key)
+                        continue
+                    self._dram.commit(entry)
+                    self._losses.clear(entry.key)
+                    m.store.puts += 1
+                    m.dram.bytes_in += entry.size
+                    if eager:
+                        entry.offload_queued = True
+                        queued.append(entry)
+                if queued:
+                    refused = self._offloader.submit([e.key for e in queued])
+                    m.store.offload_queue_full += refused
+                    for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
+                        entry.offload_queued = False
+                        entry.offload_failures += 1
+        if self._ssd is not None and self._started and self.config.offload.policy == "watermark" \
+                and self._over_high_watermark():
+            self._offloader.kick()
         return out
 
     def _admitted(self, e: Entry, parent_on_ssd: bool) -> bool:
@@ -255,6 +356,8 @@ class TieredStore:
                 m.dram.evictions += 1
                 if self._ssd is not None and not e.clean:
                     m.store.dropped_unpersisted += 1
+                    self._losses.record(e.key, "evicted from DRAM before it reached SSD" + (
+                        f" ({e.offload_failures} failed or refused writes)" if e.offload_failures else ""))
 
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
             if entry is not None:
@@ -273,17 +376,25 @@ class TieredStore:
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
         """Copy objects into the caller's writable buffers (DRAM first, else SSD).
 
-        Per key: OK with the object's size, NOT_FOUND, BUFFER_TOO_SMALL, CORRUPT (served as a miss),
-        INVALID_KEY, IO_ERROR. Blocks for SSD reads. Objects being read are leased: not evicted,
-        removed or overwritten under the reader.
+        Per key: OK with the object's size, NOT_FOUND, BUFFER_TOO_SMALL with the object's size
+        (nothing copied), CORRUPT (served as a miss), INVALID_KEY, IO_ERROR. Raises TypeError,
+        before reading anything, when a buffer is read-only or not a buffer. Blocks for SSD reads.
+        Objects being read are leased: not evicted or overwritten under the reader (a remove
+        meanwhile takes the key at once and frees the bytes when the reader is done).
         """
         check_batch(keys, buffers)
+        for i, buf in enumerate(buffers):
+            if memoryview(buf).readonly:  # type: ignore[arg-type]
+                raise TypeError(f"buffers[{i}] (for key {keys[i]!r}) is read-only; get_into writes into it")
+        with self._call():
+            return self._get_into(keys, buffers)
+
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
         out: list[ReadResult] = [ReadResult(Status.NOT_FOUND)] * len(keys)
         leased: list[tuple[int, Entry]] = []
         below: list[int] = []
         m = self.metrics_counters
         with self._lock:
-            self._check_open()
             m.store.gets += len(keys)
             for i, key in enumerate(keys):
                 if check_key(key) is not None:
@@ -306,8 +417,9 @@ class TieredStore:
         finally:
             with self._lock:
                 for _i, entry in leased:
-                    entry.leases -= 1
-                    self._dram.policy.on_access(entry.key)
+                    if self._live(entry):
+                        self._dram.policy.on_access(entry.key)
+                    self._unlease(entry)
                     m.dram.hits += 1
                     m.dram.bytes_out += entry.size
                 m.dram.misses += len(below)
@@ -321,11 +433,23 @@ class TieredStore:
     def _read_below(self, keys: Sequence[str], buffers: Sequence[Buffer], idx: list[int],
                     out: list[ReadResult]) -> None:
         assert self._ssd is not None
-        results = self._ssd.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
-        promote: list[str] = []
         m = self.metrics_counters
+        with self._lock:  # a key being removed is absent, though its SSD copy may still be there
+            hidden = [i for i in idx if self._removals.hidden(keys[i])]
+            idx = [i for i in idx if not self._removals.hidden(keys[i])]
+            m.ssd.misses += len(hidden)
+        if not idx:
+            return
+        results = self._ssd.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+        short = [i for i, res in zip(idx, results) if res.status is Status.BUFFER_TOO_SMALL]
+        sizes = dict(zip(short, self._ssd.size_of([keys[i] for i in short]))) if short else {}
+        promote: list[str] = []
         with self._lock:
             for i, res in zip(idx, results):
+                if res.status is Status.BUFFER_TOO_SMALL:  # the backends do not say the size: we do
+                    size = sizes.get(i)
+                    res = ReadResult(Status.NOT_FOUND) if size is None or self._removals.hidden(keys[i]) \
+                        else ReadResult(Status.BUFFER_TOO_SMALL, size)
                 out[i] = res
                 if res.status is Status.OK:
                     m.ssd.hits += 1
@@ -351,17 +475,24 @@ class TieredStore:
                     m.store.promotion_queue_full += refused
 
     # -- queries -----------------------------------------------------------------------------------
+    def _on_ssd(self, keys: Sequence[str]) -> list[bool]:
+        """SSD presence, outside the store lock; a key being removed is absent."""
+        assert self._ssd is not None
+        hits = self._ssd.contains(keys)
+        with self._lock:
+            return [hit and not self._removals.hidden(k) for k, hit in zip(keys, hits)]
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present in any tier (an object still being written is not)."""
         check_batch(keys)
-        with self._lock:
-            self._check_open()
-            out = [check_key(k) is None and self._dram.ready(k) is not None for k in keys]
-        rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
-        if rest and self._ssd is not None:
-            for i, hit in zip(rest, self._ssd.contains([keys[i] for i in rest])):
-                out[i] = hit
-        return out
+        with self._call():
+            with self._lock:
+                out = [check_key(k) is None and self._dram.ready(k) is not None for k in keys]
+            rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
+            if rest and self._ssd is not None:
+                for i, hit in zip(rest, self._on_ssd([keys[i] for i in rest])):
+                    out[i] = hit
+            return out
 
     def exists(self, keys: Sequence[str]) -> int:
         """Number of leading keys present (for prefix-chained keys: the reusable prefix length)."""
@@ -375,67 +506,140 @@ class TieredStore:
     def tier_of(self, keys: Sequence[str]) -> list[str | None]:
         """"dram", "ssd" or None for each key (the fastest tier holding it)."""
         check_batch(keys)
-        with self._lock:
-            self._check_open()
-            out: list[str | None] = [
-                "dram" if check_key(k) is None and self._dram.ready(k) is not None else None for k in keys
-            ]
-        rest = [i for i, t in enumerate(out) if t is None and check_key(keys[i]) is None]
-        if rest and self._ssd is not None:
-            for i, hit in zip(rest, self._ssd.contains([keys[i] for i in rest])):
-                out[i] = "ssd" if hit else None
-        return out
+        with self._call():
+            with self._lock:
+                out: list[str | None] = [
+                    "dram" if check_key(k) is None and self._dram.ready(k) is not None else None for k in keys
+                ]
+            rest = [i for i, t in enumerate(out) if t is None and check_key(keys[i]) is None]
+            if rest and self._ssd is not None:
+                for i, hit in zip(rest, self._on_ssd([keys[i] for i in rest])):
+                    out[i] = "ssd" if hit else None
+            return out
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every stored key starting with ``prefix`` (DRAM and SSD, each once). A snapshot: O(objects)."""
-        with self._lock:
-            self._check_open()
-            out = [k for k, e in self._dram.entries.items() if e.state is EntryState.READY and k.startswith(prefix)]
-        if self._ssd is not None:
-            seen = set(out)
-            out.extend(k for k in self._ssd.keys() if k.startswith(prefix) and k not in seen)
-        return out
+        with self._call():
+            with self._lock:
+                out = [k for k, e in self._dram.entries.items()
+                       if e.state is EntryState.READY and k.startswith(prefix)]
+            if self._ssd is not None:
+                seen = set(out)
+                below = [k for k in self._ssd.keys() if k.startswith(prefix) and k not in seen]
+                with self._lock:
+                    out.extend(k for k in below if not self._removals.hidden(k))
+            return out
 
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        """Each object's size in bytes, or None when it is stored nowhere."""
         check_batch(keys)
-        with self._lock:
-            self._check_open()
-            out: list[int | None] = []
-            for k in keys:
-                e = self._dram.ready(k) if check_key(k) is None else None
-                out.append(None if e is None else e.size)
-        rest = [i for i, s in enumerate(out) if s is None and check_key(keys[i]) is None]
-        if rest and self._ssd is not None:
-            for i, s in zip(rest, self._ssd.size_of([keys[i] for i in rest])):
-                out[i] = s
-        return out
+        with self._call():
+            with self._lock:
+                out: list[int | None] = []
+                for k in keys:
+                    e = self._dram.ready(k) if check_key(k) is None else None
+                    out.append(None if e is None else e.size)
+            rest = [i for i, s in enumerate(out) if s is None and check_key(keys[i]) is None]
+            if rest and self._ssd is not None:
+                sizes = self._ssd.size_of([keys[i] for i in rest])
+                with self._lock:
+                    for i, s in zip(rest, sizes):
+                        out[i] = None if self._removals.hidden(keys[i]) else s
+            return out
 
     # -- removal and leases ------------------------------------------------------------------------
     def remove(self, keys: Sequence[str]) -> list[Status]:
-        """Delete objects from every tier. BUSY when a reader holds the DRAM copy right now."""
+        """Delete objects from every tier; blocks until their SSD copies are deleted.
+
+        Per key: OK (it was stored and is gone), NOT_FOUND, INVALID_KEY, IO_ERROR (its SSD copy
+        could not be deleted: the key reads as absent from this store from now on, but the copy
+        may be found again when the directory is reopened).
+
+        The contract, whatever runs in the background: once ``remove`` returns, no read from any
+        thread returns the removed bytes, from any tier, and a ``put`` of the key stores new
+        bytes. A promotion reading the SSD copy, an offload or demotion writing it, or a
+        promotion queued for it cannot bring it back: each checks at commit whether a remove
+        came in between, and an SSD copy that an offload lands after the remove is deleted
+        before the key is visible on SSD again. A read that overlaps the remove may return the
+        old bytes or a miss. Readers copying the object out of DRAM right now finish with the old
+        bytes; its DRAM space is freed when they are done (remove never waits for them).
+        """
         check_batch(keys)
         out = [Status.NOT_FOUND] * len(keys)
         below: list[int] = []
-        with self._lock:
-            self._check_open()
-            for i, key in enumerate(keys):
-                if check_key(key) is not None:
-                    out[i] = Status.INVALID_KEY
-                    continue
-                e = self._dram.entries.get(key)
-                if e is not None:
-                    if e.leases or e.state is EntryState.WRITING:
-                        out[i] = Status.BUSY
+        with self._call():
+            with self._lock:
+                for i, key in enumerate(keys):
+                    if check_key(key) is not None:
+                        out[i] = Status.INVALID_KEY
                         continue
-                    self._dram.drop(key)
-                    out[i] = Status.OK
-                self._ssd_hits.pop(key, None)
-                below.append(i)
-        if below and self._ssd is not None:
-            for i, st in zip(below, self._ssd.remove([keys[i] for i in below])):
-                if st is Status.OK:
-                    out[i] = Status.OK
+                    e = self._dram.entries.get(key)
+                    if e is not None:
+                        if self._offloading.get(key) is e:
+                            self._removals.hold(key)  # the offload deletes the copy it lands
+                        self._detach(e)
+                        out[i] = Status.OK
+                    self._ssd_hits.pop(key, None)
+                    self._losses.clear(key)
+                    if self._ssd is not None:
+                        self._removals.begin(key)
+                        below.append(i)
+            if below:
+                statuses = self._delete_on_ssd([keys[i] for i in below])
+                with self._lock:
+                    again: list[str] = []
+                    for i, st in zip(below, statuses):
+                        deleted = st in (Status.OK, Status.NOT_FOUND)
+                        if st is Status.OK:
+                            out[i] = Status.OK
+                        elif not deleted:
+                            out[i] = Status.IO_ERROR
+                        if self._removals.end(keys[i], deleted):
+                            again.append(keys[i])
+                    self._offload_again(again)
         return out
+
+    def _delete_on_ssd(self, keys: list[str]) -> list[Status]:
+        """Delete SSD copies (store lock not held). A copy a reader holds (BUSY) is retried for
+        up to ``_REMOVE_BUSY_S``; an exception answers IO_ERROR for the keys left."""
+        assert self._ssd is not None
+        out = [Status.IO_ERROR] * len(keys)
+        todo = list(range(len(keys)))
+        deadline = time.monotonic() + _REMOVE_BUSY_S
+        pause_s = 0.0005
+        while todo:
+            try:
+                statuses = self._ssd.remove([keys[i] for i in todo])
+            except Exception:
+                if self._closed:
+                    raise StoreClosedError("the store was closed during the call") from None
+                logger.exception("deleting %d SSD copies failed", len(todo))
+                break
+            for i, st in zip(todo, statuses):
+                out[i] = st
+            todo = [i for i in todo if out[i] is Status.BUSY]
+            if not todo or time.monotonic() > deadline:
+                break
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, 0.02)
+        for i in todo:
+            logger.error("SSD copy of %r still busy after %.0f s: hidden until a later remove deletes it",
+                         keys[i], _REMOVE_BUSY_S)
+        return out
+
+    def _offload_again(self, keys: list[str]) -> None:
+        """(lock held) Queue again the DRAM objects of ``keys`` whose SSD write waited for the
+        deletion of an older copy (eager mode; in watermark mode demotion or flush takes them)."""
+        if not keys or not self._started or self.config.offload.policy != "eager":
+            return
+        todo = [e for e in map(self._dram.ready, keys) if e is not None and not e.clean and not e.offload_queued]
+        for e in todo:
+            e.offload_queued = True
+        refused = self._offloader.submit([e.key for e in todo])
+        self.metrics_counters.store.offload_queue_full += refused
+        for e in todo[len(todo) - refused:]:
+            e.offload_queued = False
+            e.offload_failures += 1
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
         """Lease objects for an in-flight load: DRAM copies are not evicted until ``unpin`` or
@@ -460,6 +664,7 @@ class TieredStore:
 
     def unpin(self, keys: Sequence[str]) -> None:
         with self._lock:
+            self._check_open()
             for key in keys:
                 e = self._dram.entries.get(key)
                 if e is not None and e.pins > 0:
@@ -467,18 +672,120 @@ class TieredStore:
 
     # -- background movement -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until queued offloads and promotions are done (False on timeout).
+        """Persist what is in DRAM; True only when every object put before the call that the SSD
+        admission policy accepts is on SSD. :meth:`flush_report` says which are not, and why."""
+        return self.flush_report(timeout_s).ok
 
-        In watermark mode this also runs a demotion pass first, if DRAM is above its high mark.
+    def flush_report(self, timeout_s: float | None = None) -> FlushReport:
+        """Write to SSD every object put before the call that is not there yet; blocking.
+
+        First lets the background work finish (queued offloads; in watermark mode a demotion
+        pass down to the low mark, as DRAM use demands), then writes whatever is still not on
+        SSD from the calling thread: in watermark mode too, everything, not only down to the low
+        mark (those objects stay in DRAM, now clean). Failed writes are retried; queued promotions
+        are waited for too. Works whether or not ``start()`` was called.
+
+        The report is ``ok`` when every object put before the call that the admission policy
+        accepts is on SSD. Otherwise ``unpersisted`` names each one that is not, with why: its
+        SSD write failed (the status), the flush timed out, an older copy of the key is still
+        being deleted, or it was evicted from DRAM before it reached SSD (eager mode when the SSD
+        tier falls behind; such a loss is reported by every flush until the key is put again or
+        removed). Not failures: objects removed since, objects admission declines (counted in
+        ``declined``), and SSD copies the SSD tier later evicts by its own capacity policy.
+        Without an SSD tier the report is always ``ok``. Thread-safe; objects put while it runs
+        are not waited for.
         """
-        if not self._started or self._ssd is None:
-            return True
-        if self.config.offload.policy == "watermark":
-            self._offloader.kick()
+        with self._call():
+            return self._flush(timeout_s)
+
+    def _flush(self, timeout_s: float | None) -> FlushReport:
+        if self._ssd is None:
+            return FlushReport()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        ok = self._offloader.wait_idle(timeout_s)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._promoter.wait_idle(remaining) and ok
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        with self._lock:
+            snapshot = [e for e in self._dram.entries.values() if e.state is EntryState.READY]
+        if self._started:  # queued work first, so that little is written twice
+            if self.config.offload.policy == "watermark":
+                self._offloader.kick()
+            self._offloader.wait_idle(left())
+        problems: dict[str, str] = {}
+        timed_out = False
+        for _attempt in range(MAX_OFFLOAD_ATTEMPTS):
+            pending = self._flush_pending(snapshot)
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                break
+            problems.update(self._write_now(pending, deadline))
+            timed_out = not self._wait_written(snapshot, deadline)
+        if self._started:
+            self._promoter.wait_idle(left())
+        with self._lock:
+            unpersisted: dict[str, str] = {}
+            declined = 0
+            for e in snapshot:
+                if not self._live(e):
+                    continue  # removed since (a loss from eviction is in the ledger)
+                if e.declined:
+                    declined += 1
+                elif not e.persisted:
+                    unpersisted[e.key] = problems.get(e.key) or (
+                        "the flush timed out before it was written" if timed_out else "its SSD write did not finish")
+            for key, why in self._losses.items():
+                unpersisted.setdefault(key, why)
+            return FlushReport(unpersisted, declined, self._losses.untracked)
+
+    def _flush_pending(self, snapshot: list[Entry]) -> list[Entry]:
+        """Entries of ``snapshot`` that still need an SSD write: dirty ones, persisted ones whose
+        SSD copy the SSD tier has evicted since, and declined ones that admission now accepts."""
+        with self._lock:
+            live = [e for e in snapshot if self._live(e)]
+            persisted = [e.key for e in live if e.persisted]
+            parents = sorted({e.parent for e in live if e.declined and e.parent is not None
+                              and e.parent not in self._dram.entries})
+        present = {k for k, hit in zip(persisted, self._on_ssd(persisted)) if hit} if persisted else set()
+        parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(parents)) if hit} if parents else set()
+        with self._lock:
+            for e in live:
+                if not self._live(e) or e.key in self._offloading:
+                    continue
+                if e.persisted and e.key not in present:
+                    e.persisted = False  # the SSD tier dropped its copy: write it again
+                if e.declined and self._admitted(e, e.parent in parents_on_ssd):
+                    e.declined = False
+            return [e for e in live if self._live(e) and not e.clean]
+
+    def _write_now(self, pending: list[Entry], deadline: float | None) -> dict[str, str]:
+        """Write ``pending`` to SSD from the calling thread, in offload-sized batches; returns why
+        each object that was not written was not."""
+        problems: dict[str, str] = {}
+        batch_max = max(1, self.config.ssd.bucket_max_keys if self.config.ssd else 256)
+        chunk: list[str] = []
+        weight = 0
+        for i, e in enumerate(pending):
+            chunk.append(e.key)
+            weight += e.size
+            if len(chunk) >= batch_max or weight >= self.config.offload.batch_bytes or i == len(pending) - 1:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                problems.update(self._offload_batch(chunk))
+                chunk, weight = [], 0
+        return problems
+
+    def _wait_written(self, snapshot: list[Entry], deadline: float | None) -> bool:
+        """Wait until no entry of ``snapshot`` has an SSD write in flight; False on timeout."""
+        with self._lock:
+            while any(self._offloading.get(e.key) is e for e in snapshot):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
     def _queued_size(self, key: str) -> int:
         e = self._dram.entries.get(key)  # racy read of a dict is safe; only used to size batches
@@ -489,26 +796,36 @@ class TieredStore:
         return demotion_bytes(self._dram.used_bytes, self._dram.capacity_bytes,
                               off.high_watermark, off.low_watermark) > 0
 
-    def _offload_batch(self, keys: list[str], *, demote: bool = False) -> None:
-        """Worker thread: copy DRAM objects to SSD straight from the arena; with ``demote``, free
-        them from DRAM afterwards (watermark mode)."""
+    def _offload_batch(self, keys: list[str], *, demote: bool = False) -> dict[str, str]:
+        """Copy DRAM objects to SSD straight from the arena (worker thread, or a flushing caller);
+        with ``demote``, free them from DRAM afterwards (watermark mode). Returns why each object
+        that is still not on SSD was not written."""
         assert self._ssd is not None
         m = self.metrics_counters
+        problems: dict[str, str] = {}
         with self._lock:
             if self._closed:
-                return
-            todo = [e for e in map(self._dram.ready, keys) if e is not None and not e.clean]
+                return problems
+            todo: list[Entry] = []
             for key in keys:
-                if (queued := self._dram.entries.get(key)) is not None:
-                    queued.offload_queued = False
+                e = self._dram.ready(key)
+                if e is None:
+                    continue
+                e.offload_queued = False
+                if e.clean or key in self._offloading:
+                    continue
+                if self._removals.hidden(key):  # queued again when the deletion ends
+                    problems[key] = "an older SSD copy of the key is still being deleted"
+                    continue
+                todo.append(e)
             parents = {e.parent for e in todo if e.parent is not None and e.parent not in self._dram.entries}
         # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
         # only costs one write that admission would have skipped.
-        parents_on_ssd = {p for p, hit in zip(parents, self._ssd.contains(list(parents))) if hit}
+        parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(list(parents))) if hit} if parents else set()
         with self._lock:
             batch: list[Entry] = []
             for e in todo:
-                if self._dram.entries.get(e.key) is not e or e.clean:
+                if not self._live(e) or e.clean or e.key in self._offloading or self._removals.hidden(e.key):
                     continue
                 if not self._admitted(e, e.parent in parents_on_ssd):
                     e.declined = True  # asked again when DRAM wants to evict it
@@ -518,29 +835,44 @@ class TieredStore:
                         m.dram.evictions += 1
                     continue
                 e.leases += 1
+                self._offloading[e.key] = e
                 batch.append(e)
         if not batch:
-            return
+            return problems
         arena = self._dram.arena.view
         try:
             statuses = self._ssd.put([e.key for e in batch], [arena[e.offset:e.offset + e.size] for e in batch])
         except Exception:
             statuses = [Status.IO_ERROR] * len(batch)
             logger.exception("offload of %d objects failed", len(batch))
+        landed_after_remove: list[str] = []
         with self._lock:
             for e, st in zip(batch, statuses):
-                e.leases -= 1
+                del self._offloading[e.key]
+                self._unlease(e)
+                if not self._live(e):  # removed while it was written: delete what may have landed
+                    landed_after_remove.append(e.key)
+                    continue
                 if st.ok:
                     e.persisted = True
                     e.offload_failures = 0
                     m.dram.offloads += 1
                     m.ssd.bytes_in += e.size if st is Status.OK else 0
-                    if demote and e.leases == 0 and e.pins == 0 and self._dram.entries.get(e.key) is e:
+                    if demote and e.leases == 0 and e.pins == 0:
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                 else:
                     e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
                     m.ssd.failures += 1
+                    problems[e.key] = f"its SSD write answered {st.name}"
+            self._changed.notify_all()
+        if landed_after_remove:
+            statuses = self._delete_on_ssd(landed_after_remove)
+            with self._lock:
+                again = [k for k, st in zip(landed_after_remove, statuses)
+                         if self._removals.end(k, st in (Status.OK, Status.NOT_FOUND))]
+                self._offload_again(again)
+        return problems
 
     def _watermark_tick(self) -> None:
         """Worker thread, idle: in watermark mode move the coldest objects down to the low mark."""
@@ -583,16 +915,26 @@ class TieredStore:
             self._offload_batch(chunk, demote=True)
 
     def _promote_batch(self, keys: list[str]) -> None:
-        """Worker thread: copy hot SSD objects back into DRAM, evicting only clean objects."""
+        """Worker thread: copy hot SSD objects back into DRAM, evicting only clean objects.
+
+        The SSD lookup and the read run outside the lock, so each key is checked again at each
+        step: skipped when a remove of it came after the lookup, dropped when a remove took its
+        reservation during the read (a removed object never comes back this way)."""
         assert self._ssd is not None
         m = self.metrics_counters
-        sizes = self._ssd.size_of(keys)
+        with self._lock:
+            if self._closed:
+                return
+            generation = self._removals.generation()
+            keys = [k for k in keys if not self._removals.hidden(k) and k not in self._dram.entries]
+        sizes = self._ssd.size_of(keys) if keys else []
         reserved: list[Entry] = []
         with self._lock:
             if self._closed:
                 return
             for key, size in zip(keys, sizes):
-                if size is None or key in self._dram.entries:
+                if size is None or key in self._dram.entries or self._removals.hidden(key) \
+                        or self._removals.removed_since(key, generation):
                     continue
                 e = self._reserve(key, size, None, promotion=True)
                 if e is None:
@@ -602,11 +944,18 @@ class TieredStore:
         if not reserved:
             return
         arena = self._dram.arena.view
-        results = self._ssd.get_into([e.key for e in reserved],
-                                     [arena[e.offset:e.offset + e.size] for e in reserved])
+        try:
+            results = self._ssd.get_into([e.key for e in reserved],
+                                         [arena[e.offset:e.offset + e.size] for e in reserved])
+        except Exception:
+            results = [ReadResult(Status.IO_ERROR)] * len(reserved)
+            logger.exception("promotion of %d objects failed", len(reserved))
         with self._lock:
             for e, res in zip(reserved, results):
-                if res.status is Status.OK and res.nbytes == e.size:
+                if not self._live(e):  # removed while it was read
+                    self._release_detached(e)
+                    m.store.promotions_skipped += 1
+                elif res.status is Status.OK and res.nbytes == e.size:
                     e.persisted = True
                     self._dram.commit(e)
                     m.dram.promotions += 1
@@ -618,6 +967,10 @@ class TieredStore:
     # -- observability -----------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters per tier plus usage gauges, as a plain nested dict (a copy)."""
+        with self._call():
+            return self._metrics()
+
+    def _metrics(self) -> dict[str, Any]:
         with self._lock:
             gauges: dict[str, Any] = {
                 "dram__used_bytes": self._dram.used_bytes,

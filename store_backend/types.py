@@ -7,7 +7,8 @@ Exceptions are reserved for misuse (wrong argument types, a closed store) and mi
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 import numpy as np
@@ -46,6 +47,29 @@ class ReadResult(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What a flush found: ``ok`` when every object put before it that the SSD admission policy
+    accepts is on SSD. ``unpersisted`` names each object that is not, with why; ``lost_untracked``
+    counts objects lost past the bound of that list (so ``ok`` is False then too)."""
+
+    unpersisted: Mapping[str, str] = field(default_factory=dict)
+    declined: int = 0  # objects the admission policy keeps off SSD (not a failure)
+    lost_untracked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.unpersisted and not self.lost_untracked
+
+    def summary(self, limit: int = 5) -> str:
+        """One line for a log: how many objects are not on SSD, and the first few with why."""
+        n = len(self.unpersisted) + self.lost_untracked
+        if not n:
+            return "every object is on SSD"
+        first = "; ".join(f"{k}: {why}" for k, why in list(self.unpersisted.items())[:limit])
+        return f"{n} objects not on SSD ({first}{'; ...' if n > limit else ''})"
 
 
 class InvalidKeyError(ValueError):

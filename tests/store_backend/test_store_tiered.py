@@ -33,6 +33,11 @@ def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str =
     return TieredStore(cfg).start()
 
 
+def settle(store: TieredStore, timeout_s: float = 30.0) -> None:
+    """Wait for the background workers alone (flush would also write, and retry, on its own)."""
+    assert store._offloader.wait_idle(timeout_s) and store._promoter.wait_idle(timeout_s)
+
+
 def read_ok(store: TieredStore, keys: Sequence[str], size: int = CHUNK) -> list[bool]:
     outs = [np.zeros(size, np.uint8) for _ in keys]
     res = store.get_into(keys, outs)
@@ -298,14 +303,14 @@ def test_a_dram_copy_that_outlived_its_ssd_copy_is_written_back_not_dropped(tmp_
             assert read_ok(s, ["hot"]) == [True]
             k = f"f{i}"
             s.put([k], [payload(k, CHUNK)])
-            s.flush(timeout_s=30)
+            settle(s)
             i += 1
             assert i < 200
         assert s.tier_of(["hot"]) == ["dram"]
         for j in range(16):  # DRAM pressure, and "hot" no longer read: it must leave DRAM
             k = f"g{j}"
             s.put([k], [payload(k, CHUNK)])
-            s.flush(timeout_s=30)
+            settle(s)
         assert s.tier_of(["hot"]) == ["ssd"] and read_ok(s, ["hot"]) == [True]
         assert s.metrics()["store"]["dropped_unpersisted"] == 0
 
@@ -340,12 +345,12 @@ def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept
     cfg = {"dram": {"capacity_bytes": 2 * MiB, "eviction_policy": "lru"}, "offload": {"policy": "eager"}}
     with TieredStore(cfg, ssd=ssd) as s:
         assert s.put(["k0"], [payload("k0", CHUNK)]) == [Status.OK]
-        s.flush(timeout_s=30)
+        settle(s)
         assert "k0" not in ssd.data and s.metrics()["ssd"]["failures"] == 1
         for i in range(1, 24):  # 6 MiB through 2 MiB: every put evicts, k0 first in LRU order
             k = f"k{i}"
             assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
-            s.flush(timeout_s=30)
+            settle(s)
         m = s.metrics()
         assert ("k0" in ssd.data) is kept
         assert s.tier_of(["k0"]) == (["ssd"] if kept else ["dram"])
