@@ -321,9 +321,18 @@ class BucketBackend(IndexedBackend):
             magic, gen, seq, bid, check = _HWM.unpack(rec)
             if magic == _HWM_MAGIC and xxhash.xxh3_64_intdigest(rec[:-8]) == check and gen >= best[0]:
                 best = (gen, seq, bid)
-        if best[0] == 0 and os.fstat(self._hwm_fd).st_size:
+        size = os.fstat(self._hwm_fd).st_size
+        if best[0] == 0 and size:
             logger.warning("bucket backend at %s: %s is damaged; sequence numbers continue from the records",
                            self._dir, _HWM_FILE)
+        if size < 2 * ALIGN:
+            # Both slots written once now, so raising the mark later never needs a new block (and
+            # cannot fail on a full disk).
+            try:
+                os.pwrite(self._hwm_fd, bytes(2 * ALIGN - size), size)
+                os.fdatasync(self._hwm_fd)
+            except OSError as e:
+                logger.warning("bucket backend at %s: cannot size %s: %s", self._dir, _HWM_FILE, e)
         self._hwm_gen = best[0]
         return best[1], best[2]
 
@@ -442,10 +451,10 @@ class BucketBackend(IndexedBackend):
             seq, bid = self._take_numbers(nrec, len(groups))
         except OSError as e:
             logger.error("bucket backend at %s: cannot persist the sequence high-water mark: %s", self._dir, e)
-            for g in groups:
-                for i in g:
-                    out[i] = status_for_errno(e.errno or errno.EIO)
-            return []
+            idx = [i for g in groups for i in g]
+            for i in idx:
+                out[i] = status_for_errno(e.errno or errno.EIO)
+            return idx if e.errno in (errno.ENOSPC, errno.EDQUOT) else []
         bid -= 1
         headers = aligned_buffer(nrec * HEADER_BLOCK)
         hpos = 0
