@@ -38,10 +38,14 @@ class SsdBackend(Protocol):
       corrupt record answers CORRUPT (and is dropped from the index), never bytes. The caller owns
       the buffer; the backend does not keep it after the call returns.
     - A record being read is never overwritten under the reader.
-    - When full, the backend evicts by its own policy to make room; an object larger than the
-      capacity answers TOO_LARGE; a full disk (ENOSPC) answers NO_SPACE and loses nothing
-      previously stored.
-    - Opening a backend on a directory that holds data recovers every object reported durable.
+    - When full, the backend evicts by its own order to make room: for ``capacity_bytes``, for
+      ``disk_watermark`` of the file system, and when a write meets ENOSPC (then it evicts what
+      the write needs and writes again, a bounded number of times). An object larger than the
+      capacity answers TOO_LARGE; NO_SPACE when no room could be made (a disk full of other files
+      is met before a write by evicting nothing). Evicted objects are misses, never other bytes.
+    - Opening a backend on a directory that holds data recovers every object reported durable;
+      one unreadable file is skipped (``unreadable_files``) and the backend opens.
+    - One owner per directory: a second opener is refused (``store_backend.ownership``).
     """
 
     name: str

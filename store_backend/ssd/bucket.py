@@ -6,6 +6,8 @@ Layout of a directory::
     bucket-<id:016x>.bkt   records (see record.py) | footer: msgpack index, padding | trailer (64 B)
     bucket-<id:016x>.tmp   a bucket being written (deleted at open: it was never acknowledged)
     tombstones.log         framed (bucket id, key) entries: keys removed from a bucket
+    seq.hwm                two checksummed slots: next sequence number and bucket id (high-water mark)
+    .owner.lock            flock of the store that owns the directory (store_backend/ownership.py)
 
 A put groups its objects into buckets (a new bucket when the next object would pass
 ``bucket_size_bytes`` or the bucket holds ``bucket_max_keys``), writes each bucket to a temporary
@@ -15,7 +17,12 @@ reads only trailers and footers; a bucket whose footer is damaged is recovered b
 verifying its records. Removing a key writes a tombstone; a bucket left without live keys is
 deleted. When a put would pass ``capacity_bytes``, or the file system's use would pass
 ``disk_watermark`` of its size, whole buckets are evicted first (FIFO by creation or LRU by last
-read, ``bucket_eviction``).
+read, ``bucket_eviction``); a write that still meets ENOSPC evicts what it needs in the same order
+and is tried again (twice at most).
+
+Sequence numbers (which record of a key wins at recovery) never go back across restarts:
+``seq.hwm`` holds a high-water mark, raised with an fdatasync before numbers past it are used, and
+recovery also starts above the highest record on disk, tombstoned ones included.
 
 Thread-safe: one lock guards the index; file I/O runs outside it. A bucket that is deleted while
 being read stays readable through the reader's descriptor.

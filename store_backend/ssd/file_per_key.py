@@ -8,7 +8,12 @@ practice) get names ``….rec``, ``….1.rec``, … and every read checks the ke
 A put writes each object to a temporary file, syncs it, renames it into place and syncs the
 directories it touched: a file is there whole or not at all. Opening the directory reads every
 record's header block to rebuild the index (and deletes leftover temporary files). When a put would
-pass ``capacity_bytes``, whole objects are evicted first (FIFO or LRU, ``bucket_eviction``).
+pass ``capacity_bytes``, or the file system's use would pass ``disk_watermark`` of its size, whole
+objects are evicted first (FIFO or LRU, ``bucket_eviction``); a write that still meets ENOSPC evicts
+what it needs in the same order and is tried again (twice at most).
+
+The directory is locked by its owner (see :mod:`store_backend.ownership`); with ``shared`` the lock
+is a shared one, for :mod:`mooncake_connector.shared_ssd`.
 
 Thread-safe: one lock guards the index; file I/O runs outside it. A file deleted while being read
 stays readable through the reader's descriptor.

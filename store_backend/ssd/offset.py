@@ -18,6 +18,11 @@ wins for a key. This is sound because of two write-ordering rules:
   found corrupt) are zeroed durably, so a stale header never hides a newer record from the walk
   and a removed object never comes back.
 
+The file is preallocated at open to ``capacity_bytes``, or to what fits under ``disk_watermark`` of
+the file system when that is less (a capacity larger than the whole file system is refused), so a
+full disk cannot fail its writes. A data file with holes (a sparse copy) may still meet ENOSPC:
+then records are evicted in order and the new ones written over their (allocated) space.
+
 Headers are checked with a seed kept in the superblock, so a record-shaped value (or a record from
 another file) is never taken for a header.
 

@@ -3,7 +3,8 @@
 Covers: round trips of awkward sizes into aligned and unaligned buffers, EXISTS, remove, contains and
 size_of, eviction under the capacity, BUFFER_TOO_SMALL / TOO_LARGE / INVALID_KEY, keys that look
 like paths, on-disk corruption (a miss, never bytes), concurrent callers, a full disk (a small
-tmpfs: NO_SPACE, nothing lost) and a file system without O_DIRECT (ramfs: buffered fallback).
+tmpfs: eviction by the backend's order, later puts succeed, never other bytes) and a file system
+without O_DIRECT (ramfs: buffered fallback).
 """
 
 from __future__ import annotations
