@@ -194,3 +194,175 @@ def test_no_removed_version_is_ever_read(tmp_path, backend, policy) -> None:
     assert m["dram"]["promotions"] > 0 and m["ssd"]["hits"] > 0, m  # and the tiers underneath
     bad = check_history(history)
     assert not bad, f"{len(bad)} violations of {len(history)} calls, first: {bad[:3]}"
+
+
+# -- the named interleavings, one at a time --------------------------------------------------------
+
+class GatedSsd:
+    """Fault injection around a real backend: a call of ``method`` that names ``key`` from thread
+    ``thread`` stops at the gate (before the real call, or after it) until the test opens it."""
+
+    def __init__(self, inner, method: str, key: str, thread: str, *, after: bool) -> None:  # noqa: ANN001
+        self.inner, self.method, self.key, self.thread, self.after = inner, method, key, thread, after
+        self.name = inner.name
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.busy_removes = 0  # remove answers BUSY this many times first (a reader holds the copy)
+        self.remove_calls = 0
+
+    def _gate(self, keys) -> None:  # noqa: ANN001
+        if self.key in keys and threading.current_thread().name == self.thread and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(30)
+
+    def _call(self, method: str, keys, *args):  # noqa: ANN001, ANN202
+        gated = method == self.method
+        if gated and not self.after:
+            self._gate(keys)
+        out = getattr(self.inner, method)(keys, *args)
+        if gated and self.after:
+            self._gate(keys)
+        return out
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        return self._call("put", keys, buffers)
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        return self._call("get_into", keys, buffers)
+
+    def size_of(self, keys):  # noqa: ANN001, ANN201
+        return self._call("size_of", keys)
+
+    def contains(self, keys):  # noqa: ANN001, ANN201
+        return self.inner.contains(keys)
+
+    def remove(self, keys):  # noqa: ANN001, ANN201
+        self.remove_calls += 1
+        if self.busy_removes > 0:
+            self.busy_removes -= 1
+            return [Status.BUSY] * len(keys)
+        return self.inner.remove(keys)
+
+    def keys(self):  # noqa: ANN201
+        return self.inner.keys()
+
+    def stats(self):  # noqa: ANN201
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def gated_store(tmp_path, method: str = "none", thread: str = "none", *, after: bool = True,
+                backend: str = "bucket", policy: str = "eager") -> tuple[TieredStore, GatedSsd]:
+    from store_backend.config import load_config
+    from store_backend.ssd.factory import open_ssd_backend
+
+    cfg = load_config({
+        "dram": {"capacity_bytes": 8 * OBJ_BYTES, "eviction_policy": "lru"},
+        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "backend": backend,
+                "admission_policy": "all"},
+        "offload": {"policy": policy, "high_watermark": 0.6, "low_watermark": 0.3},
+        "promotion": {"admission_hits": 1},
+    })
+    assert cfg.ssd is not None
+    ssd = GatedSsd(open_ssd_backend(cfg.ssd), method, "x", thread, after=after)
+    return TieredStore(cfg, ssd=ssd).start(), ssd
+
+
+def only_on_ssd(store: TieredStore, key: str) -> None:
+    """Put ``key`` (version 1) and push it out of DRAM, persisted."""
+    assert store.put([key], [versioned(0, 1)]) == [Status.OK]
+    assert store.flush(timeout_s=30)
+    for i in range(12):
+        store.put([f"fill{i}"], [versioned(1, 100 + i)])
+        assert store.flush(timeout_s=30)
+    assert store.tier_of([key]) == ["ssd"]
+
+
+def assert_gone_then_new_bytes_stick(store: TieredStore, key: str) -> None:
+    out = np.zeros(OBJ_BYTES, np.uint8)
+    assert store.get_into([key], [out])[0].status is Status.NOT_FOUND
+    assert store.contains([key]) == [False] and store.size_of([key]) == [None] and key not in store.keys()
+    assert store.put([key], [versioned(0, 2)]) == [Status.OK]  # not EXISTS with the old bytes
+    assert store.flush(timeout_s=30)
+    for tier_reads in range(3):  # from DRAM, and (after a flush that let promotions land) again
+        assert store.get_into([key], [out])[0].status is Status.OK and decode(out) == (0, 2), tier_reads
+        store.flush(timeout_s=30)
+    assert store._ssd is not None
+    inner = store._ssd.inner  # type: ignore[attr-defined]
+    assert inner.get_into([key], [out])[0].status is Status.OK and decode(out) == (0, 2)
+
+
+def test_remove_while_a_promotion_reads_the_ssd_copy(tmp_path) -> None:
+    """The promotion has read the old bytes and waits to commit them to DRAM when remove runs."""
+    s, gate = gated_store(tmp_path, "get_into", "kv-promote", after=True)
+    try:
+        only_on_ssd(s, "x")
+        assert s.get_into(["x"], [np.zeros(OBJ_BYTES, np.uint8)])[0].status is Status.OK  # queues a promotion
+        assert gate.entered.wait(10)
+        assert s.remove(["x"]) == [Status.OK]
+        gate.release.set()
+        s.flush(timeout_s=30)
+        assert s.tier_of(["x"]) == [None]
+        assert_gone_then_new_bytes_stick(s, "x")
+    finally:
+        gate.release.set()
+        s.close()
+
+
+def test_remove_of_an_ssd_only_object_whose_promotion_is_queued(tmp_path) -> None:
+    """The promotion looked the object up on SSD, then remove ran to the end, then it goes on."""
+    s, gate = gated_store(tmp_path, "size_of", "kv-promote", after=True)
+    try:
+        only_on_ssd(s, "x")
+        assert s.get_into(["x"], [np.zeros(OBJ_BYTES, np.uint8)])[0].status is Status.OK
+        assert gate.entered.wait(10)
+        assert s.remove(["x"]) == [Status.OK]
+        gate.release.set()
+        s.flush(timeout_s=30)
+        assert s.tier_of(["x"]) == [None] and s.metrics()["dram"]["promotions"] == 0
+        assert_gone_then_new_bytes_stick(s, "x")
+    finally:
+        gate.release.set()
+        s.close()
+
+
+@pytest.mark.parametrize("lands", ["before_remove", "after_remove"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remove_while_an_offload_writes_the_object(tmp_path, lands, policy) -> None:
+    """The offload's SSD write lands before the remove deletes the SSD copy, or after the remove
+    returned; either way the old bytes are never read again and the new put's bytes are kept."""
+    s, gate = gated_store(tmp_path, "put", "kv-offload", after=lands == "before_remove", policy=policy)
+    try:
+        assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
+        if policy == "watermark":
+            for i in range(5):  # past the high mark: demotion writes the coldest, "x" first
+                s.put([f"fill{i}"], [versioned(1, 100 + i)])
+        assert gate.entered.wait(10)
+        assert s.remove(["x"]) == [Status.OK]  # not BUSY: the offload keeps the bytes it writes
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        assert s.get_into(["x"], [out])[0].status is Status.NOT_FOUND and s.contains(["x"]) == [False]
+        assert s.put(["x"], [versioned(0, 2)]) == [Status.OK]
+        gate.release.set()  # the old write lands now (after_remove) or finishes; its copy is deleted
+        report = s.flush_report(timeout_s=30)
+        assert report.ok, report
+        assert s.get_into(["x"], [out])[0].status is Status.OK and decode(out) == (0, 2)
+        assert s.remove(["x"]) == [Status.OK]
+        assert_gone_then_new_bytes_stick(s, "x")
+    finally:
+        gate.release.set()
+        s.close()
+
+
+def test_a_busy_ssd_copy_is_deleted_once_its_reader_is_done(tmp_path) -> None:
+    """The offset backend answers BUSY while a reader holds the copy; remove tries again rather
+    than returning with the copy still there."""
+    s, gate = gated_store(tmp_path, backend="offset")
+    try:
+        only_on_ssd(s, "x")
+        gate.busy_removes = 2
+        assert s.remove(["x"]) == [Status.OK] and gate.remove_calls == 3
+        assert_gone_then_new_bytes_stick(s, "x")
+    finally:
+        s.close()
