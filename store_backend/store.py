@@ -780,11 +780,13 @@ class TieredStore:
     def _wait_written(self, snapshot: list[Entry], deadline: float | None) -> bool:
         """Wait until no entry of ``snapshot`` has an SSD write in flight; False on timeout."""
         with self._lock:
-            while any(self._offloading.get(e.key) is e for e in snapshot):
+            waiting = [e for e in snapshot if self._offloading.get(e.key) is e]
+            while waiting:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._changed.wait(left)
+                waiting = [e for e in waiting if self._offloading.get(e.key) is e]
         return True
 
     def _queued_size(self, key: str) -> int:

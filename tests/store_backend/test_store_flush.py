@@ -86,7 +86,7 @@ def test_flush_retries_failed_writes_and_names_what_still_failed(failures, ok) -
 
 
 def test_flush_timeout_names_what_it_did_not_write() -> None:
-    ssd = SlowSsd(delay_s=0.5)
+    ssd = SlowSsd(delay_s=2.0)  # the write in flight outlasts the flush by far
     s = TieredStore({"dram": {"capacity_bytes": 8 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd).start()
     try:
         s.put(["a", "b"], [payload("a", CHUNK), payload("b", CHUNK)])
