@@ -75,6 +75,10 @@ class RemovalTracker:
     def hidden(self, key: str) -> bool:
         return key in self._hidden or key in self._stuck
 
+    def stuck(self, key: str) -> bool:
+        """Hidden only because an earlier deletion failed (no deletion of it under way now)."""
+        return key in self._stuck and key not in self._hidden
+
 
 class LossLedger:
     """Objects dropped from DRAM before they reached SSD, each with why (bounded)."""

@@ -809,6 +809,7 @@ class TieredStore:
             if self._closed:
                 return problems
             todo: list[Entry] = []
+            stuck: list[Entry] = []
             for key in keys:
                 e = self._dram.ready(key)
                 if e is None:
@@ -816,10 +817,25 @@ class TieredStore:
                 e.offload_queued = False
                 if e.clean or key in self._offloading:
                     continue
-                if self._removals.hidden(key):  # queued again when the deletion ends
+                if self._removals.stuck(key):  # an earlier deletion failed: try it again first
+                    self._removals.hold(key)  # (still hidden, and no one else retries it meanwhile)
+                    stuck.append(e)
+                elif self._removals.hidden(key):  # queued again when the deletion ends
                     problems[key] = "an older SSD copy of the key is still being deleted"
-                    continue
-                todo.append(e)
+                else:
+                    todo.append(e)
+        if stuck:
+            statuses = self._delete_on_ssd([e.key for e in stuck])
+            with self._lock:
+                for e, st in zip(stuck, statuses):
+                    deleted = st in (Status.OK, Status.NOT_FOUND)
+                    if self._removals.end(e.key, deleted):
+                        todo.append(e)
+                    elif not deleted:
+                        problems[e.key] = f"an older SSD copy of the key could not be deleted ({st.name})"
+                    else:
+                        problems[e.key] = "an older SSD copy of the key is still being deleted"
+        with self._lock:
             parents = {e.parent for e in todo if e.parent is not None and e.parent not in self._dram.entries}
         # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
         # only costs one write that admission would have skipped.

@@ -208,6 +208,7 @@ class GatedSsd:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.busy_removes = 0  # remove answers BUSY this many times first (a reader holds the copy)
+        self.failing_removes = 0  # then IO_ERROR this many times
         self.remove_calls = 0
 
     def _gate(self, keys) -> None:  # noqa: ANN001
@@ -241,6 +242,9 @@ class GatedSsd:
         if self.busy_removes > 0:
             self.busy_removes -= 1
             return [Status.BUSY] * len(keys)
+        if self.failing_removes > 0:
+            self.failing_removes -= 1
+            return [Status.IO_ERROR] * len(keys)
         return self.inner.remove(keys)
 
     def keys(self):  # noqa: ANN201
@@ -364,5 +368,19 @@ def test_a_busy_ssd_copy_is_deleted_once_its_reader_is_done(tmp_path) -> None:
         gate.busy_removes = 2
         assert s.remove(["x"]) == [Status.OK] and gate.remove_calls == 3
         assert_gone_then_new_bytes_stick(s, "x")
+    finally:
+        s.close()
+
+
+def test_an_ssd_copy_that_could_not_be_deleted_stays_hidden_until_it_is(tmp_path) -> None:
+    """remove answers IO_ERROR when the SSD copy cannot be deleted; the key reads as absent from
+    then on, and the next write of the key deletes the old copy first, then writes the new one."""
+    s, gate = gated_store(tmp_path)
+    try:
+        only_on_ssd(s, "x")
+        gate.failing_removes = 1
+        assert s.remove(["x"]) == [Status.IO_ERROR]
+        assert gate.inner.contains(["x"]) == [True]  # the old copy is still on disk ...
+        assert_gone_then_new_bytes_stick(s, "x")  # ... and never served; the new bytes replace it
     finally:
         s.close()
