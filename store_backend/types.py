@@ -29,7 +29,7 @@ class Status(enum.IntEnum):
     TOO_LARGE = 4  # object larger than the tier (or max_object_bytes) can ever hold
     BUFFER_TOO_SMALL = 5  # get_into: the caller's buffer is smaller than the object
     CORRUPT = 6  # checksum mismatch or torn record: treated as a miss, never returned as bytes
-    BUSY = 7  # remove of a key that is leased by a reader
+    BUSY = 7  # SSD backend remove of a record a reader holds (the store retries; its own remove never answers it)
     INVALID_KEY = 8
     IO_ERROR = 9
 
