@@ -416,10 +416,13 @@ class TieredStore:
                 out[i] = ReadResult(Status.OK, entry.size)
         finally:
             with self._lock:
+                entries = self._dram.entries
                 for _i, entry in leased:
-                    if self._live(entry):
+                    if entries.get(entry.key) is entry:
+                        entry.leases -= 1
                         self._dram.policy.on_access(entry.key)
-                    self._unlease(entry)
+                    else:
+                        self._unlease(entry)  # removed meanwhile: the last reader frees it
                     m.dram.hits += 1
                     m.dram.bytes_out += entry.size
                 m.dram.misses += len(below)
