@@ -75,6 +75,10 @@ class RemovalTracker:
     def hidden(self, key: str) -> bool:
         return key in self._hidden or key in self._stuck
 
+    def deleting(self, key: str) -> bool:
+        """A deletion of ``key``'s SSD copy is under way (it ends with :meth:`end`)."""
+        return key in self._hidden
+
     def stuck(self, key: str) -> bool:
         """Hidden only because an earlier deletion failed (no deletion of it under way now)."""
         return key in self._stuck and key not in self._hidden

@@ -600,6 +600,7 @@ class TieredStore:
                         if self._removals.end(keys[i], deleted):
                             again.append(keys[i])
                     self._offload_again(again)
+                    self._changed.notify_all()
         return out
 
     def _delete_on_ssd(self, keys: list[str]) -> list[Status]:
@@ -737,8 +738,8 @@ class TieredStore:
                 if e.declined:
                     declined += 1
                 elif not e.persisted:
-                    unpersisted[e.key] = problems.get(e.key) or (
-                        "the flush timed out before it was written" if timed_out else "its SSD write did not finish")
+                    unpersisted[e.key] = problems.get(e.key) or ("the flush timed out before it was written"
+                                                                 if timed_out else "its SSD write did not finish")
             for key, why in self._losses.items():
                 unpersisted.setdefault(key, why)
             return FlushReport(unpersisted, declined, self._losses.untracked)
@@ -781,15 +782,19 @@ class TieredStore:
         return problems
 
     def _wait_written(self, snapshot: list[Entry], deadline: float | None) -> bool:
-        """Wait until no entry of ``snapshot`` has an SSD write in flight; False on timeout."""
+        """Wait until no entry of ``snapshot`` has an SSD write in flight or waits for the deletion
+        of an older SSD copy of its key; False on timeout."""
+        def busy(e: Entry) -> bool:
+            return self._offloading.get(e.key) is e or (self._live(e) and self._removals.deleting(e.key))
+
         with self._lock:
-            waiting = [e for e in snapshot if self._offloading.get(e.key) is e]
+            waiting = [e for e in snapshot if busy(e)]
             while waiting:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._changed.wait(left)
-                waiting = [e for e in waiting if self._offloading.get(e.key) is e]
+                waiting = [e for e in waiting if busy(e)]
         return True
 
     def _queued_size(self, key: str) -> int:
@@ -893,6 +898,7 @@ class TieredStore:
                 again = [k for k, st in zip(landed_after_remove, statuses)
                          if self._removals.end(k, st in (Status.OK, Status.NOT_FOUND))]
                 self._offload_again(again)
+                self._changed.notify_all()
         return problems
 
     def _watermark_tick(self) -> None:

@@ -58,7 +58,8 @@ class Op:
     __slots__ = ("kind", "key", "version", "start", "end", "status")
 
     def __init__(self, kind: str, key: int, version: int, start: float, end: float, status: Status) -> None:
-        self.kind, self.key, self.version, self.start, self.end, self.status = kind, key, version, start, end, status
+        self.kind, self.key, self.version = kind, key, version
+        self.start, self.end, self.status = start, end, status
 
     def __repr__(self) -> str:
         return f"{self.kind}(k{self.key}, v{self.version}, {self.status.name}, {self.start:.6f}..{self.end:.6f})"
