@@ -49,6 +49,8 @@ class KVStore(Protocol):
 
     def unpin(self, keys: Sequence[str]) -> None: ...
 
+    def remove(self, keys: Sequence[str]) -> list[Status]: ...
+
     def flush(self, timeout_s: float | None = None) -> bool: ...
 
     def metrics(self) -> dict[str, Any]: ...
@@ -175,6 +177,13 @@ class KVClient:
     def unpin(self, keys: Sequence[str]) -> None:
         if keys:
             self.store.unpin(keys)
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Delete objects from the store (blocking; one status per key, see ``TieredStore.remove``).
+
+        For a copy that read back CORRUPT: objects are immutable, so a put of the same key answers
+        EXISTS and keeps the damaged bytes until the copy is removed."""
+        return list(self.store.remove(keys)) if keys else []
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, keys: Sequence[str], buffers: Sequence[Buffer],

@@ -6,11 +6,17 @@ connector scatters them into the engine's cache. Buffers are flat uint8 tensors;
 cache is on a GPU they are allocated pinned, so device copies can run asynchronously.
 
 Thread-safe: acquired on the engine's forward thread, released from the client's I/O threads.
+``try_acquire`` never blocks; ``acquire`` waits (bounded) for a release, which is how a connector
+applies backpressure instead of dropping a save or failing a load when staging is busy.
+
+:func:`recommended_staging_bytes` sizes the pool from one chunk's bytes and the engine's batch.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -25,6 +31,7 @@ class StagingPool:
         self.capacity_bytes = capacity_bytes
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._allocated_bytes = 0  # in use plus free-listed
         self._in_use_bytes = 0
@@ -37,26 +44,55 @@ class StagingPool:
     def try_acquire(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of exactly ``nbytes`` (uninitialised), or None when the pool is exhausted.
         Never blocks. The caller returns it with ``release`` when no copy uses it any more."""
+        return self.acquire(nbytes, timeout_s=0.0)
+
+    def acquire(self, nbytes: int, timeout_s: float) -> torch.Tensor | None:
+        """Like ``try_acquire``, but waits up to ``timeout_s`` for other holders to release enough
+        room (None if they did not). A request larger than the whole pool fails at once."""
+        if nbytes > self.capacity_bytes:
+            return None
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                buf = free.pop()
-                self._in_use_bytes += nbytes
-                return buf
-            if self._allocated_bytes + nbytes > self.capacity_bytes:
-                # Trade free buffers of other sizes for room (sizes change rarely: one per layout).
-                for size, bufs in list(self._free.items()):
-                    while bufs and self._allocated_bytes + nbytes > self.capacity_bytes:
-                        bufs.pop()
-                        self._allocated_bytes -= size
-                if self._allocated_bytes + nbytes > self.capacity_bytes:
+            while True:
+                buf = self._take_locked(nbytes)
+                if buf is not None:
+                    return buf
+                if self._allocated_bytes + nbytes <= self.capacity_bytes:
+                    self._allocated_bytes += nbytes
+                    self._in_use_bytes += nbytes
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return None
-            self._allocated_bytes += nbytes
-            self._in_use_bytes += nbytes
+                self._released.wait(left)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def _take_locked(self, nbytes: int) -> torch.Tensor | None:
+        """A free-listed buffer of ``nbytes`` (counted in use), else None after trading free
+        buffers of other sizes for room (sizes change rarely: one per layout)."""
+        free = self._free.get(nbytes)
+        if free:
+            buf = free.pop()
+            self._in_use_bytes += nbytes
+            return buf
+        for size, bufs in list(self._free.items()):
+            while bufs and self._allocated_bytes + nbytes > self.capacity_bytes:
+                bufs.pop()
+                self._allocated_bytes -= size
+        return None
 
     def release(self, buf: torch.Tensor) -> None:
         n = buf.numel()
         with self._lock:
             self._in_use_bytes -= n
             self._free[n].append(buf)
+            self._released.notify_all()
+
+
+def recommended_staging_bytes(chunk_bytes: int, chunk_tokens: int, max_batched_tokens: int) -> int:
+    """Staging one engine step should never have to wait for: ``3 * (ceil(max_batched_tokens /
+    chunk_tokens) + 1)`` chunks, i.e. the chunks one step's scheduled tokens can complete (plus one
+    for a chunk boundary), as much again for the previous step's saves still being written, and
+    one step's worth of loads."""
+    per_step = math.ceil(max_batched_tokens / chunk_tokens) + 1
+    return 3 * per_step * chunk_bytes

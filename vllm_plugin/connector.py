@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -124,6 +126,18 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    @_timed
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's report to the scheduler: the step it closes and the saves that finished."""
+        assert self._worker is not None
+        return self._worker.build_worker_meta()
+
+    @_timed
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose blocks the scheduler kept for their saves and now releases."""
+        assert self._worker is not None
+        return self._worker.take_released() or None, None
+
     # -- scheduler side ----------------------------------------------------------------------------
     @_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -149,6 +163,15 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    @_timed
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # Held saves' commit/discard decisions reach the workers only with a step's metadata.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     # -- both --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -23,11 +23,19 @@ class ChunkLoad:
 
 @dataclass
 class ChunkSave:
-    """Save the engine blocks ``block_ids`` (one whole chunk, in token order) as one object."""
+    """Save the engine blocks ``block_ids`` (one whole chunk, in token order) as one object.
+
+    ``save_id`` names this save in the workers' reports (:class:`SaveReport`). With ``hold`` the
+    worker gathers the chunk into staging but puts it in the store only when a later step's
+    ``commit_saves`` names it (or drops it when ``discard_saves`` does): its KV was computed over
+    blocks whose load outcome was not confirmed on every rank when the step was planned.
+    """
 
     chunk_hash: str
     parent_hash: str | None
     block_ids: list[int]
+    save_id: int = -1
+    hold: bool = False
 
 
 @dataclass
@@ -40,6 +48,10 @@ class RequestPlan:
 @dataclass
 class TieredConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestPlan] = field(default_factory=list)
+    step: int = 0  # the scheduler's step number, echoed back in TieredWorkerMetadata.steps
+    commit_saves: list[int] = field(default_factory=list)  # held saves now known good: put them
+    discard_saves: list[int] = field(default_factory=list)  # held saves computed over a failed load
+    release: list[str] = field(default_factory=list)  # finished requests whose blocks may be freed
 
     @property
     def has_loads(self) -> bool:
@@ -48,3 +60,33 @@ class TieredConnectorMetadata(KVConnectorMetadata):
     @property
     def has_saves(self) -> bool:
         return any(r.saves for r in self.requests)
+
+
+@dataclass
+class SaveReport:
+    """One rank's outcome of one save: ``ok`` when the object is in that rank's store (stored now
+    or already there), False when it was not stored (no staging, store full, I/O error)."""
+
+    save_id: int
+    rank: int
+    ok: bool
+
+
+@dataclass
+class TieredWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after each step (worker -> scheduler).
+
+    Built by every worker in ``build_connector_worker_meta``; vLLM's executor merges the workers'
+    objects of one step with :meth:`aggregate` and hands the result, with the union of the workers'
+    failed load blocks (``invalid_block_ids``), to the scheduler's ``update_connector_output``.
+    ``steps``: the step this report closes (its loads' outcomes are in that output's
+    ``invalid_block_ids``); ``saves``: saves that finished on a rank since its last report.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    saves: list[SaveReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> TieredWorkerMetadata:
+        assert isinstance(other, TieredWorkerMetadata)
+        return TieredWorkerMetadata(steps=sorted(set(self.steps) | set(other.steps)),
+                                    saves=self.saves + other.saves)

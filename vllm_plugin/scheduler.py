@@ -18,8 +18,16 @@ The store lives with the workers (they move the bytes); lookups and leases go to
 process or not.
 - ``build_connector_meta`` emits the loads, and saves for every chunk whose tokens were all computed
   by the end of this step: prompt chunks, chunked-prefill chunks and decode-produced chunks alike.
+  A save computed over blocks whose load is not yet confirmed on every rank is *held* in staging
+  (see :mod:`vllm_plugin.save_ledger`); later steps' metadata commit or discard held saves.
+- ``update_connector_output`` reads each step's outcome: failed load blocks (merged over ranks) and
+  the workers' save reports. A chunk that failed to load, or whose save did not land on every rank,
+  is planned again (``saved_chunks`` rolls back to it), so the store never keeps a hole or a chunk
+  computed over a failed load.
 - ``request_finished`` hands disaggregated-prefill parameters to the decode instance. Saves copy
-  their blocks into staging memory during the forward, so blocks are never held after a request.
+  their blocks into staging memory during the forward, so blocks are normally freed at once; a
+  disaggregated-prefill request with saves still unsettled keeps its blocks (vLLM's delayed free)
+  until they landed, re-planning any that failed.
 """
 
 from __future__ import annotations
@@ -33,14 +41,17 @@ from typing import TYPE_CHECKING, Any
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_connector.lookup_service import LookupClient, socket_path
-from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata
+from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, fingerprint
 from vllm_plugin.parallel import lookup_name
+from vllm_plugin.save_ledger import SaveLedger
+from vllm_plugin.sizing import load_budget_chunks, staging_chunks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -50,7 +61,9 @@ DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 REMOTE_PREFIX_TOKENS = "remote_prefix_tokens"
 REMOTE_FINGERPRINT = "remote_fingerprint"
-
+# A finished disaggregated-prefill request releases its blocks after this many failed saves while it
+# waited (its decode instance then computes what is missing after remote_prefill_wait_s).
+MAX_FINISH_RETRIES = 3
 
 def request_extra_keys(request: Request) -> list[str]:
     """What besides the tokens makes KV differ: LoRA adapter, multimodal inputs, cache salt."""
@@ -103,7 +116,16 @@ class SchedulerSide:
                         for rank in range(geometry.shard_count)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
         self._reqs: dict[str, _Tracked] = {}
-        self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0}
+        self.ledger = SaveLedger(geometry.shard_count)
+        self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
+        self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
+        self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
+        # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
+        self._finishing: dict[str, _Tracked] = {}
+        self._finish_retries: dict[str, int] = {}
+        self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
+                         "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
+                         "hits_capped_staging": 0}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -173,6 +195,18 @@ class SchedulerSide:
             self._start_lookup(t)
             self.counters["ask_later"] += 1
             return None, False
+        # Staging budget (sizing.py): several requests' loads in one step share half the pool, so
+        # they fit beside the saves in flight. A hit that does not fit beside loads already planned
+        # is asked again next step, where it comes first; alone, a hit may fill the whole pool (this
+        # step's saves then wait for the I/O in flight), and only a larger one is cut to it.
+        local_chunks = num_computed_tokens // self.chunk_tokens
+        if hit - local_chunks > self.load_budget - self._step_load_chunks:
+            if self._step_load_chunks:
+                self.counters["ask_later_staging"] += 1
+                return None, False
+            if hit - local_chunks > self.staging_chunks:
+                hit = local_chunks + self.staging_chunks
+                self.counters["hits_capped_staging"] += 1
         t.hit_chunks = hit
         t.local_tokens = num_computed_tokens
         return max(0, hit * self.chunk_tokens - num_computed_tokens), False
@@ -200,20 +234,24 @@ class SchedulerSide:
             first = max(lo, start // block_size)
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
+        self._step_load_chunks += len(loads)
         for client, keys in zip(self.lookups, self._keys([ld.chunk_hash for ld in loads])):
             client.pin(keys, ttl_s=self.cfg.lease_ttl_s)
         self.counters["load_plans"] += 1
         self.counters["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredConnectorMetadata:
-        meta = TieredConnectorMetadata()
+        step = self.ledger.begin_step()
+        self._step_load_chunks = 0  # the next step's load budget starts empty
+        meta = TieredConnectorMetadata(step=step)
         scheduled = scheduler_output.num_scheduled_tokens
+        planned: list[tuple[_Tracked, str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = list(new.block_ids[0])
-            self._plan(meta, t, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            planned.append((t, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._reqs.get(req_id)
@@ -224,7 +262,17 @@ class SchedulerSide:
                 t.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 t.block_ids.extend(new_blocks[0])
-            self._plan(meta, t, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            planned.append((t, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)))
+        # Every load of this step is registered before any save is planned: a save over a block
+        # loaded now (by its own request or by another sharing it) is held until confirmed.
+        for t, _req_id, _computed in planned:
+            for ld in t.plan_loads:
+                self.ledger.note_loads(step, ld.block_ids)
+        for t, req_id, computed_after in planned:
+            self._plan(meta, t, req_id, computed_after)
+        for req_id, t in list(self._finishing.items()):
+            self._plan_finishing(meta, t, req_id)
+        meta.commit_saves, meta.discard_saves = self.ledger.take_decisions()
         return meta
 
     def _plan(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str, computed_after: int) -> None:
@@ -241,20 +289,73 @@ class SchedulerSide:
                 hashes = self._hashes_upto(t, upto)
                 bpc = self.blocks_per_chunk
                 for c in range(t.saved_chunks, upto):
+                    save_id, hold = self.ledger.plan_save(req_id, c, t.block_ids[:(c + 1) * bpc])
                     plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
-                                                t.block_ids[c * bpc:(c + 1) * bpc]))
+                                                t.block_ids[c * bpc:(c + 1) * bpc], save_id=save_id, hold=hold))
                 self.counters["save_chunks"] += upto - t.saved_chunks
                 t.saved_chunks = upto
         if plan.loads or plan.saves:
             meta.requests.append(plan)
+
+    def _plan_finishing(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str) -> None:
+        """A finished request whose blocks vLLM keeps for us: plan its saves again where one failed
+        (its blocks still hold the KV), and release the blocks once every save landed."""
+        self._plan(meta, t, req_id, t.request.num_computed_tokens)
+        retries = self._finish_retries.get(req_id, 0)
+        if not self.ledger.unsettled(req_id) or retries >= MAX_FINISH_RETRIES:
+            if retries >= MAX_FINISH_RETRIES:
+                logger.warning("request %s: saves still failing after %d retries; releasing its blocks",
+                               req_id, retries)
+            meta.release.append(req_id)
+            del self._finishing[req_id]
+            self._finish_retries.pop(req_id, None)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """A step's output came back: its loads' outcomes (``invalid_block_ids``, merged over ranks)
+        and the workers' save reports. Saves held over blocks that loaded fine are committed, the
+        others discarded; a request whose load failed, or whose save did not land, plans the chunk
+        again from its first bad one (vLLM recomputes the failed blocks first)."""
+        worker_meta = output.kv_connector_worker_meta
+        steps = worker_meta.steps if isinstance(worker_meta, TieredWorkerMetadata) else []
+        reports = worker_meta.saves if isinstance(worker_meta, TieredWorkerMetadata) else []
+        invalid = set(output.invalid_block_ids or ())
+        events = self.ledger.on_output(steps, invalid, reports)
+        if invalid:
+            # A chunk that failed to load is gone from the store (the worker removed a damaged
+            # copy) or was never whole: every request holding one of its blocks saves it again.
+            bpc = self.blocks_per_chunk
+            for t in (*self._reqs.values(), *self._finishing.values()):
+                first = next((i for i, b in enumerate(t.block_ids[:t.saved_chunks * bpc]) if b in invalid), None)
+                if first is not None:
+                    t.saved_chunks = first // bpc
+        for req_id, chunk in events.replan:
+            t = self._reqs.get(req_id) or self._finishing.get(req_id)
+            if t is not None:
+                t.saved_chunks = min(t.saved_chunks, chunk)
+                if req_id in self._finishing:
+                    self._finish_retries[req_id] = self._finish_retries.get(req_id, 0) + 1
+        self.counters["save_chunks_landed"] += len(events.landed)
+        self.counters["save_chunks_replanned"] += len(events.replan)
+
+    def has_pending_work(self) -> bool:
+        """Decisions the workers have not received yet, or finished requests whose blocks we keep:
+        the engine must keep stepping to deliver them."""
+        return self.ledger.pending_decisions or bool(self._finishing)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
         if t is None or not self.can_save or not params.get(DO_REMOTE_DECODE):
             return False, None
-        # Disaggregated prefill: tell the decode instance how much prefix it will find in the store.
-        return False, {
+        # Disaggregated prefill: the decode instance waits (up to remote_prefill_wait_s) for every
+        # chunk planned for saving. Saves still held or in flight when the request ends keep its
+        # blocks (vLLM frees them when the workers name it in get_finished), so a save that fails
+        # is planned again from them rather than leaving the decode instance waiting in vain.
+        delay = self.ledger.unsettled(request.request_id)
+        if delay:
+            t.block_ids = list(block_ids)
+            self._finishing[request.request_id] = t
+        return delay, {
             DO_REMOTE_PREFILL: True,
             DO_REMOTE_DECODE: False,
             REMOTE_PREFIX_TOKENS: t.saved_chunks * self.chunk_tokens,
@@ -262,5 +363,6 @@ class SchedulerSide:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "live_requests": len(self._reqs),
+        return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),
+                "saves_unsettled": self.ledger.unsettled_count, "finishing_requests": len(self._finishing),
                 "lookup_failures": sum(c.failures for c in self.lookups)}

@@ -25,6 +25,7 @@ this step's device-to-host copies at ``wait_for_save``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,9 +45,10 @@ from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
 from store_backend.types import ReadResult, Status
-from vllm_plugin.metadata import ChunkLoad, ChunkSave, TieredConnectorMetadata
+from vllm_plugin.metadata import ChunkLoad, ChunkSave, SaveReport, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, fingerprint, kv_layer_names, page_format_for
 from vllm_plugin.parallel import lookup_name, rank_position
+from vllm_plugin.sizing import staging_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +70,8 @@ class _SaveJob:
     req_id: str
     chunk: ChunkSave
     buf: torch.Tensor
+    key: str  # keyed when gathered: a held save keeps the key (epoch) its KV was computed under
+    parent: str | None
 
 
 class WorkerSide:
@@ -104,10 +108,20 @@ class WorkerSide:
         self._saves: list[_SaveJob] | None = None
         self._saved_layers: set[int] = set()
         self._load_errors: set[int] = set()
+        # Across steps: saves held in staging for the scheduler's decision, outcomes not yet
+        # reported, the step the next report closes, requests released to vLLM.
+        self.rank = self.position.pp_rank * self.position.tp_size + self.position.tp_rank
+        self._held: dict[int, _SaveJob] = {}
+        self._io_lock = threading.Lock()  # guards _save_reports and _io_buffers (I/O threads write)
+        self._save_reports: list[SaveReport] = []
+        self._io_buffers = 0  # staging buffers the I/O threads will return by themselves
+        self._report_step: int | None = None
+        self._released: set[str] = set()
         self.counters = {
             "chunks_loaded": 0, "chunks_load_failed": 0, "load_error_blocks": 0, "chunks_saved": 0,
-            "saves_dropped_staging": 0, "saves_skipped_failed_load": 0, "load_wait_s": 0.0,
-            "scatter_s": 0.0, "gather_s": 0.0,
+            "saves_dropped_staging": 0, "saves_skipped_failed_load": 0, "saves_not_stored": 0, "saves_held": 0,
+            "saves_discarded": 0, "loads_failed_staging": 0, "damaged_removed": 0, "load_wait_s": 0.0,
+            "staging_wait_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0,
         }
 
     # -- setup -------------------------------------------------------------------------------------
@@ -134,15 +148,16 @@ class WorkerSide:
                                     head_size=self.layout.head_size))
         self.paged = paged
         device = paged[0].device if paged else torch.device("cpu")
-        self.staging = StagingPool(self.cfg.staging_bytes, pin_memory=device.type == "cuda")
+        self.staging = StagingPool(staging_bytes(self.vllm_config, self.cfg, self.geometry),
+                                   pin_memory=device.type == "cuda")
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
         # The scheduler (maybe another process) asks this worker's store what it holds.
         self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
                                                                    self.cfg.lookup_socket_dir))
         self.lookup_server.start()
-        logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, device %s",
-                    len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, device)
+        logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, %d staging bytes, device %s",
+                    len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
 
     def close(self) -> None:
         if self.lookup_server is not None:
@@ -153,12 +168,46 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------------------------
     def _begin(self, meta: TieredConnectorMetadata) -> bool:
         """Enter the step that ``meta`` plans (vLLM may call start_load_kv before or after the
-        forward's layer hooks); False when this step was already entered."""
+        forward's layer hooks); False when this step was already entered. Entering a step applies
+        the scheduler's decisions on held saves and notes the requests it releases."""
         if meta is self._meta:
             return False
         self._reset_step()
         self._meta = meta
+        self._report_step = meta.step
+        self._released.update(meta.release)
+        self._settle_held(meta.commit_saves, meta.discard_saves)
         return True
+
+    def _staging_wait_s(self) -> float:
+        """How long to wait for staging now: only while I/O in flight will return some (buffers
+        held for the scheduler's decision, or by this step, come back only after this step)."""
+        with self._io_lock:
+            return self.cfg.load_timeout_s if self._io_buffers else 0.0
+
+    def _acquire(self, wait: bool) -> torch.Tensor | None:
+        assert self.staging is not None
+        buf = self.staging.try_acquire(self.layout.chunk_bytes)
+        if buf is None and wait:
+            t0 = time.perf_counter()
+            buf = self.staging.acquire(self.layout.chunk_bytes, self._staging_wait_s())
+            self.counters["staging_wait_s"] += time.perf_counter() - t0
+        return buf
+
+    def _to_io(self, bufs: list[torch.Tensor], fut: Future) -> None:
+        """Staging buffers now used by the I/O threads: returned to the pool when ``fut`` is done."""
+        assert self.staging is not None
+        staging = self.staging
+        with self._io_lock:
+            self._io_buffers += len(bufs)
+
+        def done(_f: Future) -> None:
+            with self._io_lock:
+                self._io_buffers -= len(bufs)
+            for b in bufs:
+                staging.release(b)
+
+        fut.add_done_callback(done)
 
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
         self._begin(meta)
@@ -167,8 +216,10 @@ class WorkerSide:
         keys: list[str] = []
         for plan in meta.requests:
             for chunk in plan.loads:
-                buf = self.staging.try_acquire(self.layout.chunk_bytes)
+                # Wait (bounded) for staging rather than fail the load: saves landing free it.
+                buf = self._acquire(wait=True)
                 if buf is None:
+                    self.counters["loads_failed_staging"] += 1
                     self._fail_load(plan.req_id, chunk)
                     continue
                 self._loads.append(_LoadJob(plan.req_id, chunk, buf))
@@ -185,7 +236,11 @@ class WorkerSide:
         self.counters["load_error_blocks"] += len(chunk.block_ids)
 
     def _check_loads(self) -> None:
-        """Wait (once per step) for this step's reads; mark which chunks can be used."""
+        """Wait (once per step) for this step's reads; mark which chunks can be used.
+
+        A copy that read back CORRUPT is removed from this rank's store before anything else
+        happens this step: objects are immutable (a put of a present key keeps the stored bytes),
+        so only then does the save of the recomputed chunk, planned in a later step, replace it."""
         if self._loads_checked or self._load_future is None:
             return
         self._loads_checked = True
@@ -197,12 +252,21 @@ class WorkerSide:
                            len(self._loads), self.cfg.load_timeout_s)
             results = [ReadResult(Status.IO_ERROR)] * len(self._loads)
         self.counters["load_wait_s"] += time.perf_counter() - t0
+        damaged: list[str] = []
         for job, res in zip(self._loads, results):
             job.ok = res.ok
             if res.ok:
                 self.counters["chunks_loaded"] += 1
-            else:
-                self._fail_load(job.req_id, job.chunk)
+                continue
+            self._fail_load(job.req_id, job.chunk)
+            if res.status is Status.CORRUPT:
+                damaged.append(object_key(self.digest, job.chunk.chunk_hash))
+        if damaged:
+            # NOT_FOUND: the store already dropped the record that failed its checksum.
+            statuses = self.client.remove(damaged)
+            self.counters["damaged_removed"] += sum(st in (Status.OK, Status.NOT_FOUND) for st in statuses)
+            logger.warning("removed %d damaged chunk copies (they are saved again when recomputed)",
+                           len(damaged))
 
     def wait_for_layer_load(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
         self._begin(meta)
@@ -235,41 +299,38 @@ class WorkerSide:
             self._scatter_layer(layer)
         if self._side_stream is not None:
             torch.cuda.current_stream().synchronize()  # host-to-device copies read the staging buffers
-        bufs = [job.buf for job in self._loads]
-        assert self._load_future is not None and self.staging is not None
-        staging = self.staging
+        assert self._load_future is not None
         # A timed-out read may still be writing into its buffers: return them when it is really done.
-        self._load_future.add_done_callback(lambda _f: [staging.release(b) for b in bufs])
+        self._to_io([job.buf for job in self._loads], self._load_future)
 
     # -- saves -------------------------------------------------------------------------------------
     def _prepare_saves(self) -> list[_SaveJob]:
+        """Staging for this step's saves (first save hook). A save that finds none within the
+        bounded wait, or whose request's load failed on this rank, is reported not saved, so the
+        scheduler plans it again; none is dropped silently."""
         jobs: list[_SaveJob] = []
         meta = self._meta
         if meta is None or not meta.has_saves or self.staging is None:
             return jobs
         self._check_loads()
         for plan in meta.requests:
-            if not plan.saves:
-                continue
-            if plan.req_id in self._failed_reqs:
-                self.counters["saves_skipped_failed_load"] += len(plan.saves)
-                continue
             for chunk in plan.saves:
-                buf = self.staging.try_acquire(self.layout.chunk_bytes)
+                if plan.req_id in self._failed_reqs:
+                    self.counters["saves_skipped_failed_load"] += 1
+                    self._report(chunk.save_id, False)
+                    continue
+                buf = self._acquire(wait=True)
                 if buf is None:
                     self.counters["saves_dropped_staging"] += 1
+                    self._report(chunk.save_id, False)
                     continue
-                jobs.append(_SaveJob(plan.req_id, chunk, buf))
+                key = object_key(self.digest, chunk.chunk_hash)
+                parent = object_key(self.digest, chunk.parent_hash) if chunk.parent_hash else None
+                jobs.append(_SaveJob(plan.req_id, chunk, buf, key, parent))
         return jobs
 
-    def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
-        self._begin(meta)
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
-            return
-        if self._saves is None:
-            self._saves = self._prepare_saves()
-        if not self._saves:
+    def _gather_layer(self, layer: int) -> None:
+        if layer in self._saved_layers or not self._saves:
             return
         t0 = time.perf_counter()
         paged = self.paged[layer]
@@ -286,29 +347,78 @@ class WorkerSide:
         self._saved_layers.add(layer)
         self.counters["gather_s"] += time.perf_counter() - t0
 
+    def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
+        self._begin(meta)
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        if self._saves is None:
+            self._saves = self._prepare_saves()
+        self._gather_layer(layer)
+
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
+        """After the forward: gather what no layer hook gathered (a step without a forward, e.g.
+        saves planned again for a finished request), then put the saves in the store on the I/O
+        threads, except held ones, which wait in staging for the scheduler's decision."""
         self._begin(meta)
         self._finish_loads()
-        jobs = self._saves or []
+        if self._saves is None:
+            self._saves = self._prepare_saves()
+        jobs = self._saves
         if jobs:
-            assert self.staging is not None
-            staging = self.staging
-            if len(self._saved_layers) != len(self.paged):
-                # Some layer never reached its save hook: the staged objects are incomplete.
-                self.counters["saves_dropped_staging"] += len(jobs)
-                for job in jobs:
-                    staging.release(job.buf)
-            else:
-                if self._side_stream is not None:
-                    self._side_stream.synchronize()  # device-to-host copies into staging are done
-                keys = [object_key(self.digest, job.chunk.chunk_hash) for job in jobs]
-                parents = [object_key(self.digest, job.chunk.parent_hash) if job.chunk.parent_hash else None
-                           for job in jobs]
-                bufs = [job.buf for job in jobs]
-                fut = self.client.save(keys, [b.numpy() for b in bufs], parents)
-                fut.add_done_callback(lambda _f: [staging.release(b) for b in bufs])
-                self.counters["chunks_saved"] += len(jobs)
+            for layer in range(len(self.paged)):
+                self._gather_layer(layer)  # after the forward the blocks hold this step's KV
+            if self._side_stream is not None:
+                self._side_stream.synchronize()  # device-to-host copies into staging are done
+            now = [job for job in jobs if not job.chunk.hold]
+            for job in jobs:
+                if job.chunk.hold:
+                    self._held[job.chunk.save_id] = job
+            self.counters["saves_held"] += len(jobs) - len(now)
+            self._put(now)
         self._reset_step()
+
+    def _put(self, jobs: list[_SaveJob]) -> None:
+        """Hand staged saves to the I/O threads; each outcome is reported to the scheduler."""
+        if not jobs:
+            return
+        bufs = [job.buf for job in jobs]
+        fut = self.client.save([job.key for job in jobs], [b.numpy() for b in bufs], [job.parent for job in jobs])
+        save_ids = [job.chunk.save_id for job in jobs]
+
+        def report(f: Future) -> None:
+            try:
+                statuses = f.result()
+            except Exception:  # the client turns store errors into statuses; be safe anyway
+                logger.exception("save of %d chunks failed", len(save_ids))
+                statuses = [Status.IO_ERROR] * len(save_ids)
+            for save_id, st in zip(save_ids, statuses):
+                self._report(save_id, st in (Status.OK, Status.EXISTS))
+
+        fut.add_done_callback(report)
+        self._to_io(bufs, fut)
+        self.counters["chunks_saved"] += len(jobs)
+
+    def _settle_held(self, commit: list[int], discard: list[int]) -> None:
+        """Apply the scheduler's decisions on held saves (ids this rank does not hold are ignored:
+        e.g. a save this rank already reported as not saved)."""
+        to_put = [job for i in commit if (job := self._held.pop(i, None)) is not None]
+        for i in discard:
+            job = self._held.pop(i, None)
+            if job is not None:
+                assert self.staging is not None
+                self.staging.release(job.buf)
+                self.counters["saves_discarded"] += 1
+        self._put(to_put)
+
+    def _report(self, save_id: int, ok: bool) -> None:
+        """Record a save's outcome for the next report (any thread)."""
+        if save_id < 0:
+            return
+        with self._io_lock:
+            self._save_reports.append(SaveReport(save_id, self.rank, ok))
+        if not ok:
+            self.counters["saves_not_stored"] += 1
 
     def _reset_step(self) -> None:
         self._meta = None
@@ -321,7 +431,8 @@ class WorkerSide:
         self._saved_layers = set()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Block until every save submitted so far is in the store and queued offloads reached SSD."""
+        """Block until every save submitted so far is in the store and queued offloads reached SSD
+        (saves held for the scheduler's decision are not submitted yet and do not count)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self.client.drain(timeout_s):
             return False
@@ -332,5 +443,17 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_worker_meta(self) -> TieredWorkerMetadata:
+        """This step's report: the step it closes, and every save outcome since the last report."""
+        with self._io_lock:
+            reports, self._save_reports = self._save_reports, []
+        steps = [] if self._report_step is None else [self._report_step]
+        self._report_step = None
+        return TieredWorkerMetadata(steps=steps, saves=reports)
+
+    def take_released(self) -> set[str]:
+        released, self._released = self._released, set()
+        return released
+
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "client": self.client.stats()}
+        return {**self.counters, "held_saves": len(self._held), "client": self.client.stats()}

@@ -1,12 +1,16 @@
-"""Staging pool: bounded bytes, reuse of freed buffers, never blocks."""
+"""Staging pool: bounded bytes, reuse of freed buffers; try_acquire never blocks, acquire waits
+(bounded) for a release."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
 pytest.importorskip("torch")
 
-from mooncake_connector.staging import StagingPool  # noqa: E402
+from mooncake_connector.staging import StagingPool, recommended_staging_bytes  # noqa: E402
 
 
 def test_pool_is_bounded_and_reuses_buffers() -> None:
@@ -15,7 +19,7 @@ def test_pool_is_bounded_and_reuses_buffers() -> None:
     b = pool.try_acquire(1024)
     c = pool.try_acquire(1024)
     assert a is not None and b is not None and c is not None
-    assert pool.try_acquire(1024) is None  # full: the caller drops the save instead of waiting
+    assert pool.try_acquire(1024) is None  # full: try_acquire never waits
     assert pool.in_use_bytes == 3 * 1024
     pool.release(b)
     again = pool.try_acquire(1024)
@@ -31,3 +35,32 @@ def test_free_buffers_of_another_size_make_room() -> None:
     big = pool.try_acquire(2048)
     assert big is not None and big.numel() == 2048
     assert pool.in_use_bytes == 2048
+
+
+def test_acquire_waits_for_a_release_from_another_thread() -> None:
+    pool = StagingPool(2048)
+    held = [pool.try_acquire(1024), pool.try_acquire(1024)]
+    assert all(b is not None for b in held)
+    t = threading.Timer(0.2, pool.release, args=(held[0],))
+    t.start()
+    t0 = time.monotonic()
+    buf = pool.acquire(1024, timeout_s=5.0)
+    waited = time.monotonic() - t0
+    t.join()
+    assert buf is not None and buf.data_ptr() == held[0].data_ptr()
+    assert 0.1 < waited < 5.0
+
+
+def test_acquire_gives_up_after_its_timeout_and_refuses_more_than_the_pool() -> None:
+    pool = StagingPool(1024)
+    assert pool.try_acquire(1024) is not None
+    t0 = time.monotonic()
+    assert pool.acquire(1024, timeout_s=0.2) is None
+    assert time.monotonic() - t0 >= 0.2
+    assert pool.acquire(4096, timeout_s=10.0) is None  # can never fit: no wait at all
+    assert pool.in_use_bytes == 1024
+
+
+def test_recommended_staging_bytes_covers_three_steps_of_chunks() -> None:
+    # 8B Llama-3: 32 MiB per 256-token chunk; 8192 batched tokens complete up to 33 chunks a step.
+    assert recommended_staging_bytes(32 << 20, 256, 8192) == 3 * 33 * (32 << 20)

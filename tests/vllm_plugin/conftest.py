@@ -46,7 +46,8 @@ def run_engine(spec: dict[str, Any], work: Path, name: str, *, env: dict[str, st
     log_path = work / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})}, cwd=ROOT, timeout=ENGINE_TIMEOUT_S)
+                              stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})}, cwd=ROOT,
+                              timeout=ENGINE_TIMEOUT_S)
     out = log_path.read_text()
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

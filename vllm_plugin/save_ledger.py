@@ -1,0 +1,161 @@
+"""Which planned saves may enter the store, which landed, and which must be planned again.
+
+Used by the scheduler half (:mod:`vllm_plugin.scheduler`), on the scheduler thread only; pure
+bookkeeping (no I/O, no vLLM imports), so it can be tested alone.
+
+**Failed loads.** A chunk's KV depends on every earlier token's KV, so a chunk computed over a block
+whose load failed is wrong, on every rank (with TP, each rank's attention output feeds all ranks'
+next layer), and for every request reading that block (vLLM's prefix cache shares loaded blocks
+between requests). A load's outcome is known only when the step's output comes back: vLLM merges
+the workers' failed blocks (``KVConnectorOutput.invalid_block_ids``, the union over ranks, built by
+``KVOutputAggregator``) and hands them, with the workers' :class:`TieredWorkerMetadata`, to
+``update_connector_output``, after ``_handle_invalid_blocks`` rolled the affected requests back.
+With async scheduling (and PP's batch queue) the next step is planned before that.
+
+So each step's loaded blocks stay *unconfirmed* until its output arrives. A save whose request's
+blocks up to the chunk's end include an unconfirmed block is planned with ``hold``: the workers
+gather it into staging (the blocks may be freed or recomputed afterwards) but put it in the store
+only when a later step's metadata lists it in ``commit_saves``, which happens once every step it
+depended on came back without a failure among those blocks; if one failed it is listed in
+``discard_saves`` and its request is rolled back, so the chunk is planned again from recomputed KV.
+This keeps one rule for TP, shared blocks and async scheduling, and costs nothing when no load is
+in flight; holding in staging (rather than planning the save later) works for requests that finish
+before the confirmation arrives, and needs no blocks kept alive.
+
+**Landing.** Saves finish asynchronously, on each rank separately. Every rank reports each save's
+outcome (:class:`SaveReport`); a save has landed when all ranks stored it. One failed rank (no
+staging, store full, I/O error) makes it failed: the request is rolled back to that chunk and plans
+it again while its blocks still hold the KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from vllm_plugin.metadata import SaveReport
+
+
+@dataclass
+class _Save:
+    req_id: str
+    chunk: int
+    ok_ranks: set[int] = field(default_factory=set)
+    # Held saves: step -> the unconfirmed blocks of that step this save's KV was computed over.
+    waits: dict[int, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class LedgerEvents:
+    """What one step's output changed, for the scheduler to act on."""
+
+    # (req_id, chunk index) whose save did not land or was discarded: plan them again.
+    replan: list[tuple[str, int]] = field(default_factory=list)
+    # (req_id, chunk index) now stored on every rank.
+    landed: list[tuple[str, int]] = field(default_factory=list)
+
+
+class SaveLedger:
+    """Saves planned and not yet settled, and the loads whose outcome is not yet known."""
+
+    def __init__(self, num_ranks: int) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.step = 0
+        self._loading: dict[int, set[int]] = {}  # step -> blocks loaded in it, outcome unknown
+        self._saves: dict[int, _Save] = {}  # save_id -> planned, not settled (held or in flight)
+        self._next_id = 0
+        self._commit: list[int] = []
+        self._discard: list[int] = []
+        self.counters = {"saves_held": 0, "saves_committed": 0, "saves_discarded": 0, "saves_landed": 0,
+                         "saves_failed": 0}
+
+    # -- planning (build_connector_meta) -------------------------------------------------------------
+    def begin_step(self) -> int:
+        """Number the step being planned."""
+        self.step += 1
+        return self.step
+
+    def note_loads(self, step: int, block_ids: Iterable[int]) -> None:
+        """Blocks the workers write from the store in ``step`` (unconfirmed until its output)."""
+        blocks = set(block_ids)
+        if blocks:
+            self._loading.setdefault(step, set()).update(blocks)
+
+    def plan_save(self, req_id: str, chunk: int, context_blocks: Sequence[int]) -> tuple[int, bool]:
+        """Register a save of chunk ``chunk`` of ``req_id`` whose KV was computed over
+        ``context_blocks`` (the request's blocks up to the chunk's end). Returns its id and whether
+        it must be held until loads it depends on are confirmed."""
+        save_id = self._next_id
+        self._next_id += 1
+        rec = _Save(req_id, chunk)
+        if self._loading:
+            context = set(context_blocks)
+            for step, loaded in self._loading.items():
+                common = loaded & context
+                if common:
+                    rec.waits[step] = common
+        self._saves[save_id] = rec
+        if rec.waits:
+            self.counters["saves_held"] += 1
+        return save_id, bool(rec.waits)
+
+    def take_decisions(self) -> tuple[list[int], list[int]]:
+        """Held saves to commit and to discard, for the metadata being built (each sent once)."""
+        commit, self._commit = self._commit, []
+        discard, self._discard = self._discard, []
+        return commit, discard
+
+    # -- outcomes (update_connector_output) ----------------------------------------------------------
+    def on_output(self, steps: Iterable[int], invalid_block_ids: set[int],
+                  reports: Iterable[SaveReport]) -> LedgerEvents:
+        """One step's output: the steps it closes (their loads' outcomes are ``invalid_block_ids``,
+        merged over ranks) and the save outcomes the ranks reported."""
+        events = LedgerEvents()
+        for step in steps:
+            self._loading.pop(step, None)
+            for save_id, rec in list(self._saves.items()):
+                common = rec.waits.pop(step, None)
+                if common is None:
+                    continue
+                if common & invalid_block_ids:
+                    del self._saves[save_id]
+                    self._discard.append(save_id)
+                    self.counters["saves_discarded"] += 1
+                    events.replan.append((rec.req_id, rec.chunk))
+                elif not rec.waits:
+                    self._commit.append(save_id)
+                    self.counters["saves_committed"] += 1
+        for report in reports:
+            rec = self._saves.get(report.save_id)
+            if rec is None:
+                continue  # already settled (another rank failed it, or it was discarded)
+            if not report.ok:
+                del self._saves[report.save_id]
+                self.counters["saves_failed"] += 1
+                events.replan.append((rec.req_id, rec.chunk))
+                continue
+            rec.ok_ranks.add(report.rank)
+            if len(rec.ok_ranks) >= self.num_ranks:
+                del self._saves[report.save_id]
+                self.counters["saves_landed"] += 1
+                events.landed.append((rec.req_id, rec.chunk))
+        return events
+
+    # -- queries -------------------------------------------------------------------------------------
+    def unsettled(self, req_id: str) -> bool:
+        """Whether a save of ``req_id`` is still held or in flight."""
+        return any(rec.req_id == req_id for rec in self._saves.values())
+
+    @property
+    def unsettled_count(self) -> int:
+        return len(self._saves)
+
+    @property
+    def held_count(self) -> int:
+        return sum(1 for rec in self._saves.values() if rec.waits)
+
+    @property
+    def pending_decisions(self) -> bool:
+        return bool(self._commit or self._discard)
