@@ -385,3 +385,42 @@ def test_an_ssd_copy_that_could_not_be_deleted_stays_hidden_until_it_is(tmp_path
         assert_gone_then_new_bytes_stick(s, "x")  # ... and never served; the new bytes replace it
     finally:
         s.close()
+
+
+def test_remove_while_a_reader_copies_out_of_dram(monkeypatch) -> None:
+    """remove does not wait for (or refuse because of) a reader copying the object out of DRAM:
+    the key is gone at once, the reader finishes with the old bytes, and the DRAM space is freed
+    when it is done (not before, not never)."""
+    import store_backend.store as store_module
+
+    copying, release = threading.Event(), threading.Event()
+    real_copy = store_module.copy_bytes
+
+    def gated_copy(dst, src) -> None:  # noqa: ANN001
+        real_copy(dst, src)
+        if threading.current_thread().name == "reader":
+            copying.set()
+            assert release.wait(30)
+
+    monkeypatch.setattr(store_module, "copy_bytes", gated_copy)
+    s = TieredStore({"dram": {"capacity_bytes": 8 * OBJ_BYTES}}).start()
+    try:
+        assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
+        got: list = []
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        reader = threading.Thread(target=lambda: got.append(s.get_into(["x"], [out])[0]), name="reader")
+        reader.start()
+        assert copying.wait(10)
+        assert s.remove(["x"]) == [Status.OK]  # at once, not BUSY
+        assert s.get_into(["x"], [np.zeros(OBJ_BYTES, np.uint8)])[0].status is Status.NOT_FOUND
+        assert s.put(["x"], [versioned(0, 2)]) == [Status.OK]
+        assert s.metrics()["dram"]["used_bytes"] == 2 * OBJ_BYTES  # the reader still holds the old bytes
+        release.set()
+        reader.join(10)
+        assert got[0].status is Status.OK and decode(out) == (0, 1)  # it overlapped the remove
+        assert s.metrics()["dram"]["used_bytes"] == OBJ_BYTES  # freed once the reader let go
+        new = np.zeros(OBJ_BYTES, np.uint8)
+        assert s.get_into(["x"], [new])[0].status is Status.OK and decode(new) == (0, 2)
+    finally:
+        release.set()
+        s.close()
