@@ -82,6 +82,8 @@ class StoreVersusDict(RuleBasedStateMachine):
                 assert key in self.model, f"contains({key}) though the model does not hold it"
             if size is not None:
                 assert key in self.model and size == len(self.model[key]), (key, size)
+        n = self.store.exists(keys)
+        assert all(k in self.model for k in keys[:n]), f"exists({keys}) = {n} counts a key the model does not hold"
 
     @rule()
     def flush(self) -> None:
