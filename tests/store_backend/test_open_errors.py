@@ -237,3 +237,63 @@ def test_a_bucket_file_that_is_a_directory_is_skipped(tmp_path, caplog):
     finally:
         b.close()
     assert bogus.is_dir()
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path):
+    """An 8 MiB tmpfs standing in for /dev/shm."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+def test_per_rank_segments_that_overrun_dev_shm_together_are_refused_at_open(small_shm):
+    # Each 6 MiB segment fits the 8 MiB alone; the second used to pass the room check too (the
+    # first reserved nothing) and filling both died of SIGBUS.
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import json, sys
+        import store_backend.dram as dram
+        dram.SHM_DIR = sys.argv[1]
+        from store_backend.config import ConfigError
+        from store_backend.store import TieredStore
+        stores, res = [], {"opened": 0, "error": None}
+        for r in range(2):
+            try:
+                stores.append(TieredStore({"dram": {"capacity_bytes": 6 << 20, "shm_name": f"rank{r}"}}).start())
+                res["opened"] += 1
+            except ConfigError as e:
+                res["error"] = str(e)
+        res["files_after_refusal"] = sorted(__import__("os").listdir(sys.argv[1]))
+        for r, s in enumerate(stores):
+            res[f"fill{r}"] = sorted({s.put([f"r{r}/{i}"], [b"x" * (200 << 10)])[0].name for i in range(24)})
+        for s in stores:
+            s.close()
+        print(json.dumps(res), flush=True)
+    """), str(small_shm)], cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])  # -7: SIGBUS
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["opened"] == 1, out
+    assert "dram.capacity_bytes=6291456" in out["error"] and "dram.shm_name='rank1'" in out["error"], out
+    assert out["files_after_refusal"] == ["rank0"]  # the refused segment was removed
+    assert out["fill0"] == ["OK"]
+    assert os.listdir(small_shm) == []
+
+
+def test_private_arena_still_works_and_is_not_backed_by_dev_shm():
+    with TieredStore({"dram": {"capacity_bytes": 4 << 20}}) as s:
+        assert s.put(["p"], [np.ones(1 << 20, np.uint8)]) == [Status.OK]
+        buf = bytearray(1 << 20)
+        assert s.get_into(["p"], [buf])[0].ok and buf == bytes([1]) * (1 << 20)

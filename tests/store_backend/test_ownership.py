@@ -178,3 +178,73 @@ def test_second_process_on_a_segment_is_refused_and_nothing_is_damaged(tmp_path,
 
 def test_ownership_error_is_a_config_error():
     assert issubclass(OwnershipError, ConfigError)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deleting_the_lock_note_does_not_let_a_second_owner_in(tmp_path, backend):
+    # `.owner.lock` is a file anyone may delete (a cleanup of dotfiles); the lock is on the
+    # directory itself, so a second opener is still refused.
+    ssd = tmp_path / "ssd"
+    with TieredStore(store_cfg(ssd, backend)) as first:
+        assert first.put(["k"], [np.ones(SIZE, np.uint8)]) == [Status.OK]
+        assert first.flush(30)
+        note = ssd / ".owner.lock"
+        if note.exists():
+            note.unlink()
+        with pytest.raises(OwnershipError, match=rf"pid {os.getpid()} \(this process\)"):
+            TieredStore(store_cfg(ssd, backend))
+        with pytest.raises(OwnershipError):
+            open_ssd_backend(SsdConfig(path=str(ssd), backend=backend, capacity_bytes=1 << 20))
+        buf = bytearray(SIZE)
+        assert first.get_into(["k"], [buf])[0].ok and buf == bytes([1]) * SIZE
+    with TieredStore(store_cfg(ssd, backend)) as again:  # free once the owner closed
+        assert again.exists(["k"]) == 1
+
+
+_FORKING_OWNER = textwrap.dedent("""
+    import json, os, sys, time
+    from store_backend.store import TieredStore
+    s = TieredStore(json.loads(sys.argv[1]))
+    if os.fork() == 0:  # a helper process that never touches the store (multiprocessing 'fork', a pool)
+        time.sleep(600)
+        os._exit(0)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_forked_child_does_not_keep_the_locks_of_a_killed_owner(tmp_path, shm_name):
+    ssd = tmp_path / "ssd"
+    cfg = store_cfg(ssd, "bucket", shm_name=shm_name, dram_bytes=1 << 20)
+    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, json.dumps(cfg)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = owner.stdout.readline()
+        assert line.strip() == "ready", (line, owner.stderr.read()[-3000:])
+        owner.kill()  # the owner only: its forked child lives on in the same session
+        owner.wait(30)
+        with TieredStore(cfg) as s:  # refused (naming the dead pid) while the child held the locks
+            assert s.put(["x"], [np.ones(10, np.uint8)]) == [Status.OK]
+    finally:
+        try:
+            os.killpg(owner.pid, 9)
+        except ProcessLookupError:
+            pass
+        owner.wait(30)
+
+
+def test_a_lock_held_by_an_exited_pid_says_a_forked_process_may_hold_it(tmp_path):
+    # The lock survives its taker when a forked process keeps the descriptor: the message says so.
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    fd = os.open(ssd, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import fcntl, sys; fcntl.flock(int(sys.argv[1]), fcntl.LOCK_EX)", str(fd)],
+            pass_fds=[fd])
+        assert child.wait(60) == 0
+        with pytest.raises(OwnershipError) as e:
+            open_ssd_backend(SsdConfig(path=str(ssd), backend="bucket", capacity_bytes=1 << 20))
+        assert f"pid {child.pid} has exited; a process it forked may still hold it" in str(e.value)
+    finally:
+        os.close(fd)
