@@ -150,6 +150,7 @@ class BucketBackend(IndexedBackend):
         self._tomb_fd = -1
         self._hwm_fd = -1
         self._hwm_gen = 0
+        self._hwm_persisted = (0, 0)  # (next seq, next bucket id) on disk; under _hwm_lock
         self._hwm_lock = threading.Lock()
         self._seq_limit = 0
         self._id_limit = 0
@@ -321,15 +322,20 @@ class BucketBackend(IndexedBackend):
         self._hwm_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         raw = os.pread(self._hwm_fd, 2 * ALIGN, 0)
         best = (0, 0, 0)
+        damaged = False
         for slot in range(2):
             rec = raw[slot * ALIGN:slot * ALIGN + _HWM.size]
             if len(rec) < _HWM.size:
+                damaged = damaged or any(rec)
                 continue
             magic, gen, seq, bid, check = _HWM.unpack(rec)
-            if magic == _HWM_MAGIC and xxhash.xxh3_64_intdigest(rec[:-8]) == check and gen >= best[0]:
-                best = (gen, seq, bid)
+            if magic == _HWM_MAGIC and xxhash.xxh3_64_intdigest(rec[:-8]) == check:
+                if gen >= best[0]:
+                    best = (gen, seq, bid)
+            elif any(rec):
+                damaged = True  # all zeroes is a slot never written (the file is zero-filled at once)
         size = os.fstat(self._hwm_fd).st_size
-        if best[0] == 0 and size:
+        if best[0] == 0 and damaged:
             logger.warning("bucket backend at %s: %s is damaged; sequence numbers continue from the records",
                            self._dir, _HWM_FILE)
         if size < 2 * ALIGN:
@@ -341,16 +347,29 @@ class BucketBackend(IndexedBackend):
             except OSError as e:
                 logger.warning("bucket backend at %s: cannot size %s: %s", self._dir, _HWM_FILE, e)
         self._hwm_gen = best[0]
+        self._hwm_persisted = (best[1], best[2])
         return best[1], best[2]
 
     def _persist_hwm(self, seq: int, bid: int) -> None:
-        """Make (seq, bid) durable as the new high-water mark (``_hwm_lock`` held, not ``_lock``)."""
+        """Make (seq, bid) durable as the new high-water mark (``_hwm_lock`` held, not ``_lock``).
+
+        Never lowers it: two callers compute their marks under ``_lock`` and persist them here in
+        either order, so the mark written is the larger of each number and the one already on
+        disk (nothing is written when that already covers both)."""
+        seq = max(seq, self._hwm_persisted[0])
+        bid = max(bid, self._hwm_persisted[1])
+        if self._hwm_gen and (seq, bid) == self._hwm_persisted:
+            with self._lock:
+                self._seq_limit = max(self._seq_limit, seq)
+                self._id_limit = max(self._id_limit, bid)
+            return
         gen = self._hwm_gen + 1
         rec = _HWM.pack(_HWM_MAGIC, gen, seq, bid, 0)[:-8]
         rec += struct.pack("<Q", xxhash.xxh3_64_intdigest(rec))
         os.pwrite(self._hwm_fd, rec, (gen % 2) * ALIGN)
         os.fdatasync(self._hwm_fd)
         self._hwm_gen = gen
+        self._hwm_persisted = (seq, bid)
         with self._lock:
             self._seq_limit = max(self._seq_limit, seq)
             self._id_limit = max(self._id_limit, bid)

@@ -370,3 +370,46 @@ def test_bucket_sequence_high_water_mark_survives_a_lost_file(tmp_path):
         assert b.get_into(["k"], [buf])[0].ok and bytes(buf) == payload("k-new", 100).tobytes()
     finally:
         b.close()
+
+
+def test_bucket_high_water_mark_persisted_out_of_order_never_goes_back(tmp_path):
+    # Two puts that exhaust the number block at once each compute the mark they want under the
+    # store lock and persist it under _hwm_lock; the one that wants less may persist last. Drive
+    # the two calls in that bad order: the persisted mark must stay the larger one.
+    cfg = make_cfg(tmp_path, "bucket")
+    b = open_ssd_backend(cfg)
+    try:
+        hi_seq, hi_id = 10_000_000, 5_000
+        with b._hwm_lock:
+            b._persist_hwm(hi_seq, hi_id)
+        with b._hwm_lock:
+            b._persist_hwm(hi_seq - 70_000, hi_id - 100)  # the smaller mark, computed earlier
+        assert b._seq_limit >= hi_seq and b._id_limit >= hi_id
+    finally:
+        b.close()
+    b = open_ssd_backend(cfg)
+    try:
+        assert b._seq >= hi_seq and b._next_id >= hi_id  # numbers never handed out twice
+    finally:
+        b.close()
+
+
+def test_fresh_bucket_directory_reopens_without_a_damage_warning(tmp_path, caplog):
+    cfg = make_cfg(tmp_path, "bucket")
+    for _ in range(3):  # a fresh directory: the mark file is made (and zero-filled) but never raised
+        with caplog.at_level("WARNING", logger="store_backend.ssd.bucket"):
+            open_ssd_backend(cfg).close()
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()], caplog.text
+    # A slot that holds bytes failing its checksum is still reported.
+    b = open_ssd_backend(cfg)
+    assert b.put(["k"], [b"v" * 100]) == [Status.OK]
+    b.close()
+    with open(Path(cfg.path) / "seq.hwm", "r+b") as f:
+        f.seek(0)
+        f.write(b"\xff" * 64)
+        f.seek(ALIGN)
+        f.write(b"\xff" * 64)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="store_backend.ssd.bucket"):
+        open_ssd_backend(cfg).close()
+    assert [r for r in caplog.records if "seq.hwm is damaged" in r.getMessage()], caplog.text
