@@ -17,8 +17,9 @@ from safetensors.torch import save_file
 
 def write_tiny_llama(path: Path, *, num_layers: int = 2, hidden: int = 256, heads: int = 4,
                      kv_heads: int = 2, head_dim: int = 64, intermediate: int = 512, vocab: int = 1024,
-                     seed: int = 0) -> Path:
-    """Write config.json and model.safetensors under ``path`` (created) and return it."""
+                     seed: int = 0, extra_config: dict | None = None) -> Path:
+    """Write config.json and model.safetensors under ``path`` (created) and return it.
+    ``extra_config``: more config.json fields (e.g. ``layer_types`` and ``sliding_window``)."""
     path.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
@@ -27,7 +28,7 @@ def write_tiny_llama(path: Path, *, num_layers: int = 2, hidden: int = 256, head
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
         "tie_word_embeddings": False, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
     }
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({**config, **(extra_config or {})}))
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int, std: float) -> torch.Tensor:
