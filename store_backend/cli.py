@@ -15,6 +15,7 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("store_backend.demo", "write, offload, evict, read back and promote a stream of KV chunks"),
     "replay": ("store_backend.replay.cli", "replay a request trace through the store and report hit ratios"),
+    "inspect": ("store_backend.ssd.inspect_cli", "what an SSD tier directory holds; --verify checks every record"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
     "store": ("store_backend.bench_store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),

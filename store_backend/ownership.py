@@ -51,9 +51,15 @@ class OwnershipError(ConfigError):
 
 def lock_holders(fd: int) -> list[int]:
     """Pids holding a ``flock`` on the file open at ``fd`` (read from /proc/locks; [] if unknown)."""
+    return [pid for pid, _ in flock_holders(fd)]
+
+
+def flock_holders(fd: int) -> list[tuple[int, bool]]:
+    """(pid, exclusive) of each holder of a ``flock`` on the file open at ``fd`` (from /proc/locks;
+    [] if unknown). Reads only."""
     st = os.fstat(fd)
     ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    pids: list[int] = []
+    out: list[tuple[int, bool]] = []
     try:
         with open("/proc/locks") as f:
             for line in f:
@@ -61,11 +67,11 @@ def lock_holders(fd: int) -> list[int]:
                 # "1: FLOCK  ADVISORY  WRITE 1234 00:2f:5678 0 EOF"; waiters carry a "->" field.
                 if len(parts) >= 6 and parts[1] != "->" and parts[1] == "FLOCK" and parts[5] == ident:
                     pid = int(parts[4])
-                    if pid > 0 and pid not in pids:
-                        pids.append(pid)
+                    if pid > 0 and all(p != pid for p, _ in out):
+                        out.append((pid, parts[3] == "WRITE"))
     except (OSError, ValueError):
         pass
-    return pids
+    return out
 
 
 def _pid_alive(pid: int) -> bool:

@@ -69,6 +69,34 @@ _REC = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec$")
 _TMP = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec\.tmp$")
 
 
+def record_file_kind(name: str) -> str | None:
+    """``"rec"`` for a record file's name, ``"tmp"`` for a temporary one (deleted at open), else None."""
+    if _REC.match(name):
+        return "rec"
+    return "tmp" if _TMP.match(name) else None
+
+
+def read_record_header(path: str) -> tuple[int, str, int] | None:
+    """(seq, key, value_len) from the record file at ``path``; None when it is gone or its header
+    is not valid (torn, damaged, cut short, a key that is not UTF-8). Raises OSError when it cannot
+    be read. Reads only (recovery uses it; so does :mod:`store_backend.ssd.inspect`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        h = decode_header(os.pread(fd, HEADER_BLOCK, 0))
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if h is None or size < HEADER_BLOCK + h.value_len:
+        return None
+    try:
+        return h.seq, h.key.decode(), h.value_len
+    except UnicodeDecodeError:
+        return None
+
+
 class _Entry(msgspec.Struct):
     path: str
     value_len: int
@@ -170,21 +198,7 @@ class FilePerKeyBackend(IndexedBackend):
 
     @staticmethod
     def _read_header(path: str) -> tuple[int, str, int] | None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            h = decode_header(os.pread(fd, HEADER_BLOCK, 0))
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if h is None or size < HEADER_BLOCK + h.value_len:
-            return None
-        try:
-            return h.seq, h.key.decode(), h.value_len
-        except UnicodeDecodeError:
-            return None
+        return read_record_header(path)
 
     # -- put ---------------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:

@@ -103,6 +103,102 @@ def _fallocate(fd: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
+# -- read-only file reading (recovery uses these; so does store_backend.ssd.inspect) ---------------
+
+_Found = tuple[int, int, int, bytes]  # a record found by the walk: offset, value_len, seq, key
+
+
+def decode_superblock(raw: bytes) -> tuple[int, int] | None:
+    """(header seed, file bytes at creation) from a data file's first bytes; None when they are
+    not an offset-backend superblock."""
+    if len(raw) < _SUPER.size:
+        return None
+    magic, seed, size, check = _SUPER.unpack(raw[:_SUPER.size])
+    if magic != _SUPER_MAGIC or xxhash.xxh3_64_intdigest(raw[:24]) != check:
+        return None
+    return seed, size
+
+
+def scan_records(path: str, seed: int, size: int) -> tuple[list[_Found], list[int]]:
+    """Walk the first ``size`` bytes of the data file at ``path``: (offset, value_len, seq, key) of
+    every record whose header is valid, and the offsets of blocks that could not be read (skipped,
+    logged). Reads only (it drops the file's cached pages, which changes no byte)."""
+    found: list[tuple[int, int, int, bytes]] = []
+    unreadable: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    # No readahead and no cached pages: cached zero pages of preallocated (unwritten) space
+    # would count as data for SEEK_DATA, and the walk would read the whole file.
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    try:
+        pos = DATA_START
+        while pos + HEADER_BLOCK <= size:
+            try:
+                pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only holes from here on
+                    break
+                raise
+            try:
+                h = decode_header(os.pread(fd, HEADER_BLOCK, pos), seed)
+            except OSError as e:  # an unreadable block: skip it, serve the rest
+                unreadable.append(pos)
+                logger.error("offset backend: cannot read %s at %d (%s); skipping that block", path, pos, e)
+                pos += HEADER_BLOCK
+                continue
+            if h is not None and pos + record_bytes(h.value_len) <= size:
+                found.append((pos, h.value_len, h.seq, h.key))
+                pos += record_bytes(h.value_len)
+                continue
+            pos = _next_candidate(fd, pos + HEADER_BLOCK, seed, size)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return found, unreadable
+
+
+def _next_candidate(fd: int, pos: int, seed: int, size: int) -> int:
+    """First block at or after ``pos`` that starts with a valid record header (or ``size``);
+    holes are skipped without reading them."""
+    magic = np.frombuffer(MAGIC, dtype="<u8")[0]
+    while pos < size:
+        try:
+            pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
+            hole = os.lseek(fd, pos, os.SEEK_HOLE)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                break
+            raise
+        n = min(_SCAN_CHUNK, max(ALIGN, align_down(hole - pos)), size - pos)
+        chunk = os.pread(fd, n, pos)
+        if len(chunk) < ALIGN:
+            break
+        firsts = np.frombuffer(chunk, dtype="<u8", count=len(chunk) // 8)[::ALIGN // 8]
+        hits = np.flatnonzero(firsts == magic)
+        for h in hits:
+            off = pos + int(h) * ALIGN
+            if decode_header(chunk[int(h) * ALIGN:(int(h) + 1) * ALIGN], seed) is not None:
+                return off
+        pos += align_down(len(chunk))
+    return size
+
+
+def pick_winners(found: list[_Found]) -> tuple[dict[bytes, _Found], list[int]]:
+    """The record recovery serves for each key (the highest sequence number) and the offsets of
+    the superseded ones (``found`` as :func:`scan_records` returns it)."""
+    best: dict[bytes, _Found] = {}
+    losers: list[int] = []
+    for rec in found:
+        other = best.get(rec[3])
+        if other is None or rec[2] > other[2]:
+            if other is not None:
+                losers.append(other[0])
+            best[rec[3]] = rec
+        else:
+            losers.append(rec[0])
+    return best, losers
+
+
 class FreeExtents:
     """First-fit allocator over [0, capacity) with coalescing, able to reserve a given extent
     (recovery rebuilds it from the records found). Not thread-safe: the backend's lock guards it."""
@@ -221,12 +317,31 @@ class OffsetBackend(IndexedBackend):
             raise
 
     # -- file and recovery ---------------------------------------------------------------------------
-    def _target_size(self, allocated: int) -> int:
+    def _target_size(self, allocated: int, existing: int = 0) -> int:
         """File bytes to preallocate: ``capacity_bytes``, or less where the file system has less
-        room under ``disk_watermark`` (``allocated``: bytes the file already holds on disk)."""
+        room under ``disk_watermark`` (``allocated``: bytes the file already holds on disk).
+
+        ``existing`` is the size of a data file being reopened: the answer is never below it and
+        never raises (only growth is limited by the room; the file's records stay whole however
+        full the disk is)."""
         want = align_down(self.cfg.capacity_bytes)
         st = os.statvfs(self._dir)
         total = st.f_blocks * st.f_frsize
+        if existing:
+            if want <= existing:
+                return existing
+            fits = st.f_bavail * st.f_frsize + allocated if st.f_blocks else want
+            room = fs_room(self._dir, self.cfg.disk_watermark)
+            if room is not None:
+                used, limit = room
+                fits = min(fits, limit - used + allocated)
+            fits = align_down(max(0, fits))
+            if want > fits:
+                logger.warning("ssd.capacity_bytes=%d does not fit the file system at %s under "
+                               "ssd.disk_watermark=%.2f: the offset backend keeps its %d-byte file and grows "
+                               "it to %d bytes", self.cfg.capacity_bytes, self._dir, self.cfg.disk_watermark,
+                               existing, max(existing, fits))
+            return max(existing, min(want, fits))
         if st.f_blocks and want > total:
             raise ConfigError(f"ssd.capacity_bytes={self.cfg.capacity_bytes} is larger than the whole file system "
                               f"holding ssd.path={self._dir!r} ({total} bytes)")
@@ -261,18 +376,19 @@ class OffsetBackend(IndexedBackend):
             raw = os.pread(fd, _SUPER.size, 0)
             if len(raw) != _SUPER.size:
                 raise ConfigError(f"ssd.path={self._dir!r}: {self._path} is too short for an offset-backend superblock")
-            magic, seed, _, check = _SUPER.unpack(raw)
-            if magic != _SUPER_MAGIC or xxhash.xxh3_64_intdigest(raw[:24]) != check:
+            sb = decode_superblock(raw)
+            if sb is None:
                 raise ConfigError(f"ssd.path={self._dir!r}: {self._path} is not an offset-backend data file "
                                   "(bad superblock); it was left alone")
+            seed = sb[0]
             st = os.fstat(fd)
             size = align_down(st.st_size)
             self._sparse = st.st_blocks * 512 < size
-            want = self._target_size(st.st_blocks * 512)
+            want = self._target_size(st.st_blocks * 512, existing=size)
             if want > size:
                 self._grow(fd, size, want)
                 size = want
-            elif want < size:
+            elif align_down(self.cfg.capacity_bytes) < size:
                 logger.info("%s is %d bytes, more than capacity_bytes=%d: keeping it whole (its records stay)",
                             self._path, size, self.cfg.capacity_bytes)
         finally:
@@ -312,75 +428,13 @@ class OffsetBackend(IndexedBackend):
 
     def _scan(self) -> list[tuple[int, int, int, bytes]]:
         """Walk the file: (offset, value_len, seq, key) of every record whose header is valid."""
-        found: list[tuple[int, int, int, bytes]] = []
-        fd = os.open(self._path, os.O_RDONLY)
-        # No readahead and no cached pages: cached zero pages of preallocated (unwritten) space
-        # would count as data for SEEK_DATA, and the walk would read the whole file.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        try:
-            pos = DATA_START
-            while pos + HEADER_BLOCK <= self._size:
-                try:
-                    pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
-                except OSError as e:
-                    if e.errno == errno.ENXIO:  # only holes from here on
-                        break
-                    raise
-                try:
-                    h = decode_header(os.pread(fd, HEADER_BLOCK, pos), self._seed)
-                except OSError as e:  # an unreadable block: skip it, serve the rest
-                    self._stats.unreadable_files += 1
-                    logger.error("offset backend: cannot read %s at %d (%s); skipping that block", self._path, pos, e)
-                    pos += HEADER_BLOCK
-                    continue
-                if h is not None and pos + record_bytes(h.value_len) <= self._size:
-                    found.append((pos, h.value_len, h.seq, h.key))
-                    pos += record_bytes(h.value_len)
-                    continue
-                pos = self._next_candidate(fd, pos + HEADER_BLOCK)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        found, unreadable = scan_records(self._path, self._seed, self._size)
+        self._stats.unreadable_files += len(unreadable)
         return found
-
-    def _next_candidate(self, fd: int, pos: int) -> int:
-        """First block at or after ``pos`` that starts with the record magic (or the end of the
-        file); holes are skipped without reading them."""
-        magic = np.frombuffer(MAGIC, dtype="<u8")[0]
-        while pos < self._size:
-            try:
-                pos = max(pos, align_down(os.lseek(fd, pos, os.SEEK_DATA)))
-                hole = os.lseek(fd, pos, os.SEEK_HOLE)
-            except OSError as e:
-                if e.errno == errno.ENXIO:
-                    break
-                raise
-            n = min(_SCAN_CHUNK, max(ALIGN, align_down(hole - pos)), self._size - pos)
-            chunk = os.pread(fd, n, pos)
-            if len(chunk) < ALIGN:
-                break
-            firsts = np.frombuffer(chunk, dtype="<u8", count=len(chunk) // 8)[::ALIGN // 8]
-            hits = np.flatnonzero(firsts == magic)
-            for h in hits:
-                off = pos + int(h) * ALIGN
-                if decode_header(chunk[int(h) * ALIGN:(int(h) + 1) * ALIGN], self._seed) is not None:
-                    return off
-            pos += align_down(len(chunk))
-        return self._size
 
     def _recover(self) -> None:
         found = self._scan()
-        best: dict[bytes, tuple[int, int, int, bytes]] = {}
-        losers: list[int] = []
-        for rec in found:
-            other = best.get(rec[3])
-            if other is None or rec[2] > other[2]:
-                if other is not None:
-                    losers.append(other[0])
-                best[rec[3]] = rec
-            else:
-                losers.append(rec[0])
+        best, losers = pick_winners(found)
         for off, value_len, seq, key in sorted(best.values(), key=lambda r: r[2]):  # oldest first
             self._index[key.decode()] = _Entry(off, value_len, seq)
         if found:
@@ -448,19 +502,62 @@ class OffsetBackend(IndexedBackend):
             todo = {i: views[i] for i in full}
 
     def _victim_space(self, need: int) -> tuple[int | None, list[_Entry]]:
-        """Under the lock: evict in eviction order until a victim's own (written, so allocated)
-        extent holds ``need`` bytes; that extent's offset (or None) and the victims."""
-        victims: list[_Entry] = []
-        for key in list(itertools.islice(self._index, _ENOSPC_MAX_VICTIMS)):
+        """Under the lock: room for ``need`` bytes over records already written (so allocated on
+        disk), for a sparse file on a full file system; (file-data offset reserved, or None, and
+        the records evicted for it).
+
+        Victims are picked first and evicted only when they cover ``need``: the oldest records in
+        eviction order (at most ``_ENOSPC_MAX_VICTIMS``, none being read) are taken one by one
+        until one extent, or a run of adjacent extents, holds ``need``; exactly that extent or run
+        goes. When none does, nothing is evicted."""
+        picked: list[tuple[str, _Entry]] = []
+        by_start: dict[int, tuple[str, _Entry]] = {}
+        by_end: dict[int, tuple[str, _Entry]] = {}
+        window: list[tuple[str, _Entry]] | None = None
+        for key in itertools.islice(self._index, _ENOSPC_MAX_VICTIMS):
             e = self._index[key]
             if e.readers:
                 continue
+            item = (key, e)
+            picked.append(item)
+            by_start[e.offset] = item
+            by_end[e.offset + e.nbytes] = item
+            window = self._run_window(item, by_start, by_end, need)
+            if window is not None:
+                break
+        if window is None:
+            return None, []
+        victims = []
+        for key, e in window:
             del self._index[key]
-            victims.append(e)
             self._alloc.free(e.offset - DATA_START, e.nbytes)
-            if e.nbytes >= need and self._alloc.reserve(e.offset - DATA_START, need):
-                return e.offset - DATA_START, victims
-        return None, victims
+            victims.append(e)
+        start = window[0][1].offset - DATA_START
+        if not self._alloc.reserve(start, need):  # cannot happen: the run was freed just now
+            return None, victims
+        return start, victims
+
+    @staticmethod
+    def _run_window(newest: tuple[str, _Entry], by_start: dict[int, tuple[str, _Entry]],
+                    by_end: dict[int, tuple[str, _Entry]], need: int) -> list[tuple[str, _Entry]] | None:
+        """The fewest adjacent picked extents, ``newest`` among them, that hold ``need`` bytes (in
+        file order), or None. Earlier picks alone held no such run, so one must include ``newest``."""
+        run = [newest]
+        while run[0][1].offset in by_end:
+            run.insert(0, by_end[run[0][1].offset])
+        at = len(run) - 1  # newest's index in the run
+        while run[-1][1].offset + run[-1][1].nbytes in by_start:
+            run.append(by_start[run[-1][1].offset + run[-1][1].nbytes])
+        best: tuple[int, int] | None = None
+        for lo in range(at + 1):
+            total = sum(e.nbytes for _k, e in run[lo:at])
+            for hi in range(at, len(run)):
+                total += run[hi][1].nbytes
+                if total >= need:
+                    if best is None or hi - lo < best[1] - best[0]:
+                        best = (lo, hi)
+                    break
+        return None if best is None else run[best[0]:best[1] + 1]
 
     def _put_once(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status], *,
                   over_victims: bool) -> list[int]:

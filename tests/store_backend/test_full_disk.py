@@ -7,6 +7,7 @@ is ever served with other bytes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+import store_backend.ssd.offset as offset_mod
+from store_backend.config import SsdConfig
+from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
@@ -88,3 +92,89 @@ def test_offloads_keep_succeeding_on_a_full_file_system(small_fs, backend, ssd_k
     assert out["served"][-40:] == newest  # the newest 10 MiB are all there, byte-exact
     if ssd_kw["disk_watermark"] < 1.0:
         assert out["fs_use"] <= ssd_kw["disk_watermark"] + 0.02
+
+
+def _fill_up(path: Path) -> None:
+    """Write ``path`` until the file system answers ENOSPC (another program filling the disk)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+def test_offset_reopens_its_file_whole_when_the_disk_is_past_the_watermark(small_fs):
+    ssd = {"path": str(small_fs / "ssd"), "backend": "offset", "capacity_bytes": 8 << 20, "io_engine": "posix",
+           "direct_io": False, "disk_watermark": 0.5}
+    cfg = SsdConfig(**ssd)
+    b = open_ssd_backend(cfg)
+    try:
+        assert b.put(["k"], [payload("k", SIZE)]) == [Status.OK]
+    finally:
+        b.close()
+    size = (small_fs / "ssd" / "offset.data").stat().st_size
+    _fill_up(small_fs / "other-program.log")  # far past the watermark now
+    b = open_ssd_backend(cfg)  # used to raise ConfigError: "has no room for it under ssd.disk_watermark"
+    try:
+        assert b.contains(["k"]) == [True]
+        buf = bytearray(SIZE)
+        assert b.get_into(["k"], [buf])[0].ok and buf == payload("k", SIZE).tobytes()
+        assert (small_fs / "ssd" / "offset.data").stat().st_size == size  # never shrunk
+    finally:
+        b.close()
+    # Only growth is limited: a larger capacity on the full disk keeps the file as it is.
+    b = open_ssd_backend(SsdConfig(**{**ssd, "capacity_bytes": 16 << 20}))
+    try:
+        assert b.contains(["k"]) == [True]
+        assert (small_fs / "ssd" / "offset.data").stat().st_size == size
+    finally:
+        b.close()
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+def test_offset_on_a_full_disk_evicts_nothing_when_victims_cannot_make_room(small_fs, monkeypatch):
+    # A sparse data file (no fallocate) on a full file system: the only room is what stored
+    # records were written to. An object larger than any run of adjacent victims used to evict
+    # up to 64 objects per pass and still answer NO_SPACE.
+    def no_fallocate(fd, off, n):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(offset_mod, "_fallocate", no_fallocate)
+    b = open_ssd_backend(SsdConfig(path=str(small_fs / "ssd"), backend="offset", capacity_bytes=60 << 20,
+                                   io_engine="posix", direct_io=False, disk_watermark=1.0))
+    try:
+        keys = [f"small/{i}" for i in range(100)]
+        # Every other one removed: live records are never adjacent, their holes are not on disk.
+        assert b.put(keys, [payload(k, 4000) for k in keys]) == [Status.OK] * 100
+        assert b.remove(keys[1::2]) == [Status.OK] * 50
+        kept = keys[0::2]
+        _fill_up(small_fs / "other.log")
+        evictions = b.stats().evictions
+        st = b.put(["big"], [payload("big", 64 << 10)])[0]
+        assert st is Status.NO_SPACE
+        assert b.stats().evictions == evictions and b.contains(kept) == [True] * 50  # nothing evicted for nothing
+    finally:
+        b.close()
+    os.unlink(small_fs / "other.log")
+    # Records written side by side: victims are picked in eviction order until one extent, or a
+    # run of adjacent ones, holds the new object; exactly those go.
+    b = open_ssd_backend(SsdConfig(path=str(small_fs / "ssd2"), backend="offset", capacity_bytes=40 << 20,
+                                   io_engine="posix", direct_io=False, disk_watermark=1.0))
+    try:
+        run = [f"run/{i}" for i in range(8)]
+        assert b.put(run, [payload(k, 4000) for k in run]) == [Status.OK] * 8
+        _fill_up(small_fs / "other.log")
+        assert b.put(["one"], [payload("one", 3000)]) == [Status.OK]  # one victim's extent is enough
+        assert b.contains(run) == [False] + [True] * 7
+        assert b.put(["two"], [payload("two", 12000)]) == [Status.OK]  # needs two adjacent extents
+        assert b.contains(run) == [False] * 3 + [True] * 5
+        for k, n in (("one", 3000), ("two", 12000), ("run/3", 4000)):
+            buf = bytearray(n)
+            assert b.get_into([k], [buf])[0].ok and buf == payload(k, n).tobytes(), k
+        assert b.stats().evictions == 3
+    finally:
+        b.close()
