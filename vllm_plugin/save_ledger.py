@@ -87,19 +87,33 @@ class SaveLedger:
         """Register a save of chunk ``chunk`` of ``req_id`` whose KV was computed over
         ``context_blocks`` (the request's blocks up to the chunk's end). Returns its id and whether
         it must be held until loads it depends on are confirmed."""
-        save_id = self._next_id
-        self._next_id += 1
-        rec = _Save(req_id, chunk)
+        return self.plan_saves(req_id, chunk, chunk + 1, context_blocks, len(context_blocks))[0]
+
+    def plan_saves(self, req_id: str, first: int, end: int, block_ids: Sequence[int],
+                   blocks_per_chunk: int) -> list[tuple[int, bool]]:
+        """``plan_save`` for chunks ``[first, end)`` of one request whose blocks are ``block_ids``
+        (chunk ``c``'s KV was computed over ``block_ids[:(c + 1) * blocks_per_chunk]``), reading the
+        block list once."""
+        unconfirmed: list[tuple[int, int, int]] = []  # (position in block_ids, step, block)
         if self._loading:
-            context = set(context_blocks)
-            for step, loaded in self._loading.items():
-                common = loaded & context
-                if common:
-                    rec.waits[step] = common
-        self._saves[save_id] = rec
-        if rec.waits:
-            self.counters["saves_held"] += 1
-        return save_id, bool(rec.waits)
+            for pos, block in enumerate(block_ids[:end * blocks_per_chunk]):
+                for step, loaded in self._loading.items():
+                    if block in loaded:
+                        unconfirmed.append((pos, step, block))
+        out: list[tuple[int, bool]] = []
+        for chunk in range(first, end):
+            rec = _Save(req_id, chunk)
+            limit = (chunk + 1) * blocks_per_chunk
+            for pos, step, block in unconfirmed:
+                if pos < limit:
+                    rec.waits.setdefault(step, set()).add(block)
+            save_id = self._next_id
+            self._next_id += 1
+            self._saves[save_id] = rec
+            if rec.waits:
+                self.counters["saves_held"] += 1
+            out.append((save_id, bool(rec.waits)))
+        return out
 
     def take_decisions(self) -> tuple[list[int], list[int]]:
         """Held saves to commit and to discard, for the metadata being built (each sent once)."""

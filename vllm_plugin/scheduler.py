@@ -288,8 +288,8 @@ class SchedulerSide:
             if upto > t.saved_chunks:
                 hashes = self._hashes_upto(t, upto)
                 bpc = self.blocks_per_chunk
-                for c in range(t.saved_chunks, upto):
-                    save_id, hold = self.ledger.plan_save(req_id, c, t.block_ids[:(c + 1) * bpc])
+                planned = self.ledger.plan_saves(req_id, t.saved_chunks, upto, t.block_ids, bpc)
+                for c, (save_id, hold) in zip(range(t.saved_chunks, upto), planned):
                     plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
                                                 t.block_ids[c * bpc:(c + 1) * bpc], save_id=save_id, hold=hold))
                 self.counters["save_chunks"] += upto - t.saved_chunks

@@ -93,3 +93,15 @@ def test_a_save_lands_only_when_every_rank_stored_it() -> None:
     events = ledger.on_output([2], set(), [SaveReport(a, 1, True), SaveReport(b, 0, True)])
     assert events.landed == [("r", 0)] and events.replan == []  # a late report of b changes nothing
     assert not ledger.unsettled("r")
+
+
+def test_planning_several_chunks_holds_exactly_those_computed_over_a_pending_load() -> None:
+    ledger = SaveLedger(num_ranks=1)
+    step = ledger.begin_step()
+    ledger.note_loads(step, [14, 15])  # the request's chunk 2 (blocks 4-5) is loaded this step
+    blocks = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    planned = ledger.plan_saves("r", 0, 5, blocks, blocks_per_chunk=2)
+    assert [hold for _id, hold in planned] == [False, False, True, True, True]
+    events = ledger.on_output([step], {15}, [])
+    assert events.replan == [("r", 2), ("r", 3), ("r", 4)]
+    assert ledger.take_decisions() == ([], [i for i, _ in planned[2:]])
