@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
 
 
-def _dp_position(parallel: ParallelConfig) -> tuple[int, int]:
+def dp_position(parallel: ParallelConfig) -> tuple[int, int]:
     """(DP rank, DP size) of this engine.
 
     vLLM runs the DP engines of a dense model as independent engines: it sets their
@@ -40,7 +40,7 @@ def _dp_position(parallel: ParallelConfig) -> tuple[int, int]:
 def rank_position(vllm_config: VllmConfig) -> RankPosition:
     """This worker's position (call in a worker process, after vLLM set up its process groups)."""
     parallel = vllm_config.parallel_config
-    dp_rank, dp_size = _dp_position(parallel)
+    dp_rank, dp_size = dp_position(parallel)
     return RankPosition(tp_rank=get_tensor_model_parallel_rank(), tp_size=parallel.tensor_parallel_size,
                         pp_rank=get_pp_group().rank_in_group, pp_size=parallel.pipeline_parallel_size,
                         dp_rank=dp_rank, dp_size=dp_size)
@@ -49,5 +49,5 @@ def rank_position(vllm_config: VllmConfig) -> RankPosition:
 def lookup_name(vllm_config: VllmConfig) -> str:
     """Name of this engine's lookup endpoints: the KV engine id plus the DP rank (vLLM appends the DP
     rank to the engine id for its own DP engines, but a configured ``engine_id`` is shared as given)."""
-    dp_rank, _ = _dp_position(vllm_config.parallel_config)
+    dp_rank, _ = dp_position(vllm_config.parallel_config)
     return f"{vllm_config.kv_transfer_config.engine_id}-dp{dp_rank}"
