@@ -58,15 +58,16 @@ def files_stamp(path: str) -> str | None:
     return h.hexdigest()
 
 
-def hub_snapshot(repo_id: str, revision: str | None) -> tuple[str, str] | None:
+def hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | None = None) -> tuple[str, str] | None:
     """(commit hash, snapshot directory) of ``repo_id`` at ``revision`` in the local Hugging Face
-    cache, or None when it is not cached there (or huggingface_hub is missing). Offline, blocking."""
+    cache (``cache_dir``, default the hub's), or None when it is not cached there (or
+    huggingface_hub is missing). Offline, blocking."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
     try:
-        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
     except Exception:  # a malformed repo id and friends: not a hub id we can resolve
         return None
     if not isinstance(found, str):

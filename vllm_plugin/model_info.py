@@ -190,7 +190,7 @@ def weights_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> str | Non
     stamp = files_stamp(path)
     if stamp is not None:
         return stamp
-    snap = hub_snapshot(path, model.revision)
+    snap = hub_snapshot(path, model.revision, getattr(vllm_config.load_config, "download_dir", None))
     if snap is not None:
         commit, snapshot_dir = snap
         return f"hf:{commit}:{files_stamp(snapshot_dir)}"

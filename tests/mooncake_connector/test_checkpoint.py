@@ -44,6 +44,9 @@ def test_hub_snapshot_resolves_the_cached_commit(tmp_path: Path, monkeypatch: py
     (snap / "config.json").symlink_to("../../blobs/sha-config")
     (snap / "model.safetensors").symlink_to("../../blobs/sha-weights-1")
     assert hub_snapshot("org/tiny", None) == (commit, str(snap))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert hub_snapshot("org/tiny", None) is None
+    assert hub_snapshot("org/tiny", None, cache_dir=str(tmp_path)) == (commit, str(snap))  # vLLM's download_dir
     assert hub_snapshot("org/other", None) is None
     s1 = files_stamp(str(snap))
     # A new download of the same revision links to another content-addressed blob.
