@@ -631,6 +631,15 @@ class TieredStore:
                          keys[i], _REMOVE_BUSY_S)
         return out
 
+    def _queue_again(self, entries: list[Entry], problems: dict[str, str]) -> None:
+        """(lock held) Entries a write batch had no room for: back on the offload queue."""
+        if not entries:
+            return
+        refused = self._offloader.submit([e.key for e in entries]) if self._started else len(entries)
+        for n, e in enumerate(entries):
+            e.offload_queued = n < len(entries) - refused
+            problems[e.key] = "its SSD write did not finish"
+
     def _offload_again(self, keys: list[str]) -> None:
         """(lock held) Queue again the DRAM objects of ``keys`` whose SSD write waited for the
         deletion of an older copy (eager mode; in watermark mode demotion or flush takes them)."""
@@ -774,7 +783,8 @@ class TieredStore:
         for i, e in enumerate(pending):
             chunk.append(e.key)
             weight += e.size
-            if len(chunk) >= batch_max or weight >= self.config.offload.batch_bytes or i == len(pending) - 1:
+            nxt = pending[i + 1].size if i + 1 < len(pending) else 0
+            if len(chunk) >= batch_max or weight + nxt > self._write_batch_bytes() or i == len(pending) - 1:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 problems.update(self._offload_batch(chunk))
@@ -796,6 +806,11 @@ class TieredStore:
                 self._changed.wait(left)
                 waiting = [e for e in waiting if busy(e)]
         return True
+
+    def _write_batch_bytes(self) -> int:
+        """Bytes one SSD write may lease: ``offload.batch_bytes``, but never more than half of DRAM,
+        so that a slow write in flight never leaves a put without an object it may evict."""
+        return max(1, min(self.config.offload.batch_bytes, self._dram.capacity_bytes // 2))
 
     def _queued_size(self, key: str) -> int:
         e = self._dram.entries.get(key)  # racy read of a dict is safe; only used to size batches
@@ -848,10 +863,15 @@ class TieredStore:
         # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
         # only costs one write that admission would have skipped.
         parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(list(parents))) if hit} if parents else set()
+        later: list[Entry] = []  # past the batch's byte cap: queued again
         with self._lock:
             batch: list[Entry] = []
+            cap, leased = self._write_batch_bytes(), 0
             for e in todo:
                 if not self._live(e) or e.clean or e.key in self._offloading or self._removals.hidden(e.key):
+                    continue
+                if batch and leased + e.size > cap:
+                    later.append(e)
                     continue
                 if not self._admitted(e, e.parent in parents_on_ssd):
                     e.declined = True  # asked again when DRAM wants to evict it
@@ -861,8 +881,10 @@ class TieredStore:
                         m.dram.evictions += 1
                     continue
                 e.leases += 1
+                leased += e.size
                 self._offloading[e.key] = e
                 batch.append(e)
+            self._queue_again(later, problems)
         if not batch:
             return problems
         arena = self._dram.arena.view
@@ -930,14 +952,16 @@ class TieredStore:
                 self._dram.drop(k)
                 self.metrics_counters.dram.evictions += 1
             dirty = [k for k in victims if k not in clean]
-        budget = off.batch_bytes
+        cap = self._write_batch_bytes()
         chunk: list[str] = []
+        weight = 0
         for k in dirty:
-            chunk.append(k)
-            budget -= self._queued_size(k)
-            if budget <= 0:
+            size = self._queued_size(k)
+            if chunk and weight + size > cap:
                 self._offload_batch(chunk, demote=True)
-                chunk, budget = [], off.batch_bytes
+                chunk, weight = [], 0
+            chunk.append(k)
+            weight += size
         if chunk:
             self._offload_batch(chunk, demote=True)
 

@@ -398,3 +398,36 @@ def test_a_declined_chunk_is_written_once_its_prefix_is_stored_again(tmp_path) -
         assert s.tier_of(["root", "child"]) == ["ssd", "ssd"]
         assert s.exists(["root", "child"]) == 2 and all(read_ok(s, ["root", "child"]))
         assert s.metrics()["store"]["dropped_unpersisted"] == 0
+
+
+class BlockingSsd(SlowSsd):
+    """Fault injection: every put blocks until the test opens the gate (a stalled SSD)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.0)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().put(keys, buffers)
+
+
+def test_a_stalled_ssd_write_never_holds_all_of_dram() -> None:
+    """One SSD write leases at most half of DRAM, so a put finds an object it may evict even while
+    a write of everything else is stuck (before, a batch could lease every object: NO_SPACE)."""
+    ssd = BlockingSsd()
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd)  # not started
+    try:
+        keys = [f"k{i}" for i in range(8)]  # DRAM full
+        assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 8
+        writer = threading.Thread(target=s._offload_batch, args=(keys,))
+        writer.start()
+        assert ssd.entered.wait(10)
+        assert s.put(["new"], [payload("new", CHUNK)]) == [Status.OK]
+        assert s.metrics()["store"]["dropped_unpersisted"] == 1  # said so
+    finally:
+        ssd.release.set()
+        writer.join(10)
+        s.close(flush=False)
