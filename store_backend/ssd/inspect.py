@@ -178,12 +178,12 @@ def inspect_directory(directory: str, *, verify: bool = False, force: bool = Fal
         report.backend = backend
         _disk_usage(path, report)
         if backend is not None:
-            contents = _READERS[backend](path, report, force)
+            contents = _READERS[backend](path, report, in_use)
             report.objects = len(contents.live)
             report.value_bytes = sum(r.value_len for r in contents.live)
             report.record_bytes = sum(record_bytes(r.value_len) for r in contents.live)
             if verify:
-                _verify(path, contents, report, force, on_progress)
+                _verify(path, contents, report, in_use, on_progress)
         report.verified = verify
         return report
     finally:
@@ -259,7 +259,7 @@ def _disk_usage(path: str, report: InspectReport) -> None:
 
 # -- one reader per backend: what a store opened here would serve ---------------------------------
 
-def _read_bucket(path: str, report: InspectReport, force: bool) -> _Found:
+def _read_bucket(path: str, report: InspectReport, in_use: bool) -> _Found:
     found: dict[int, list] = {}  # bucket id -> footer entries
     names: dict[int, str] = {}
     for name in sorted(os.listdir(path)):
@@ -284,7 +284,7 @@ def _read_bucket(path: str, report: InspectReport, force: bool) -> _Found:
             finally:
                 os.close(fd)
         except OSError as e:
-            if force and e.errno == errno.ENOENT:
+            if in_use and e.errno == errno.ENOENT:
                 continue  # removed by the store using the directory
             report.unreadable.append(FileNote(name, e.strerror or str(e)))
             continue
@@ -306,7 +306,7 @@ def _read_bucket(path: str, report: InspectReport, force: bool) -> _Found:
     return _Found(live=live)
 
 
-def _read_offset(path: str, report: InspectReport, force: bool) -> _Found:
+def _read_offset(path: str, report: InspectReport, in_use: bool) -> _Found:
     name = offset.FILE_NAME
     if os.path.exists(os.path.join(path, name + ".tmp")):
         report.pending_cleanup.append(FileNote(name + ".tmp", "a data file create that never finished "
@@ -346,7 +346,7 @@ def _read_offset(path: str, report: InspectReport, force: bool) -> _Found:
     return _Found(live=live, seed=seed)
 
 
-def _read_file(path: str, report: InspectReport, force: bool) -> _Found:
+def _read_file(path: str, report: InspectReport, in_use: bool) -> _Found:
     found: list[tuple[int, str, str, int]] = []  # seq, key, relative path, value_len
     for top in sorted(os.listdir(path)):
         if len(top) != 2 or not os.path.isdir(os.path.join(path, top)):
@@ -369,7 +369,7 @@ def _read_file(path: str, report: InspectReport, force: bool) -> _Found:
                     report.unreadable.append(FileNote(rel, e.strerror or str(e)))
                     continue
                 if rec is None:
-                    if force and not os.path.exists(full):
+                    if in_use and not os.path.exists(full):
                         continue  # removed by the store using the directory
                     report.damaged.append(Damage(rel, 0, None, "header not valid or file cut short "
                                                                "(an open deletes this file)"))
@@ -415,8 +415,11 @@ def _batches(live: list[_Live]) -> list[list[_Live]]:
     return out
 
 
-def _verify(path: str, contents: _Found, report: InspectReport, force: bool, on_progress: Progress | None) -> None:
-    """Read every live record and check it as ``get_into`` does; damaged ones go to the report."""
+def _verify(path: str, contents: _Found, report: InspectReport, in_use: bool, on_progress: Progress | None) -> None:
+    """Read every live record and check it as ``get_into`` does; damaged ones go to the report.
+
+    ``in_use``: read without the lock while an owner changes the directory, so a file gone is an
+    object it removed or evicted, not damage."""
     total = sum(r.value_len for r in contents.live)
     done = 0
     if on_progress is not None:
@@ -436,7 +439,7 @@ def _verify(path: str, contents: _Found, report: InspectReport, force: bool, on_
                         try:
                             fd = fds[r.file] = os.open(os.path.join(path, r.file), os.O_RDONLY | os.O_CLOEXEC)
                         except FileNotFoundError:
-                            if not force:
+                            if not in_use:
                                 report.damaged.append(Damage(r.file, r.offset, r.key, "file is gone"))
                             continue
                         except OSError as e:

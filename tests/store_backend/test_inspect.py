@@ -254,21 +254,50 @@ def test_a_live_store_in_another_process_makes_inspect_refuse_unless_forced(tmp_
     assert rc == 0 and r.consistent and r.objects == 10
 
 
+_LOCKER = textwrap.dedent("""
+    import sys
+    from store_backend.ownership import DirectoryLock
+    lock = DirectoryLock(sys.argv[1], shared=sys.argv[2] == "shared")
+    print("ready", flush=True)
+    sys.stdin.readline()
+""")
+
+
 def test_shared_ssd_holders_make_inspect_refuse(tmp_path):
     root = tmp_path / "ssd"
     write_store(root, "file")
-    holder = _start(textwrap.dedent("""
-        import sys
-        from store_backend.ownership import DirectoryLock
-        lock = DirectoryLock(sys.argv[1], shared=True)
-        print("ready", flush=True)
-        sys.stdin.readline()
-    """), str(root))
+    holder = _start(_LOCKER, str(root), "shared")
     try:
         rc, _, err = inspect_cli(str(root))
         assert rc == 2 and f"pid {holder.pid}" in err and "shared" in err and "--force" in err, err
     finally:
         _finish(holder)
+
+
+@pytest.mark.parametrize("in_use", [False, True])
+def test_a_record_file_removed_during_the_read(tmp_path, in_use):
+    """Read with --force while an owner holds the directory, objects it removes or evicts meanwhile
+    are no damage: a record file gone by the time it is verified is skipped. Read under inspect's
+    own lock nothing may change, so a file gone is reported."""
+    root = tmp_path / "ssd"
+    write_store(root, "file")
+    rec = sorted(root.rglob("*.rec"))[4]
+    holder = _start(_LOCKER, str(root), "exclusive") if in_use else None
+
+    def remove_one(done: int, total: int) -> None:
+        if done == 0:
+            rec.unlink()  # what the owner's remove or eviction does
+
+    try:
+        r = inspect_directory(str(root), verify=True, force=True, on_progress=remove_one)
+    finally:
+        if holder is not None:
+            _finish(holder)
+    assert r.objects == 10 and r.verified_objects == 9 and r.consistent is not in_use
+    if in_use:
+        assert r.damaged == [] and r.in_use_by == [holder.pid]
+    else:
+        assert [(d.file, d.reason) for d in r.damaged] == [(str(rec.relative_to(root)), "file is gone")]
 
 
 def test_no_lock_file_is_made_where_there_was_none(tmp_path):
