@@ -7,7 +7,9 @@ practice) get names ``….rec``, ``….1.rec``, … and every read checks the ke
 
 A put writes each object to a temporary file, syncs it, renames it into place and syncs the
 directories it touched: a file is there whole or not at all. Opening the directory reads every
-record's header block to rebuild the index (and deletes leftover temporary files). When a put would
+record's header block to rebuild the index (and deletes leftover temporary files: each writer thread
+names its own, ``<record>.<pid>-<thread id>.tmp``, and in a shared directory one is deleted only
+when its writer is gone, or when it is very old). When a put would
 pass ``capacity_bytes``, or the file system's use would pass ``disk_watermark`` of its size, whole
 objects are evicted first (FIFO or LRU, ``bucket_eviction``); a write that still meets ENOSPC evicts
 what it needs in the same order and is tried again (twice at most).
@@ -26,6 +28,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -66,7 +69,29 @@ logger = logging.getLogger(__name__)
 
 _ENOSPC_RETRIES = 2  # write passes after the first one that met a full file system
 _REC = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec$")
-_TMP = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec\.tmp$")
+# "<record name>.<pid>-<thread id>.tmp": each writer has its own (two processes sharing the
+# directory may write one key at once); the older "<record name>.tmp" is still recognised.
+_TMP = re.compile(r"^[0-9a-f]{32}(\.[0-9]+)?\.rec(?:\.([0-9]+)-[0-9]+)?\.tmp$")
+# In a shared directory a temporary file is deleted at open only when its writer is gone and it is
+# this old (a pid from another pid namespace may look dead), or when it is older than the second
+# bound whoever wrote it: no write stays in flight that long.
+_STALE_TMP_S = 60.0
+_ABANDONED_TMP_S = 3600.0
+
+
+def temp_path(path: str) -> str:
+    """This thread's temporary name for the record file ``path`` (renamed onto it when durable)."""
+    return f"{path}.{os.getpid()}-{threading.get_native_id()}.tmp"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def record_file_kind(name: str) -> str | None:
@@ -120,6 +145,7 @@ class FilePerKeyBackend(IndexedBackend):
         self._engine = engine
         self._owns_engine = owns_engine
         self._owner = open_directory(cfg, shared=shared)
+        self._shared = shared
         self._root = os.path.realpath(cfg.path)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()
@@ -158,8 +184,9 @@ class FilePerKeyBackend(IndexedBackend):
                     continue
                 for name in self._listdir(d2):
                     path = os.path.join(d2, name)
-                    if _TMP.match(name):
-                        os.unlink(path)  # never renamed into place, so never acknowledged
+                    m = _TMP.match(name)
+                    if m:
+                        self._drop_temporary(path, m.group(2))
                     elif _REC.match(name):
                         try:
                             rec = self._read_header(path)
@@ -187,6 +214,23 @@ class FilePerKeyBackend(IndexedBackend):
         self._stats.recovered_objects = len(self._index)
         if found:
             logger.info("file-per-key backend at %s: recovered %d objects", self._root, len(self._index))
+
+    def _drop_temporary(self, path: str, pid: str | None) -> None:
+        """Delete a temporary file left by a write that never finished (never renamed into
+        place, so never acknowledged). With the directory to ourselves every one is such a file;
+        shared, one of another live process may be a write in flight and stays."""
+        if self._shared:
+            try:
+                age_s = time.time() - os.stat(path).st_mtime
+            except FileNotFoundError:
+                return
+            gone = pid is not None and not _pid_alive(int(pid))
+            if not ((gone and age_s > _STALE_TMP_S) or age_s > _ABANDONED_TMP_S):
+                return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # another process of the pair cleaned it up first
 
     def _listdir(self, path: str) -> list[str]:
         try:
@@ -322,6 +366,7 @@ class FilePerKeyBackend(IndexedBackend):
         requests: list[IoRequest] = []
         order: list[int] = []
         new_dirs: set[str] = set()
+        tmps = {i: temp_path(path) for i, (_v, path, _seq) in todo.items()}
         try:
             for k, (i, (v, path, seq)) in enumerate(todo.items()):
                 try:
@@ -329,7 +374,7 @@ class FilePerKeyBackend(IndexedBackend):
                     if not os.path.isdir(d):
                         os.makedirs(d, exist_ok=True)
                         new_dirs.update((d, os.path.dirname(d)))
-                    fds[i] = os.open(path + ".tmp", os.O_CREAT | os.O_TRUNC | os.O_WRONLY |
+                    fds[i] = os.open(tmps[i], os.O_CREAT | os.O_TRUNC | os.O_WRONLY |
                                      (os.O_DIRECT if self._direct else 0), 0o644)
                 except OSError as e:
                     results[i] = -(e.errno or errno.EIO)
@@ -351,13 +396,13 @@ class FilePerKeyBackend(IndexedBackend):
         for i, (v, path, seq) in todo.items():
             if results.get(i) == 0:
                 try:
-                    os.rename(path + ".tmp", path)
+                    os.rename(tmps[i], path)
                     dirs.add(os.path.dirname(path))
                     continue
                 except OSError as e:
                     results[i] = -(e.errno or errno.EIO)
             try:
-                os.unlink(path + ".tmp")
+                os.unlink(tmps[i])
             except FileNotFoundError:
                 pass
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,80 @@ def test_shared_and_exclusive_owners_exclude_each_other(tmp_path: Path) -> None:
         with pytest.raises(OwnershipError, match="in use by"):
             SharedDirectoryBackend(c.ssd)
         assert alone.exists(["s1"]) == 1
+
+
+def test_two_processes_writing_the_same_key_at_once_both_succeed(tmp_path: Path) -> None:
+    # Two engines of a P/D pair save the same chunk at the same moment: each writes its own
+    # temporary file (they used to share "<path>.tmp", one truncating the other's mid-write).
+    import subprocess
+    import sys
+    import textwrap
+
+    writer = textwrap.dedent("""
+        import sys
+        from mooncake_connector.shared_ssd import SharedDirectoryBackend
+        from store_backend.config import SsdConfig
+        be = SharedDirectoryBackend(SsdConfig(path=sys.argv[1], backend="file", capacity_bytes=1 << 30,
+                                              io_engine="posix", direct_io=False))
+        val = bytes(range(256)) * 4096  # 1 MiB, the same bytes in both processes
+        print("ready", flush=True)
+        sys.stdin.readline()
+        out = []
+        for r in range(30):
+            st = be.put([f"chunk/{r}"], [val])[0]
+            buf = bytearray(len(val))
+            got = be.get_into([f"chunk/{r}"], [buf])[0].status.name if st.name == "OK" else "-"
+            out.append(f"{st.name}:{got}:{buf == val if got == 'OK' else '-'}")
+        be.close()
+        print(" ".join(out), flush=True)
+    """)
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(tmp_path)], cwd=repo, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (out, err), p in zip(results, procs):
+        assert p.returncode == 0, err[-3000:]
+        outcomes = out.split()
+        assert len(outcomes) == 30
+        # Each put either stored the chunk (and reads it back whole) or found the other's copy.
+        bad = [o for o in outcomes if o not in ("OK:OK:True", "EXISTS:-:-")]
+        assert not bad, (bad, err[-3000:])
+    leftovers = [f for f in tmp_path.rglob("*.tmp")]
+    assert leftovers == []
+
+
+def test_recovery_keeps_another_live_process_in_flight_temporary_file(tmp_path: Path) -> None:
+    with shared_store(tmp_path) as a:
+        assert a.put(["k"], [np.ones(SIZE, np.uint8)]) == [Status.OK]
+        assert a.flush(10)
+    rec = next(tmp_path.rglob("*.rec"))
+    # A write of this (live) process in flight, and one of a process that is gone, left long ago.
+    live = rec.with_name(rec.name + f".{os.getpid()}-1.tmp")
+    live.write_bytes(b"in flight")
+    dead_pid = _a_dead_pid()
+    dead = rec.with_name(rec.name + f".{dead_pid}-1.tmp")
+    dead.write_bytes(b"torn")
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    with shared_store(tmp_path) as b:  # a second process of the pair opens (recovers) now
+        assert b.exists(["k"]) == 1
+    assert live.exists()  # never another live process's in-flight temporary file
+    assert not dead.exists()
+
+
+def _a_dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(60)
+    return p.pid
