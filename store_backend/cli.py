@@ -47,11 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _names_a_command(argv: list[str]) -> bool:
+    """Whether ``argv`` names a subcommand that has its own arguments (``bench`` needs its name too)."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words:
+        return False
+    if words[0] == "bench":
+        return len(words) > 1 and words[1] in _BENCHES
+    return words[0] in _COMMANDS
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    # First pass finds the subcommand; the chosen module then adds its own arguments.
-    args, _ = parser.parse_known_args(argv)
+    # First pass finds the subcommand (without --help, which would print the subcommand's help
+    # before its module added the arguments); the chosen module then adds its own arguments.
+    helps = {"-h", "--help"}
+    first = [a for a in argv if a not in helps]
+    if len(first) < len(argv) and not _names_a_command(first):
+        parser.parse_args(argv)  # top-level or ``bench`` help: prints it and exits
+    args, _ = parser.parse_known_args(first)
     module = _module(args._module)
     chosen = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     sub = chosen[args.command]
