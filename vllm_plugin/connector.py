@@ -91,6 +91,12 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         return True  # per-layer load/save hooks must run between graph pieces
 
     # -- worker side -------------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, TieredConnectorMetadata):
+            # Keys of this step are under the scheduler's cache epoch (it moves on a cache reset).
+            self._worker.set_epoch(connector_metadata.epoch)
+
     def _meta(self) -> TieredConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredConnectorMetadata)
@@ -157,7 +163,10 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
     @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if isinstance(meta, TieredConnectorMetadata):
+            meta.epoch = self._scheduler.epoch
+        return meta
 
     @_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -172,6 +181,14 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # Held saves' commit/discard decisions reach the workers only with a step's metadata.
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    @_timed
+    def reset_cache(self) -> bool:
+        """Scheduler side: make everything stored so far unreachable (see SchedulerSide.reset_cache);
+        False when that failed. vLLM calls it only on the scheduler's connector."""
+        if self._scheduler is None:
+            return True
+        return self._scheduler.reset_cache()
 
     # -- both --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

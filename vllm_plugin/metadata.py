@@ -52,6 +52,8 @@ class TieredConnectorMetadata(KVConnectorMetadata):
     commit_saves: list[int] = field(default_factory=list)  # held saves now known good: put them
     discard_saves: list[int] = field(default_factory=list)  # held saves computed over a failed load
     release: list[str] = field(default_factory=list)  # finished requests whose blocks may be freed
+    # The scheduler's cache epoch this step's keys are under (a cache reset moves it on).
+    epoch: int = 0
 
     @property
     def has_loads(self) -> bool:

@@ -38,12 +38,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from mooncake_connector.config import ConnectorConfig
+from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_connector.lookup_service import LookupClient, socket_path
+from store_backend.config import ConfigError
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
-from vllm_plugin.model_info import KVGeometry, fingerprint
+from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
+from vllm_plugin.request_keys import chunk_extra_keys, request_extra_keys
 from vllm_plugin.save_ledger import SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
 
@@ -65,29 +70,17 @@ REMOTE_FINGERPRINT = "remote_fingerprint"
 # waited (its decode instance then computes what is missing after remote_prefill_wait_s).
 MAX_FINISH_RETRIES = 3
 
-def request_extra_keys(request: Request) -> list[str]:
-    """What besides the tokens makes KV differ: LoRA adapter, multimodal inputs, cache salt."""
-    extra: list[str] = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        extra.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
-    for feature in getattr(request, "mm_features", None) or ():
-        extra.append(f"mm:{feature.identifier}")
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        extra.append(f"salt:{salt}")
-    return extra
-
 
 class _Tracked:
     """Scheduler-side state of one live request."""
 
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
-                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline")
+                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale")
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.extra = request_extra_keys(request)
+        self.extra = request_extra_keys(request)  # in every chunk's hash; per-chunk keys come on top
+        self.stale = False  # its KV predates a cache reset: never saved again
         self.hashes: list[str] = []
         self.lookup: Future | None = None
         self.lookup_chunks = 0
@@ -109,9 +102,15 @@ class SchedulerSide:
         self.can_load = kv_role in ("kv_both", "kv_consumer", "kv_producer")
         self.can_save = kv_role in ("kv_both", "kv_producer")
         # One key prefix per KV shard (every worker rank); a chunk counts as present only when every
-        # rank's store holds its shard. MLA ranks all hold the same latent: one prefix for all.
-        self.shard_digests = [fingerprint(vllm_config, geometry, cfg, rank).digest()
-                              for rank in range(geometry.shard_count)]
+        # rank's store holds its shard. MLA ranks of one stage hold the same latent: one prefix. Each
+        # pipeline stage has its own layer count (vLLM's partition; this side sees stage 0's cache).
+        # The cache epoch (persisted beside the store) is in every prefix: reset_cache moves it on.
+        store = cfg.store_config()
+        self._epoch_file = EpochFile(store.ssd.path if store.ssd is not None else None)
+        self.epoch = self._epoch_file.read()
+        self._fingerprints = shard_fingerprints(vllm_config, geometry, cfg, stage=0,
+                                                weights=weights_identity(vllm_config, cfg))
+        self.shard_digests = self._digests(self.epoch)
         self.lookups = [LookupClient(socket_path(lookup_name(vllm_config), rank, cfg.lookup_socket_dir))
                         for rank in range(geometry.shard_count)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
@@ -132,15 +131,44 @@ class SchedulerSide:
         for client in self.lookups:
             client.close()
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (weight updates, ``pause_generation(
+        clear_cache=True)``): nothing stored before this call is ever loaded again.
+
+        Moves to a new cache epoch, persisted (fsync) before returning, so a restart does not bring
+        the old keys back; from the next step on every key has the new epoch in its prefix, and the
+        workers, which learn the epoch from the step's metadata, remove the old epoch's objects in
+        the background. Requests live now are forgotten: their KV may predate new weights, so they
+        neither save nor load again (a preempted one starts over as a new request). Returns False,
+        changing nothing, when the epoch cannot be persisted. Blocking (a few fsyncs)."""
+        try:
+            epoch = self._epoch_file.advance(self.epoch)
+        except (OSError, ConfigError) as e:
+            logger.error("cache reset failed: cannot persist the new cache epoch in %s: %s",
+                         self._epoch_file.path, e)
+            return False
+        self.epoch = epoch
+        self.shard_digests = self._digests(epoch)
+        self._reqs.clear()
+        for t in self._finishing.values():  # still releases its blocks, but saves nothing more
+            t.stale = True
+        self.counters["resets"] = self.counters.get("resets", 0) + 1
+        logger.info("connector cache reset: epoch %d (key prefix %s)", epoch, self.shard_digests[0])
+        return True
+
     # -- keys --------------------------------------------------------------------------------------
+    def _digests(self, epoch: int) -> list[str]:
+        return [msgspec.structs.replace(fp, epoch=epoch).digest() for fp in self._fingerprints]
+
     def _hashes_upto(self, t: _Tracked, num_chunks: int) -> list[str]:
         """Chain hashes of the request's first ``num_chunks`` chunks (extended incrementally)."""
         have = len(t.hashes)
         if num_chunks > have:
             tokens = t.request.all_token_ids
             new = tokens[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
+            per_chunk = chunk_extra_keys(t.request, have, num_chunks, self.chunk_tokens)
             t.hashes.extend(chunk_hashes(new, self.chunk_tokens, extra_keys=t.extra, scheme=self.cfg.hash_scheme,
-                                         parent=t.hashes[-1] if t.hashes else None))
+                                         parent=t.hashes[-1] if t.hashes else None, chunk_extra_keys=per_chunk))
         return t.hashes[:num_chunks]
 
     def _keys(self, hashes: list[str]) -> list[list[str]]:
@@ -278,7 +306,7 @@ class SchedulerSide:
     def _plan(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str, computed_after: int) -> None:
         plan = RequestPlan(req_id, loads=t.plan_loads)
         t.plan_loads = []
-        if self.can_save:
+        if self.can_save and not t.stale:
             limit = computed_after
             if not self.cfg.save_decode:
                 limit = min(limit, t.request.num_prompt_tokens)

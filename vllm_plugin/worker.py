@@ -32,12 +32,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
 from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
-from mooncake_connector.keys import object_key
+from mooncake_connector.epoch import EpochFile, EpochSweeper
+from mooncake_connector.keys import ModelFingerprint, object_key
 from mooncake_connector.layout import PagedLayer, canonical_layer, kernel_block_ids
 from mooncake_connector.lookup_service import LookupServer, socket_path
 from mooncake_connector.ranks import rank_store_config
@@ -46,7 +48,7 @@ from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
 from store_backend.types import ReadResult, Status
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, SaveReport, TieredConnectorMetadata, TieredWorkerMetadata
-from vllm_plugin.model_info import KVGeometry, fingerprint, kv_layer_names, page_format_for
+from vllm_plugin.model_info import KVGeometry, kv_layer_names, page_format_for, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
 from vllm_plugin.sizing import staging_bytes
 
@@ -94,7 +96,10 @@ class WorkerSide:
                                name="kv-worker-io").start()
         self.paged: list[PagedLayer] = []
         self.ratio = 1  # kernel blocks per engine block
-        self.digest = ""
+        self.digest = ""  # key prefix: this shard's fingerprint at cache epoch ``self.epoch``
+        self.epoch = 0
+        self._fingerprint: ModelFingerprint | None = None
+        self._sweeper: EpochSweeper | None = None
         self.staging: StagingPool | None = None
         self.lookup_server: LookupServer | None = None
         self._side_stream: Any = None
@@ -127,9 +132,16 @@ class WorkerSide:
     # -- setup -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap each KV-owning layer's tensor (called once, after vLLM allocated its cache)."""
-        shard = get_pp_group().rank_in_group * self.vllm_config.parallel_config.tensor_parallel_size
-        shard += get_tensor_model_parallel_rank()
-        self.digest = fingerprint(self.vllm_config, self.geometry, self.cfg, shard).digest()
+        pp_rank = get_pp_group().rank_in_group
+        shard = pp_rank * self.vllm_config.parallel_config.tensor_parallel_size + get_tensor_model_parallel_rank()
+        self._fingerprint = shard_fingerprints(self.vllm_config, self.geometry, self.cfg, stage=pp_rank,
+                                               weights=weights_identity(self.vllm_config, self.cfg))[shard]
+        base_store = self.cfg.store_config()
+        self.epoch = EpochFile(base_store.ssd.path if base_store.ssd is not None else None).read()
+        self.digest = msgspec.structs.replace(self._fingerprint, epoch=self.epoch).digest()
+        if self.epoch > 0:
+            # A crash may have cut the last reset's removal short: finish it in the background.
+            self._sweep_epochs(self.epoch - 1, self.epoch)
         forward_context = self.vllm_config.compilation_config.static_forward_context
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
@@ -160,10 +172,36 @@ class WorkerSide:
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.close()
         if self.lookup_server is not None:
             self.lookup_server.close()
         self.client.close()
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
+
+    # -- cache epochs ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Key this step's loads and saves under cache epoch ``epoch`` (the scheduler's; it moves on
+        at a cache reset). Moving to a newer epoch queues the removal of the older epochs' objects
+        in the background. Forward thread, once per step; cheap when the epoch is unchanged."""
+        if epoch == self.epoch or self._fingerprint is None:
+            return
+        old, self.epoch = self.epoch, epoch
+        self.digest = msgspec.structs.replace(self._fingerprint, epoch=epoch).digest()
+        logger.info("cache epoch %d -> %d (key prefix %s)", old, epoch, self.digest)
+        if epoch > old:
+            self._sweep_epochs(old, epoch)
+
+    def _sweep_epochs(self, first: int, end: int, max_epochs: int = 16) -> None:
+        """Queue removal of this shard's objects of epochs ``[first, end)`` (at most the last
+        ``max_epochs``; older leftovers are unreachable and go by eviction)."""
+        assert self._fingerprint is not None
+        fp = self._fingerprint
+        digests = [msgspec.structs.replace(fp, epoch=e).digest() for e in range(max(first, end - max_epochs, 0), end)]
+        if self._sweeper is None:
+            # Saves still in flight may carry old-epoch keys: let them land before sweeping.
+            self._sweeper = EpochSweeper(self.store, settle=lambda: self.client.drain(self.cfg.flush_timeout_s))
+        self._sweeper.sweep(digests)
 
     # -- loads -------------------------------------------------------------------------------------
     def _begin(self, meta: TieredConnectorMetadata) -> bool:

@@ -10,7 +10,10 @@ kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only)
 ``failure_policy``); ``engine`` (extra ``LLM`` arguments); ``rounds``: a list of
 ``{"prompts": [[token ids]...], "max_tokens": n, "flush": bool}`` served one after the other, vLLM's
 local prefix cache cleared before each round so that reuse can only come from the connector
-(``flush``: first wait until the connector's saves so far reached the SSD tier); ``rank_stats``:
+(``flush``: first wait until the connector's saves so far reached the SSD tier; ``reset_connector``:
+clear it with ``reset_prefix_cache(reset_connector=True)``, as a weight update does, the result in
+RESULT's ``resets``; ``prompt_embeds``: extra prompts given as embeddings, see ``_embeds``; ``lora``:
+``{"name", "id", "path"}`` of the LoRA adapter every prompt of the round runs with); ``rank_stats``:
 also collect (and flush) every worker rank's connector through ``collective_rpc``, for executors
 whose workers run in their own processes (TP > 1).
 
@@ -50,13 +53,25 @@ def main(spec_path: str) -> int:
               enforce_eager=True, **{"block_size": 32, "max_model_len": 4096, "dtype": "float32", **kwargs})
     start_s = time.monotonic() - t0
     rounds = []
+    resets = []
     for rnd in spec["rounds"]:
-        llm.reset_prefix_cache()
+        if rnd.get("reset_connector"):
+            # What a weight update does: vLLM's cache and the connector's (reset_cache) together.
+            resets.append(llm.reset_prefix_cache(reset_connector=True))
+        else:
+            llm.reset_prefix_cache()
         if rnd.get("flush") and has_kv_transfer_group():
             assert get_kv_transfer_group().flush(timeout_s=120)
         params = SamplingParams(max_tokens=rnd.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                 detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in rnd["prompts"]], params, use_tqdm=False)
+        inputs = [{"prompt_token_ids": p} for p in rnd["prompts"]]
+        inputs += [{"prompt_embeds": _embeds(e)} for e in rnd.get("prompt_embeds", [])]
+        lora = None
+        if rnd.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(rnd["lora"]["name"], rnd["lora"]["id"], rnd["lora"]["path"])
+        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
                         "num_cached_tokens": o.num_cached_tokens} for o in outs])
     stats: dict = {}
@@ -69,9 +84,22 @@ def main(spec_path: str) -> int:
             # Workers in their own processes (multiprocessing executor): ask each rank, and flush
             # every rank's saves to SSD, since the executor's shutdown may not let them finish.
             stats["ranks"] = llm.collective_rpc(_rank_stats)
-    print("RESULT " + json.dumps({"rounds": rounds, "stats": stats, "start_s": start_s}), flush=True)
+    print("RESULT " + json.dumps({"rounds": rounds, "stats": stats, "start_s": start_s, "resets": resets}),
+          flush=True)
     llm.llm_engine.engine_core.shutdown()  # flushes the store to its SSD tier
     return 0
+
+
+def _embeds(e: dict) -> object:
+    """A prompt_embeds tensor: ``{"seed", "length", "hidden"}`` standard normal rows (the tiny
+    model's token embeddings have std 1), optionally ``{"row": i, "delta": x}`` added to row i."""
+    import torch
+
+    g = torch.Generator().manual_seed(e["seed"])
+    t = torch.randn(e["length"], e["hidden"], generator=g, dtype=torch.float32)
+    if "row" in e:
+        t[e["row"]] += e.get("delta", 1.0)
+    return t
 
 
 def _rank_stats(worker: object) -> dict:

@@ -1,0 +1,124 @@
+"""New weights never load old KV: a checkpoint replaced at the same path, and a cache reset.
+
+Weights: engine W1 fills an SSD store from a checkpoint; the checkpoint is then overwritten at the
+same path with other weights of the same shapes and sizes (W2); a fresh engine on W2 must give W2's
+no-connector tokens and find nothing in the store (the fingerprint carries a stamp of the weight
+files).
+
+Reset: an engine fills the store, then calls ``reset_prefix_cache(reset_connector=True)`` (what
+vLLM's weight updates and ``pause_generation(clear_cache=True)`` do): the same prompt afterwards
+gets no external hit and baseline tokens, and what it saves then is found again. A fresh engine on
+the same directory (a restart) finds only what was saved after the reset, and the objects saved
+before it are gone from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_connector.keys import chunk_hashes
+from store_backend.config import load_config
+from store_backend.store import TieredStore
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
+from tests.vllm_plugin.tiny_model import write_tiny_llama
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ENGINE = {"max_num_batched_tokens": 512, "max_num_seqs": 8}
+P_A = prompt(21, 300)
+P_B = prompt(22, 200)
+
+
+def outputs(result: dict[str, Any], rnd: int, key: str = "tokens") -> list[Any]:
+    return [o[key] for o in result["rounds"][rnd]]
+
+
+@pytest.fixture(scope="module")
+def weight_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("weights")
+    model = write_tiny_llama(work / "model", seed=0)
+    extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(work / "ssd")}
+    rounds = [{"prompts": [P_A, P_B], "max_tokens": 16}]
+    w1 = run_engine({"model_dir": str(model), "engine": ENGINE, "connector": {"extra": extra}, "rounds": rounds},
+                    work, "w1")
+    size = (model / "model.safetensors").stat().st_size
+    write_tiny_llama(model, seed=1)  # W2 over W1: same path, same names, same sizes
+    assert (model / "model.safetensors").stat().st_size == size
+    base2 = run_engine({"model_dir": str(model), "engine": ENGINE, "connector": None, "rounds": rounds},
+                       work, "baseline-w2")
+    w2 = run_engine({"model_dir": str(model), "engine": ENGINE, "connector": {"extra": extra}, "rounds": rounds},
+                    work, "w2")
+    return {"w1": w1, "base2": base2, "w2": w2}
+
+
+def test_new_weights_at_the_same_path_give_their_own_tokens(weight_runs: dict[str, Any]) -> None:
+    assert weight_runs["w1"]["stats"]["worker"]["chunks_saved"] >= (len(P_A) + len(P_B)) // CHUNK_TOKENS
+    # The two checkpoints really answer differently, so loading W1's KV would show.
+    assert outputs(weight_runs["w1"], 0) != outputs(weight_runs["base2"], 0)
+    assert outputs(weight_runs["w2"], 0) == outputs(weight_runs["base2"], 0)
+
+
+def test_new_weights_find_nothing_of_the_old(weight_runs: dict[str, Any]) -> None:
+    assert outputs(weight_runs["w2"], 0, "num_cached_tokens") == [0, 0]
+    assert weight_runs["w2"]["stats"]["scheduler"]["hit_tokens"] == 0
+    assert weight_runs["w2"]["stats"]["worker"]["chunks_loaded"] == 0
+
+
+@pytest.fixture(scope="module")
+def reset_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("reset")
+    ssd = work / "ssd"
+    extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(ssd)}
+    base_spec = {"model_dir": str(tiny_model), "engine": ENGINE}
+    baseline = run_engine({**base_spec, "connector": None, "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]},
+                          work, "baseline")
+    a = run_engine({**base_spec, "connector": {"extra": extra}, "rounds": [
+        {"prompts": [P_A, P_B], "max_tokens": 16},
+        {"prompts": [P_A], "max_tokens": 16, "flush": True, "reset_connector": True},
+        {"prompts": [P_A], "max_tokens": 16, "flush": True},
+    ]}, work, "engine-a")
+    shutil.copytree(ssd, work / "ssd-after-a")  # the store as engine A left it
+    with TieredStore(load_config(store_section(work / "ssd-after-a"))) as store:
+        keys = store.keys()
+    epoch_file = ssd / "mooncake-kv-epoch"
+    epoch = json.loads(epoch_file.read_text())["epoch"] if epoch_file.exists() else None
+    restarted = run_engine({**base_spec, "connector": {"extra": extra},
+                            "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]}, work, "restarted")
+    return {"baseline": baseline, "a": a, "restarted": restarted, "keys": keys, "epoch": epoch}
+
+
+def test_reset_succeeds_and_old_kv_is_not_loaded_after_it(reset_runs: dict[str, Any]) -> None:
+    a, baseline = reset_runs["a"], reset_runs["baseline"]
+    want_a = outputs(baseline, 0)[0]
+    assert outputs(a, 0) == outputs(baseline, 0)
+    # Right after the reset: no external hit, baseline tokens (computed again).
+    assert outputs(a, 1, "num_cached_tokens") == [0]
+    assert outputs(a, 1) == [want_a]
+    # What was saved after the reset is found again.
+    assert outputs(a, 2, "num_cached_tokens") == [len(P_A) // CHUNK_TOKENS * CHUNK_TOKENS]
+    assert outputs(a, 2) == [want_a]
+    assert a["resets"] == [True]
+    assert a["stats"]["scheduler"]["resets"] == 1
+
+
+def test_restart_after_reset_finds_only_kv_saved_after_it(reset_runs: dict[str, Any]) -> None:
+    r, baseline = reset_runs["restarted"], reset_runs["baseline"]
+    assert outputs(r, 0) == outputs(baseline, 0)
+    # P_A was saved again after the reset; P_B only before it: not served after the restart.
+    assert outputs(r, 0, "num_cached_tokens") == [len(P_A) // CHUNK_TOKENS * CHUNK_TOKENS, 0]
+    assert reset_runs["epoch"] == 1  # persisted beside the store
+
+
+def test_objects_saved_before_the_reset_are_removed(reset_runs: dict[str, Any]) -> None:
+    keys = reset_runs["keys"]  # engine A's store after its shutdown
+    prefixes = {k.partition("/")[0] for k in keys}
+    assert len(prefixes) == 1  # every object left is under the new epoch's prefix
+    hashes = {k.partition("/")[2] for k in keys}
+    assert not hashes & set(chunk_hashes(P_B, CHUNK_TOKENS))  # A saved P_B at epoch 0 only
+    assert set(chunk_hashes(P_A, CHUNK_TOKENS)) <= hashes  # saved again after the reset
+    assert reset_runs["a"]["stats"]["worker"]["chunks_saved"] > len(keys)
