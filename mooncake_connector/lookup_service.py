@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import math
 import os
 import socket
 import struct
@@ -38,6 +37,9 @@ from typing import Literal, Protocol
 import msgspec
 import xxhash
 
+from store_backend.types import MAX_PIN_TTL_S
+from store_backend.types import check_ttl_s as _store_check_ttl_s
+
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
@@ -48,7 +50,7 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024
 _READ_PIECE_BYTES = 256 * 1024
 # Longest lease a peer may ask for: a lease bridges one lookup and its load (seconds), and one that
 # outlives an hour is a leak that makes objects unevictable.
-MAX_LEASE_TTL_S = 3600.0
+MAX_LEASE_TTL_S = MAX_PIN_TTL_S
 DEFAULT_MAX_CONNECTIONS = 64
 # Connections idle this long are closed; the client reconnects on its next call.
 DEFAULT_IDLE_TIMEOUT_S = 300.0
@@ -61,11 +63,9 @@ class FrameError(ValueError):
 
 
 def check_ttl_s(ttl_s: float) -> float:
-    """``ttl_s`` if it is a usable lease time, else ValueError naming ``ttl_s``."""
-    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not math.isfinite(ttl_s) \
-            or not 0 < ttl_s <= MAX_LEASE_TTL_S:
-        raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_LEASE_TTL_S:g}], got {ttl_s!r}")
-    return float(ttl_s)
+    """``ttl_s`` if it is a usable lease time, else ValueError naming ``ttl_s`` (the store's own
+    check: :func:`store_backend.types.check_ttl_s`)."""
+    return _store_check_ttl_s(ttl_s)
 
 
 class PrefixIndex(Protocol):

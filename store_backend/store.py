@@ -657,7 +657,11 @@ class TieredStore:
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
         """Lease objects for an in-flight load: DRAM copies are not evicted until ``unpin`` or
         ``ttl_s`` passes (so a crashed caller cannot pin forever). SSD-only objects are queued for
-        promotion so the load that follows is served from DRAM. Returns presence per key."""
+        promotion so the load that follows is served from DRAM. Returns presence per key.
+        ``ttl_s`` outside (0, ``MAX_PIN_TTL_S``] (inf, nan, negative): ValueError naming it."""
+        from store_backend.types import check_ttl_s  # here, not at the top: keeps this change to pin
+
+        ttl_s = check_ttl_s(ttl_s)
         present = self.contains(keys)
         deadline = time.monotonic() + ttl_s
         promote: list[str] = []

@@ -7,6 +7,7 @@ Exceptions are reserved for misuse (wrong argument types, a closed store) and mi
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
@@ -123,3 +124,16 @@ def check_batch(keys: Sequence[object], buffers: Sequence[object] | None = None)
         raise TypeError("keys must be a sequence of str, not a single str")
     if buffers is not None and len(buffers) != len(keys):
         raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers")
+
+
+MAX_PIN_TTL_S = 3600.0  # the longest a lease (store.pin) may hold an object in DRAM
+
+
+def check_ttl_s(ttl_s: float) -> float:
+    """``ttl_s`` as a float if it is a usable lease time (a finite number of seconds in
+    (0, :data:`MAX_PIN_TTL_S`]); else ValueError naming ``ttl_s``. A lease of inf, nan or a
+    negative time would pin an object for good."""
+    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not math.isfinite(ttl_s) \
+            or not 0 < ttl_s <= MAX_PIN_TTL_S:
+        raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_PIN_TTL_S:g}], got {ttl_s!r}")
+    return float(ttl_s)

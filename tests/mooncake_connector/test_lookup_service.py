@@ -404,3 +404,15 @@ def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, m
         holder.close()
         server.close()
         store.close()
+
+
+@pytest.mark.parametrize("ttl_s", [math.inf, -math.inf, math.nan, -1.0, 0.0, 1e12, True, "5"])
+def test_the_store_itself_refuses_bad_pin_ttls_naming_ttl_s(ttl_s) -> None:
+    # Not only the lookup service: a caller of TieredStore.pin directly cannot pin for good.
+    with TieredStore({"dram": {"capacity_bytes": "1MiB"}}) as store:
+        assert store.put(["k"], [np.ones(10, np.uint8)])[0].ok
+        with pytest.raises(ValueError, match="ttl_s"):
+            store.pin(["k"], ttl_s=ttl_s)
+        assert store._dram.entries["k"].pins == 0
+        assert store.pin(["k"], ttl_s=5.0) == [True] and store._dram.entries["k"].pins == 1
+        assert store.pin(["k"]) == [True]  # the default
