@@ -16,9 +16,13 @@ them. The socket file is created with mode 0600 (same user only) and removed on 
 A peer is trusted no further than it must be: a length over the limit or an undecodable frame
 closes that connection (one warning per peer process, then debug lines), a body is read as it
 arrives (an announced length is never allocated up front), a lease TTL outside
-(0, :data:`MAX_LEASE_TTL_S`] is refused with an error naming ``ttl_s``. Clients beyond the
-connection limit wait in the listen backlog until a slot frees; a client that finds the backlog
-full retries until its timeout, so a burst of new clients is answered late, never "miss" at once.
+(0, :data:`MAX_LEASE_TTL_S`] is refused with an error naming ``ttl_s``. A connection may idle
+between frames for ``idle_timeout_s``; once a frame's first byte has arrived the whole frame must
+arrive within ``frame_timeout_s`` (a peer dribbling a byte at a time cannot hold a slot). When all
+``max_connections`` slots are taken, a new client makes room by closing the longest-idle
+connection (its owner reconnects on its next call); when none is idle it waits in the listen
+backlog until a slot frees, and a client that finds the backlog full retries until its timeout, so
+a burst of new clients is answered late, never "miss" at once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import select
 import socket
 import struct
 import tempfile
@@ -54,6 +59,11 @@ MAX_LEASE_TTL_S = MAX_PIN_TTL_S
 DEFAULT_MAX_CONNECTIONS = 64
 # Connections idle this long are closed; the client reconnects on its next call.
 DEFAULT_IDLE_TIMEOUT_S = 300.0
+# From a frame's first byte to its last: a local peer sends even the largest frame in milliseconds.
+DEFAULT_FRAME_TIMEOUT_S = 2.0
+# A connection must idle this long before a newcomer may close it to take its slot (one just
+# accepted, whose request is in flight, is left alone).
+_MIN_IDLE_TO_EVICT_S = 0.2
 # Clients beyond max_connections wait here; the kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
 
@@ -124,12 +134,18 @@ def _remove_stale_sockets(directory: str) -> None:
             probe.close()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     """``n`` bytes, read in bounded pieces (so a peer that announces much and sends little costs only
-    what it sent); None at end of stream."""
+    what it sent); None at end of stream. With ``deadline`` (monotonic), TimeoutError once it
+    passes, however the bytes trickle in; without, the socket's own timeout applies per piece."""
     pieces: list[bytes] = []
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("frame deadline passed")
+            sock.settimeout(left)
         piece = sock.recv(min(n - got, _READ_PIECE_BYTES))
         if not piece:
             return None
@@ -142,15 +158,16 @@ def _send(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_LEN.pack(len(payload)) + payload)
 
 
-def _recv(sock: socket.socket) -> bytes | None:
-    """One frame's body; None when the peer closed the stream. FrameError for a length over the limit."""
-    head = _recv_exact(sock, _LEN.size)
-    if head is None:
+def _recv(sock: socket.socket, first: bytes = b"", deadline: float | None = None) -> bytes | None:
+    """One frame's body; None when the peer closed the stream. FrameError for a length over the limit.
+    ``first``: the frame's bytes already read; ``deadline``: see :func:`_recv_exact`."""
+    rest = _recv_exact(sock, _LEN.size - len(first), deadline)
+    if rest is None:
         return None
-    (n,) = _LEN.unpack(head)
+    (n,) = _LEN.unpack(first + rest)
     if n > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {n} bytes is larger than the {MAX_FRAME_BYTES}-byte limit")
-    return _recv_exact(sock, n)
+    return _recv_exact(sock, n, deadline)
 
 
 def _peer_pid(conn: socket.socket) -> int | None:
@@ -167,21 +184,34 @@ class LookupServer:
     """Answers lookups and leases against ``store`` on a Unix socket at ``path``.
 
     ``start()`` and ``close()`` are called by the owner (not thread-safe against each other); the
-    serving threads call ``store`` concurrently, so it must be thread-safe. ``bad_frames`` counts
-    connections closed for breaking the wire format.
+    serving threads call ``store`` concurrently, so it must be thread-safe. Counters (read them
+    at any time): ``bad_frames``, connections closed for breaking the wire format (a frame slower
+    than ``frame_timeout_s`` included); ``slow_frames``, those closed for that alone;
+    ``idle_closed``, connections closed for idling, past ``idle_timeout_s`` or to make room for a
+    new client.
     """
 
     def __init__(self, store: PrefixIndex, path: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+        if not frame_timeout_s > 0:
+            raise ValueError(f"frame_timeout_s must be > 0, got {frame_timeout_s}")
         self.store = store
         self.path = path
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
+        self.frame_timeout_s = frame_timeout_s
         self.bad_frames = 0
+        self.slow_frames = 0
+        self.idle_closed = 0
+        # conn -> monotonic time it went idle (waiting for a frame's first byte); absent while a
+        # frame is being read or answered. Under _lock.
+        self._idle_since: dict[socket.socket, float] = {}
+        self._evicted: set[socket.socket] = set()  # shut down for a newcomer, slot not yet back
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
@@ -236,15 +266,21 @@ class LookupServer:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             # Take a slot before accepting: past the limit, new clients wait in the listen backlog
-            # (their connect has succeeded, their request is buffered) rather than being refused.
+            # (their connect has succeeded, their request is buffered) rather than being refused,
+            # and while one waits there the longest-idle connection is closed to make room.
             if not self._slots.acquire(blocking=False):
                 if not self._logged_full:
                     self._logged_full = True
-                    logger.warning("lookup server %s has %d connections, its limit; new clients wait",
+                    logger.warning("lookup server %s has %d connections, its limit; the longest-idle one "
+                                   "makes room for a new client, or new clients wait",
                                    self.path, self.max_connections)
-                while not self._slots.acquire(timeout=0.5):
+                while True:
                     if self._closed.is_set():
                         return
+                    if self._newcomer_waiting():
+                        self._close_longest_idle()
+                    if self._slots.acquire(timeout=0.1):
+                        break
             sock = self._sock
             if sock is None:
                 self._slots.release()
@@ -260,6 +296,36 @@ class LookupServer:
                 t = threading.Thread(target=self._serve, args=(conn,), name="kv-lookup-conn", daemon=True)
                 self._threads.append(t)
             t.start()
+
+    def _newcomer_waiting(self) -> bool:
+        """Whether a client waits in the listen backlog (the listening socket is readable)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
+
+    def _close_longest_idle(self) -> None:
+        """Full: shut down the connection idle the longest (its thread then frees the slot), if any
+        has idled ``_MIN_IDLE_TO_EVICT_S``. Called by the accept thread."""
+        now = time.monotonic()
+        with self._lock:
+            if self._evicted:
+                return  # one closed already and its slot is not back yet: one per newcomer
+            idle = [(since, c) for c, since in self._idle_since.items() if now - since >= _MIN_IDLE_TO_EVICT_S]
+            if not idle:
+                return
+            _since, victim = min(idle, key=lambda sc: sc[0])
+            del self._idle_since[victim]  # closed once; its thread sees end of stream
+            self._evicted.add(victim)
+            self.idle_closed += 1
+        logger.debug("lookup server %s full: closing a connection idle for %.1f s", self.path, now - _since)
+        try:
+            victim.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _bad_peer(self, pid: int | None, message: str, *args: object) -> None:
         """Log a misbehaving peer: a warning the first time, debug after (one line per peer process)."""
@@ -279,12 +345,35 @@ class LookupServer:
         encoder = msgspec.msgpack.Encoder()
         pid = _peer_pid(conn)
         try:
-            conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
+                # Between frames: idle, for at most idle_timeout_s (and the first to go when full).
+                with self._lock:
+                    self._idle_since[conn] = time.monotonic()
+                conn.settimeout(self.idle_timeout_s)
                 try:
-                    raw = _recv(conn)
+                    first = conn.recv(1)
+                except TimeoutError:
+                    with self._lock:
+                        mine = self._idle_since.pop(conn, None) is not None
+                        if mine:
+                            self.idle_closed += 1
+                    logger.debug("lookup connection of pid %s idle for %.0f s; closed", pid, self.idle_timeout_s)
+                    return
+                with self._lock:
+                    if self._idle_since.pop(conn, None) is None:
+                        return  # closed to make room for a new client
+                if not first:
+                    return
+                # From the first byte on, the whole frame must arrive within frame_timeout_s.
+                try:
+                    raw = _recv(conn, first, time.monotonic() + self.frame_timeout_s)
                 except FrameError as e:
                     self._bad_peer(pid, "sent a bad frame (%s)", e)
+                    return
+                except TimeoutError:
+                    with self._lock:
+                        self.slow_frames += 1
+                    self._bad_peer(pid, "sent a frame slower than frame_timeout_s=%g s", self.frame_timeout_s)
                     return
                 if raw is None:
                     return
@@ -293,16 +382,23 @@ class LookupServer:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     self._bad_peer(pid, "sent an undecodable frame (%s)", e)
                     return
-                _send(conn, encoder.encode(self._handle(req, pid)))
-        except TimeoutError:
-            logger.debug("lookup connection of pid %s idle for %.0f s; closed", pid, self.idle_timeout_s)
-        except OSError:
+                reply = encoder.encode(self._handle(req, pid))
+                conn.settimeout(self.frame_timeout_s)  # a peer that does not read its answer goes too
+                _send(conn, reply)
+        except OSError:  # TimeoutError included: the reply was not taken in time
             pass
         finally:
             with self._lock:
+                self._idle_since.pop(conn, None)
                 self._conns.discard(conn)
+                if self._logged_full and len(self._conns) <= (self.max_connections - 1) // 2:
+                    # Drained to under half (not merely one closed for a newcomer): the next time
+                    # it fills is logged again.
+                    self._logged_full = False
             conn.close()
             self._slots.release()
+            with self._lock:
+                self._evicted.discard(conn)  # after the release: its slot is back
 
     def _handle(self, req: Request, pid: int | None) -> Reply:
         """Answer one request; a bad argument or a failing store is an error reply, the connection stays."""

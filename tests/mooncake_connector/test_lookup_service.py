@@ -310,21 +310,30 @@ def test_a_burst_of_new_clients_waits_and_every_answer_is_right(served) -> None:
         assert not wrong, f"{len(wrong)} of {n} clients got a wrong answer"
 
 
-def test_clients_beyond_the_connection_limit_wait_for_a_slot(tmp_path: Path) -> None:
+def _busy_peer(path: str) -> socket.socket:
+    """A connection in the middle of a frame (2 of its 4 length bytes sent): not idle, so a full
+    server does not close it for a newcomer."""
+    s = _raw_peer(path)
+    s.sendall(b"\x10\x00")
+    return s
+
+
+def test_clients_beyond_the_connection_limit_wait_while_no_connection_is_idle(tmp_path: Path) -> None:
     store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
     store.put(["a"], [np.ones(64, np.uint8)])
-    server = LookupServer(store, socket_path("cap", 0, str(tmp_path)), max_connections=4).start()
-    held = [LookupClient(server.path) for _ in range(4)]
+    server = LookupServer(store, socket_path("cap", 0, str(tmp_path)), max_connections=4,
+                          frame_timeout_s=120.0).start()
+    held = [_busy_peer(server.path) for _ in range(4)]
     try:
-        assert [c.exists(["a"]) for c in held] == [1] * 4  # every slot taken, connections kept
-        late = LookupClient(server.path, timeout_s=10.0)
+        _wait_for(lambda: len(server._conns) == 4)  # every slot taken by a frame in progress
+        late = LookupClient(server.path, timeout_s=30.0)
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(late.exists(["a"])))
         t.start()
         time.sleep(0.5)
         assert not result  # queued, not answered "miss"
         held[0].close()  # a slot frees
-        t.join(10)
+        t.join(30)
         assert result == [1]
         assert late.failures == 0
         late.close()
@@ -352,11 +361,12 @@ def test_an_idle_connection_closed_by_the_server_is_reopened_transparently(tmp_p
     store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
     store.put(["a"], [np.ones(64, np.uint8)])
     server = LookupServer(store, socket_path("idle", 0, str(tmp_path)), idle_timeout_s=0.2).start()
-    asker = LookupClient(server.path)
+    asker = LookupClient(server.path, timeout_s=30.0)
     try:
         assert asker.exists(["a"]) == 1
-        time.sleep(0.6)  # the server has closed the idle connection (and freed its slot)
-        assert asker.exists(["a"]) == 1
+        _wait_for(lambda: server.idle_closed == 1)  # the server closed the idle connection
+        assert server._conns == set()
+        assert asker.exists(["a"]) == 1  # on a new connection
         assert asker.failures == 0
     finally:
         asker.close()
@@ -377,8 +387,9 @@ def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, m
     monkeypatch.setattr(lookup_service, "_LISTEN_BACKLOG", 1)
     store = TieredStore({"dram": {"capacity_bytes": "1MiB"}}).start()
     store.put(["a"], [np.ones(64, np.uint8)])
-    server = LookupServer(store, socket_path("backlog", 0, str(tmp_path)), max_connections=1).start()
-    holder = LookupClient(server.path)
+    server = LookupServer(store, socket_path("backlog", 0, str(tmp_path)), max_connections=1,
+                          frame_timeout_s=120.0).start()
+    holder = _busy_peer(server.path)
     answers: list[int] = []
     lock = threading.Lock()
 
@@ -390,7 +401,7 @@ def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, m
             answers.append(got)
 
     try:
-        assert holder.exists(["a"]) == 1  # holds the only slot
+        _wait_for(lambda: len(server._conns) == 1)  # holds the only slot, mid-frame
         threads = [threading.Thread(target=late) for _ in range(6)]
         for t in threads:
             t.start()
@@ -416,3 +427,91 @@ def test_the_store_itself_refuses_bad_pin_ttls_naming_ttl_s(ttl_s) -> None:
         assert store._dram.entries["k"].pins == 0
         assert store.pin(["k"], ttl_s=5.0) == [True] and store._dram.entries["k"].pins == 1
         assert store.pin(["k"]) == [True]  # the default
+
+
+def _wait_for(cond, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+class _AllPresent:
+    def exists(self, keys):
+        return len(keys)
+
+    def pin(self, keys, ttl_s=30.0):
+        return [True] * len(keys)
+
+    def unpin(self, keys):
+        pass
+
+
+def test_peers_dribbling_a_frame_byte_by_byte_cannot_hold_the_slots(tmp_path: Path) -> None:
+    # The idle timeout used to apply per recv: a byte every half-timeout held a slot for good, and
+    # with every slot held a real lookup waited out its timeout and answered "miss".
+    server = LookupServer(_AllPresent(), socket_path("slow", 0, str(tmp_path)), max_connections=2,
+                          idle_timeout_s=2.0).start()
+    stop = threading.Event()
+    peers = [_raw_peer(server.path) for _ in range(2)]
+
+    def dribble(s: socket.socket) -> None:
+        try:
+            s.sendall(b"\xff\xff\x7f")  # 3 of the 4 length bytes: an ~8 MiB frame announced
+            while not stop.is_set():
+                time.sleep(0.3)  # well under idle_timeout_s between bytes
+                s.send(b"\x00")
+        except OSError:
+            pass  # closed by the server
+
+    threads = [threading.Thread(target=dribble, args=(p,), daemon=True) for p in peers]
+    for t in threads:
+        t.start()
+    asker = LookupClient(server.path, timeout_s=20.0)
+    try:
+        _wait_for(lambda: len(server._conns) == 2)
+        assert asker.exists(["k"]) == 1  # served once the dribblers' frames ran out of time
+        assert asker.failures == 0
+        _wait_for(lambda: server.slow_frames == 2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in peers:
+            p.close()
+        asker.close()
+        server.close()
+
+
+def test_a_full_server_closes_its_longest_idle_connection_for_a_new_client(tmp_path: Path, caplog) -> None:
+    server = LookupServer(_AllPresent(), socket_path("full", 0, str(tmp_path)), max_connections=2,
+                          idle_timeout_s=300.0).start()
+    old, older = LookupClient(server.path, timeout_s=30.0), LookupClient(server.path, timeout_s=30.0)
+    new = LookupClient(server.path, timeout_s=3.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mooncake_connector.lookup_service"):
+            assert older.exists(["a"]) == 1
+            time.sleep(0.3)
+            assert old.exists(["a"]) == 1
+            time.sleep(0.3)
+            # Both slots idle; the newcomer used to wait in the backlog until its timeout ("miss").
+            assert new.exists(["a"]) == 1 and new.failures == 0
+            assert server.idle_closed == 1
+            assert old.exists(["a"]) == 1  # the other idle one is still open: no reconnect needed
+            assert server.idle_closed == 1
+            assert older.exists(["a"]) == 1 and older.failures == 0  # it reconnects transparently
+            assert server.idle_closed == 2
+            full = [r for r in caplog.records if "its limit" in r.getMessage()]
+            assert len(full) == 1  # logged once while full
+            for c in (old, older, new):
+                c.close()
+            _wait_for(lambda: not server._conns)  # drained
+            for c in (old, older, new):
+                assert c.exists(["a"]) == 1
+                time.sleep(0.3)
+            full = [r for r in caplog.records if "its limit" in r.getMessage()]
+            assert len(full) == 2  # full again after draining: logged again
+    finally:
+        for c in (old, older, new):
+            c.close()
+        server.close()
