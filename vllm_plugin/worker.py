@@ -217,19 +217,20 @@ class WorkerSide:
         self._settle_held(meta.commit_saves, meta.discard_saves)
         return True
 
-    def _staging_wait_s(self) -> float:
-        """How long to wait for staging now: only while I/O in flight will return some (buffers
-        held for the scheduler's decision, or by this step, come back only after this step)."""
-        with self._io_lock:
-            return self.cfg.load_timeout_s if self._io_buffers else 0.0
-
-    def _acquire(self, wait: bool) -> torch.Tensor | None:
+    def _acquire(self, deadline: float) -> torch.Tensor | None:
+        """A staging buffer for one chunk, waiting until ``deadline`` (monotonic) while I/O in
+        flight will return some; buffers held for the scheduler's decision, or by this step, come
+        back only after this step, so with nothing else in flight it fails at once."""
         assert self.staging is not None
         buf = self.staging.try_acquire(self.layout.chunk_bytes)
-        if buf is None and wait:
-            t0 = time.perf_counter()
-            buf = self.staging.acquire(self.layout.chunk_bytes, self._staging_wait_s())
-            self.counters["staging_wait_s"] += time.perf_counter() - t0
+        if buf is None:
+            with self._io_lock:
+                in_flight = self._io_buffers > 0
+            left = deadline - time.monotonic()
+            if in_flight and left > 0:
+                t0 = time.perf_counter()
+                buf = self.staging.acquire(self.layout.chunk_bytes, left)
+                self.counters["staging_wait_s"] += time.perf_counter() - t0
         return buf
 
     def _to_io(self, bufs: list[torch.Tensor], fut: Future) -> None:
@@ -252,10 +253,12 @@ class WorkerSide:
         if not meta.has_loads or self.staging is None or self._load_future is not None or self._loads_checked:
             return
         keys: list[str] = []
+        # Wait (bounded, once for the whole step) for staging rather than fail a load: saves
+        # landing free it.
+        deadline = time.monotonic() + self.cfg.load_timeout_s
         for plan in meta.requests:
             for chunk in plan.loads:
-                # Wait (bounded) for staging rather than fail the load: saves landing free it.
-                buf = self._acquire(wait=True)
+                buf = self._acquire(deadline)
                 if buf is None:
                     self.counters["loads_failed_staging"] += 1
                     self._fail_load(plan.req_id, chunk)
@@ -351,13 +354,14 @@ class WorkerSide:
         if meta is None or not meta.has_saves or self.staging is None:
             return jobs
         self._check_loads()
+        deadline = time.monotonic() + self.cfg.load_timeout_s  # one bound for the whole step
         for plan in meta.requests:
             for chunk in plan.saves:
                 if plan.req_id in self._failed_reqs:
                     self.counters["saves_skipped_failed_load"] += 1
                     self._report(chunk.save_id, False)
                     continue
-                buf = self._acquire(wait=True)
+                buf = self._acquire(deadline)
                 if buf is None:
                     self.counters["saves_dropped_staging"] += 1
                     self._report(chunk.save_id, False)

@@ -1,0 +1,130 @@
+"""The scheduler half's save planning, driven with vLLM's own objects (``VllmConfig`` from
+``EngineArgs``, ``Request``, ``SchedulerOutput``, ``KVConnectorOutput``) the way vLLM's scheduler
+drives it, without an engine: what is planned, what is planned again, when blocks are released.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from mooncake_connector.config import load_connector_config  # noqa: E402
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
+from vllm_plugin.metadata import SaveReport, TieredConnectorMetadata, TieredWorkerMetadata  # noqa: E402
+from vllm_plugin.model_info import KVGeometry  # noqa: E402
+from vllm_plugin.scheduler import DO_REMOTE_DECODE, REMOTE_PREFIX_TOKENS, SchedulerSide  # noqa: E402
+
+BLOCK = 32
+GEOMETRY = KVGeometry(block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=64, kv_dtype="float32",
+                      element_bytes=4, is_mla=False, shard_count=1)
+
+
+@pytest.fixture(scope="module")
+def make_scheduler(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    sockets = tmp_path_factory.mktemp("sockets")
+    extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(sockets)}
+    configs = {}
+    for role in ("kv_both", "kv_producer"):
+        ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role=role,
+                               kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+        configs[role] = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK,
+                                   dtype="float32", max_model_len=4096, enforce_eager=True,
+                                   kv_transfer_config=ktc).create_engine_config()
+
+    def make(role: str) -> SchedulerSide:
+        return SchedulerSide(configs[role], load_connector_config(extra), GEOMETRY)
+
+    return make
+
+
+def _request(req_id: str, tokens: list[int], **kv_transfer_params: Any) -> Request:
+    # As vLLM's API server passes them: in the sampling params' extra_args.
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return Request(req_id, tokens, SamplingParams(max_tokens=4, extra_args=extra), None)
+
+
+def _first_step(sched: SchedulerSide, req: Request, blocks: list[int]) -> TieredConnectorMetadata:
+    """Step 1: the whole prompt is scheduled at once on ``blocks``."""
+    sched.get_num_new_matched_tokens(req, 0)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+    out.num_scheduled_tokens = {req.request_id: req.num_tokens}
+    req.num_computed_tokens = req.num_tokens
+    return sched.build_connector_meta(out)
+
+
+def _next_step(sched: SchedulerSide, req: Request | None = None, computed: int = 0) -> TieredConnectorMetadata:
+    out = SchedulerOutput.make_empty()
+    if req is not None:
+        out.scheduled_cached_reqs = CachedRequestData(
+            req_ids=[req.request_id], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+            new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0])
+        out.num_scheduled_tokens = {req.request_id: req.num_tokens - computed}
+    return sched.build_connector_meta(out)
+
+
+def _saves(meta: TieredConnectorMetadata) -> list[tuple[int, int, bool]]:
+    """(first block, save id, hold) of every planned save."""
+    return [(s.block_ids[0], s.save_id, s.hold) for plan in meta.requests for s in plan.saves]
+
+
+def test_a_chunk_that_failed_to_load_is_planned_again_when_recomputed(make_scheduler: Any) -> None:
+    sched = make_scheduler("kv_both")
+    req = _request("r", prompt(1, 300))
+    blocks = list(range(100, 110))
+    meta = _first_step(sched, req, blocks)
+    assert [b for b, _i, _h in _saves(meta)] == [100, 102, 104, 106]  # chunks 0-3
+    # A later load into block 103 (chunk 1) failed, as vLLM's aggregated output reports it: vLLM
+    # recomputes from there, and chunks 1-3 must be saved again (the damaged copy is gone).
+    sched.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={103},
+        kv_connector_worker_meta=TieredWorkerMetadata(steps=[meta.step],
+                                                      saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(meta)])))
+    meta2 = _next_step(sched, req, computed=64)
+    assert [b for b, _i, _h in _saves(meta2)] == [102, 104, 106]
+
+
+def test_a_save_that_did_not_land_is_planned_again(make_scheduler: Any) -> None:
+    sched = make_scheduler("kv_both")
+    req = _request("r", prompt(2, 300))
+    meta = _first_step(sched, req, list(range(10)))
+    ids = [i for _b, i, _h in _saves(meta)]
+    reports = [SaveReport(ids[0], 0, True), SaveReport(ids[1], 0, True), SaveReport(ids[2], 0, False),
+               SaveReport(ids[3], 0, True)]
+    sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=TieredWorkerMetadata(steps=[meta.step], saves=reports)))
+    assert sched.stats()["saves_landed"] == 3
+    meta2 = _next_step(sched, req, computed=req.num_tokens - 1)
+    assert [b for b, _i, _h in _saves(meta2)] == [4, 6]  # chunk 2 (no staging on a rank) and after
+
+
+def test_prefill_request_keeps_its_blocks_until_every_save_landed(make_scheduler: Any) -> None:
+    sched = make_scheduler("kv_producer")
+    req = _request("p", prompt(3, 300), **{DO_REMOTE_DECODE: True})
+    blocks = list(range(20, 30))
+    meta = _first_step(sched, req, blocks)
+    ids = [i for _b, i, _h in _saves(meta)]
+    delay, params = sched.request_finished(req, blocks)
+    assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
+    assert sched.has_pending_work()
+    # Chunk 2's save did not land: it is planned again from the kept blocks, and nothing released.
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=[meta.step], saves=[SaveReport(i, 0, i != ids[2]) for i in ids])))
+    meta2 = _next_step(sched)
+    assert [b for b, _i, _h in _saves(meta2)] == [24, 26] and meta2.release == []
+    # Once those landed, the next step releases the blocks to vLLM (get_finished on the workers).
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=[meta2.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(meta2)])))
+    meta3 = _next_step(sched)
+    assert meta3.release == ["p"] and not sched.has_pending_work()
