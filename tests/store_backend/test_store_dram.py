@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -112,7 +113,8 @@ def test_pin_expires() -> None:
     with dram_store(capacity=1 * MiB) as s:
         chunk = 512 * 1024
         s.put(["a", "b"], [payload("a", chunk), payload("b", chunk)])
-        s.pin(["a", "b"], ttl_s=0.0)  # a caller that died holding a lease
+        s.pin(["a", "b"], ttl_s=0.01)  # a caller that died holding a lease
+        time.sleep(0.1)  # past its TTL (a TTL of 0 is refused: ValueError naming ttl_s)
         assert s.put(["c"], [payload("c", chunk)]) == [Status.OK]
 
 
