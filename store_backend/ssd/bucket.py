@@ -7,7 +7,8 @@ Layout of a directory::
     bucket-<id:016x>.tmp   a bucket being written (deleted at open: it was never acknowledged)
     tombstones.log         framed (bucket id, key) entries: keys removed from a bucket
     seq.hwm                two checksummed slots: next sequence number and bucket id (high-water mark)
-    .owner.lock            flock of the store that owns the directory (store_backend/ownership.py)
+    .owner.lock            the owner's pid, also flocked; the directory itself holds the lock
+                           that counts (store_backend/ownership.py)
 
 A put groups its objects into buckets (a new bucket when the next object would pass
 ``bucket_size_bytes`` or the bucket holds ``bucket_max_keys``), writes each bucket to a temporary
