@@ -5,9 +5,11 @@ drives it, without an engine: what is planned, what is planned again, when block
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
@@ -15,11 +17,16 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/i
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
+from mooncake_connector.lookup_service import LookupServer  # noqa: E402
+from store_backend.store import TieredStore  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
 from vllm_plugin.metadata import SaveReport, TieredConnectorMetadata, TieredWorkerMetadata  # noqa: E402
 from vllm_plugin.model_info import KVGeometry  # noqa: E402
@@ -128,3 +135,42 @@ def test_prefill_request_keeps_its_blocks_until_every_save_landed(make_scheduler
         steps=[meta2.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(meta2)])))
     meta3 = _next_step(sched)
     assert meta3.release == ["p"] and not sched.has_pending_work()
+
+
+def test_a_step_planned_before_the_load_outcome_holds_its_saves(make_scheduler: Any) -> None:
+    """Async scheduling: step 2 is planned before step 1's output says whether its loads worked."""
+    sched = make_scheduler("kv_both")
+    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
+        client = KVClient(store).start()
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            req = _request("r", prompt(4, 400))
+            # The store holds the request's first four chunks (keys as the scheduler derives them).
+            keys = sched._keys(sched._hashes_upto(sched._track(req), 4))[0]
+            assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
+            deadline = time.monotonic() + 10
+            while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert hit == 4 * CHUNK_TOKENS
+            blocks = list(range(200, 213))
+            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
+            # Step 1 loads chunks 0-3 and computes chunk 4 (chunked prefill: 64 tokens).
+            req.num_computed_tokens = hit
+            out = SchedulerOutput.make_empty()
+            out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+            out.num_scheduled_tokens = {"r": 64}
+            step1 = sched.build_connector_meta(out)
+            assert [len(p.loads) for p in step1.requests] == [4]
+            # Step 2 is planned before step 1's output: chunk 5 depends on step 1's loads too.
+            step2 = _next_step(sched, req, computed=hit + 64)
+            held = [i for meta in (step1, step2) for _b, i, hold in _saves(meta) if hold]
+            assert [b for meta in (step1, step2) for b, _i, _h in _saves(meta)] == [208, 210]
+            assert len(held) == 2  # both held: nothing computed over the loads is stored yet
+            # Step 1's output: block 201 (chunk 0) failed on some rank. Both held saves are dropped.
+            sched.update_connector_output(KVConnectorOutput(
+                invalid_block_ids={201}, kv_connector_worker_meta=TieredWorkerMetadata(steps=[step1.step])))
+            step3 = _next_step(sched)
+            assert (step3.commit_saves, step3.discard_saves) == ([], held)
+        finally:
+            server.close()
+            client.close()
