@@ -5,18 +5,27 @@ copies run on its :class:`mooncake_connector.client.KVClient`'s I/O threads.
 
 One step, as vLLM drives it:
 
+0. Entering a step applies the scheduler's decisions on saves held from earlier steps (put them in
+   the store, or drop them: computed over a load that failed on some rank).
 1. ``start_load_kv`` (before the forward): every planned chunk load is submitted at once into host
-   staging buffers; the call returns without waiting.
+   staging buffers (waiting, bounded, for staging that saves in flight will free); the call returns
+   without waiting for the reads.
 2. ``wait_for_layer_load(layer)`` (before each attention layer): the first call waits for the reads;
    each call then writes that one layer of every loaded chunk into the engine's blocks (layer-major
    objects make a layer one contiguous range). A chunk that failed to load (missing, corrupt, timed
-   out) is not written: its blocks go to ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+   out) is not written: its blocks go to ``get_block_ids_with_load_errors`` and vLLM recomputes them;
+   a copy that read back CORRUPT is removed so the recomputed chunk can replace it.
 3. ``save_kv_layer(layer)`` (after each attention layer): that layer of every chunk planned for saving
-   is gathered into staging in the canonical layout. A request whose load failed this step saves
-   nothing this step (its new KV was computed over missing context).
-4. ``wait_for_save`` (after the forward): the staged chunks are handed to the I/O threads and the call
-   returns; the store put runs in the background. The engine's blocks are no longer needed by then
-   (the bytes are in staging), so vLLM may free or reuse them at once.
+   is gathered into staging in the canonical layout. A request whose load failed on this rank this
+   step stages nothing (reported not saved); a save with no staging after the bounded wait is
+   reported not saved too, and the scheduler plans it again.
+4. ``wait_for_save`` (after the forward): layers no hook gathered are gathered now, the staged chunks
+   are handed to the I/O threads (held ones stay in staging for the scheduler's decision) and the
+   call returns; the store put runs in the background. The engine's blocks are no longer needed by
+   then (the bytes are in staging), so vLLM may free or reuse them at once.
+5. ``build_connector_worker_meta``: the step's report to the scheduler (the step it closes, every
+   save outcome since the last report); ``get_finished`` names the finished requests whose blocks
+   the scheduler released.
 
 On a GPU the staging buffers are pinned, gathers run on a side stream, and the host waits only for
 this step's device-to-host copies at ``wait_for_save``.
