@@ -487,7 +487,7 @@ def test_a_full_server_closes_its_longest_idle_connection_for_a_new_client(tmp_p
     server = LookupServer(_AllPresent(), socket_path("full", 0, str(tmp_path)), max_connections=2,
                           idle_timeout_s=300.0).start()
     old, older = LookupClient(server.path, timeout_s=30.0), LookupClient(server.path, timeout_s=30.0)
-    new = LookupClient(server.path, timeout_s=3.0)
+    new = LookupClient(server.path, timeout_s=15.0)  # far less than idle_timeout_s: it must not wait that out
     try:
         with caplog.at_level(logging.WARNING, logger="mooncake_connector.lookup_service"):
             assert older.exists(["a"]) == 1

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -206,6 +207,7 @@ _FORKING_OWNER = textwrap.dedent("""
     from store_backend.store import TieredStore
     s = TieredStore(json.loads(sys.argv[1]))
     if os.fork() == 0:  # a helper process that never touches the store (multiprocessing 'fork', a pool)
+        open(sys.argv[2], "w").close()  # Python runs here only after the fork hooks ran
         time.sleep(600)
         os._exit(0)
     print("ready", flush=True)
@@ -216,11 +218,16 @@ _FORKING_OWNER = textwrap.dedent("""
 def test_a_forked_child_does_not_keep_the_locks_of_a_killed_owner(tmp_path, shm_name):
     ssd = tmp_path / "ssd"
     cfg = store_cfg(ssd, "bucket", shm_name=shm_name, dram_bytes=1 << 20)
-    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, json.dumps(cfg)], cwd=REPO,
+    child_up = tmp_path / "child-up"
+    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, json.dumps(cfg), str(child_up)], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        line = owner.stdout.readline()
-        assert line.strip() == "ready", (line, owner.stderr.read()[-3000:])
+        line = owner.stdout.readline()  # (stderr is not read: the forked child keeps it open)
+        assert line.strip() == "ready", line
+        deadline = time.monotonic() + 60
+        while not child_up.exists():
+            assert time.monotonic() < deadline, "the forked child never started"
+            time.sleep(0.05)
         owner.kill()  # the owner only: its forked child lives on in the same session
         owner.wait(30)
         with TieredStore(cfg) as s:  # refused (naming the dead pid) while the child held the locks
