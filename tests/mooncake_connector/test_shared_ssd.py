@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -85,10 +88,6 @@ def test_shared_and_exclusive_owners_exclude_each_other(tmp_path: Path) -> None:
 def test_two_processes_writing_the_same_key_at_once_both_succeed(tmp_path: Path) -> None:
     # Two engines of a P/D pair save the same chunk at the same moment: each writes its own
     # temporary file (they used to share "<path>.tmp", one truncating the other's mid-write).
-    import subprocess
-    import sys
-    import textwrap
-
     writer = textwrap.dedent("""
         import sys
         from mooncake_connector.shared_ssd import SharedDirectoryBackend
@@ -151,9 +150,6 @@ def test_recovery_keeps_another_live_process_in_flight_temporary_file(tmp_path: 
 
 
 def _a_dead_pid() -> int:
-    import subprocess
-    import sys
-
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(60)
     return p.pid
