@@ -44,6 +44,7 @@ from store_backend.types import (
     byte_view,
     check_batch,
     check_key,
+    check_ttl_s,
     copy_bytes,
     nbytes_of,
 )
@@ -659,8 +660,6 @@ class TieredStore:
         ``ttl_s`` passes (so a crashed caller cannot pin forever). SSD-only objects are queued for
         promotion so the load that follows is served from DRAM. Returns presence per key.
         ``ttl_s`` outside (0, ``MAX_PIN_TTL_S``] (inf, nan, negative): ValueError naming it."""
-        from store_backend.types import check_ttl_s  # here, not at the top: keeps this change to pin
-
         ttl_s = check_ttl_s(ttl_s)
         present = self.contains(keys)
         deadline = time.monotonic() + ttl_s
