@@ -174,3 +174,45 @@ def test_a_step_planned_before_the_load_outcome_holds_its_saves(make_scheduler: 
         finally:
             server.close()
             client.close()
+
+
+def test_prefill_request_with_held_saves_keeps_stepping_until_they_are_committed(make_scheduler: Any) -> None:
+    """A disaggregated-prefill request that loaded a prefix and finished in the same step: its new
+    chunks are held (the loads are unconfirmed), so it keeps its blocks, and the connector asks vLLM
+    to keep stepping until the commit reached the workers and the saves landed."""
+    sched = make_scheduler("kv_producer")
+    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
+        client = KVClient(store).start()
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            req = _request("p", prompt(5, 400), **{DO_REMOTE_DECODE: True})
+            keys = sched._keys(sched._hashes_upto(sched._track(req), 4))[0]
+            assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
+            deadline = time.monotonic() + 10
+            while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            blocks = list(range(300, 313))
+            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
+            req.num_computed_tokens = hit
+            out = SchedulerOutput.make_empty()
+            out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+            out.num_scheduled_tokens = {"p": req.num_tokens - hit}
+            step1 = sched.build_connector_meta(out)
+            held = _saves(step1)
+            assert [(b, h) for b, _i, h in held] == [(308, True), (310, True)]  # chunks 4-5, held
+            req.num_computed_tokens = req.num_tokens
+            delay, params = sched.request_finished(req, blocks)  # max_tokens=1: done in step 1
+            assert delay and params[REMOTE_PREFIX_TOKENS] == 6 * CHUNK_TOKENS
+            # Step 1's output: the loads were fine. The commit must still reach the workers.
+            sched.update_connector_output(KVConnectorOutput(
+                kv_connector_worker_meta=TieredWorkerMetadata(steps=[step1.step])))
+            assert sched.has_pending_work()
+            step2 = _next_step(sched)
+            assert step2.commit_saves == [i for _b, i, _h in held] and step2.release == []
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+                steps=[step2.step], saves=[SaveReport(i, 0, True) for _b, i, _h in held])))
+            step3 = _next_step(sched)
+            assert step3.release == ["p"] and not sched.has_pending_work()
+        finally:
+            server.close()
+            client.close()
