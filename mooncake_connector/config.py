@@ -43,19 +43,27 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # page keys, so a vLLM and an SGLang deployment of the same model share cached KV (with
     # chunk_tokens = SGLang's --page-size and the same model_id).
     hash_scheme: str = "xxh3_128"
-    # Fingerprint overrides: a stable model identity (default: the engine's model path or name) and
-    # weights revision. Two deployments share cached KV only when these match.
+    # Model identity in the key fingerprint (default: the engine's model path or name). Setting it
+    # (or revision) also turns off the automatic stamp of the weight files: the operator then names
+    # the weights, and must change it when they change. Deployments share KV only when it matches.
     model_id: str | None = None
+    # Weights revision in the fingerprint (default: the engine's revision, or the commit of a hub
+    # snapshot; for a local path, a stamp of the weight files' names, sizes and mtimes).
     revision: str | None = None
-    # The store: a nested StoreConfig section, or a file (connector config or store config).
+    # The store (StoreConfig's sections: dram, ssd, offload, promotion); default 1 GiB DRAM, no SSD.
     store: StoreConfig | None = None
+    # A JSON/YAML file holding a whole connector config or just a store config; keys given directly
+    # win. MOONCAKE_KV_CONNECTOR_CONFIG names one too.
     config_file: str | None = None
     # Several engine processes of this node share the SSD directory (file backend): objects any of
     # them writes are visible to all. Needed for disaggregated prefill/decode on the embedded store.
     shared_ssd: bool = False
     # Worker threads that move bytes between staging memory and the store, per connector instance.
     io_workers: int = 2
-    # Staging memory for in-flight saves; a save that finds no room is dropped (a future miss).
+    # Host staging memory for in-flight saves and loads (pinned on a GPU), per worker: the floor of
+    # a size derived from the model and max_num_batched_tokens. A save or load that finds no room
+    # waits (bounded by load_timeout_s) for staging to free; a save that still cannot run is
+    # planned again, never counted as saved.
     staging_bytes: int = 512 * 1024 * 1024
     # Longest a prefix lookup may hold the scheduler before it answers "ask later".
     lookup_wait_s: float = 0.01
@@ -71,6 +79,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_prefill_wait_s: float = 30.0
     # On shutdown, wait until saved objects reached the SSD tier (so another process can open them).
     flush_on_close: bool = True
+    # Longest that shutdown wait may take; what is not on SSD by then is logged and recomputed later.
     flush_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:

@@ -61,6 +61,7 @@ def _power_of_two(name: str, value: int) -> None:
 class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Host-DRAM tier: one page-aligned arena carved by an offset allocator."""
 
+    # Size of the arena; objects beyond it are evicted (or moved to SSD first) by eviction_policy.
     capacity_bytes: int = 1 * GiB
     # Name of a /dev/shm segment holding the arena, so processes of one node can map it; None = private.
     shm_name: str | None = None
@@ -81,16 +82,30 @@ class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """SSD tier: one directory, one backend."""
 
+    # The tier's directory, owned by one store (a second opener is refused naming the holder).
     path: str
+    # Most bytes the tier keeps; past it (or past disk_watermark) the oldest objects are evicted.
     capacity_bytes: int = 64 * GiB
+    # How objects are laid out: "bucket" (objects batched into large append-only files; fastest
+    # writes), "offset" (one preallocated file, records at allocator offsets), "file" (one file per
+    # object; the only one several processes can share, see the connectors' shared_ssd).
     backend: Literal["bucket", "offset", "file"] = "bucket"
+    # "io_uring" (raw syscalls, no library needed), "posix" (thread pool of preadv/pwritev), or
+    # "auto": io_uring where the kernel allows it, else posix.
     io_engine: Literal["auto", "io_uring", "posix"] = "auto"
+    # Read and write with O_DIRECT (4 KiB-aligned, bypassing the page cache) where the file system
+    # supports it; falls back to buffered I/O where it does not.
     direct_io: bool = True
+    # Threads of the posix engine (io_uring uses one ring per calling thread instead).
     io_threads: int = 2
+    # Requests in flight per io_uring ring.
     queue_depth: int = 32
     # bucket backend: a bucket file is written once when it reaches either threshold.
     bucket_size_bytes: int = 64 * MiB
+    # bucket backend: most objects in one bucket file (the other threshold).
     bucket_max_keys: int = 256
+    # Which objects an SSD backend evicts first when it needs room: "lru" (least recently read) or
+    # "fifo" (oldest written).
     bucket_eviction: Literal["fifo", "lru"] = "lru"
     # Evict when used space (or the file system's use) passes this fraction of capacity.
     disk_watermark: float = 0.95
@@ -119,11 +134,15 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # eager: every new object is copied to SSD soon after it is written (DRAM keeps a clean copy).
     # watermark: only when DRAM use passes high_watermark, coldest objects move down to low_watermark.
     policy: Literal["eager", "watermark"] = "eager"
+    # watermark policy: fraction of DRAM in use that starts a demotion pass.
     high_watermark: float = 0.9
+    # watermark policy: fraction of DRAM in use a demotion pass goes down to.
     low_watermark: float = 0.7
+    # Objects waiting for their SSD write; past it a new object waits in DRAM until DRAM needs room
+    # (then it is written before it is evicted).
     queue_max_objects: int = 65536
+    # Most bytes handed to the SSD backend in one write batch.
     batch_bytes: int = 64 * MiB
-    workers: int = 1
 
     def __post_init__(self) -> None:
         _fraction("high_watermark", self.high_watermark)
@@ -134,14 +153,15 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         _positive("queue_max_objects", self.queue_max_objects)
         _size("offload.batch_bytes", self.batch_bytes)
-        _positive("workers", self.workers)
 
 
 class PromotionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When an object read from SSD is copied back into DRAM (in the background)."""
 
+    # Copy objects read from SSD back into DRAM (off the read path).
     enabled: bool = True
     admission_hits: int = 2  # SSD hits before a promotion
+    # Promotions waiting; past it further ones are skipped (the object stays on SSD).
     queue_max_objects: int = 4096
 
     def __post_init__(self) -> None:
@@ -150,10 +170,17 @@ class PromotionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole store: a DRAM tier, optionally an SSD tier below it, and how objects move."""
+
+    # The host-DRAM tier (section `dram`).
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    # The SSD tier (section `ssd`); absent: DRAM only.
     ssd: SsdConfig | None = None
+    # When objects are written down to SSD (section `offload`).
     offload: OffloadConfig = msgspec.field(default_factory=OffloadConfig)
+    # When SSD objects come back to DRAM (section `promotion`).
     promotion: PromotionConfig = msgspec.field(default_factory=PromotionConfig)
+    # Largest object a put accepts (larger: TOO_LARGE).
     max_object_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:

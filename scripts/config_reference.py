@@ -1,0 +1,134 @@
+"""Write docs/CONFIG.md, the configuration reference, from the config Structs themselves.
+
+Every key, its type, its default and its meaning come from the typed config classes
+(:mod:`store_backend.config`, :mod:`mooncake_connector.config`, :mod:`sglang_hicache.config`): the
+meaning is the comment block written above the field (or on its line) in the source. So the
+reference cannot drift from the code: ``tests/test_config_reference.py`` fails when docs/CONFIG.md
+differs from what this script prints.
+
+    python scripts/config_reference.py > docs/CONFIG.md     # regenerate
+    python scripts/config_reference.py --check docs/CONFIG.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from mooncake_connector.config import ConnectorConfig  # noqa: E402
+from sglang_hicache.config import SglangOnlySettings  # noqa: E402
+from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, SsdConfig, StoreConfig  # noqa: E402
+
+# (heading, how the section is addressed, Struct); the order of the document.
+SECTIONS: list[tuple[str, str, type[msgspec.Struct]]] = [
+    ("Store", "top level of a store config (`store` in a connector config)", StoreConfig),
+    ("Store: `dram`", "`store.dram`", DramConfig),
+    ("Store: `ssd`", "`store.ssd` (absent: no SSD tier)", SsdConfig),
+    ("Store: `offload`", "`store.offload`", OffloadConfig),
+    ("Store: `promotion`", "`store.promotion`", PromotionConfig),
+    ("Connector (vLLM and SGLang)", "vLLM `kv_connector_extra_config`; SGLang "
+     "`--hicache-storage-backend-extra-config`", ConnectorConfig),
+    ("SGLang only", "SGLang `--hicache-storage-backend-extra-config`", SglangOnlySettings),
+]
+
+HEADER = """# Configuration reference
+
+Generated from the config Structs by `python scripts/config_reference.py > docs/CONFIG.md`; a test
+fails when this file is out of date. Every field whose name ends in `_bytes` also takes a size
+string (`"512MiB"`, `"4GB"`). Store fields can be set by environment too:
+`MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB` (`__` separates the levels); `MOONCAKE_KV_CONFIG` names a
+store config file. A bad value stops start-up with an error naming the field.
+"""
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment above each annotated field of ``cls`` (or on its line), joined into one text."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    body = tree.body[0]
+    assert isinstance(body, ast.ClassDef)
+    out: dict[str, str] = {}
+    for node in body.body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        row = node.lineno - 1
+        above: list[str] = []
+        r = row - 1
+        while r >= 0 and lines[r].strip().startswith("#"):
+            above.insert(0, lines[r].strip().lstrip("#").strip())
+            r -= 1
+        inline = lines[row].split("#", 1)[1].strip() if "#" in lines[row] else ""
+        out[node.target.id] = " ".join(t for t in [*above, inline] if t)
+    return out
+
+
+def type_text(tp: object) -> str:
+    text = str(tp) if not isinstance(tp, type) else tp.__name__
+    for prefix in ("typing.", "store_backend.config.", "mooncake_connector.config."):
+        text = text.replace(prefix, "")
+    if typing.get_origin(tp) is typing.Literal:
+        text = " \\| ".join(repr(a) for a in typing.get_args(tp))
+    return text.replace("|", "\\|") if "\\|" not in text else text
+
+
+def default_text(field: msgspec.structs.FieldInfo) -> str:
+    """The default as a user writes it (sizes of ``*_bytes`` fields in binary units)."""
+    if field.default is not msgspec.NODEFAULT:
+        value = field.default
+    elif field.default_factory is not msgspec.NODEFAULT:
+        value = field.default_factory()
+        if isinstance(value, msgspec.Struct):
+            return "(section)"
+    else:
+        return "required"
+    if field.name.endswith("_bytes") and isinstance(value, int) and value >= 1024 and value % 1024 == 0:
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value % size == 0:
+                return f"`{value // size}{unit}`"
+    return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
+
+
+def render() -> str:
+    parts = [HEADER]
+    for heading, where, cls in SECTIONS:
+        comments = field_comments(cls)
+        own_doc = cls.__dict__.get("__doc__") or ""
+        doc = inspect.cleandoc(own_doc).split("\n\n")[0].replace("\n", " ")
+        parts.append(f"## {heading}\n\nWhere: {where}." + (f" {doc}" if doc else "") + "\n")
+        parts.append("| key | type | default | meaning |\n|---|---|---|---|")
+        for f in msgspec.structs.fields(cls):
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            parts.append(f"| `{f.name}` | {type_text(f.type)} | {default_text(f)} | {meaning} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated text")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if Path(args.check).read_text() != text:
+            print(f"{args.check} is out of date: run python scripts/config_reference.py > {args.check}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
