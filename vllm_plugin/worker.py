@@ -22,7 +22,10 @@ One step, as vLLM drives it:
 4. ``wait_for_save`` (after the forward): layers no hook gathered are gathered now, the staged chunks
    are handed to the I/O threads (held ones stay in staging for the scheduler's decision) and the
    call returns; the store put runs in the background. The engine's blocks are no longer needed by
-   then (the bytes are in staging), so vLLM may free or reuse them at once.
+   then (the bytes are in staging), so vLLM may free or reuse them at once. When vLLM never calls
+   it (speculative decoding defers it, and a non-last pipeline rank never gets to it), the next
+   step's first call ends the step instead: saves every layer hook gathered are put, the rest are
+   reported not stored (the blocks may hold other KV by then), and staging is returned.
 5. ``build_connector_worker_meta``: the step's report to the scheduler (the step it closes, every
    save outcome since the last report); ``get_finished`` names the finished requests whose blocks
    the scheduler released.
@@ -134,7 +137,8 @@ class WorkerSide:
         self.counters = {
             "chunks_loaded": 0, "chunks_load_failed": 0, "load_error_blocks": 0, "chunks_saved": 0,
             "saves_dropped_staging": 0, "saves_skipped_failed_load": 0, "saves_not_stored": 0, "saves_held": 0,
-            "saves_discarded": 0, "loads_failed_staging": 0, "damaged_removed": 0, "load_wait_s": 0.0,
+            "saves_discarded": 0, "saves_dropped_unfinished": 0, "loads_failed_staging": 0, "damaged_removed": 0,
+            "load_wait_s": 0.0,
             "staging_wait_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0,
         }
 
@@ -216,9 +220,16 @@ class WorkerSide:
     def _begin(self, meta: TieredConnectorMetadata) -> bool:
         """Enter the step that ``meta`` plans (vLLM may call start_load_kv before or after the
         forward's layer hooks); False when this step was already entered. Entering a step applies
-        the scheduler's decisions on held saves and notes the requests it releases."""
+        the scheduler's decisions on held saves and notes the requests it releases.
+
+        A previous step still open is finished first: vLLM does not always call ``wait_for_save``
+        (with speculative decoding it defers the call past the draft model, and a non-last pipeline
+        rank returns before that point, so it never comes). Without this its staging buffers would
+        stay taken and its saves never reported."""
         if meta is self._meta:
             return False
+        if self._meta is not None:
+            self._finish_step(late=True)
         self._reset_step()
         self._meta = meta
         self._report_step = meta.step
@@ -340,13 +351,26 @@ class WorkerSide:
                               first_block=job.chunk.first_block * self.ratio, non_blocking=non_blocking)
         self.counters["scatter_s"] += time.perf_counter() - t0
 
-    def _finish_loads(self) -> None:
-        """End of step: every layer written (even one whose hook did not run), staging returned."""
+    def _finish_loads(self, *, late: bool = False) -> None:
+        """End of step: every layer written (even one whose hook did not run), staging returned.
+
+        ``late``: the step's forward is over and the next step is starting, so the loaded blocks
+        may be in other use by now: a layer no hook wrote is not written now; its chunks are
+        reported as failed loads instead (their KV was computed without it), so vLLM recomputes."""
         if not self._loads:
             return
         self._check_loads()
-        for layer in range(len(self.paged)):
-            self._scatter_layer(layer)
+        missing = set(range(len(self.paged))) - self._loaded_layers
+        if late and missing:
+            for job in self._loads:
+                if job.ok:
+                    job.ok = False
+                    self._fail_load(job.req_id, job.chunk)
+            logger.warning("step ended without writing layers %s of %d loaded chunks; they are recomputed",
+                           sorted(missing)[:4], len(self._loads))
+        else:
+            for layer in missing:
+                self._scatter_layer(layer)
         if self._side_stream is not None:
             torch.cuda.current_stream().synchronize()  # host-to-device copies read the staging buffers
         assert self._load_future is not None
@@ -412,8 +436,20 @@ class WorkerSide:
         saves planned again for a finished request), then put the saves in the store on the I/O
         threads, except held ones, which wait in staging for the scheduler's decision."""
         self._begin(meta)
-        self._finish_loads()
-        if self._saves is None:
+        self._finish_step(late=False)
+
+    def _finish_step(self, *, late: bool) -> None:
+        """End the open step (the body of ``wait_for_save``) and reset the step state.
+
+        ``late``: called when the next step begins because ``wait_for_save`` never ran. The
+        engine's blocks may then already hold other KV (vLLM freed or reused them after the
+        forward), so nothing is read from them: saves every layer hook gathered are put as usual
+        (their bytes are in staging), the others are reported not stored and their staging returned,
+        so the scheduler plans them again."""
+        self._finish_loads(late=late)
+        if late:
+            self._drop_ungathered_saves()
+        elif self._saves is None:
             self._saves = self._prepare_saves()
         jobs = self._saves
         if jobs:
@@ -428,6 +464,25 @@ class WorkerSide:
             self.counters["saves_held"] += len(jobs) - len(now)
             self._put(now)
         self._reset_step()
+
+    def _drop_ungathered_saves(self) -> None:
+        """Late end of a step: report every planned save not fully in staging as not stored."""
+        if self._saves is None:
+            # No save hook ran: nothing was staged (or reported) yet.
+            meta = self._meta
+            dropped = [chunk.save_id for plan in meta.requests for chunk in plan.saves] if meta else []
+        elif self._saved_layers >= set(range(len(self.paged))):
+            return  # every layer gathered: the saves are whole in staging
+        else:
+            # _prepare_saves already reported the saves it refused (failed load, no staging).
+            dropped = [job.chunk.save_id for job in self._saves]
+            assert self.staging is not None
+            for job in self._saves:
+                self.staging.release(job.buf)
+        self._saves = []
+        for save_id in dropped:
+            self._report(save_id, False)
+        self.counters["saves_dropped_unfinished"] += len(dropped)
 
     def _put(self, jobs: list[_SaveJob]) -> None:
         """Hand staged saves to the I/O threads; each outcome is reported to the scheduler."""

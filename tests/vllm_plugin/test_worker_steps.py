@@ -1,0 +1,138 @@
+"""The worker half's step lifecycle, driven the way vLLM's model runner drives it, without an engine:
+a real :class:`vllm_plugin.worker.WorkerSide` (built from vLLM's ``VllmConfig`` and ``KVCacheConfig``
+inside vLLM's own single-process distributed groups), a real store and real paged CPU tensors.
+
+vLLM does not always call ``wait_for_save``: with speculative decoding it defers the call until
+after the draft model, and a non-last pipeline rank returns before that point, so the call never
+comes (``gpu_model_runner.py``: ``defer_kv_connector_finalize``, the early ``return hidden_states``
+of non-last ranks, ``finalize_kv_connector`` only on the last rank). The next step must still see
+that step's saves put (or reported not stored) and its staging returned.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
+
+import torch  # noqa: E402
+from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed.parallel_state import (  # noqa: E402
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+    model_parallel_is_initialized,
+)
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+
+from mooncake_connector.config import load_connector_config  # noqa: E402
+from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
+from mooncake_connector.staging import StagingPool  # noqa: E402
+from tests.vllm_plugin.conftest import CHUNK_TOKENS  # noqa: E402
+from vllm_plugin.metadata import ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
+from vllm_plugin.model_info import KVGeometry  # noqa: E402
+from vllm_plugin.worker import WorkerSide  # noqa: E402
+
+BLOCK = 32
+NUM_BLOCKS = 32
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+GEOMETRY = KVGeometry(block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=64, kv_dtype="float32",
+                      element_bytes=4, is_mla=False, shard_count=1)
+CHUNK_BYTES = GEOMETRY.chunk_layout(CHUNK_TOKENS).chunk_bytes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path_factory.mktemp("sockets")),
+             "load_timeout_s": 0.5}
+    ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
+                           kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+    vllm_config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
+                             max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc).create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            ensure_model_parallel_initialized(1, 1)
+    page_bytes = 2 * BLOCK * GEOMETRY.num_kv_heads * GEOMETRY.head_size * 4
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=2 * NUM_BLOCKS * page_bytes, layers=LAYERS,
+                                        layer_stride=NUM_BLOCKS * page_bytes, block_stride=page_bytes)],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    workers: list[WorkerSide] = []
+
+    def make(staging_chunks: int) -> WorkerSide:
+        w = WorkerSide(vllm_config, load_connector_config(extra), GEOMETRY, kv_cache_config)
+        # What register_kv_caches derives from the engine's allocated cache (vLLM CPU_ATTN pages).
+        w.paged = [PagedLayer(torch.randn(NUM_BLOCKS, 2, BLOCK, 128), PageFormat.KV_HALVES, num_heads=2,
+                              head_size=64) for _ in LAYERS]
+        w.staging = StagingPool(staging_chunks * CHUNK_BYTES)
+        w.digest = "test-digest"
+        workers.append(w)
+        return w
+
+    yield make
+    for w in workers:
+        w.close()
+
+
+def _step(step: int, first_block: int) -> TieredConnectorMetadata:
+    """A step that saves one chunk (blocks ``first_block``, ``first_block + 1``)."""
+    save = ChunkSave(f"chunk-{step}", None, [first_block, first_block + 1], save_id=step)
+    return TieredConnectorMetadata(requests=[RequestPlan(f"r{step}", saves=[save])], step=step)
+
+
+def _reports_until(w: WorkerSide, want: int, timeout_s: float = 10.0) -> dict[int, bool]:
+    """Save outcomes reported by ``w`` until ``want`` of them came (save id -> stored)."""
+    out: dict[int, bool] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < want and time.monotonic() < deadline:
+        out.update({r.save_id: r.ok for r in w.build_worker_meta().saves})
+        time.sleep(0.01)
+    return out
+
+
+def test_saves_of_a_step_without_wait_for_save_are_put_by_the_next_step(make_worker: Any) -> None:
+    """Speculative decoding on a non-last pipeline rank: every layer hook runs, wait_for_save never
+    does. Staging (four chunks) must not fill up step after step, and every save lands."""
+    w = make_worker(staging_chunks=4)
+    reports: dict[int, bool] = {}
+    for step in range(1, 9):
+        meta = _step(step, 2 * (step % 8))
+        w.start_load_kv(meta)
+        for layer in LAYERS:
+            w.wait_for_layer_load(meta, layer)
+            w.save_kv_layer(meta, layer)
+        reports.update({r.save_id: r.ok for r in w.build_worker_meta().saves})  # before the finalize
+    w.start_load_kv(TieredConnectorMetadata(step=9))  # the step after the last one ends it too
+    assert w.flush(10)
+    reports.update(_reports_until(w, 8 - len(reports)))
+    assert reports == {step: True for step in range(1, 9)}  # none refused for want of staging
+    assert w.staging is not None and w.staging.in_use_bytes == 0
+    assert w.stats()["saves_not_stored"] == 0
+
+
+def test_saves_no_hook_gathered_are_reported_not_stored_when_the_step_is_left(make_worker: Any) -> None:
+    """A step entered (its loads started) whose save hooks and wait_for_save never ran: its saves
+    never reached staging, and the engine's blocks may hold other KV by now. They are reported not
+    stored, so the scheduler plans them again."""
+    w = make_worker(staging_chunks=4)
+    meta = _step(1, 0)
+    w.start_load_kv(meta)
+    w.build_worker_meta()
+    w.start_load_kv(TieredConnectorMetadata(step=2))
+    assert _reports_until(w, 1) == {1: False}
+    assert w.staging is not None and w.staging.in_use_bytes == 0
