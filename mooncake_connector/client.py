@@ -119,9 +119,15 @@ class KVClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, block: bool) -> Future | None:
-        """Queue ``fn`` on an I/O thread (``self._lock`` may be held by the caller)."""
-        if not self._slots.acquire(blocking=block):
+    def _submit(self, fn: Callable[..., Any], *args: Any, block: bool,
+                timeout_s: float | None = None) -> Future | None:
+        """Queue ``fn`` on an I/O thread (``self._lock`` may be held by the caller). With ``block``,
+        waits for a free batch slot (at most ``timeout_s`` when given); None when none came."""
+        if block and timeout_s is not None:
+            got = self._slots.acquire(timeout=timeout_s)
+        else:
+            got = self._slots.acquire(blocking=block)
+        if not got:
             return None
         pool = self._pool
         if pool is None:
@@ -234,21 +240,35 @@ class KVClient:
 
     # -- load --------------------------------------------------------------------------------------
     def load(self, keys: Sequence[str], buffers: Sequence[Buffer], *, sizes: Sequence[int] | None = None,
-             unpin_after: bool = False, wait_saves_s: float = 30.0) -> Future:
+             unpin_after: bool = False, wait_saves_s: float = 30.0, timeout_s: float | None = None) -> Future:
         """Copy objects into the caller's writable buffers on an I/O thread.
 
         The future resolves to one ReadResult per key. With ``sizes``, an object of another size is
         reported CORRUPT (a stored object that does not match the reader's layout is never used).
-        ``unpin_after`` releases leases taken with ``pin`` once the bytes are copied. Blocks while
-        a save of one of these keys is still in flight (at most ``wait_saves_s``), and while the
-        client already has its maximum of batches in flight.
+        ``unpin_after`` releases leases taken with ``pin`` once the bytes are copied (or once the
+        load gave up). Blocks while a save of one of these keys is still in flight (at most
+        ``wait_saves_s``), and while the client already has its maximum of batches in flight.
+
+        ``timeout_s`` bounds all of that blocking together (a caller on an engine's forward thread
+        passes its load timeout): when no batch slot came free in time (a stuck store holds them
+        all) the load is not submitted and resolves at once to IO_ERROR for every key, which the
+        caller treats as any failed load (the engine recomputes). Without it the wait for a slot
+        is unbounded.
         """
         keys = list(keys)
         if not keys:
             return _done([])
-        self.wait_for_saves(keys, wait_saves_s)
-        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, block=True)
-        assert fut is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.wait_for_saves(keys, wait_saves_s if timeout_s is None else min(wait_saves_s, timeout_s))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, block=True, timeout_s=left)
+        if fut is None:
+            logger.warning("load of %d objects not started: no I/O slot free within %.1f s", len(keys), timeout_s)
+            if unpin_after:
+                self.unpin(keys)
+            with self._lock:
+                self.counters.load_failed += len(keys)
+            return _done([ReadResult(Status.IO_ERROR)] * len(keys))
         return fut
 
     def wait_for_saves(self, keys: Sequence[str], timeout_s: float) -> bool:

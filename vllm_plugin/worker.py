@@ -288,7 +288,10 @@ class WorkerSide:
         if self._loads:
             self._load_future = self.client.load(
                 keys, [job.buf.numpy() for job in self._loads],
-                sizes=[self.layout.chunk_bytes] * len(keys), unpin_after=True)
+                sizes=[self.layout.chunk_bytes] * len(keys), unpin_after=True,
+                # Never block the forward thread longer than a load may take: a load that cannot
+                # start in time fails (IO_ERROR) and vLLM recomputes its blocks.
+                wait_saves_s=self.cfg.load_timeout_s, timeout_s=self.cfg.load_timeout_s)
 
     def _fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
         self._load_errors.update(chunk.block_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -133,6 +134,34 @@ def test_drain_waits_for_every_save(store: TieredStore) -> None:
         assert client.drain(timeout_s=10) is True
         assert all(f.done() for f in futs)
         assert store.exists(["w/0", "w/1"]) == 2
+    finally:
+        slow.gate.set()
+        client.close()
+
+
+def test_a_load_behind_stuck_saves_fails_within_its_timeout(store: TieredStore) -> None:
+    """Every batch slot is taken by saves a stuck store never finishes: a load with a timeout gives
+    up after it (each key IO_ERROR, leases released) instead of blocking the engine's forward."""
+    slow = _BlockingStore(store)
+    unpinned: list[str] = []
+    slow.unpin = lambda keys: unpinned.extend(keys)  # type: ignore[method-assign]
+    client = KVClient(slow, io_workers=1, max_pending_batches=2).start()
+    try:
+        assert store.put(["ready"], [obj(1)]) == [Status.OK]
+        saves = [client.save([f"s/{i}"], [obj(i)]) for i in range(2)]
+        t0 = time.monotonic()
+        res = client.load(["ready"], [np.zeros(SIZE, np.uint8)], unpin_after=True, timeout_s=0.3).result(1)
+        assert time.monotonic() - t0 < 2.0
+        assert [r.status for r in res] == [Status.IO_ERROR]
+        assert client.stats()["load_failed"] == 1
+        assert unpinned == ["ready"]  # the lease taken for the load is released
+        # A load of a key whose save is stuck waits at most its timeout too.
+        t0 = time.monotonic()
+        res = client.load(["s/0"], [np.zeros(SIZE, np.uint8)], timeout_s=0.3).result(1)
+        assert time.monotonic() - t0 < 2.0 and not res[0].ok
+        slow.gate.set()
+        assert [f.result(10) for f in saves] == [[Status.OK], [Status.OK]]
+        assert client.load(["s/1"], [np.zeros(SIZE, np.uint8)], timeout_s=5).result(10)[0].ok
     finally:
         slow.gate.set()
         client.close()

@@ -12,10 +12,13 @@ that step's saves put (or reported not stored) and its staging returned.
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
@@ -30,11 +33,13 @@ from vllm.distributed.parallel_state import (  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 
+from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
 from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
 from mooncake_connector.staging import StagingPool  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS  # noqa: E402
-from vllm_plugin.metadata import ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
+from store_backend.types import Buffer, Status  # noqa: E402
+from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
 from vllm_plugin.model_info import KVGeometry  # noqa: E402
 from vllm_plugin.worker import WorkerSide  # noqa: E402
 
@@ -136,3 +141,48 @@ def test_saves_no_hook_gathered_are_reported_not_stored_when_the_step_is_left(ma
     w.start_load_kv(TieredConnectorMetadata(step=2))
     assert _reports_until(w, 1) == {1: False}
     assert w.staging is not None and w.staging.in_use_bytes == 0
+
+
+class _StuckPuts:
+    """Fault injection: a store whose puts hang until ``gate`` is set (a stuck device)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer], parents: Any = None) -> list[Status]:
+        self.gate.wait(30)
+        return self.inner.put(keys, buffers, parents)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_load_behind_stuck_saves_fails_within_the_load_timeout(make_worker: Any) -> None:
+    """Every I/O batch slot is held by saves a stuck store never finishes. start_load_kv (vLLM's
+    forward thread) must return within load_timeout_s, with the load's blocks reported as load
+    errors (vLLM recomputes them), not block until the store recovers."""
+    w = make_worker(staging_chunks=8)
+    stuck = _StuckPuts(w.store)
+    w.client.close()
+    w.client = KVClient(stuck, io_workers=1, max_pending_batches=2).start()
+    try:
+        for i in range(2):
+            w.client.save([f"stuck-{i}"], [np.zeros(8, np.uint8)])
+        meta = TieredConnectorMetadata(requests=[RequestPlan("r", loads=[ChunkLoad("chunk-x", [4, 5])])], step=1)
+        done = threading.Event()
+
+        def forward() -> None:
+            w.start_load_kv(meta)
+            for layer in LAYERS:
+                w.wait_for_layer_load(meta, layer)
+            done.set()
+
+        t0 = time.monotonic()
+        threading.Thread(target=forward, daemon=True).start()
+        assert done.wait(5.0), "start_load_kv blocked on the stuck store"
+        assert time.monotonic() - t0 < 3 * w.cfg.load_timeout_s + 1
+        assert w.take_load_errors() == {4, 5}
+    finally:
+        stuck.gate.set()
+        w.wait_for_save(meta)
