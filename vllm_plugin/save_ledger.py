@@ -26,10 +26,17 @@ before the confirmation arrives, and needs no blocks kept alive.
 outcome (:class:`SaveReport`); a save has landed when all ranks stored it. One failed rank (no
 staging, store full, I/O error) makes it failed: the request is rolled back to that chunk and plans
 it again while its blocks still hold the KV.
+
+**Other requests counting on a save.** Lookups count saves in flight as present, so a request may
+skip saving a chunk because another request's save of it is on its way (same prefix). When that
+save fails, every request holding the chunk is rolled back too (:attr:`LedgerEvents.failed` names
+the chunk by its hash), and :meth:`SaveLedger.unsettled_chunks` lets a disaggregated-prefill request
+keep its blocks until the saves it counted on settled, not only its own.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +47,7 @@ from vllm_plugin.metadata import SaveReport
 class _Save:
     req_id: str
     chunk: int
+    chunk_hash: str = ""
     ok_ranks: set[int] = field(default_factory=set)
     # Held saves: step -> the unconfirmed blocks of that step this save's KV was computed over.
     waits: dict[int, set[int]] = field(default_factory=dict)
@@ -53,6 +61,9 @@ class LedgerEvents:
     replan: list[tuple[str, int]] = field(default_factory=list)
     # (req_id, chunk index) now stored on every rank.
     landed: list[tuple[str, int]] = field(default_factory=list)
+    # (chunk index, chunk hash) of every save in ``replan`` whose hash is known: any request whose
+    # chain holds that chunk counted on it and must plan it again.
+    failed: list[tuple[int, str]] = field(default_factory=list)
 
 
 class SaveLedger:
@@ -65,6 +76,7 @@ class SaveLedger:
         self.step = 0
         self._loading: dict[int, set[int]] = {}  # step -> blocks loaded in it, outcome unknown
         self._saves: dict[int, _Save] = {}  # save_id -> planned, not settled (held or in flight)
+        self._unsettled_hashes: Counter[str] = Counter()  # chunk hash -> its unsettled saves
         self._next_id = 0
         self._commit: list[int] = []
         self._discard: list[int] = []
@@ -83,17 +95,20 @@ class SaveLedger:
         if blocks:
             self._loading.setdefault(step, set()).update(blocks)
 
-    def plan_save(self, req_id: str, chunk: int, context_blocks: Sequence[int]) -> tuple[int, bool]:
-        """Register a save of chunk ``chunk`` of ``req_id`` whose KV was computed over
-        ``context_blocks`` (the request's blocks up to the chunk's end). Returns its id and whether
-        it must be held until loads it depends on are confirmed."""
-        return self.plan_saves(req_id, chunk, chunk + 1, context_blocks, len(context_blocks))[0]
+    def plan_save(self, req_id: str, chunk: int, context_blocks: Sequence[int],
+                  chunk_hash: str = "") -> tuple[int, bool]:
+        """Register a save of chunk ``chunk`` (hash ``chunk_hash``) of ``req_id`` whose KV was
+        computed over ``context_blocks`` (the request's blocks up to the chunk's end). Returns its id
+        and whether it must be held until loads it depends on are confirmed."""
+        return self.plan_saves(req_id, chunk, chunk + 1, context_blocks, len(context_blocks),
+                               [chunk_hash] if chunk_hash else None)[0]
 
     def plan_saves(self, req_id: str, first: int, end: int, block_ids: Sequence[int],
-                   blocks_per_chunk: int) -> list[tuple[int, bool]]:
+                   blocks_per_chunk: int, chunk_hashes: Sequence[str] | None = None) -> list[tuple[int, bool]]:
         """``plan_save`` for chunks ``[first, end)`` of one request whose blocks are ``block_ids``
         (chunk ``c``'s KV was computed over ``block_ids[:(c + 1) * blocks_per_chunk]``), reading the
-        block list once."""
+        block list once. ``chunk_hashes``: the hashes of chunks ``[first, end)``, so other requests
+        holding those chunks can be told when a save fails."""
         unconfirmed: list[tuple[int, int, int]] = []  # (position in block_ids, step, block)
         if self._loading:
             for pos, block in enumerate(block_ids[:end * blocks_per_chunk]):
@@ -102,7 +117,9 @@ class SaveLedger:
                         unconfirmed.append((pos, step, block))
         out: list[tuple[int, bool]] = []
         for chunk in range(first, end):
-            rec = _Save(req_id, chunk)
+            rec = _Save(req_id, chunk, chunk_hashes[chunk - first] if chunk_hashes else "")
+            if rec.chunk_hash:
+                self._unsettled_hashes[rec.chunk_hash] += 1
             limit = (chunk + 1) * blocks_per_chunk
             for pos, step, block in unconfirmed:
                 if pos < limit:
@@ -134,10 +151,10 @@ class SaveLedger:
                 if common is None:
                     continue
                 if common & invalid_block_ids:
-                    del self._saves[save_id]
+                    self._settle(save_id)
                     self._discard.append(save_id)
                     self.counters["saves_discarded"] += 1
-                    events.replan.append((rec.req_id, rec.chunk))
+                    self._failed(events, rec)
                 elif not rec.waits:
                     self._commit.append(save_id)
                     self.counters["saves_committed"] += 1
@@ -146,21 +163,39 @@ class SaveLedger:
             if rec is None:
                 continue  # already settled (another rank failed it, or it was discarded)
             if not report.ok:
-                del self._saves[report.save_id]
+                self._settle(report.save_id)
                 self.counters["saves_failed"] += 1
-                events.replan.append((rec.req_id, rec.chunk))
+                self._failed(events, rec)
                 continue
             rec.ok_ranks.add(report.rank)
             if len(rec.ok_ranks) >= self.num_ranks:
-                del self._saves[report.save_id]
+                self._settle(report.save_id)
                 self.counters["saves_landed"] += 1
                 events.landed.append((rec.req_id, rec.chunk))
         return events
+
+    def _settle(self, save_id: int) -> None:
+        rec = self._saves.pop(save_id)
+        if rec.chunk_hash:
+            self._unsettled_hashes[rec.chunk_hash] -= 1
+            if self._unsettled_hashes[rec.chunk_hash] <= 0:
+                del self._unsettled_hashes[rec.chunk_hash]
+
+    @staticmethod
+    def _failed(events: LedgerEvents, rec: _Save) -> None:
+        events.replan.append((rec.req_id, rec.chunk))
+        if rec.chunk_hash:
+            events.failed.append((rec.chunk, rec.chunk_hash))
 
     # -- queries -------------------------------------------------------------------------------------
     def unsettled(self, req_id: str) -> bool:
         """Whether a save of ``req_id`` is still held or in flight."""
         return any(rec.req_id == req_id for rec in self._saves.values())
+
+    def unsettled_chunks(self, chunk_hashes: Iterable[str]) -> bool:
+        """Whether a save of any of ``chunk_hashes`` (planned by any request) is still held or in
+        flight: a request that counted such a chunk as stored cannot promise it yet."""
+        return any(h in self._unsettled_hashes for h in chunk_hashes)
 
     @property
     def unsettled_count(self) -> int:

@@ -27,7 +27,9 @@ process or not.
 - ``request_finished`` hands disaggregated-prefill parameters to the decode instance. Saves copy
   their blocks into staging memory during the forward, so blocks are normally freed at once; a
   disaggregated-prefill request with saves still unsettled keeps its blocks (vLLM's delayed free)
-  until they landed, re-planning any that failed.
+  until they landed, re-planning any that failed. That includes saves of its chunks planned by
+  other requests (a lookup counts another request's save in flight as present): if one fails, every
+  request holding that chunk is rolled back to it, so one that still holds the blocks saves it.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class SchedulerSide:
         self._finish_retries: dict[str, int] = {}
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
-                         "hits_capped_staging": 0}
+                         "hits_capped_staging": 0, "save_chunks_replanned_shared": 0}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -250,7 +252,9 @@ class SchedulerSide:
         if t is None:
             return
         t.block_ids = list(blocks.get_block_ids()[0])
-        # Chunks already in the store need no saving; the ones vLLM held locally get saved.
+        # Chunks already in the store (or being saved by another request: if that save fails,
+        # update_connector_output rolls this request back too) need no saving; the ones vLLM held
+        # locally get saved.
         t.saved_chunks = max(t.saved_chunks, t.hit_chunks)
         if num_external_tokens <= 0:
             return
@@ -316,7 +320,8 @@ class SchedulerSide:
             if upto > t.saved_chunks:
                 hashes = self._hashes_upto(t, upto)
                 bpc = self.blocks_per_chunk
-                planned = self.ledger.plan_saves(req_id, t.saved_chunks, upto, t.block_ids, bpc)
+                planned = self.ledger.plan_saves(req_id, t.saved_chunks, upto, t.block_ids, bpc,
+                                                 hashes[t.saved_chunks:upto])
                 for c, (save_id, hold) in zip(range(t.saved_chunks, upto), planned):
                     plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
                                                 t.block_ids[c * bpc:(c + 1) * bpc], save_id=save_id, hold=hold))
@@ -330,7 +335,7 @@ class SchedulerSide:
         (its blocks still hold the KV), and release the blocks once every save landed."""
         self._plan(meta, t, req_id, t.request.num_computed_tokens)
         retries = self._finish_retries.get(req_id, 0)
-        if not self.ledger.unsettled(req_id) or retries >= MAX_FINISH_RETRIES:
+        if not self._unsettled(t, req_id) or retries >= MAX_FINISH_RETRIES:
             if retries >= MAX_FINISH_RETRIES:
                 logger.warning("request %s: saves still failing after %d retries; releasing its blocks",
                                req_id, retries)
@@ -362,6 +367,17 @@ class SchedulerSide:
                 t.saved_chunks = min(t.saved_chunks, chunk)
                 if req_id in self._finishing:
                     self._finish_retries[req_id] = self._finish_retries.get(req_id, 0) + 1
+        if events.failed:
+            # Other requests may have counted these chunks as stored (their lookup saw the save in
+            # flight): each one whose chain holds a failed chunk plans it again from its own blocks
+            # (the request that planned the save may have finished and freed its blocks).
+            for other_id, t in (*self._reqs.items(), *self._finishing.items()):
+                for chunk, chunk_hash in events.failed:
+                    if chunk < t.saved_chunks and chunk < len(t.hashes) and t.hashes[chunk] == chunk_hash:
+                        t.saved_chunks = chunk
+                        self.counters["save_chunks_replanned_shared"] += 1
+                        if other_id in self._finishing:
+                            self._finish_retries[other_id] = self._finish_retries.get(other_id, 0) + 1
         self.counters["save_chunks_landed"] += len(events.landed)
         self.counters["save_chunks_replanned"] += len(events.replan)
 
@@ -379,7 +395,7 @@ class SchedulerSide:
         # chunk planned for saving. Saves still held or in flight when the request ends keep its
         # blocks (vLLM frees them when the workers name it in get_finished), so a save that fails
         # is planned again from them rather than leaving the decode instance waiting in vain.
-        delay = self.ledger.unsettled(request.request_id)
+        delay = self._unsettled(t, request.request_id)
         if delay:
             t.block_ids = list(block_ids)
             self._finishing[request.request_id] = t
@@ -389,6 +405,11 @@ class SchedulerSide:
             REMOTE_PREFIX_TOKENS: t.saved_chunks * self.chunk_tokens,
             REMOTE_FINGERPRINT: self.shard_digests[0],
         }
+
+    def _unsettled(self, t: _Tracked, req_id: str) -> bool:
+        """Whether a save this request's promise rests on is still held or in flight: its own, or
+        another request's save of one of its chunks (counted as present by a lookup)."""
+        return self.ledger.unsettled(req_id) or self.ledger.unsettled_chunks(t.hashes[:t.saved_chunks])
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),

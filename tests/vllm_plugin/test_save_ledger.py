@@ -105,3 +105,15 @@ def test_planning_several_chunks_holds_exactly_those_computed_over_a_pending_loa
     events = ledger.on_output([step], {15}, [])
     assert events.replan == [("r", 2), ("r", 3), ("r", 4)]
     assert ledger.take_decisions() == ([], [i for i, _ in planned[2:]])
+
+
+def test_a_failed_save_names_its_chunk_for_other_requests_counting_on_it() -> None:
+    ledger = SaveLedger(num_ranks=2)
+    ledger.begin_step()
+    (ok_id, _), (bad_id, _) = ledger.plan_saves("a", 0, 2, [1, 2, 3, 4], 2, ["h0", "h1"])
+    assert ledger.unsettled_chunks(["h1"]) and not ledger.unsettled_chunks(["other"])
+    out = _merged(1, SaveReport(ok_id, 0, True), SaveReport(ok_id, 1, True), SaveReport(bad_id, 1, False))
+    events = ledger.on_output([], set(), out.saves)
+    assert events.landed == [("a", 0)] and events.replan == [("a", 1)]
+    assert events.failed == [(1, "h1")]  # by hash: any request whose chain holds it plans it again
+    assert not ledger.unsettled_chunks(["h0", "h1"])

@@ -5,6 +5,7 @@ drives it, without an engine: what is planned, what is planned again, when block
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -214,5 +215,123 @@ def test_prefill_request_with_held_saves_keeps_stepping_until_they_are_committed
             step3 = _next_step(sched)
             assert step3.release == ["p"] and not sched.has_pending_work()
         finally:
+            server.close()
+            client.close()
+
+
+class _GatedPuts:
+    """Fault injection: a store whose puts wait for ``gate`` (a slow device), so saves stay in
+    flight while the scheduler looks the same chunks up for another request."""
+
+    def __init__(self, inner: TieredStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def put(self, keys: Any, buffers: Any, parents: Any = None) -> Any:
+        self.gate.wait(30)
+        return self.inner.put(keys, buffers, parents)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _in_flight_prefix(sched: SchedulerSide, client: KVClient, tokens: list[int], blocks: list[int]) -> tuple[
+        Request, TieredConnectorMetadata]:
+    """Request A computes ``tokens`` on ``blocks``; its saves are handed to the (slow) store, as the
+    worker's wait_for_save does, and A finishes (an ordinary request: its blocks are freed)."""
+    a = _request("A", tokens)
+    meta = _first_step(sched, a, blocks)
+    keys = sched._keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
+    client.save(keys, [np.zeros(64, np.uint8)] * len(keys))
+    assert sched.request_finished(a, blocks) == (False, None)
+    return a, meta
+
+
+def _ask(sched: SchedulerSide, req: Request, computed: int) -> int:
+    deadline = time.monotonic() + 10
+    while (hit := sched.get_num_new_matched_tokens(req, computed)[0]) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hit is not None
+    return hit
+
+
+def _fail_all(sched: SchedulerSide, meta: TieredConnectorMetadata) -> None:
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=[meta.step], saves=[SaveReport(i, 0, False) for _b, i, _h in _saves(meta)])))
+
+
+def test_a_failed_save_another_request_counted_on_is_planned_again_by_it(make_scheduler: Any) -> None:
+    """B's lookup counts A's saves in flight as present (vLLM's prefix cache gives B A's blocks).
+    A has finished when its saves fail: B, which still holds the blocks, saves those chunks."""
+    sched = make_scheduler("kv_producer")
+    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
+        slow = _GatedPuts(store)
+        client = KVClient(slow).start()
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            tokens = prompt(6, 300)
+            blocks_a = list(range(10, 17))
+            _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
+            b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
+            _ask(sched, b, 192)  # vLLM's local hit: A's first six blocks
+            assert sched._reqs["B"].hit_chunks == 3  # A's three saves in flight count as present
+            blocks_b = blocks_a[:6] + [30, 31, 32, 33]
+            sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
+            _fail_all(sched, meta_a)
+            b.num_computed_tokens = 192
+            out = SchedulerOutput.make_empty()
+            out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
+            out.num_scheduled_tokens = {"B": 300 - 192}
+            meta_b = sched.build_connector_meta(out)
+            assert [blk for blk, _i, _h in _saves(meta_b)] == [10, 12, 14, 30]  # chunks 0-3, from B's blocks
+            b.num_computed_tokens = 300
+            delay, params = sched.request_finished(b, blocks_b)
+            assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
+        finally:
+            slow.gate.set()
+            server.close()
+            client.close()
+
+
+def test_a_prefill_request_keeps_its_blocks_until_saves_it_counted_on_settled(make_scheduler: Any) -> None:
+    """Disaggregated prefill B promises chunks that only A's saves in flight stand for. Its own save
+    lands first; B still keeps its blocks until A's saves settle. They fail: B saves those chunks
+    from its blocks and releases them only once they landed, so the decode side gets its promise."""
+    sched = make_scheduler("kv_producer")
+    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
+        slow = _GatedPuts(store)
+        client = KVClient(slow).start()
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            tokens = prompt(7, 260)
+            blocks_a = list(range(40, 47))
+            _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
+            b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
+            _ask(sched, b, 192)
+            assert sched._reqs["B"].hit_chunks == 3
+            blocks_b = blocks_a[:6] + [50, 51, 52]
+            sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
+            b.num_computed_tokens = 192
+            out = SchedulerOutput.make_empty()
+            out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
+            out.num_scheduled_tokens = {"B": 260 - 192}
+            step1 = sched.build_connector_meta(out)
+            assert [blk for blk, _i, _h in _saves(step1)] == [50]  # chunk 3 only: 0-2 are A's, in flight
+            b.num_computed_tokens = 260
+            delay, params = sched.request_finished(b, blocks_b)
+            assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+                steps=[step1.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step1)])))
+            step2 = _next_step(sched)
+            assert step2.release == [], "B released its blocks while saves it promised were in flight"
+            _fail_all(sched, meta_a)
+            step3 = _next_step(sched)
+            # Chunks 0-3 from B's blocks (saved_chunks is a prefix: chunk 3 again, stored EXISTS).
+            assert [blk for blk, _i, _h in _saves(step3)] == [40, 42, 44, 50] and step3.release == []
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+                steps=[step3.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step3)])))
+            assert _next_step(sched).release == ["B"]
+        finally:
+            slow.gate.set()
             server.close()
             client.close()
