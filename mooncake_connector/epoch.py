@@ -6,12 +6,20 @@ answering, the epoch is part of the key fingerprint: a reset moves to the next e
 then on) and the old epoch's objects are removed in the background by :class:`EpochSweeper`.
 
 The epoch must survive a restart, or KV stored before a reset would be found again at epoch 0 after
-a crash: :class:`EpochFile` keeps it in ``<ssd.path>/mooncake-kv-epoch`` (JSON ``{"epoch": N}``),
-written atomically (temporary file, fsync, rename, fsync of the directory) under an exclusive
+a crash: :class:`EpochFile` keeps it in ``<ssd.path>/mooncake-kv-epoch`` (JSON ``{"epoch": N,
+"reset": bool}``), written atomically (temporary file, fsync, rename, fsync of the directory) under an exclusive
 ``flock`` of ``mooncake-kv-epoch.lock`` beside it, and it only ever grows, whichever process of the
 node advances it. The SSD backends ignore files whose names are not theirs, and with several ranks
 the configured ``ssd.path`` holds one subdirectory per rank, so these two files sit beside them. A
 store without an SSD tier loses everything on a restart anyway: its epoch lives in memory.
+
+An epoch created by a reset is never reused by a restart. A reset usually follows a weight update
+made in memory (an RL weight sync, ``collective_rpc``): the KV saved after it was computed with
+weights the fingerprint cannot name (it stamps the checkpoint on disk), and an engine started later
+loads the disk weights again. So ``"reset": true`` marks such an epoch, and :meth:`EpochFile.start`
+(called once when an engine starts) moves past it to a fresh epoch (``"reset": false``), whose KV
+belongs to the weights the fingerprint names and is reused by later restarts. A file written before
+the flag existed (``{"epoch": N}``, N > 0) was written by a reset and is read as one.
 
 ``EpochFile`` is called from an engine's scheduler thread (rarely: start-up and resets);
 ``EpochSweeper`` owns one background thread.
@@ -19,12 +27,13 @@ store without an SSD tier loses everything on a restart anyway: its epoch lives 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from store_backend.config import ConfigError
 from store_backend.store import TieredStore
@@ -52,54 +61,91 @@ class EpochFile:
     def read(self) -> int:
         """The current epoch (0 when none was ever written). Raises ConfigError for a file that is
         not an epoch file, naming it: guessing an epoch could serve KV from before a reset."""
+        return self.read_state()[0]
+
+    def read_state(self) -> tuple[int, bool]:
+        """(current epoch, whether a cache reset created it); (0, False) when none was written.
+        Raises ConfigError as :meth:`read`."""
         if self.directory is None:
-            return self._memory_epoch
+            return self._memory_epoch, self._memory_epoch > 0
         assert self.path is not None
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
-            return 0
+            return 0, False
         except OSError as e:
             raise ConfigError(f"ssd.path: cannot read the cache epoch file {self.path}: {e.strerror}") from None
         try:
-            epoch = json.loads(raw)["epoch"]
-            if not isinstance(epoch, int) or epoch < 0:
+            state = json.loads(raw)
+            epoch = state["epoch"]
+            # Before the flag existed only a reset wrote this file.
+            from_reset = state.get("reset", epoch > 0)
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0 or not isinstance(from_reset, bool):
                 raise ValueError(epoch)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise ConfigError(
                 f"ssd.path: {self.path} is not a cache epoch file ({raw[:64]!r}); remove it together "
                 "with the store's objects (they may predate a cache reset)") from None
-        return epoch
+        return epoch, from_reset
 
     def advance(self, current: int) -> int:
-        """Move to an epoch newer than ``current`` and than any epoch this directory ever had;
-        persist it (durably) before returning it. Blocking (a few fsyncs)."""
+        """A cache reset: move to an epoch newer than ``current`` and than any epoch this directory
+        ever had, marked as created by a reset; persist it (durably) before returning it. Blocking
+        (a few fsyncs)."""
         if self.directory is None:
             self._memory_epoch = max(self._memory_epoch, current) + 1
             return self._memory_epoch
-        assert self.path is not None
+        with self._locked():
+            new = max(self.read(), current) + 1
+            self._write(new, from_reset=True)
+            return new
+
+    def start(self) -> int:
+        """The epoch an engine that is starting keys under: the current one, unless a reset created
+        it (its KV may come from weights changed in memory, not the ones this engine loaded); then
+        a fresh epoch, persisted before returning, and the caller removes the old one's objects.
+        Call once per engine start, before any key is used. Blocking (a few fsyncs at most)."""
+        if self.directory is None:
+            return self._memory_epoch  # a new process: 0, nothing stored survives anyway
+        epoch, from_reset = self.read_state()
+        if not from_reset:
+            return epoch
+        with self._locked():
+            epoch, from_reset = self.read_state()  # another starter may have moved on meanwhile
+            if from_reset:
+                epoch += 1
+                self._write(epoch, from_reset=False)
+                logger.info("cache epoch %d follows a cache reset: starting at a fresh epoch %d",
+                            epoch - 1, epoch)
+            return epoch
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        assert self.directory is not None
         os.makedirs(self.directory, exist_ok=True)
         lock_fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            new = max(self.read(), current) + 1
-            tmp = f"{self.path}.{os.getpid()}.partial"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, json.dumps({"epoch": new}).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            return new
+            yield
         finally:
             os.close(lock_fd)  # releases the flock
+
+    def _write(self, epoch: int, *, from_reset: bool) -> None:
+        assert self.directory is not None and self.path is not None
+        tmp = f"{self.path}.{os.getpid()}.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps({"epoch": epoch, "reset": from_reset}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 class EpochSweeper:

@@ -106,10 +106,11 @@ class SchedulerSide:
         # One key prefix per KV shard (every worker rank); a chunk counts as present only when every
         # rank's store holds its shard. MLA ranks of one stage hold the same latent: one prefix. Each
         # pipeline stage has its own layer count (vLLM's partition; this side sees stage 0's cache).
-        # The cache epoch (persisted beside the store) is in every prefix: reset_cache moves it on.
+        # The cache epoch (persisted beside the store) is in every prefix: reset_cache moves it on,
+        # and a start after a reset moves on again (that epoch's KV may be from in-memory weights).
         store = cfg.store_config()
         self._epoch_file = EpochFile(store.ssd.path if store.ssd is not None else None)
-        self.epoch = self._epoch_file.read()
+        self.epoch = self._epoch_file.start()
         self._fingerprints = shard_fingerprints(vllm_config, geometry, cfg, stage=0,
                                                 weights=weights_identity(vllm_config, cfg))
         self.shard_digests = self._digests(self.epoch)

@@ -23,8 +23,35 @@ def test_epoch_survives_a_restart_and_only_grows(tmp_path: Path) -> None:
     # Another engine on the directory that is still at 0 moves past what the directory had.
     assert EpochFile(str(tmp_path / "ssd")).advance(0) == 2
     assert f.advance(1) == 3
-    assert json.loads((tmp_path / "ssd" / EPOCH_FILE).read_text()) == {"epoch": 3}
+    assert json.loads((tmp_path / "ssd" / EPOCH_FILE).read_text()) == {"epoch": 3, "reset": True}
     assert [p.name for p in (tmp_path / "ssd").iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_a_start_never_reuses_an_epoch_a_reset_created(tmp_path: Path) -> None:
+    d = str(tmp_path / "ssd")
+    assert EpochFile(d).start() == 0  # a new directory: epoch 0, nothing written
+    assert not (tmp_path / "ssd" / EPOCH_FILE).exists()
+    assert EpochFile(d).advance(0) == 1  # a reset (its KV may come from weights changed in memory)
+    assert EpochFile(d).read_state() == (1, True)
+    # The next engine start moves past it: its epoch's KV belongs to the weights it loaded.
+    assert EpochFile(d).start() == 2
+    assert json.loads((tmp_path / "ssd" / EPOCH_FILE).read_text()) == {"epoch": 2, "reset": False}
+    # A later restart without a reset in between reuses that epoch (KV survives restarts).
+    assert EpochFile(d).start() == 2
+    assert EpochFile(d).start() == 2
+
+
+def test_an_epoch_file_from_before_the_reset_flag_counts_as_a_reset(tmp_path: Path) -> None:
+    (tmp_path / EPOCH_FILE).write_text('{"epoch": 1}')  # only a reset ever wrote this form
+    assert EpochFile(str(tmp_path)).read_state() == (1, True)
+    assert EpochFile(str(tmp_path)).start() == 2
+
+
+@pytest.mark.parametrize("text", ['{"epoch": 1, "reset": "yes"}', '{"epoch": true}', '[1]'])
+def test_a_malformed_epoch_state_is_refused_by_name(tmp_path: Path, text: str) -> None:
+    (tmp_path / EPOCH_FILE).write_text(text)
+    with pytest.raises(ConfigError, match=EPOCH_FILE):
+        EpochFile(str(tmp_path)).start()
 
 
 def test_memory_epoch_without_ssd() -> None:

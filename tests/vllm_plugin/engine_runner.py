@@ -12,7 +12,9 @@ kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only)
 local prefix cache cleared before each round so that reuse can only come from the connector
 (``flush``: first wait until the connector's saves so far reached the SSD tier; ``reset_connector``:
 clear it with ``reset_prefix_cache(reset_connector=True)``, as a weight update does, the result in
-RESULT's ``resets``; ``prompt_embeds``: extra prompts given as embeddings, see ``_embeds``; ``lora``:
+RESULT's ``resets``; ``perturb_weights``: a seed, first change every weight in memory by seeded
+noise, as a weight sync does, leaving the checkpoint on disk as it was; ``prompt_embeds``: extra
+prompts given as embeddings, see ``_embeds``; ``lora``:
 ``{"name", "id", "path"}`` of the LoRA adapter every prompt of the round runs with); ``rank_stats``:
 also collect (and flush) every worker rank's connector through ``collective_rpc``, for executors
 whose workers run in their own processes (TP > 1).
@@ -55,6 +57,9 @@ def main(spec_path: str) -> int:
     rounds = []
     resets = []
     for rnd in spec["rounds"]:
+        if rnd.get("perturb_weights") is not None:
+            # A weight update made in memory (as an RL weight sync does): the disk checkpoint stays.
+            assert all(llm.collective_rpc(_perturb_weights, args=(rnd["perturb_weights"],)))
         if rnd.get("reset_connector"):
             # What a weight update does: vLLM's cache and the connector's (reset_cache) together.
             resets.append(llm.reset_prefix_cache(reset_connector=True))
@@ -100,6 +105,17 @@ def _embeds(e: dict) -> object:
     if "row" in e:
         t[e["row"]] += e.get("delta", 1.0)
     return t
+
+
+def _perturb_weights(worker: object, seed: int) -> bool:
+    """Runs on every worker (``collective_rpc``): add seeded noise to every weight, in memory."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in worker.model_runner.model.named_parameters():  # type: ignore[attr-defined]
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return True
 
 
 def _rank_stats(worker: object) -> dict:

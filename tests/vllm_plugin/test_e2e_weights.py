@@ -7,9 +7,15 @@ files).
 
 Reset: an engine fills the store, then calls ``reset_prefix_cache(reset_connector=True)`` (what
 vLLM's weight updates and ``pause_generation(clear_cache=True)`` do): the same prompt afterwards
-gets no external hit and baseline tokens, and what it saves then is found again. A fresh engine on
-the same directory (a restart) finds only what was saved after the reset, and the objects saved
-before it are gone from the store.
+gets no external hit and baseline tokens, and what it saves then is found again. The objects saved
+before it are gone from the store. A fresh engine on the same directory (a restart) finds nothing
+of the reset's epoch either: a reset usually follows a weight change made in memory, and the
+restarted engine loads the checkpoint from disk again, so it starts a fresh epoch; what it saves
+there is found by the next restart.
+
+Weight update in memory: an engine changes its weights through ``collective_rpc`` and resets the
+connector, serves and saves under the new weights; a restart on the disk weights gives the disk
+weights' baseline tokens and no hit from that KV.
 """
 
 from __future__ import annotations
@@ -87,9 +93,14 @@ def reset_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         keys = store.keys()
     epoch_file = ssd / "mooncake-kv-epoch"
     epoch = json.loads(epoch_file.read_text())["epoch"] if epoch_file.exists() else None
+    epoch_state = json.loads(epoch_file.read_text()) if epoch_file.exists() else None
     restarted = run_engine({**base_spec, "connector": {"extra": extra},
                             "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]}, work, "restarted")
-    return {"baseline": baseline, "a": a, "restarted": restarted, "keys": keys, "epoch": epoch}
+    epoch_after_restart = json.loads(epoch_file.read_text())
+    restarted2 = run_engine({**base_spec, "connector": {"extra": extra},
+                             "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]}, work, "restarted2")
+    return {"baseline": baseline, "a": a, "restarted": restarted, "restarted2": restarted2, "keys": keys,
+            "epoch": epoch, "epoch_state": epoch_state, "epoch_after_restart": epoch_after_restart}
 
 
 def test_reset_succeeds_and_old_kv_is_not_loaded_after_it(reset_runs: dict[str, Any]) -> None:
@@ -106,12 +117,52 @@ def test_reset_succeeds_and_old_kv_is_not_loaded_after_it(reset_runs: dict[str, 
     assert a["stats"]["scheduler"]["resets"] == 1
 
 
-def test_restart_after_reset_finds_only_kv_saved_after_it(reset_runs: dict[str, Any]) -> None:
+def test_restart_after_reset_finds_no_kv_of_the_reset_epoch(reset_runs: dict[str, Any]) -> None:
     r, baseline = reset_runs["restarted"], reset_runs["baseline"]
     assert outputs(r, 0) == outputs(baseline, 0)
-    # P_A was saved again after the reset; P_B only before it: not served after the restart.
-    assert outputs(r, 0, "num_cached_tokens") == [len(P_A) // CHUNK_TOKENS * CHUNK_TOKENS, 0]
-    assert reset_runs["epoch"] == 1  # persisted beside the store
+    # P_A was saved again after the reset, but under an epoch a reset created: its KV may come
+    # from weights the restarted engine no longer has, so nothing of it is served.
+    assert outputs(r, 0, "num_cached_tokens") == [0, 0]
+    assert r["stats"]["scheduler"]["hit_tokens"] == 0
+    assert reset_runs["epoch_state"] == {"epoch": 1, "reset": True}  # persisted beside the store
+    assert reset_runs["epoch_after_restart"] == {"epoch": 2, "reset": False}
+
+
+def test_a_restart_without_a_reset_reuses_the_epoch(reset_runs: dict[str, Any]) -> None:
+    r2, baseline = reset_runs["restarted2"], reset_runs["baseline"]
+    full = [len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in (P_A, P_B)]
+    assert outputs(r2, 0, "num_cached_tokens") == full  # what the first restart saved
+    assert outputs(r2, 0) == outputs(baseline, 0)
+
+
+@pytest.fixture(scope="module")
+def update_runs(tiny_model: Path, reset_runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("update")
+    extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(work / "ssd")}
+    base_spec = {"model_dir": str(tiny_model), "engine": ENGINE, "connector": {"extra": extra}}
+    a = run_engine({**base_spec, "rounds": [
+        {"prompts": [P_A], "max_tokens": 16},
+        {"prompts": [P_A], "max_tokens": 16, "perturb_weights": 123, "reset_connector": True},
+        {"prompts": [P_A], "max_tokens": 16, "flush": True},
+    ]}, work, "updated-in-memory")
+    restarted = run_engine({**base_spec, "rounds": [{"prompts": [P_A], "max_tokens": 16}]}, work, "restarted")
+    return {"a": a, "restarted": restarted, "baseline": reset_runs["baseline"]}
+
+
+def test_restart_after_an_in_memory_weight_update_gives_the_disk_weights_tokens(update_runs: dict[str, Any]
+                                                                                ) -> None:
+    a, r, baseline = update_runs["a"], update_runs["restarted"], update_runs["baseline"]
+    want = outputs(baseline, 0)[0]  # P_A on the disk weights, no connector
+    assert outputs(a, 0) == [want]
+    # The updated weights answer differently, and their KV is saved and found again before the restart.
+    assert outputs(a, 1) != [want]
+    assert outputs(a, 2) == outputs(a, 1)
+    assert outputs(a, 2, "num_cached_tokens") == [len(P_A) // CHUNK_TOKENS * CHUNK_TOKENS]
+    # A restart loads the disk weights again: their tokens, and no hit from the updated weights' KV.
+    assert outputs(r, 0) == [want]
+    assert outputs(r, 0, "num_cached_tokens") == [0]
+    assert r["stats"]["worker"]["chunks_loaded"] == 0
 
 
 def test_objects_saved_before_the_reset_are_removed(reset_runs: dict[str, Any]) -> None:
