@@ -10,11 +10,15 @@ write, a promotion read) may have begun before the remove did. So:
   for as long as an offload write that began before the remove may still land a copy (the offload
   deletes that copy when it finishes). Reads, lookups, promotions and new SSD writes treat a hidden
   key as absent on SSD; a key whose deletion failed stays hidden until a later one succeeds;
-- every removal takes a number from one increasing sequence, so work that looked a key up on SSD
-  outside the lock can ask at commit time whether a remove of that key came in between.
+- the start and the end of every removal (and of every owed deletion) take a number from one
+  increasing sequence, so work that looked a key up on SSD outside the lock can ask at commit time
+  whether the key's visibility changed in between. The end counts too: an offload that began
+  before a remove may land a copy after the remove returned; a lookup that saw that copy just
+  before it was deleted (and the key made visible again) must not be trusted.
 
-Loss. Objects dropped from DRAM before they reached SSD are remembered (bounded) with the reason,
-so that ``flush`` can say which objects put before it are not persisted.
+Loss. Objects dropped from DRAM before they reached SSD are remembered (bounded, oldest forgotten
+first) with the reason and the number of their loss, so that ``flush`` can say which objects put
+before it are not persisted, without reporting losses of objects put after it began.
 """
 
 from __future__ import annotations
@@ -31,27 +35,30 @@ class RemovalTracker:
         self._hidden: dict[str, int] = {}  # key -> deletions of its SSD copy still owed
         self._stuck: set[str] = set()  # keys whose SSD copy could not be deleted
         self._seq = 0
-        self._removed_at: dict[str, int] = {}  # key -> number of its latest removal, oldest first
+        self._changed_at: dict[str, int] = {}  # key -> number of its latest change, oldest first
         self._floor = 0  # a key no longer remembered counts as removed at this number
         self._max = remembered_max
 
     def generation(self) -> int:
-        """The number of the latest removal; compare with :meth:`removed_since` later."""
+        """The number of the latest visibility change; compare with :meth:`changed_since` later."""
         return self._seq
 
-    def removed_since(self, key: str, generation: int) -> bool:
-        """Whether ``key`` may have been removed after ``generation`` was read (conservative for
-        keys forgotten to keep the table bounded)."""
-        return self._removed_at.get(key, self._floor) > generation
+    def changed_since(self, key: str, generation: int) -> bool:
+        """Whether a removal of ``key`` began, or an owed deletion of its SSD copy ended, after
+        ``generation`` was read (conservative for keys forgotten to keep the table bounded)."""
+        return self._changed_at.get(key, self._floor) > generation
+
+    def _stamp(self, key: str) -> None:
+        self._seq += 1
+        self._changed_at.pop(key, None)  # re-inserted last, so the dict stays oldest-first
+        self._changed_at[key] = self._seq
+        if len(self._changed_at) > self._max:
+            for old in list(islice(self._changed_at, len(self._changed_at) // 2)):
+                self._floor = max(self._floor, self._changed_at.pop(old))
 
     def begin(self, key: str) -> None:
         """A remove of ``key`` starts: number it and hide the key until :meth:`end`."""
-        self._seq += 1
-        self._removed_at.pop(key, None)  # re-inserted last, so the dict stays oldest-first
-        self._removed_at[key] = self._seq
-        if len(self._removed_at) > self._max:
-            for old in list(islice(self._removed_at, len(self._removed_at) // 2)):
-                self._floor = max(self._floor, self._removed_at.pop(old))
+        self._stamp(key)
         self.hold(key)
 
     def hold(self, key: str) -> None:
@@ -61,6 +68,7 @@ class RemovalTracker:
     def end(self, key: str, deleted: bool) -> bool:
         """One owed deletion is done (``deleted``: the SSD copy is gone or was never there).
         Returns True when the key is visible on SSD again."""
+        self._stamp(key)
         left = self._hidden.get(key, 0) - 1
         if left > 0:
             self._hidden[key] = left
@@ -85,22 +93,44 @@ class RemovalTracker:
 
 
 class LossLedger:
-    """Objects dropped from DRAM before they reached SSD, each with why (bounded)."""
+    """Objects dropped from DRAM before they reached SSD, each with why (bounded).
+
+    Each loss carries the put number of the object lost (the store numbers its puts), so a flush
+    reports only losses of objects put before it began. Past the bound the oldest losses are
+    forgotten; they are counted, and the next flush whose start covers them reports that count
+    once (rather than every flush forever after)."""
 
     def __init__(self, max_keys: int = _REMEMBERED_MAX) -> None:
-        self._lost: dict[str, str] = {}
+        self._lost: dict[str, tuple[int, str]] = {}  # key -> (put number, why), oldest loss first
         self._max = max_keys
-        self.untracked = 0  # losses past the bound, counted only
+        self._forgotten = 0  # losses dropped past the bound, not yet reported by a flush
+        self._forgotten_min = 0  # the lowest and highest put numbers among them
+        self._forgotten_max = 0
 
-    def record(self, key: str, why: str) -> None:
-        if key in self._lost or len(self._lost) < self._max:
-            self._lost[key] = why
-        else:
-            self.untracked += 1
+    def record(self, key: str, put_seq: int, why: str) -> None:
+        self._lost.pop(key, None)
+        self._lost[key] = (put_seq, why)
+        if len(self._lost) > self._max:
+            old = next(iter(self._lost))
+            seq, _why = self._lost.pop(old)
+            self._forgotten_min = seq if not self._forgotten else min(self._forgotten_min, seq)
+            self._forgotten_max = max(self._forgotten_max, seq)
+            self._forgotten += 1
 
     def clear(self, key: str) -> None:
         """``key`` was stored again or removed: its loss no longer matters."""
         self._lost.pop(key, None)
 
-    def items(self) -> list[tuple[str, str]]:
-        return list(self._lost.items())
+    def items(self, put_seq_max: int) -> list[tuple[str, str]]:
+        """Losses of objects put at or before put number ``put_seq_max``, with why."""
+        return [(k, why) for k, (seq, why) in self._lost.items() if seq <= put_seq_max]
+
+    def take_forgotten(self, put_seq_max: int) -> int:
+        """How many forgotten losses may concern objects put at or before ``put_seq_max``; once
+        every one of them does, they are reported (by this caller) and not again."""
+        if not self._forgotten or self._forgotten_min > put_seq_max:
+            return 0
+        n = self._forgotten
+        if self._forgotten_max <= put_seq_max:
+            self._forgotten = self._forgotten_max = 0
+        return n

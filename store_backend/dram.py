@@ -30,7 +30,7 @@ class EntryState(enum.Enum):
 
 class Entry:
     __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "offload_failures",
-                 "offload_queued", "pins", "pin_deadline", "parent")
+                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -45,6 +45,7 @@ class Entry:
         self.pins = 0  # leases held for in-flight loads (store.pin)
         self.pin_deadline = 0.0
         self.parent = parent
+        self.put_seq = 0  # the store's number of the put that stored it (0: not numbered)
 
     @property
     def clean(self) -> bool:

@@ -44,7 +44,11 @@ class BatchWorker(Generic[T]):
         self._idle_interval_s = idle_interval_s
         self._cond = threading.Condition()
         self._in_flight = 0
-        self._hook_pending = False  # kick() asked for an idle pass that has not finished yet
+        self._hook_pending = False  # kick() asked for an idle pass that has not started yet
+        self._submitted = 0  # items ever queued; with _handled, lets a caller wait for a prefix
+        self._handled = 0  # items taken off the queue and handled (or dropped at close)
+        self._passes_started = 0  # idle-hook passes
+        self._passes_done = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -64,15 +68,43 @@ class BatchWorker(Generic[T]):
                     refused += 1
                 else:
                     self._queue.append(item)
+                    self._submitted += 1
             self._cond.notify()
         return refused
 
-    def kick(self) -> None:
-        """Ask for an idle-hook pass now (e.g. a watermark was crossed); wait_idle waits for it."""
+    def kick(self) -> int:
+        """Ask for an idle-hook pass now (e.g. a watermark was crossed); wait_idle waits for it.
+        Returns a pass number for :meth:`wait_for`: a pass that starts after this call."""
         with self._cond:
             if self._idle_hook is not None and self._thread is not None:
                 self._hook_pending = True
             self._cond.notify()
+            return self._passes_started + 1
+
+    def mark(self) -> int:
+        """A number for :meth:`wait_for`: every item submitted before this call."""
+        with self._cond:
+            return self._submitted
+
+    def wait_for(self, items: int = 0, passes: int = 0, timeout_s: float | None = None) -> bool:
+        """Block until the first ``items`` items ever submitted are handled and ``passes`` idle-hook
+        passes are done (numbers from :meth:`mark` and :meth:`kick`), so work submitted after
+        them is never waited for; returns at once when the thread is not running or is stopping.
+        False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while (self._handled < items or self._passes_done < passes) \
+                    and self._thread is not None and not self._stopping:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1) if remaining is not None else 0.1)
+        return True
+
+    @property
+    def stopping(self) -> bool:
+        """close() has begun: a handler waiting for something may give up."""
+        return self._stopping
 
     @property
     def depth(self) -> int:
@@ -96,6 +128,7 @@ class BatchWorker(Generic[T]):
         with self._cond:
             self._stopping = True
             self._hook_pending = False
+            self._handled += len(self._queue)
             self._queue.clear()
             self._cond.notify_all()
         if self._thread is not None:
@@ -125,6 +158,10 @@ class BatchWorker(Generic[T]):
                     return
                 batch = self._take_batch()
                 self._in_flight = max(1, len(batch))
+                if not batch and self._idle_hook is not None:
+                    # Cleared as the pass starts, so a kick() during it asks for one more.
+                    self._hook_pending = False
+                    self._passes_started += 1
             try:
                 if batch:
                     self._handle(batch)
@@ -136,6 +173,7 @@ class BatchWorker(Generic[T]):
             finally:
                 with self._cond:
                     self._in_flight = 0
-                    if not batch:
-                        self._hook_pending = False
+                    self._handled += len(batch)
+                    if not batch and self._idle_hook is not None:
+                        self._passes_done += 1
                     self._cond.notify_all()

@@ -59,6 +59,21 @@ _HIT_TABLE_MAX = 1 << 16  # SSD hit counters kept for promotion decisions
 # How long a removal retries an SSD copy that is busy (a reader of the offset backend holds it).
 _REMOVE_BUSY_S = 5.0
 
+# How long a remove waits for an offload of its key that was writing when it began to land its
+# copy and delete it again (so that no kill afterwards can bring the removed bytes back).
+_REMOVE_LANDED_S = 10.0
+
+# SSD lookups made outside the store lock that are asked again when their key's visibility changed
+# meanwhile (see RemovalTracker.changed_since), before the key is taken as absent.
+_LOOKUP_TRIES = 3
+
+# How a flush report starts the reason of an object whose SSD write failed.
+_WRITE_FAILED = "its SSD write answered"
+
+# Waits on the store's condition wake up at least this often to look again (a backstop: every
+# change that ends a wait also notifies).
+_WAIT_SLICE_S = 0.5
+
 
 class StoreClosedError(RuntimeError):
     """A call on a store after ``close()`` began."""
@@ -101,6 +116,8 @@ class TieredStore:
         self._removals = RemovalTracker()
         self._losses = LossLedger()
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
+        self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
+        self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
         off = self.config.offload
         self._offloader: BatchWorker[str] = BatchWorker(
             "kv-offload",
@@ -239,36 +256,68 @@ class TieredStore:
     def _put(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
              ) -> list[Status]:
         out = [Status.OK] * len(keys)
-        reserved: list[tuple[int, Entry]] = []
-        m = self.metrics_counters
         valid = [check_key(k) is None for k in keys]
         # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
         # only costs a redundant DRAM copy of the same immutable bytes. A key being removed is
-        # hidden, so a put racing the removal of an older copy stores its bytes.
+        # hidden, so a put racing the removal of an older copy stores its bytes; a hit whose key
+        # changed visibility since the lookup (an old copy landed after a remove and was deleted
+        # just after the lookup saw it) is asked again, and after a few tries taken as a miss.
         on_ssd = [False] * len(keys)
-        if self._ssd is not None:
-            idx = [i for i, ok in enumerate(valid) if ok]
-            for i, hit in zip(idx, self._ssd.contains([keys[i] for i in idx])):
-                on_ssd[i] = hit
-        with self._lock:
-            for i, key in enumerate(keys):
-                if not valid[i]:
-                    out[i] = Status.INVALID_KEY
+        asked_at = [0] * len(keys)
+        ask = [i for i, ok in enumerate(valid) if ok] if self._ssd is not None else []
+        tries = 0
+        while True:
+            if ask:
+                assert self._ssd is not None
+                with self._lock:
+                    generation = self._removals.generation()
+                for i, hit in zip(ask, self._ssd.contains([keys[i] for i in ask])):
+                    on_ssd[i], asked_at[i] = hit, generation
+            with self._lock:
+                stale = [i for i in ask if on_ssd[i] and not self._removals.hidden(keys[i])
+                         and self._removals.changed_since(keys[i], asked_at[i])]
+                tries += 1
+                if stale and tries < _LOOKUP_TRIES:
+                    ask = stale
                     continue
-                size = views[i].nbytes
-                if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
-                    out[i] = Status.TOO_LARGE
-                    continue
-                if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
-                    out[i] = Status.EXISTS
-                    m.store.put_exists += 1
-                    continue
-                entry = self._reserve(key, size, None if parents is None else parents[i], promotion=False)
-                if entry is None:
-                    out[i] = Status.NO_SPACE
-                    m.store.put_no_space += 1
-                    continue
-                reserved.append((i, entry))
+                for i in stale:
+                    on_ssd[i] = False
+                reserved = self._reserve_puts(keys, views, parents, valid, on_ssd, out)
+                break
+        self._finish_put(views, reserved)
+        if self._ssd is not None and self._started and self.config.offload.policy == "watermark" \
+                and self._over_high_watermark():
+            self._offloader.kick()
+        return out
+
+    def _reserve_puts(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
+                      valid: list[bool], on_ssd: list[bool], out: list[Status]) -> list[tuple[int, Entry]]:
+        """(lock held) A WRITING entry for each key that is to be stored; the others' answers in ``out``."""
+        m = self.metrics_counters
+        reserved: list[tuple[int, Entry]] = []
+        for i, key in enumerate(keys):
+            if not valid[i]:
+                out[i] = Status.INVALID_KEY
+                continue
+            size = views[i].nbytes
+            if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
+                out[i] = Status.TOO_LARGE
+                continue
+            if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
+                out[i] = Status.EXISTS
+                m.store.put_exists += 1
+                continue
+            entry = self._reserve(key, size, None if parents is None else parents[i], promotion=False)
+            if entry is None:
+                out[i] = Status.NO_SPACE
+                m.store.put_no_space += 1
+                continue
+            reserved.append((i, entry))
+        return reserved
+
+    def _finish_put(self, views: list[memoryview], reserved: list[tuple[int, Entry]]) -> None:
+        """Copy the bytes in (no lock held), then commit each entry and queue its offload."""
+        m = self.metrics_counters
         arena = self._dram.arena.view
         copied = 0
         try:
@@ -287,6 +336,8 @@ class TieredStore:
                         self._dram.drop(entry.key)
                         continue
                     self._dram.commit(entry)
+                    self._put_seq += 1
+                    entry.put_seq = self._put_seq
                     self._losses.clear(entry.key)
                     m.store.puts += 1
                     m.dram.bytes_in += entry.size
@@ -299,10 +350,6 @@ class TieredStore:
                     for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
                         entry.offload_queued = False
                         entry.offload_failures += 1
-        if self._ssd is not None and self._started and self.config.offload.policy == "watermark" \
-                and self._over_high_watermark():
-            self._offloader.kick()
-        return out
 
     def _admitted(self, e: Entry, parent_on_ssd: bool) -> bool:
         """Whether the SSD admission policy wants ``e`` written, on the facts as they are now (lock
@@ -357,7 +404,7 @@ class TieredStore:
                 m.dram.evictions += 1
                 if self._ssd is not None and not e.clean:
                     m.store.dropped_unpersisted += 1
-                    self._losses.record(e.key, "evicted from DRAM before it reached SSD" + (
+                    self._losses.record(e.key, e.put_seq, "evicted from DRAM before it reached SSD" + (
                         f" ({e.offload_failures} failed or refused writes)" if e.offload_failures else ""))
 
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
@@ -371,6 +418,8 @@ class TieredStore:
                 m.store.offload_queue_full += refused
             for e in retry[len(retry) - refused:]:  # the queue takes a prefix
                 e.offload_queued = False
+                if self._started:
+                    e.offload_failures += 1  # so that the next eviction asks again (see above)
         return entry
 
     # -- reads -------------------------------------------------------------------------------------
@@ -479,12 +528,36 @@ class TieredStore:
                     m.store.promotion_queue_full += refused
 
     # -- queries -----------------------------------------------------------------------------------
+    def _ask_ssd(self, ask: Any, keys: Sequence[str], absent: Any) -> list[Any]:
+        """Ask the SSD index about ``keys`` outside the store lock (``ask(keys)`` answers per key);
+        a key being removed answers ``absent``. An answer for a key whose visibility changed while
+        it was asked (an old copy that an offload landed after a remove, seen just before it was
+        deleted) is asked again, and after a few tries taken as ``absent``."""
+        out = [absent] * len(keys)
+        todo = list(range(len(keys)))
+        for attempt in range(_LOOKUP_TRIES):
+            if not todo:
+                break
+            with self._lock:
+                generation = self._removals.generation()
+            answers = ask([keys[i] for i in todo])
+            again: list[int] = []
+            with self._lock:
+                for i, a in zip(todo, answers):
+                    if self._removals.hidden(keys[i]):
+                        out[i] = absent
+                    elif self._removals.changed_since(keys[i], generation):
+                        out[i] = absent
+                        again.append(i)
+                    else:
+                        out[i] = a
+            todo = again
+        return out
+
     def _on_ssd(self, keys: Sequence[str]) -> list[bool]:
         """SSD presence, outside the store lock; a key being removed is absent."""
         assert self._ssd is not None
-        hits = self._ssd.contains(keys)
-        with self._lock:
-            return [hit and not self._removals.hidden(k) for k, hit in zip(keys, hits)]
+        return self._ask_ssd(self._ssd.contains, keys, False) if keys else []
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present in any tier (an object still being written is not)."""
@@ -529,9 +602,16 @@ class TieredStore:
                        if e.state is EntryState.READY and k.startswith(prefix)]
             if self._ssd is not None:
                 seen = set(out)
+                with self._lock:
+                    generation = self._removals.generation()
                 below = [k for k in self._ssd.keys() if k.startswith(prefix) and k not in seen]
                 with self._lock:
-                    out.extend(k for k in below if not self._removals.hidden(k))
+                    changed = [k for k in below if not self._removals.hidden(k)
+                               and self._removals.changed_since(k, generation)]
+                    out.extend(k for k in below if not self._removals.hidden(k)
+                               and not self._removals.changed_since(k, generation))
+                if changed:  # seen while a removal of them ended: asked again
+                    out.extend(k for k, hit in zip(changed, self._on_ssd(changed)) if hit)
             return out
 
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
@@ -545,10 +625,8 @@ class TieredStore:
                     out.append(None if e is None else e.size)
             rest = [i for i, s in enumerate(out) if s is None and check_key(keys[i]) is None]
             if rest and self._ssd is not None:
-                sizes = self._ssd.size_of([keys[i] for i in rest])
-                with self._lock:
-                    for i, s in zip(rest, sizes):
-                        out[i] = None if self._removals.hidden(keys[i]) else s
+                for i, size in zip(rest, self._ask_ssd(self._ssd.size_of, [keys[i] for i in rest], None)):
+                    out[i] = size
             return out
 
     # -- removal and leases ------------------------------------------------------------------------
@@ -556,8 +634,10 @@ class TieredStore:
         """Delete objects from every tier; blocks until their SSD copies are deleted.
 
         Per key: OK (it was stored and is gone), NOT_FOUND, INVALID_KEY, IO_ERROR (its SSD copy
-        could not be deleted: the key reads as absent from this store from now on, but the copy
-        may be found again when the directory is reopened).
+        could not be deleted, or an offload that was writing it when the remove began has not
+        landed it and deleted it again within ``_REMOVE_LANDED_S``: the key reads as absent from
+        this store from now on, but the copy may be found again when the directory is reopened).
+        An OK or NOT_FOUND therefore also means no copy is left on disk for a crash to bring back.
 
         The contract, whatever runs in the background: once ``remove`` returns, no read from any
         thread returns the removed bytes, from any tier, and a ``put`` of the key stores new
@@ -598,11 +678,39 @@ class TieredStore:
                             out[i] = Status.OK
                         elif not deleted:
                             out[i] = Status.IO_ERROR
-                        if self._removals.end(keys[i], deleted):
+                        if self._end_removal(keys[i], deleted):
                             again.append(keys[i])
                     self._offload_again(again)
-                    self._changed.notify_all()
+                    self._wait_deleted(keys, below, out)
         return out
+
+    def _wait_deleted(self, keys: Sequence[str], below: list[int], out: list[Status]) -> None:
+        """(lock held) Wait, up to ``_REMOVE_LANDED_S``, until no deletion of these keys' SSD
+        copies is owed any more: an offload that was writing one when the remove began lands it
+        and deletes it again. Until then a kill would leave the copy on disk, so a key whose
+        copy is still owed, or could not be deleted, answers IO_ERROR."""
+        deadline = time.monotonic() + _REMOVE_LANDED_S
+        waiting = [i for i in below if self._removals.deleting(keys[i])]
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._changed.wait(min(left, _WAIT_SLICE_S))
+            waiting = [i for i in waiting if self._removals.deleting(keys[i])]
+        for i in waiting:
+            logger.warning("remove: the SSD copy of %r that an offload was writing is not deleted yet "
+                           "after %.0f s; it stays hidden and is deleted when the write ends",
+                           keys[i], _REMOVE_LANDED_S)
+        for i in below:
+            if self._removals.deleting(keys[i]) or self._removals.stuck(keys[i]):
+                out[i] = Status.IO_ERROR
+
+    def _end_removal(self, key: str, deleted: bool) -> bool:
+        """(lock held) One owed deletion of ``key``'s SSD copy is done; wakes whoever waits on it
+        (a remove, a flush). True when the key is visible on SSD again."""
+        visible = self._removals.end(key, deleted)
+        self._changed.notify_all()
+        return visible
 
     def _delete_on_ssd(self, keys: list[str]) -> list[Status]:
         """Delete SSD copies (store lock not held). A copy a reader holds (BUSY) is retried for
@@ -637,8 +745,13 @@ class TieredStore:
         if not entries:
             return
         refused = self._offloader.submit([e.key for e in entries]) if self._started else len(entries)
+        self.metrics_counters.store.offload_queue_full += refused if self._started else 0
         for n, e in enumerate(entries):
             e.offload_queued = n < len(entries) - refused
+            if not e.offload_queued and self._started:
+                # Counted as a failed attempt, as put and _offload_again do, so that _reserve
+                # queues it again before DRAM may drop it (it retries only failed objects).
+                e.offload_failures += 1
             problems[e.key] = "its SSD write did not finish"
 
     def _offload_again(self, keys: list[str]) -> None:
@@ -695,18 +808,22 @@ class TieredStore:
     def flush_report(self, timeout_s: float | None = None) -> FlushReport:
         """Write to SSD every object put before the call that is not there yet; blocking.
 
-        First lets the background work finish (queued offloads; in watermark mode a demotion
-        pass down to the low mark, as DRAM use demands), then writes whatever is still not on
-        SSD from the calling thread: in watermark mode too, everything, not only down to the low
-        mark (those objects stay in DRAM, now clean). Failed writes are retried; queued promotions
-        are waited for too. Works whether or not ``start()`` was called.
+        It first lets the offloads queued before the call finish and, in watermark mode, one
+        demotion pass run (down to the low mark, as DRAM use demands), then writes whatever is still not on SSD from the calling thread: in watermark
+        mode too, everything, not only down to the low mark (those objects stay in DRAM, now
+        clean). An object the background is writing meanwhile is waited for, not written twice.
+        A failed write is retried (up to ``MAX_OFFLOAD_ATTEMPTS`` writes per object). Promotions
+        queued before the call are waited for too. Work queued after the call never is, so steady
+        traffic cannot hold a flush up. Works whether or not ``start()`` was called.
 
         The report is ``ok`` when every object put before the call that the admission policy
         accepts is on SSD. Otherwise ``unpersisted`` names each one that is not, with why: its
         SSD write failed (the status), the flush timed out, an older copy of the key is still
         being deleted, or it was evicted from DRAM before it reached SSD (eager mode when the SSD
-        tier falls behind; such a loss is reported by every flush until the key is put again or
-        removed). Not failures: objects removed since, objects admission declines (counted in
+        tier falls behind; such a loss is reported by every flush that began after the object was
+        put, until the key is put again or removed; past a bound of 65536 remembered losses the
+        oldest are forgotten and ``lost_untracked`` counts them, in the next flush that covers
+        them only). Not failures: objects removed since, objects admission declines (counted in
         ``declined``), and SSD copies the SSD tier later evicts by its own capacity policy.
         Without an SSD tier the report is always ``ok``. Thread-safe; objects put while it runs
         are not waited for.
@@ -724,23 +841,38 @@ class TieredStore:
 
         with self._lock:
             snapshot = [e for e in self._dram.entries.values() if e.state is EntryState.READY]
-        if self._started:  # queued work first, so that little is written twice
-            if self.config.offload.policy == "watermark":
-                self._offloader.kick()
-            self._offloader.wait_idle(left())
+            put_seq = self._put_seq
+        promotions, offloads = self._promoter.mark(), self._offloader.mark()
+        # Queued work first, so that little is written twice; but only work queued before the
+        # call (traffic after it must not starve the flush): the offloads queued by then and, in
+        # watermark mode, one demotion pass. What is left of the snapshot is written from here (an
+        # object the worker is writing meanwhile is waited for, not written twice).
+        if self._started:
+            passes = self._offloader.kick() if self.config.offload.policy == "watermark" else 0
+            self._offloader.wait_for(items=offloads, passes=passes, timeout_s=left())
         problems: dict[str, str] = {}
         timed_out = False
-        for _attempt in range(MAX_OFFLOAD_ATTEMPTS):
-            pending = self._flush_pending(snapshot)
-            if not pending:
+        failed: dict[str, int] = {}  # writes of an object that failed in this flush
+        stalls = 0  # rounds in which nothing new reached SSD
+        before = None
+        while True:
+            pending = [e for e in self._flush_pending(snapshot) if failed.get(e.key, 0) < MAX_OFFLOAD_ATTEMPTS]
+            if not pending or stalls >= MAX_OFFLOAD_ATTEMPTS:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out = True
                 break
-            problems.update(self._write_now(pending, deadline))
+            if before is not None and len(pending) >= before:
+                stalls += 1
+            before = len(pending)
+            written = self._write_now(pending, deadline)
+            problems.update(written)
             timed_out = not self._wait_written(snapshot, deadline)
+            for key, why in written.items():
+                if why.startswith(_WRITE_FAILED):
+                    failed[key] = failed.get(key, 0) + 1
         if self._started:
-            self._promoter.wait_idle(left())
+            self._promoter.wait_for(items=promotions, timeout_s=left())
         with self._lock:
             unpersisted: dict[str, str] = {}
             declined = 0
@@ -752,9 +884,9 @@ class TieredStore:
                 elif not e.persisted:
                     unpersisted[e.key] = problems.get(e.key) or ("the flush timed out before it was written"
                                                                  if timed_out else "its SSD write did not finish")
-            for key, why in self._losses.items():
+            for key, why in self._losses.items(put_seq):
                 unpersisted.setdefault(key, why)
-            return FlushReport(unpersisted, declined, self._losses.untracked)
+            return FlushReport(unpersisted, declined, self._losses.take_forgotten(put_seq))
 
     def _flush_pending(self, snapshot: list[Entry]) -> list[Entry]:
         """Entries of ``snapshot`` that still need an SSD write: dirty ones, persisted ones whose
@@ -790,7 +922,7 @@ class TieredStore:
             if len(chunk) >= batch_max or weight + nxt > self._write_batch_bytes() or i == len(pending) - 1:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
-                problems.update(self._offload_batch(chunk))
+                problems.update(self._offload_batch(chunk, deadline=deadline))
                 chunk, weight = [], 0
         return problems
 
@@ -806,14 +938,20 @@ class TieredStore:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._changed.wait(left)
+                self._changed.wait(_WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S))
                 waiting = [e for e in waiting if busy(e)]
         return True
 
     def _write_batch_bytes(self) -> int:
         """Bytes one SSD write may lease: ``offload.batch_bytes``, but never more than half of DRAM,
-        so that a slow write in flight never leaves a put without an object it may evict."""
-        return max(1, min(self.config.offload.batch_bytes, self._dram.capacity_bytes // 2))
+        so that slow writes in flight never leave a put without an object it may evict. The half
+        holds for all writes together (the worker's and every flushing caller's): see
+        ``_writing_bytes`` and :meth:`_write_room_bytes`."""
+        return max(1, min(self.config.offload.batch_bytes, self._write_room_bytes()))
+
+    def _write_room_bytes(self) -> int:
+        """DRAM bytes that all SSD writes in flight together may lease (one object always may)."""
+        return max(1, self._dram.capacity_bytes // 2)
 
     def _queued_size(self, key: str) -> int:
         e = self._dram.entries.get(key)  # racy read of a dict is safe; only used to size batches
@@ -824,10 +962,12 @@ class TieredStore:
         return demotion_bytes(self._dram.used_bytes, self._dram.capacity_bytes,
                               off.high_watermark, off.low_watermark) > 0
 
-    def _offload_batch(self, keys: list[str], *, demote: bool = False) -> dict[str, str]:
+    def _offload_batch(self, keys: list[str], *, demote: bool = False, deadline: float | None = None
+                       ) -> dict[str, str]:
         """Copy DRAM objects to SSD straight from the arena (worker thread, or a flushing caller);
-        with ``demote``, free them from DRAM afterwards (watermark mode). Returns why each object
-        that is still not on SSD was not written."""
+        with ``demote``, free them from DRAM afterwards (watermark mode). Waits (until
+        ``deadline``) while other SSD writes hold all the room they may lease. Returns why each
+        object that is still not on SSD was not written."""
         assert self._ssd is not None
         m = self.metrics_counters
         problems: dict[str, str] = {}
@@ -855,7 +995,7 @@ class TieredStore:
             with self._lock:
                 for e, st in zip(stuck, statuses):
                     deleted = st in (Status.OK, Status.NOT_FOUND)
-                    if self._removals.end(e.key, deleted):
+                    if self._end_removal(e.key, deleted):
                         todo.append(e)
                     elif not deleted:
                         problems[e.key] = f"an older SSD copy of the key could not be deleted ({st.name})"
@@ -868,12 +1008,27 @@ class TieredStore:
         parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(list(parents))) if hit} if parents else set()
         later: list[Entry] = []  # past the batch's byte cap: queued again
         with self._lock:
+            def writable(e: Entry) -> bool:
+                return self._live(e) and not e.clean and e.key not in self._offloading \
+                    and not self._removals.hidden(e.key)
+
+            # All SSD writes together lease at most half of DRAM (see _write_batch_bytes): wait for
+            # room for the first object while other writes hold it (they end on their own).
+            half = self._write_room_bytes()
+            while True:
+                first = next((e for e in todo if writable(e)), None)
+                if first is None or not self._writing_bytes or self._writing_bytes + first.size <= half:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if self._closed or self._offloader.stopping or (left is not None and left <= 0):
+                    break  # no room after all: queued again below
+                self._changed.wait(_WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S))
             batch: list[Entry] = []
-            cap, leased = self._write_batch_bytes(), 0
+            cap, leased = min(self._write_batch_bytes(), half - self._writing_bytes), 0
             for e in todo:
-                if not self._live(e) or e.clean or e.key in self._offloading or self._removals.hidden(e.key):
+                if not writable(e):
                     continue
-                if batch and leased + e.size > cap:
+                if (batch or self._writing_bytes) and leased + e.size > cap:
                     later.append(e)
                     continue
                 if not self._admitted(e, e.parent in parents_on_ssd):
@@ -887,6 +1042,7 @@ class TieredStore:
                 leased += e.size
                 self._offloading[e.key] = e
                 batch.append(e)
+            self._writing_bytes += leased
             self._queue_again(later, problems)
         if not batch:
             return problems
@@ -898,6 +1054,7 @@ class TieredStore:
             logger.exception("offload of %d objects failed", len(batch))
         landed_after_remove: list[str] = []
         with self._lock:
+            self._writing_bytes -= leased
             for e, st in zip(batch, statuses):
                 del self._offloading[e.key]
                 self._unlease(e)
@@ -915,15 +1072,14 @@ class TieredStore:
                 else:
                     e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
                     m.ssd.failures += 1
-                    problems[e.key] = f"its SSD write answered {st.name}"
+                    problems[e.key] = f"{_WRITE_FAILED} {st.name}"
             self._changed.notify_all()
         if landed_after_remove:
             statuses = self._delete_on_ssd(landed_after_remove)
             with self._lock:
                 again = [k for k, st in zip(landed_after_remove, statuses)
-                         if self._removals.end(k, st in (Status.OK, Status.NOT_FOUND))]
+                         if self._end_removal(k, st in (Status.OK, Status.NOT_FOUND))]
                 self._offload_again(again)
-                self._changed.notify_all()
         return problems
 
     def _watermark_tick(self) -> None:
@@ -988,7 +1144,7 @@ class TieredStore:
                 return
             for key, size in zip(keys, sizes):
                 if size is None or key in self._dram.entries or self._removals.hidden(key) \
-                        or self._removals.removed_since(key, generation):
+                        or self._removals.changed_since(key, generation):
                     continue
                 e = self._reserve(key, size, None, promotion=True)
                 if e is None:

@@ -3,8 +3,15 @@ on SSD, else a report naming each one that is not and why; ``close(flush=True)``
 
 from __future__ import annotations
 
+import threading
+import time
+
+import numpy as np
 import pytest
 
+from store_backend.coherence import LossLedger
+from store_backend.config import load_config
+from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
@@ -119,3 +126,238 @@ def test_without_an_ssd_tier_flush_is_trivially_true() -> None:
     with TieredStore({"dram": {"capacity_bytes": 1 * MiB}}) as s:
         s.put(["a"], [b"x"])
         assert s.flush() is True and s.flush_report().ok
+
+
+class SlowPuts:
+    """Fault injection around a real backend: every SSD write first waits ``delay_s``."""
+
+    def __init__(self, inner, delay_s: float) -> None:  # noqa: ANN001
+        self.inner, self.name, self.delay_s = inner, inner.name, delay_s
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        time.sleep(self.delay_s)
+        return self.inner.put(keys, buffers)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def wrapped_store(tmp_path, wrap, **sections) -> TieredStore:  # noqa: ANN001
+    cfg = {"dram": {"capacity_bytes": 8 * MiB, "eviction_policy": "lru"},
+           "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 256 * MiB, "backend": "bucket",
+                   "bucket_size_bytes": 1 * MiB, "admission_policy": "all"},
+           "offload": {"policy": "eager"}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    config = load_config(cfg)
+    assert config.ssd is not None
+    return TieredStore(config, ssd=wrap(open_ssd_backend(config.ssd)))
+
+
+def test_eager_flush_returns_under_steady_put_traffic(tmp_path) -> None:
+    """Puts keep the offload queue busy (the SSD is slower than they are) the whole time: the
+    flush must return once the objects put before it are on SSD, not when the traffic stops."""
+    obj = 16 * 1024
+    s = wrapped_store(tmp_path, lambda inner: SlowPuts(inner, 0.005),
+                      offload={"policy": "eager", "batch_bytes": 2 * obj}).start()
+    stop = threading.Event()
+    data = np.ones(obj, np.uint8)
+    pre = [f"pre{i}" for i in range(10)]
+    try:
+        assert s.put(pre, [data] * 10) == [Status.OK] * 10
+        done = [0]
+
+        def producer() -> None:
+            n = 0
+            while not stop.is_set():
+                s.put([f"p{n}"], [data])
+                n += 1
+                if n % 100 == 0 and n >= 200:  # stay well within DRAM (never the pre* keys)
+                    s.remove([f"p{j}" for j in range(n - 200, n - 100)])
+                done[0] = n
+
+        t = threading.Thread(target=producer)
+        t.start()
+        deadline = time.monotonic() + 30
+        while s._offloader.depth < 50 and time.monotonic() < deadline:  # the queue is backed up
+            time.sleep(0.01)
+        assert s._offloader.depth >= 50
+        got: list = []
+        f = threading.Thread(target=lambda: got.append(s.flush_report()))
+        f.start()
+        f.join(60)  # generous on a loaded machine; the traffic goes on meanwhile
+        starved = f.is_alive()
+        assert not stop.is_set() and t.is_alive()
+        stop.set()
+        t.join(30)
+        f.join(120)
+        assert not starved, "flush() waited for objects put after it began"
+        assert got[0].ok, got[0]
+        assert s._ssd is not None and s._ssd.contains(pre) == [True] * 10
+    finally:
+        stop.set()
+        s.close(flush=False)
+
+
+def test_a_loss_ledger_past_its_bound_forgets_the_oldest_and_reports_them_once() -> None:
+    ledger = LossLedger(max_keys=3)
+    for seq in range(1, 6):  # k1..k5, put numbers 1..5; k1 and k2 are forgotten
+        ledger.record(f"k{seq}", seq, "why")
+    assert [k for k, _ in ledger.items(5)] == ["k3", "k4", "k5"]
+    assert [k for k, _ in ledger.items(3)] == ["k3"]  # a flush that began before k4 was put
+    assert ledger.take_forgotten(0) == 0  # put after that flush began: not its business
+    assert ledger.take_forgotten(1) == 2  # may concern it (k1): reported, but k2 is later ...
+    assert ledger.take_forgotten(2) == 2  # ... so reported again by a flush that covers both
+    assert ledger.take_forgotten(10) == 0  # and by no flush after that
+    ledger.clear("k3")
+    assert [k for k, _ in ledger.items(10)] == ["k4", "k5"]
+
+
+def test_losses_past_the_ledger_bound_do_not_fail_every_later_flush(tmp_path, monkeypatch) -> None:
+    """More losses than the ledger remembers: the first flush names what it can and counts the
+    rest; once the lost keys are removed, flushes are ok again (not False for good)."""
+    import store_backend.store as store_module
+
+    monkeypatch.setattr(store_module, "LossLedger", lambda: LossLedger(4))
+    obj = 4096
+    # Not started and watermark mode: nothing moves by itself, so each eviction is a loss.
+    s = wrapped_store(tmp_path, lambda inner: inner, dram={"capacity_bytes": 8 * obj},
+                      offload={"policy": "watermark"})
+    try:
+        keys = [f"x{i}" for i in range(20)]
+        for k in keys:
+            assert s.put([k], [np.zeros(obj, np.uint8)]) == [Status.OK]
+        assert s.metrics()["store"]["dropped_unpersisted"] == 12
+        first = s.flush_report()
+        assert not first.ok and sorted(first.unpersisted) == ["x10", "x11", "x8", "x9"]
+        assert first.lost_untracked == 8 and "12 objects not on SSD" in first.summary()
+        assert s.remove(keys[:12]) == [Status.NOT_FOUND] * 12
+        second = s.flush_report()
+        assert second.ok, second
+        assert s.flush() is True
+    finally:
+        s.close(flush=False)
+
+
+def test_a_flush_does_not_report_losses_of_objects_put_after_it_began(tmp_path) -> None:
+    """A loss recorded while a flush runs, of an object put after the flush began, belongs to a
+    later flush (the first one's snapshot never held it)."""
+    obj = 64 * 1024
+    gate, entered = threading.Event(), threading.Event()
+
+    class GatedPuts(SlowPuts):
+        def put(self, keys, buffers):  # noqa: ANN001, ANN201
+            if threading.current_thread().name == "flusher" and not entered.is_set():
+                entered.set()
+                assert gate.wait(30)
+            return self.inner.put(keys, buffers)
+
+    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * obj},
+                      offload={"policy": "watermark"})
+    try:
+        assert s.put(["a"], [np.ones(obj, np.uint8)]) == [Status.OK]
+        got: list = []
+        f = threading.Thread(target=lambda: got.append(s.flush_report()), name="flusher")
+        f.start()
+        assert entered.wait(10)  # the flush is writing "a"
+        later = [f"late{i}" for i in range(12)]  # put after the flush began; DRAM drops some unwritten
+        for k in later:
+            s.put([k], [np.ones(obj, np.uint8)])
+        assert s.metrics()["store"]["dropped_unpersisted"] > 0
+        gate.set()
+        f.join(60)
+        assert got and got[0].ok, got
+        assert not s.flush_report().ok  # a flush that began after those losses reports them
+    finally:
+        gate.set()
+        s.close(flush=False)
+
+
+def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> None:
+    """Three flushes write at once on a slow SSD: all SSD writes together hold at most half of
+    DRAM, so a put that needs room meanwhile evicts an object instead of answering NO_SPACE."""
+    obj = 64 * 1024
+    gate = threading.Event()
+    inside: list[str] = []
+
+    class GatedPuts(SlowPuts):
+        def put(self, keys, buffers):  # noqa: ANN001, ANN201
+            inside.append(threading.current_thread().name)
+            assert gate.wait(30)
+            return self.inner.put(keys, buffers)
+
+    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 16 * obj},
+                      offload={"policy": "watermark", "high_watermark": 0.99, "low_watermark": 0.98})
+    flushers = [threading.Thread(target=s.flush, kwargs={"timeout_s": 60}, name=f"flusher{i}") for i in range(3)]
+    try:  # not started: only the flushing callers write
+        keys = [f"a{i}" for i in range(16)]
+        assert s.put(keys, [np.ones(obj, np.uint8)] * 16) == [Status.OK] * 16  # DRAM is full
+        for t in flushers:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not inside and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inside
+        time.sleep(1.0)  # room for the other flushers to start writes of their own (they must not)
+        with s._lock:
+            leased = sum(e.size for e in s._dram.entries.values() if e.leases)
+        assert leased <= 8 * obj and len(inside) == 1, (leased, inside)
+        assert s.put(["new"], [np.ones(obj, np.uint8)]) == [Status.OK]
+    finally:
+        gate.set()
+        for t in flushers:
+            t.join(60)
+        s.close(flush=False)
+    assert not any(t.is_alive() for t in flushers)
+
+
+def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_drops_them(tmp_path) -> None:
+    """A write with no room left (other writes hold half of DRAM) puts its objects back on the
+    offload queue; a tiny queue refuses some. Those count as a failed attempt, so the next time
+    DRAM needs room they are queued again and reach SSD (rather than staying unwritten until
+    DRAM drops them)."""
+    unit = 16 * 1024
+    gate, entered = threading.Event(), threading.Event()
+
+    class GatedPuts(SlowPuts):
+        def put(self, keys, buffers):  # noqa: ANN001, ANN201
+            if threading.current_thread().name == "f1":
+                entered.set()
+                assert gate.wait(30)
+            return self.inner.put(keys, buffers)
+
+    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * unit},
+                      offload={"policy": "watermark", "high_watermark": 1.0, "low_watermark": 0.5,
+                               "queue_max_objects": 2}).start()
+    try:
+        assert s.put(["big"], [np.ones(3 * unit, np.uint8)]) == [Status.OK]
+        small = ["a", "b", "c", "d"]
+        assert s.put(small, [np.ones(unit, np.uint8)] * 4) == [Status.OK] * 4  # 7 of 8 units
+        f1 = threading.Thread(target=s.flush, kwargs={"timeout_s": 1.0}, name="f1")
+        t0 = time.monotonic()
+        f1.start()
+        assert entered.wait(10)  # f1 writes "big" and "a": half of DRAM, all the room there is
+        # No room: b, c, d go back to the offload queue, which takes two; "d" is refused.
+        assert not s.flush_report(timeout_s=0.3).ok
+        time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))  # f1's deadline has passed ...
+        gate.set()  # ... so after this write it stops: "d" is left to the background
+        f1.join(30)
+        deadline = time.monotonic() + 30
+        while s._offloader.depth and time.monotonic() < deadline:  # "b" and "c" are written
+            time.sleep(0.01)
+        assert s._ssd is not None
+        inner = s._ssd.inner  # type: ignore[attr-defined]
+        assert inner.contains(["big", "a", "b", "c", "d"]) == [True, True, True, True, False]
+        out = np.zeros(3 * unit, np.uint8)
+        for k in ["big", "a", "b", "c"]:  # "d" becomes the least recently used
+            assert s.get_into([k], [out])[0].status is Status.OK
+        # DRAM needs room: eviction meets "d" first and queues it again rather than skip it for good.
+        assert s.put(["e", "f"], [np.ones(unit, np.uint8)] * 2) == [Status.OK] * 2
+        deadline = time.monotonic() + 30
+        while inner.contains(["d"]) != [True] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert inner.contains(["d"]) == [True]
+        assert s.metrics()["store"]["offload_retries"] >= 1
+    finally:
+        gate.set()
+        s.close(flush=False)

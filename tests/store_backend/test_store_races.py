@@ -333,11 +333,16 @@ def test_remove_of_an_ssd_only_object_whose_promotion_is_queued(tmp_path) -> Non
         s.close()
 
 
-@pytest.mark.parametrize("lands", ["before_remove", "after_remove"])
+@pytest.mark.parametrize("lands", ["before_remove", "during_remove", "after_remove"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_remove_while_an_offload_writes_the_object(tmp_path, lands, policy) -> None:
-    """The offload's SSD write lands before the remove deletes the SSD copy, or after the remove
-    returned; either way the old bytes are never read again and the new put's bytes are kept."""
+def test_remove_while_an_offload_writes_the_object(tmp_path, monkeypatch, lands, policy) -> None:
+    """The offload's SSD write lands before the remove deletes the SSD copy, while the remove
+    waits for it (then remove deletes it before it returns OK), or only after the remove gave up
+    waiting (IO_ERROR); either way the old bytes are never read again and the new put's bytes
+    are kept."""
+    import store_backend.store as store_module
+
+    monkeypatch.setattr(store_module, "_REMOVE_LANDED_S", 0.3 if lands == "after_remove" else 30.0)
     s, gate = gated_store(tmp_path, "put", "kv-offload", after=lands == "before_remove", policy=policy)
     try:
         assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
@@ -345,7 +350,12 @@ def test_remove_while_an_offload_writes_the_object(tmp_path, lands, policy) -> N
             for i in range(5):  # past the high mark: demotion writes the coldest, "x" first
                 s.put([f"fill{i}"], [versioned(1, 100 + i)])
         assert gate.entered.wait(10)
-        assert s.remove(["x"]) == [Status.OK]  # not BUSY: the offload keeps the bytes it writes
+        if lands == "after_remove":
+            assert s.remove(["x"]) == [Status.IO_ERROR]  # the write in flight did not land in time
+        else:
+            threading.Timer(0.2, gate.release.set).start()  # lands while remove waits for it
+            assert s.remove(["x"]) == [Status.OK]  # not BUSY: the offload keeps the bytes it writes
+            assert gate.inner.contains(["x"]) == [False]  # and its copy is deleted already
         out = np.zeros(OBJ_BYTES, np.uint8)
         assert s.get_into(["x"], [out])[0].status is Status.NOT_FOUND and s.contains(["x"]) == [False]
         assert s.put(["x"], [versioned(0, 2)]) == [Status.OK]
@@ -424,3 +434,245 @@ def test_remove_while_a_reader_copies_out_of_dram(monkeypatch) -> None:
     finally:
         release.set()
         s.close()
+
+
+# -- an offload that began before a remove lands its old copy after it --------------------------
+
+class LandingGates:
+    """Fault injection around a real backend: the offload's write of ``key`` waits at ``put_gate``;
+    the offload's deletion of the copy it landed (the remove's follow-up) waits at ``rm_gate``; an
+    SSD lookup of ``key`` from thread ``asker`` waits at ``ask_gate`` after it has answered."""
+
+    def __init__(self, inner, key: str = "K", asker: str = "asker") -> None:  # noqa: ANN001
+        self.inner, self.name, self.key, self.asker = inner, inner.name, key, asker
+        self.put_gate, self.put_entered = threading.Event(), threading.Event()
+        self.rm_gate, self.rm_entered = threading.Event(), threading.Event()
+        self.ask_gate, self.asked = threading.Event(), threading.Event()
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        if self.key in keys and threading.current_thread().name == "kv-offload":
+            self.put_entered.set()
+            assert self.put_gate.wait(30)
+        return self.inner.put(keys, buffers)
+
+    def remove(self, keys):  # noqa: ANN001, ANN201
+        if self.key in keys and threading.current_thread().name == "kv-offload":
+            self.rm_entered.set()
+            assert self.rm_gate.wait(30)
+        return self.inner.remove(keys)
+
+    def _asked(self, keys, out):  # noqa: ANN001, ANN202
+        if self.key in keys and threading.current_thread().name == self.asker and not self.asked.is_set():
+            self.asked.set()
+            assert self.ask_gate.wait(30)
+        return out
+
+    def contains(self, keys):  # noqa: ANN001, ANN201
+        return self._asked(keys, self.inner.contains(keys))
+
+    def size_of(self, keys):  # noqa: ANN001, ANN201
+        return self._asked(keys, self.inner.size_of(keys))
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def landing_store(tmp_path, backend: str) -> tuple[TieredStore, LandingGates]:
+    from store_backend.config import load_config
+    from store_backend.ssd.factory import open_ssd_backend
+
+    cfg = load_config({
+        "dram": {"capacity_bytes": 8 * OBJ_BYTES},
+        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "backend": backend,
+                "admission_policy": "all"},
+        "offload": {"policy": "eager"},
+    })
+    assert cfg.ssd is not None
+    gates = LandingGates(open_ssd_backend(cfg.ssd))
+    return TieredStore(cfg, ssd=gates).start(), gates
+
+
+@pytest.mark.parametrize("call", ["put", "contains", "size_of"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lookup_that_saw_an_old_copy_just_before_its_deletion_is_not_trusted(
+        tmp_path, monkeypatch, backend, call) -> None:
+    """An offload of v1 is writing when ``remove`` runs; the remove gives up waiting for it
+    (IO_ERROR), the copy lands and the offload deletes it again. A call that begins after the
+    remove returned looks the key up on SSD while the landed copy is there, and answers only
+    after the deletion made the key visible again: a put must store v2 (not EXISTS), a lookup
+    must not report the deleted copy."""
+    import store_backend.store as store_module
+
+    monkeypatch.setattr(store_module, "_REMOVE_LANDED_S", 0.2, raising=False)
+    s, g = landing_store(tmp_path, backend)
+    try:
+        assert s.put(["K"], [versioned(0, 1)]) == [Status.OK]
+        assert g.put_entered.wait(10)  # the eager offload of v1 is about to write
+        assert s.remove(["K"])[0] in (Status.OK, Status.IO_ERROR)
+        g.put_gate.set()  # v1 lands now, after the remove returned; the offload then deletes it
+        assert g.rm_entered.wait(10)
+        got: list = []
+        ops = {"put": lambda: s.put(["K"], [versioned(0, 2)])[0], "contains": lambda: s.contains(["K"])[0],
+               "size_of": lambda: s.size_of(["K"])[0]}
+        asker = threading.Thread(target=lambda: got.append(ops[call]()), name="asker")
+        asker.start()
+        assert g.asked.wait(10)  # its SSD lookup saw the landed v1 copy
+        g.rm_gate.set()  # the copy is deleted and the key is visible again
+        deadline = time.monotonic() + 10
+        while s._removals.hidden("K") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not s._removals.hidden("K")
+        g.ask_gate.set()
+        asker.join(10)
+        assert got, "the call did not return"
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        if call == "put":
+            assert got[0] is Status.OK  # not EXISTS for a copy that is gone
+            assert s.get_into(["K"], [out])[0].status is Status.OK and decode(out) == (0, 2)
+        else:
+            assert got[0] in (False, None), got
+            assert s.get_into(["K"], [out])[0].status is Status.NOT_FOUND
+    finally:
+        g.put_gate.set(), g.rm_gate.set(), g.ask_gate.set()
+        s.close(flush=False)
+
+
+_CRASH_CHILD = r"""
+import sys, threading, time
+import numpy as np
+from store_backend.config import load_config
+from store_backend.ssd.factory import open_ssd_backend
+from store_backend.store import TieredStore
+
+cfg = load_config({"dram": {"capacity_bytes": 1 << 20},
+                   "ssd": {"path": sys.argv[1], "capacity_bytes": 64 << 20, "backend": sys.argv[2],
+                           "admission_policy": "all"},
+                   "offload": {"policy": "eager"}})
+put_gate, put_entered, landed, main_removes = (threading.Event() for _ in range(4))
+
+class Gates:
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+    def put(self, keys, buffers):
+        if "K" in keys:
+            put_entered.set()
+            put_gate.wait(30)
+        out = self.inner.put(keys, buffers)
+        if "K" in keys:
+            landed.set()  # the offload's copy is durable now; its deletion comes next
+        return out
+    def remove(self, keys):
+        if "K" in keys and threading.current_thread().name == "kv-offload":
+            time.sleep(1.0)  # the window a kill must not find: copy landed, not deleted yet
+        elif "K" in keys:
+            main_removes.set()
+        return self.inner.remove(keys)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+store = TieredStore(cfg, ssd=Gates(open_ssd_backend(cfg.ssd))).start()
+assert store.put(["K"], [np.full(8192, 7, np.uint8)])[0].name == "OK"
+assert put_entered.wait(10)  # the offload of K is writing
+threading.Thread(target=lambda: main_removes.wait(10) and put_gate.set()).start()
+st = store.remove(["K"])[0].name
+assert landed.wait(10)
+print("REMOVED", st, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_kill_right_after_remove_returned_does_not_bring_the_object_back(tmp_path, backend) -> None:
+    """A real child process removes a key while an offload of it is writing, and is killed with
+    SIGKILL the moment ``remove`` returned (the offload's copy has landed by then). Reopened, the
+    directory must not hold the removed object when ``remove`` answered OK."""
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = str(tmp_path / "ssd")
+    child = subprocess.Popen([sys.executable, "-c", _CRASH_CHILD, path, backend], cwd=root,
+                             env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # blocks until the child printed (or died)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(30)
+    assert line.startswith("REMOVED"), f"child said {line!r}"
+    status = line.split()[1]
+    assert status == "OK", status  # the offload landed and was deleted well within the wait
+    with TieredStore({"dram": {"capacity_bytes": 1 << 20},
+                      "ssd": {"path": path, "capacity_bytes": 64 << 20, "backend": backend}}) as s:
+        out = np.zeros(8192, np.uint8)
+        assert s.get_into(["K"], [out])[0].status is Status.NOT_FOUND and s.keys() == []
+
+
+class FailingRemoves:
+    """A real backend whose deletions of ``key`` fail while ``fail`` is set; a failing deletion
+    from thread ``gated`` first waits at ``gate`` (fault injection)."""
+
+    def __init__(self, inner, key: str, gated: str) -> None:  # noqa: ANN001
+        self.inner, self.name, self.key, self.gated = inner, inner.name, key, gated
+        self.fail = False
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def remove(self, keys):  # noqa: ANN001, ANN201
+        out = self.inner.remove(keys) if not self.fail else list(self.inner.remove(
+            [k for k in keys if k != self.key]))
+        if self.fail and self.key in keys:
+            if threading.current_thread().name == self.gated:
+                self.entered.set()
+                assert self.gate.wait(30)
+            it = iter(out)
+            return [Status.IO_ERROR if k == self.key else next(it) for k in keys]
+        return out
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_flush_waiting_on_a_failed_retried_deletion_returns(tmp_path, started) -> None:
+    """Two flushes without a timeout; the first retries the failed deletion of an old copy (and
+    it fails again) while the second waits for that deletion: the second must return too."""
+    from store_backend.config import load_config
+    from store_backend.ssd.factory import open_ssd_backend
+
+    cfg = load_config({
+        "dram": {"capacity_bytes": 1 << 20},
+        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "backend": "bucket",
+                "admission_policy": "all"},
+        "offload": {"policy": "watermark"},
+    })
+    assert cfg.ssd is not None
+    ssd = FailingRemoves(open_ssd_backend(cfg.ssd), "K", gated="flush-a")
+    s = TieredStore(cfg, ssd=ssd)
+    if started:
+        s.start()
+    try:
+        assert s.put(["K"], [versioned(0, 1)]) == [Status.OK] and s.flush(timeout_s=30)
+        ssd.fail = True
+        assert s.remove(["K"]) == [Status.IO_ERROR]
+        assert s.put(["K"], [versioned(0, 2)]) == [Status.OK]
+        reports: dict[str, object] = {}
+        a = threading.Thread(target=lambda: reports.setdefault("a", s.flush_report()), name="flush-a")
+        a.start()
+        assert ssd.entered.wait(10)  # A is inside the retried deletion
+        b = threading.Thread(target=lambda: reports.setdefault("b", s.flush_report()), name="flush-b")
+        b.start()
+        time.sleep(0.3)  # B is waiting for that deletion now
+        ssd.gate.set()  # it fails again
+        a.join(60)
+        b.join(60)
+        assert not a.is_alive() and not b.is_alive(), "a flush without a timeout hung"
+        for name in "ab":
+            rep = reports[name]
+            assert not rep.ok and "could not be deleted" in rep.unpersisted["K"], rep  # type: ignore[attr-defined]
+    finally:
+        ssd.gate.set()
+        ssd.fail = False
+        s.remove(["unrelated"])  # wakes a flush that still waits (on the code as it was)
+        s.close(flush=False)
