@@ -8,8 +8,8 @@ same keys.
 Key text: ``"<fingerprint digest>/<chunk hash hex>"``. The fingerprint covers everything that
 changes the KV bytes of a token: model id and revision, KV dtype and quantization, the canonical
 layout version, the attention geometry, and the KV shard (TP rank and size), plus, when known, the
-identity of the weights files and the cache epoch (bumped by a cache reset). Two deployments that
-differ in any of these never share a key.
+identity of the weights files, a digest of the effective model config and the cache epoch (bumped
+by a cache reset). Two deployments that differ in any of these never share a key.
 
 Extra keys (what besides the tokens changes KV: LoRA adapter, cache salt, multimodal items, prompt
 embeddings) are hashed into the chain: request-wide ones into every chunk, per-chunk ones
@@ -48,6 +48,9 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weights: str | None = None
     # Cache epoch of the store this fingerprint writes to; a cache reset moves to the next one.
     epoch: int = 0
+    # Digest of the effective model config the engine computes with (after its overrides: RoPE
+    # parameters, sliding window, compute dtype); K is stored after RoPE, so any of these changes KV.
+    config: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -63,7 +66,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def digest(self) -> str:
         """32 hex chars identifying this fingerprint (xxh3_128 of its canonical msgpack form).
 
-        ``weights`` and ``epoch`` enter the digest only when set, so a fingerprint without them keeps
+        ``weights``, ``epoch`` and ``config`` enter the digest only when set, so a fingerprint without them keeps
         the digest it had before they existed (stores written then stay readable, and an engine that
         does not know them, e.g. the SGLang backend, keeps matching)."""
         fields = msgspec.structs.asdict(self)
@@ -74,7 +77,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # Fields added after digests were in use, with the default under which they are left out of it.
-_LATE_FIELDS: dict[str, object] = {"weights": None, "epoch": 0}
+_LATE_FIELDS: dict[str, object] = {"weights": None, "epoch": 0, "config": None}
 
 
 # A chain hash maps (parent hash or None, token ids of one chunk, extra key bytes) to a hash text.
@@ -175,9 +178,13 @@ def chunk_keys(
 # prefix cache serves both engines.
 #
 # Extra keys have no SGLang counterpart that can be reproduced here (SGLang seeds its chain from its
-# own extra_key/cache_salt namespace): a first chunk with extra keys is chained from
-# SHA-256(b"mooncake-kv/sglang-extra/v1" || extra) instead, which keeps such requests apart from
-# plain ones and from each other, but never equal to any SGLang key.
+# own extra_key/cache_salt namespace): a page with extra keys hashes
+# SHA-256(b"mooncake-kv/sglang-extra/v1" || extra) (32 bytes) after its parent digest (when it has
+# one) and before its tokens. Every page's extra keys count, not only the first page's: a later
+# chunk's own keys (an image, a slice of prompt embeddings) must change that chunk's hash. Such
+# pages are never equal to an SGLang key; a page without extra keys hashes exactly as SGLang does.
+# The two input forms cannot coincide for one page size (64 + 4n or 64 + 1 + 8n bytes against
+# 32 + 4n or 32 + 1 + 8n, n tokens per page).
 
 _SGLANG_EXTRA_SEED = b"mooncake-kv/sglang-extra/v1"
 _U32_MAX = 0xFFFFFFFF
@@ -191,7 +198,7 @@ def sglang_page_hash(parent: str | None, tokens: Sequence[int], extra: bytes = b
     h = hashlib.sha256()
     if parent is not None:
         h.update(bytes.fromhex(parent))
-    elif extra:
+    if extra:
         h.update(hashlib.sha256(_SGLANG_EXTRA_SEED + extra).digest())
     if ids.size and int(ids.max()) > _U32_MAX:
         h.update(b"\xff")

@@ -1,9 +1,9 @@
 """What the connector needs to know about a vLLM deployment: its fingerprint and its KV geometry.
 
 Both connector halves call this at construction (scheduler process and worker processes), from the
-engine's construction thread. It reads ``VllmConfig``, ``KVCacheConfig`` and (``stat`` only) the
-checkpoint's files, so the scheduler and every worker derive identical fingerprints without talking
-to each other.
+engine's construction thread. It reads ``VllmConfig``, ``KVCacheConfig`` and the checkpoint's
+files (``stat`` and a sparse content sample), so the scheduler and every worker derive identical
+fingerprints without talking to each other.
 
 Deployments the connector cannot store correctly are refused here, at start-up, with an error that
 names the setting: more than one KV cache group, layers whose cache vLLM does not keep for every
@@ -13,12 +13,14 @@ parallelism, and a pipeline split whose KV layers do not follow vLLM's hidden-la
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
+import xxhash
 from vllm.distributed.utils import get_pp_indices
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -175,13 +177,13 @@ def weights_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> str | Non
       and its weights (e.g. to share one cache between copies at different paths, or with SGLang)
       and must change ``revision`` when the weights change.
     - A local checkpoint (directory or file): :func:`mooncake_connector.checkpoint.files_stamp` of
-      it (names, sizes, mtimes of weights and configs), so weights replaced at the same path get
-      new keys.
+      it (names, sizes, mtimes and a sparse content sample of weights, configs and modelling
+      code), so weights replaced at the same path get new keys.
     - A hub id: ``hf:<commit>:<stamp>`` of its snapshot in the local Hugging Face cache (the commit
       the revision resolved to); when it is not found there, None and a warning (the fingerprint
       then has the revision only).
 
-    Blocking (``stat`` calls); called once per connector half.
+    Blocking (``stat`` calls, at most 512 KiB read per file); called once per connector half.
     """
     if cfg.revision or cfg.model_id:
         return None
@@ -198,6 +200,42 @@ def weights_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> str | Non
                    "the KV fingerprint has only its revision %r; set the connector's `revision` and change it "
                    "when the weights change", path, model.revision)
     return None
+
+
+# Model-config fields that cannot change the KV of a token: where the config was read from (the
+# model id and the weights stamp name the checkpoint; a shared ``model_id`` must match across copies
+# at different paths) and the transformers version that wrote it. Everything else is kept: when in
+# doubt a field costs a cache miss, never a wrong token.
+_CONFIG_FIELDS_IGNORED = frozenset({"_name_or_path", "transformers_version"})
+
+
+def _config_doc(value: object) -> object:
+    if isinstance(value, dict):
+        return {str(k): _config_doc(v) for k, v in value.items() if k not in _CONFIG_FIELDS_IGNORED}
+    if isinstance(value, (list, tuple)):
+        return [_config_doc(v) for v in value]
+    return value
+
+
+def config_identity(vllm_config: VllmConfig) -> str:
+    """A digest of the model config vLLM computes with: the effective ``hf_config`` (and
+    ``hf_text_config`` when it is another object) after ``hf_overrides`` and vLLM's own updates
+    (``to_dict()``, canonical JSON with sorted keys, :data:`_CONFIG_FIELDS_IGNORED` left out), the
+    compute dtype and ``disable_sliding_window``. RoPE parameters, window sizes, norms and the like
+    change the KV a token gets (K is stored after RoPE) without touching the weights files, and with
+    ``model_id``/``revision`` set the weights are not stamped at all. Pure; cheap (one JSON dump)."""
+    model = vllm_config.model_config
+    doc: dict[str, object] = {
+        "hf_config": _config_doc(model.hf_config.to_dict()),
+        "dtype": str(model.dtype),
+        "disable_sliding_window": bool(getattr(model, "disable_sliding_window", False)),
+    }
+    if model.hf_text_config is not model.hf_config:
+        doc["hf_text_config"] = _config_doc(model.hf_text_config.to_dict())
+    # default=str: a value JSON cannot hold (a dtype, an enum) is named by its text; a text that
+    # differs between processes costs misses, never a wrong match.
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def stage_layer_counts(vllm_config: VllmConfig, geometry: KVGeometry, stage: int) -> list[int]:
@@ -247,6 +285,9 @@ def fingerprint(vllm_config: VllmConfig, geometry: KVGeometry, cfg: ConnectorCon
         is_mla=geometry.is_mla,
         weights=weights,
         epoch=epoch,
+        # SGLang's backend cannot compute vLLM's effective config, and keys shared with it must
+        # match: with the "sglang" scheme the operator's model_id/revision name the configuration.
+        config=None if cfg.hash_scheme == "sglang" else config_identity(vllm_config),
     )
 
 

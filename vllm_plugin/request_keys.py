@@ -6,8 +6,8 @@ chunk hashes. Mirrors what vLLM's own prefix cache hashes into its blocks
 
 - **LoRA**: the adapter's name and path (vLLM's ``lora_int_id`` is a per-server counter: after a
   restart another adapter can get the same id, and one adapter gets different ids on different
-  servers), plus a stamp of the adapter's files, so an adapter replaced in place at the same path
-  gets new keys after the restart that loads it. Every chunk.
+  servers), plus a stamp of the adapter's files (:func:`adapter_stamp`), so an adapter replaced at
+  the same path gets new keys. Every chunk.
 - **Cache salt**: every chunk.
 - **Multimodal items**: an item's identifier (vLLM's content hash) and its offset relative to the
   chunk, only in the chunks its placeholder tokens overlap (``mm_position``). A text prefix before
@@ -20,23 +20,71 @@ chunk hashes. Mirrors what vLLM's own prefix cache hashes into its blocks
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
-from mooncake_connector.checkpoint import files_stamp
+from mooncake_connector.checkpoint import STAMPED_SUFFIXES, files_stamp, hub_snapshot
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _stat_signature(path: str) -> tuple | None:
+    """What changes whenever a stamped file under ``path`` (a directory or a file) is written,
+    replaced, added or removed: name, size, mtime, ctime (set by the kernel on every write, rename
+    or utime, so a copy that preserves size and mtime still changes it), inode and link target.
+    None when ``path`` is neither a file nor a directory. Blocking (``stat`` only)."""
+    if os.path.isfile(path):
+        entries = [path]
+    elif os.path.isdir(path):
+        try:
+            entries = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(STAMPED_SUFFIXES)]
+        except OSError:
+            return None
+    else:
+        return None
+    sig = []
+    for full in entries:
+        try:
+            st = os.stat(full)
+            target = os.readlink(full) if os.path.islink(full) else ""
+        except OSError:
+            continue
+        sig.append((os.path.basename(full), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
+                    target))
+    return tuple(sig)
+
+
 @functools.lru_cache(maxsize=256)
-def _adapter_stamp(lora_path: str, lora_int_id: int) -> str:
-    # Keyed by the int id too: vLLM loads an adapter once per id for the life of the server, so the
-    # files seen when the id first appears are the ones it runs.
-    return files_stamp(lora_path) or ""
+def _stamp_of(path: str, signature: tuple) -> str:
+    # Keyed by the files' stat signature: the (content-sampling) stamp is computed again only when
+    # a file changed. vLLM reloads an evicted adapter from its path (LRUCacheWorkerLoRAManager), so
+    # the files at the path now are the ones a request may run with.
+    return files_stamp(path) or ""
+
+
+def adapter_stamp(lora_path: str) -> str:
+    """A stamp of the adapter vLLM loads for ``lora_path``, resolved as vLLM's
+    ``get_adapter_absolute_path`` does: a local directory or file (``~`` expanded) by
+    :func:`mooncake_connector.checkpoint.files_stamp`; otherwise a hub id, by the commit of its
+    snapshot in the local Hugging Face cache (``hf:<commit>:<stamp>``). A hub id that is not cached
+    here gets ``""``: its keys then carry only the id string (the caller adds the path), and an
+    adapter re-published under that id shares them until the cache holds it. Blocking: ``stat`` of
+    the adapter's files on every call, their content sample only when they changed."""
+    path = os.path.expanduser(lora_path)
+    sig = _stat_signature(path)
+    if sig is not None:
+        return _stamp_of(path, sig)
+    snap = hub_snapshot(lora_path, None)
+    if snap is None:
+        return ""
+    commit, snapshot_dir = snap
+    snap_sig = _stat_signature(snapshot_dir)
+    return f"hf:{commit}:{_stamp_of(snapshot_dir, snap_sig) if snap_sig is not None else ''}"
 
 
 def request_extra_keys(request: Request) -> list[str]:
@@ -45,12 +93,7 @@ def request_extra_keys(request: Request) -> list[str]:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         path = str(getattr(lora, "lora_path", "") or "")
-        if not path:
-            stamp = ""
-        elif getattr(lora, "load_inplace", False):  # vLLM reloads the files for this request
-            stamp = files_stamp(path) or ""
-        else:
-            stamp = _adapter_stamp(path, int(getattr(lora, "lora_int_id", 0)))
+        stamp = adapter_stamp(path) if path else ""
         extra.append(f"lora:{lora.lora_name}:{path}:{stamp}")
     salt = getattr(request, "cache_salt", None)
     if salt:

@@ -55,3 +55,64 @@ def test_hub_snapshot_resolves_the_cached_commit(tmp_path: Path, monkeypatch: py
     (snap / "model.safetensors").symlink_to("../../blobs/sha-weights-2")
     os.utime(repo / "blobs" / "sha-weights-2", ns=(0, (repo / "blobs" / "sha-weights-1").stat().st_mtime_ns))
     assert files_stamp(str(snap)) != s1
+
+
+def test_stamp_changes_when_content_changes_under_the_same_size_and_mtime(tmp_path: Path) -> None:
+    # cp -p / rsync -a from a source with normalized mtimes, reproducible builds: only the bytes differ.
+    big = tmp_path / "model-00001-of-00001.safetensors"
+    small = tmp_path / "config.json"
+    big.write_bytes(bytes(3 * 1024 * 1024))  # larger than the sampled pieces together
+    small.write_text('{"rope_theta": 10000.0}')
+    fixed_ns = 1_600_000_000 * 10**9
+    for f in (big, small):
+        os.utime(f, ns=(fixed_ns, fixed_ns))
+    s1 = files_stamp(str(tmp_path))
+    # Another small config of the same length.
+    small.write_text('{"rope_theta": 50000.0}')
+    os.utime(small, ns=(fixed_ns, fixed_ns))
+    s2 = files_stamp(str(tmp_path))
+    assert s2 != s1
+    # Other weights of the same size (a fine-tune changes nearly every byte): a byte in the head,
+    # in one of the evenly spaced middle pieces, in the tail.
+    size = 3 * 1024 * 1024
+    for offset in (0, 3 * (size - 64 * 1024) // 7 + 100, size - 1):
+        with open(big, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\x01")
+        os.utime(big, ns=(fixed_ns, fixed_ns))
+        s3 = files_stamp(str(tmp_path))
+        assert s3 != s2
+        s2 = s3
+    assert big.stat().st_size == 3 * 1024 * 1024 and big.stat().st_mtime_ns == fixed_ns
+
+
+def test_trust_remote_code_modelling_files_are_stamped(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    code = tmp_path / "modeling_custom.py"
+    code.write_text("ROPE_THETA = 10000.0\n")
+    s1 = files_stamp(str(tmp_path))
+    st = code.stat()
+    code.write_text("ROPE_THETA = 500000.\n")  # same size
+    os.utime(code, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files_stamp(str(tmp_path)) != s1
+
+
+def test_content_sample_reads_at_most_the_sampled_pieces(tmp_path: Path) -> None:
+    from mooncake_connector.checkpoint import SAMPLE_BYTES, SAMPLE_COUNT, content_sample
+
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(SAMPLE_BYTES * SAMPLE_COUNT * 4))
+    size = f.stat().st_size
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, off)
+
+    os.pread = counting_pread  # type: ignore[assignment]
+    try:
+        content_sample(str(f), size)
+    finally:
+        os.pread = real_pread  # type: ignore[assignment]
+    assert len(reads) == SAMPLE_COUNT and sum(reads) <= 512 * 1024

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from mooncake_connector.keys import ModelFingerprint, chunk_hashes
@@ -42,3 +43,28 @@ def test_chunk_extra_keys_enter_only_their_chunk_and_the_chain_after_it() -> Non
     assert first + rest == per
     with pytest.raises(ValueError, match="chunk_extra_keys"):
         chunk_hashes(tokens, 8, chunk_extra_keys=[None])
+
+
+def test_sglang_scheme_keys_every_chunks_own_extra_keys() -> None:
+    tokens = [7] * 32  # two 16-token chunks
+    plain = chunk_hashes(tokens, 16, scheme="sglang")
+    img_a = chunk_hashes(tokens, 16, scheme="sglang", chunk_extra_keys=[[], ["mm:IMAGE_A:0"]])
+    img_b = chunk_hashes(tokens, 16, scheme="sglang", chunk_extra_keys=[[], ["mm:IMAGE_B:0"]])
+    assert img_a[0] == img_b[0] == plain[0]  # a text-only first chunk keys as SGLang's page
+    assert len({img_a[1], img_b[1], plain[1]}) == 3  # the image of the second chunk counts
+    e1 = chunk_hashes([0] * 32, 16, scheme="sglang", chunk_extra_keys=[["embeds:111"], ["embeds:222"]])
+    e2 = chunk_hashes([0] * 32, 16, scheme="sglang", chunk_extra_keys=[["embeds:111"], ["embeds:333"]])
+    assert e1[0] == e2[0] and e1[1] != e2[1]
+    # Extending a chain in two calls gives the one-call hashes.
+    rest = chunk_hashes(tokens[16:], 16, scheme="sglang", parent=img_a[0], chunk_extra_keys=[["mm:IMAGE_A:0"]])
+    assert rest == img_a[1:]
+
+
+def test_sglang_scheme_plain_pages_are_sglangs_hashes() -> None:
+    import hashlib
+
+    tokens = list(range(3, 35))
+    first = hashlib.sha256(np.asarray(tokens[:16], dtype="<u4").tobytes()).hexdigest()
+    second = hashlib.sha256(bytes.fromhex(first) + np.asarray(tokens[16:], dtype="<u4").tobytes()).hexdigest()
+    assert chunk_hashes(tokens, 16, scheme="sglang") == [first, second]
+    assert chunk_hashes(tokens, 16, scheme="sglang", chunk_extra_keys=[[], []]) == [first, second]

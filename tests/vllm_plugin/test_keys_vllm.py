@@ -88,13 +88,49 @@ def test_lora_adapter_replaced_in_place_gets_new_keys(tmp_path: Path) -> None:
     (d / "adapter_model.safetensors").write_bytes(b"old-weights")
     tokens = prompt(2, 2 * CHUNK)
     before = hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d))))
-    (d / "adapter_model.safetensors").write_bytes(b"new-weights-longer")
-    # vLLM runs the files it loaded for an id for the server's life: the same id keeps its keys ...
     assert hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d)))) == before
-    # ... while the id it gets after the restart that loads the new files (or an in-place reload)
-    # keys the new files.
+    (d / "adapter_model.safetensors").write_bytes(b"new-weights-longer")
+    # vLLM reloads an evicted adapter from its path (LRUCacheWorkerLoRAManager), under the same id:
+    # the files at the path now are what a request may run with, whatever the id.
+    assert hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d)))) != before
     assert hashes(make_request(tokens, lora=LoRARequest("a", 4, str(d)))) != before
     assert hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d), load_inplace=True))) != before
+
+
+def test_lora_adapter_rewritten_with_the_same_size_and_mtime_gets_new_keys(tmp_path: Path) -> None:
+    d = tmp_path / "adapter"
+    d.mkdir()
+    f = d / "adapter_model.safetensors"
+    f.write_bytes(b"A" * 4096)
+    fixed_ns = 1_600_000_000 * 10**9
+    os.utime(f, ns=(fixed_ns, fixed_ns))
+    tokens = prompt(2, 2 * CHUNK)
+    before = hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d))))
+    f.write_bytes(b"B" * 4096)  # cp -p / rsync -a of another adapter: same size, same mtime
+    os.utime(f, ns=(fixed_ns, fixed_ns))
+    assert hashes(make_request(tokens, lora=LoRARequest("a", 3, str(d)))) != before
+
+
+def test_lora_hub_id_is_keyed_by_its_cached_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--sql-lora"
+    (repo / "refs").mkdir(parents=True)
+
+    def publish(commit: str, weights: bytes) -> None:
+        (repo / "refs" / "main").write_text(commit)
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+        (snap / "adapter_model.safetensors").write_bytes(weights)
+
+    tokens = prompt(2, 2 * CHUNK)
+    publish("a" * 40, b"v1" * 32)
+    v1 = hashes(make_request(tokens, lora=LoRARequest("sql", 1, "org/sql-lora")))
+    assert v1 == hashes(make_request(tokens, lora=LoRARequest("sql", 2, "org/sql-lora")))
+    publish("b" * 40, b"v2" * 32)  # a new revision of the adapter downloaded under the same id
+    assert hashes(make_request(tokens, lora=LoRARequest("sql", 1, "org/sql-lora"))) != v1
 
 
 # -- multimodal ------------------------------------------------------------------------------------
@@ -291,11 +327,19 @@ def test_reset_cache_moves_to_a_persisted_epoch_and_forgets_live_requests(model_
         assert (tmp_path / "ssd" / "mooncake-kv-epoch").exists()
     finally:
         side.close()
-    again = scheduler_side(model_dir, extra)  # a restart reads the epoch back
+    # A restart never keys under the reset's epoch (its KV may be from weights updated in memory,
+    # which the restarted engine no longer has): it moves to a fresh one, and later restarts keep it.
+    again = scheduler_side(model_dir, extra)
     try:
-        assert again.epoch == 1 and again.shard_digests == side.shard_digests
+        assert again.epoch == 2 and again.shard_digests != side.shard_digests
+        assert again.shard_digests != before
     finally:
         again.close()
+    third = scheduler_side(model_dir, extra)
+    try:
+        assert third.epoch == 2 and third.shard_digests == again.shard_digests
+    finally:
+        third.close()
 
 
 def test_reset_cache_answers_false_when_the_epoch_cannot_be_written(model_dir: Path, tmp_path: Path) -> None:
@@ -309,3 +353,51 @@ def test_reset_cache_answers_false_when_the_epoch_cannot_be_written(model_dir: P
         assert side.epoch == 0 and side.shard_digests == before
     finally:
         side.close()
+
+
+# -- model config in the fingerprint ------------------------------------------------------------------
+def _digest(model: Path, extra: dict | None = None, **kw: object) -> str:
+    vc = vllm_config(model, **kw)
+    cfg = load_connector_config({"chunk_tokens": CHUNK, **(extra or {})})
+    g = kv_geometry(vc, cache_config(full_spec(), layers(0, 1, 2)))
+    return shard_fingerprints(vc, g, cfg, weights=weights_identity(vc, cfg))[0].digest()
+
+
+ROPE = {"rope_parameters": {"rope_theta": 1234.0, "rope_type": "default"}}
+
+
+def test_config_overrides_change_the_fingerprint(model_dir: Path) -> None:
+    plain = _digest(model_dir)
+    assert _digest(model_dir) == plain
+    # K is stored after RoPE: other RoPE parameters (same weights files) must never share keys.
+    assert _digest(model_dir, hf_overrides=ROPE) != plain
+    assert _digest(model_dir, disable_sliding_window=True) != plain
+    # Naming the model turns the weights stamp off, not the config digest: it describes the computation.
+    named = {"model_id": "shared-name", "revision": "v1"}
+    assert _digest(model_dir, named, hf_overrides=ROPE) != _digest(model_dir, named)
+
+
+def test_config_digest_is_the_same_in_every_process_and_at_every_path(model_dir: Path, tmp_path: Path) -> None:
+    import pickle
+    import shutil
+
+    from vllm_plugin.model_info import config_identity
+
+    vc = vllm_config(model_dir)
+    # Workers get the config pickled (multiprocessing executor): the scheduler's digest must match.
+    assert config_identity(pickle.loads(pickle.dumps(vc))) == config_identity(vc)
+    # A copy at another path under one model_id shares keys (the path is not part of the config digest).
+    copy_dir = shutil.copytree(model_dir, tmp_path / "copy")
+    named = {"model_id": "shared-name"}
+    assert _digest(Path(copy_dir), named) == _digest(model_dir, named)
+
+
+def test_sglang_scheme_leaves_the_config_digest_to_the_operator(model_dir: Path) -> None:
+    # SGLang's backend cannot compute vLLM's effective config and their keys must match, so with the
+    # "sglang" scheme the fingerprint has no config digest (documented: change `revision` instead).
+    vc = vllm_config(model_dir)
+    cfg = load_connector_config({"chunk_tokens": CHUNK, "hash_scheme": "sglang", "model_id": "m"})
+    g = kv_geometry(vc, cache_config(full_spec(), layers(0, 1, 2)))
+    assert shard_fingerprints(vc, g, cfg)[0].config is None
+    xcfg = load_connector_config({"chunk_tokens": CHUNK, "model_id": "m"})
+    assert shard_fingerprints(vc, g, xcfg)[0].config is not None
