@@ -118,6 +118,10 @@ class TieredStore:
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
+        # Unpins owed to no live entry, by key: pins on an entry that a remove took away, and pins
+        # of an object that was only on SSD (nothing pinned). The next unpins of the key pay them
+        # off, so they never release a pin someone took on the key's newer entry. (count, expiry)
+        self._void_pins: dict[str, tuple[int, float]] = {}
         off = self.config.offload
         self._offloader: BatchWorker[str] = BatchWorker(
             "kv-offload",
@@ -216,6 +220,8 @@ class TieredStore:
     def _detach(self, e: Entry) -> None:
         """Take ``e`` out of the index for a remove (lock held). Its bytes are freed now when
         nobody holds them, else by whoever lets go last (a reader, an offload, the writer)."""
+        if e.pins:
+            self._void_pin(e.key, e.pins, e.pin_deadline)
         if e.state is EntryState.READY and e.leases == 0:
             self._dram.drop(e.key)
             return
@@ -784,6 +790,7 @@ class TieredStore:
                 e = self._dram.ready(key)
                 if e is None:
                     promote.append(key)
+                    self._void_pin(key, 1, deadline)  # its unpin must not release a later pin
                     continue
                 e.pins += 1
                 e.pin_deadline = max(e.pin_deadline, deadline)
@@ -792,12 +799,34 @@ class TieredStore:
         return present
 
     def unpin(self, keys: Sequence[str]) -> None:
+        """Release one lease per key taken by ``pin``. A pin belongs to the entry it was taken on:
+        once a remove took that entry (or when the object was only on SSD, so nothing was pinned),
+        its unpin releases nothing, even when the key was put again and pinned by someone else."""
         with self._lock:
             self._check_open()
+            now = time.monotonic()
             for key in keys:
+                void = self._void_pins.get(key)
+                if void is not None:
+                    n, expiry = void
+                    if n > 1 and expiry >= now:
+                        self._void_pins[key] = (n - 1, expiry)
+                    else:
+                        del self._void_pins[key]
+                    if expiry >= now:
+                        continue
                 e = self._dram.entries.get(key)
                 if e is not None and e.pins > 0:
                     e.pins -= 1
+
+    def _void_pin(self, key: str, n: int, expiry: float) -> None:
+        """(lock held) ``n`` pins of ``key`` that pin no live entry, until ``expiry`` (their TTL)."""
+        now = time.monotonic()
+        if len(self._void_pins) >= _HIT_TABLE_MAX:  # bounded: expired ones go first, then the oldest
+            for k in [k for k, (_n, t) in self._void_pins.items() if t < now] or [next(iter(self._void_pins))]:
+                del self._void_pins[k]
+        old_n, old_expiry = self._void_pins.get(key, (0, now))
+        self._void_pins[key] = (old_n + n, max(old_expiry, expiry))
 
     # -- background movement -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -809,12 +838,13 @@ class TieredStore:
         """Write to SSD every object put before the call that is not there yet; blocking.
 
         It first lets the offloads queued before the call finish and, in watermark mode, one
-        demotion pass run (down to the low mark, as DRAM use demands), then writes whatever is still not on SSD from the calling thread: in watermark
-        mode too, everything, not only down to the low mark (those objects stay in DRAM, now
-        clean). An object the background is writing meanwhile is waited for, not written twice.
-        A failed write is retried (up to ``MAX_OFFLOAD_ATTEMPTS`` writes per object). Promotions
-        queued before the call are waited for too. Work queued after the call never is, so steady
-        traffic cannot hold a flush up. Works whether or not ``start()`` was called.
+        demotion pass run (down to the low mark, as DRAM use demands), then writes whatever is
+        still not on SSD from the calling thread: in watermark mode too, everything, not only
+        down to the low mark (those objects stay in DRAM, now clean). An object the background
+        is writing meanwhile is waited for, not written twice. A failed write is retried (up to
+        ``MAX_OFFLOAD_ATTEMPTS`` failed writes per object). Promotions queued before the call
+        are waited for too. Work queued after the call never is, so steady traffic cannot hold a
+        flush up. Works whether or not ``start()`` was called.
 
         The report is ``ok`` when every object put before the call that the admission policy
         accepts is on SSD. Otherwise ``unpersisted`` names each one that is not, with why: its

@@ -361,3 +361,56 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
     finally:
         gate.set()
         s.close(flush=False)
+
+
+def test_flush_returns_under_steady_reads_that_queue_promotions(tmp_path) -> None:
+    """Reads of SSD-only objects keep queuing promotions (each promotion read is slow): the flush
+    waits only for the promotions queued before it, not for those the reads queue meanwhile."""
+    obj = 16 * 1024
+
+    class SlowPromotions(SlowPuts):
+        def put(self, keys, buffers):  # noqa: ANN001, ANN201
+            return self.inner.put(keys, buffers)
+
+        def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+            if threading.current_thread().name == "kv-promote":
+                time.sleep(self.delay_s)
+            return self.inner.get_into(keys, buffers)
+
+    s = wrapped_store(tmp_path, lambda inner: SlowPromotions(inner, 0.01),
+                      dram={"capacity_bytes": 8 * obj},
+                      promotion={"enabled": True, "admission_hits": 1}).start()
+    stop = threading.Event()
+    try:
+        keys = [f"k{i}" for i in range(64)]
+        for k in keys:
+            assert s.put([k], [np.ones(obj, np.uint8)]) == [Status.OK]
+            assert s.flush(timeout_s=30)
+
+        def reader() -> None:
+            out = np.zeros(obj, np.uint8)
+            i = 0
+            while not stop.is_set():
+                s.get_into([keys[i % len(keys)]], [out])
+                i += 1
+
+        t = threading.Thread(target=reader)
+        t.start()
+        deadline = time.monotonic() + 30
+        while s._promoter.depth < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s._promoter.depth >= 10
+        got: list = []
+        f = threading.Thread(target=lambda: got.append(s.flush_report()))
+        f.start()
+        f.join(60)
+        starved = f.is_alive()
+        assert t.is_alive()
+        stop.set()
+        t.join(30)
+        f.join(120)
+        assert not starved, "flush() waited for promotions queued after it began"
+        assert got[0].ok, got[0]
+    finally:
+        stop.set()
+        s.close(flush=False)

@@ -676,3 +676,26 @@ def test_a_flush_waiting_on_a_failed_retried_deletion_returns(tmp_path, started)
         ssd.fail = False
         s.remove(["unrelated"])  # wakes a flush that still waits (on the code as it was)
         s.close(flush=False)
+
+
+def test_an_unpin_of_a_removed_entry_does_not_release_a_pin_on_the_new_one() -> None:
+    """A pins "x", "x" is removed and put again, B pins the new "x"; A's unpin (for the entry it
+    pinned, gone now) must not release B's pin: the new "x" stays in DRAM under pressure."""
+    s = TieredStore({"dram": {"capacity_bytes": 4 * OBJ_BYTES, "eviction_policy": "lru"}}).start()
+    try:
+        assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
+        assert s.pin(["x"]) == [True]  # A
+        assert s.remove(["x"]) == [Status.OK]
+        assert s.put(["x"], [versioned(0, 2)]) == [Status.OK]
+        assert s.pin(["x"]) == [True]  # B
+        s.unpin(["x"])  # A is done with the entry it pinned
+        for i in range(6):  # DRAM holds 4: everything unpinned is evicted by now
+            assert s.put([f"fill{i}"], [versioned(1, 100 + i)]) == [Status.OK]
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        assert s.get_into(["x"], [out])[0].status is Status.OK and decode(out) == (0, 2)
+        s.unpin(["x"])  # B is done: now "x" may go
+        for i in range(6, 12):
+            assert s.put([f"fill{i}"], [versioned(1, 100 + i)]) == [Status.OK]
+        assert s.contains(["x"]) == [False]
+    finally:
+        s.close()
