@@ -60,11 +60,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_ssd: bool = False
     # Worker threads that move bytes between staging memory and the store, per connector instance.
     io_workers: int = 2
-    # Host staging memory for in-flight saves and loads (pinned on a GPU), per worker: the floor of
-    # a size derived from the model and max_num_batched_tokens. A save or load that finds no room
-    # waits (bounded by load_timeout_s) for staging to free; a save that still cannot run is
-    # planned again, never counted as saved.
-    staging_bytes: int = 512 * 1024 * 1024
+    # Most host staging memory for in-flight saves and loads (pinned on a GPU), per worker. vLLM
+    # sizes the pool from the model and max_num_batched_tokens (three steps of chunks), capped at
+    # this and never below four chunks; a smaller pool is logged at start. A save or load that finds
+    # no room waits (bounded by load_timeout_s) for staging to free; a save that still cannot run is
+    # planned again, never counted as saved; a hit longer than the pool loads what fits. SGLang:
+    # the bound of each of its two staging buffers.
+    staging_bytes: int = 2 * 1024 * 1024 * 1024
     # Longest a prefix lookup may hold the scheduler before it answers "ask later".
     lookup_wait_s: float = 0.01
     # Directory of the Unix sockets on which workers answer the scheduler's lookups (default: TMPDIR).

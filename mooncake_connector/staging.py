@@ -8,18 +8,23 @@ cache is on a GPU they are allocated pinned, so device copies can run asynchrono
 Thread-safe: acquired on the engine's forward thread, released from the client's I/O threads.
 ``try_acquire`` never blocks; ``acquire`` waits (bounded) for a release, which is how a connector
 applies backpressure instead of dropping a save or failing a load when staging is busy.
+An allocation the host refuses (pinned memory is a scarce, locked resource) is not an error either:
+``acquire`` answers None, as for a full pool, and the pool shrinks to what it could allocate.
 
 :func:`recommended_staging_bytes` sizes the pool from one chunk's bytes and the engine's batch.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import defaultdict
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class StagingPool:
@@ -48,7 +53,10 @@ class StagingPool:
 
     def acquire(self, nbytes: int, timeout_s: float) -> torch.Tensor | None:
         """Like ``try_acquire``, but waits up to ``timeout_s`` for other holders to release enough
-        room (None if they did not). A request larger than the whole pool fails at once."""
+        room (None if they did not). A request larger than the whole pool fails at once. When the
+        host refuses the allocation (out of memory, pinned memory unavailable) the answer is None
+        too, and the pool's capacity drops to the bytes it holds, so later calls wait for those
+        instead of asking the host again."""
         if nbytes > self.capacity_bytes:
             return None
         deadline = time.monotonic() + timeout_s
@@ -65,7 +73,17 @@ class StagingPool:
                 if left <= 0:
                     return None
                 self._released.wait(left)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one; so is pinning without a device
+            with self._lock:
+                self._allocated_bytes -= nbytes
+                self._in_use_bytes -= nbytes
+                old, self.capacity_bytes = self.capacity_bytes, self._allocated_bytes
+                self._released.notify_all()
+            logger.warning("staging: allocating %d %sbytes failed (%s); the pool stays at %d of %d bytes",
+                           nbytes, "pinned " if self.pin_memory else "", e, self.capacity_bytes, old)
+            return None
 
     def _take_locked(self, nbytes: int) -> torch.Tensor | None:
         """A free-listed buffer of ``nbytes`` (counted in use), else None after trading free

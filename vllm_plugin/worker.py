@@ -62,7 +62,7 @@ from store_backend.types import ReadResult, Status
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, SaveReport, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, kv_layer_names, page_format_for, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
-from vllm_plugin.sizing import staging_bytes
+from vllm_plugin.sizing import staging_bytes, staging_shortfall
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -175,6 +175,9 @@ class WorkerSide:
         device = paged[0].device if paged else torch.device("cpu")
         self.staging = StagingPool(staging_bytes(self.vllm_config, self.cfg, self.geometry),
                                    pin_memory=device.type == "cuda")
+        shortfall = staging_shortfall(self.vllm_config, self.cfg, self.geometry)
+        if shortfall is not None:
+            logger.warning("tiered connector: %s", shortfall)
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
         # The scheduler (maybe another process) asks this worker's store what it holds.

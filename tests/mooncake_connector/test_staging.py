@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+import torch  # noqa: E402
+
 from mooncake_connector.staging import StagingPool, recommended_staging_bytes  # noqa: E402
 
 
@@ -64,3 +66,14 @@ def test_acquire_gives_up_after_its_timeout_and_refuses_more_than_the_pool() -> 
 def test_recommended_staging_bytes_covers_three_steps_of_chunks() -> None:
     # 8B Llama-3: 32 MiB per 256-token chunk; 8192 batched tokens complete up to 33 chunks a step.
     assert recommended_staging_bytes(32 << 20, 256, 8192) == 3 * 33 * (32 << 20)
+
+
+def test_an_allocation_the_host_refuses_answers_none_and_caps_the_pool() -> None:
+    """Pinned memory the host cannot give (here: no accelerator, so torch refuses to pin) is the
+    pool's "no staging" answer, not an exception escaping into the engine's hook."""
+    pool = StagingPool(4 * 1024, pin_memory=True)
+    if torch.cuda.is_available():
+        pytest.skip("pinned memory is available here")
+    assert pool.try_acquire(1024) is None
+    assert pool.acquire(1024, timeout_s=0.05) is None
+    assert pool.in_use_bytes == 0 and pool.capacity_bytes == 0

@@ -2,10 +2,11 @@
 
 Staging is shared by loads and by saves in flight. With too little of it, saves used to be dropped
 after the scheduler had counted them as saved (a permanent hole: later lookups stop there) and loads
-past the limit failed. Now the pool is sized from the model's chunk size and the batch (the
-configured value is a floor), a step's loads are budgeted against it, a save or load that finds no
-room waits for the I/O in flight, and a save that did not land is planned again. So engine A, with
-``staging_bytes`` of two chunks and twelve prompts at once, must store every whole chunk of every
+past the limit failed. Now the pool is sized from the model's chunk size and the batch, capped at
+``staging_bytes``, a step's loads are budgeted against it, a save or load that finds no room waits
+for the I/O in flight, and a save that did not land is planned again. So engine A, with
+``staging_bytes`` of six chunks (the recommended pool here is fifteen; a prompt's hit is six, the
+most one request loads at once) and twelve prompts at once, must store every whole chunk of every
 prompt, and engine B (fresh) must load every one of them with no failed load and give the tokens of
 a no-connector engine.
 """
@@ -30,7 +31,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("staging")
-    extra = {"chunk_tokens": CHUNK_TOKENS, "staging_bytes": 2 * CHUNK_BYTES, "store": store_section(work / "ssd")}
+    extra = {"chunk_tokens": CHUNK_TOKENS, "staging_bytes": 6 * CHUNK_BYTES, "store": store_section(work / "ssd")}
     rounds = [{"prompts": PROMPTS, "max_tokens": MAX_TOKENS}]
     base = {"model_dir": str(tiny_model), "engine": ENGINE, "rounds": rounds}
     baseline = run_engine({**base, "connector": None}, work, "baseline")
