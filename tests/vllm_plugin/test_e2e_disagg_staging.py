@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode under staging pressure: the decode side never waits in vain.
 
 The prefill server (``kv_producer``) and decode server (``kv_consumer``) run with a deliberately
-small ``staging_bytes`` (two chunks) and a 256-token batch, and four requests go through the proxy
+small ``staging_bytes`` (ten chunks: a prompt's whole hit, below the fifteen recommended for
+a 256-token batch) and a 256-token batch, and four requests go through the proxy
 at once. The prefill side used to drop saves past its staging after counting them as saved, and the
 decode side then waited ``remote_prefill_wait_s`` for chunks that never came and recomputed them.
 Now every chunk the prefill side announces lands (a prefill request with saves still unsettled
@@ -36,7 +37,7 @@ REMOTE_WAIT_S = 120  # far longer than the test takes: a wait that runs out show
 def _server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subprocess.Popen:
     ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": role,
            "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "shared_ssd": True,
-                                         "staging_bytes": 2 * CHUNK_BYTES,
+                                         "staging_bytes": 10 * CHUNK_BYTES,
                                          "remote_prefill_wait_s": REMOTE_WAIT_S,
                                          "store": store_section(ssd)}}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
