@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from store_backend.config import SsdConfig
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
-from tests.store_backend.conftest import payload
+from tests.store_backend.conftest import can_mount_tmpfs, mounted_tmpfs, payload
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,23 +27,10 @@ SIZE = 256 << 10
 N = 400  # 100 MiB of objects on a 64 MiB file system
 
 
-def _can_mount() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None
-
-
 @pytest.fixture
-def small_fs(tmp_path: Path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True,
-                          text=True, timeout=30)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    with mounted_tmpfs(tmp_path / "fs", "64m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def _fill_and_check(mnt: Path, backend: str, **ssd_kw) -> dict:
@@ -71,7 +57,7 @@ def _fill_and_check(mnt: Path, backend: str, **ssd_kw) -> dict:
     return {"metrics": m, "served": served, "wrong": wrong, "fs_use": 1 - st.f_bavail / st.f_blocks}
 
 
-@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a tmpfs")
 @pytest.mark.parametrize("backend,ssd_kw", [
     ("bucket", {"capacity_bytes": 256 << 20, "disk_watermark": 0.9}),
     ("file", {"capacity_bytes": 256 << 20, "disk_watermark": 0.9}),
@@ -106,7 +92,7 @@ def _fill_up(path: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a tmpfs")
 def test_offset_reopens_its_file_whole_when_the_disk_is_past_the_watermark(small_fs):
     ssd = {"path": str(small_fs / "ssd"), "backend": "offset", "capacity_bytes": 8 << 20, "io_engine": "posix",
            "direct_io": False, "disk_watermark": 0.5}
@@ -135,7 +121,7 @@ def test_offset_reopens_its_file_whole_when_the_disk_is_past_the_watermark(small
         b.close()
 
 
-@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a tmpfs")
 def test_offset_on_a_full_disk_evicts_nothing_when_victims_cannot_make_room(small_fs, monkeypatch):
     # A sparse data file (no fallocate) on a full file system: the only room is what stored
     # records were written to. An object larger than any run of adjacent victims used to evict

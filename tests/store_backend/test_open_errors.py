@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
-from tests.store_backend.conftest import payload
+from tests.store_backend.conftest import can_mount_tmpfs, mounted_tmpfs, payload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,27 +240,14 @@ def test_a_bucket_file_that_is_a_directory_is_skipped(tmp_path, caplog):
     assert bogus.is_dir()
 
 
-def _can_mount() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None
-
-
 @pytest.fixture
-def small_shm(tmp_path: Path):
+def small_shm(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs standing in for /dev/shm."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True,
-                          text=True, timeout=30)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "8m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-@pytest.mark.skipif(not _can_mount(), reason="needs root to mount a tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a tmpfs")
 def test_per_rank_segments_that_overrun_dev_shm_together_are_refused_at_open(small_shm):
     # Each 6 MiB segment fits the 8 MiB alone; the second used to pass the room check too (the
     # first reserved nothing) and filling both died of SIGBUS.
