@@ -330,12 +330,7 @@ class OffsetBackend(IndexedBackend):
         if existing:
             if want <= existing:
                 return existing
-            fits = st.f_bavail * st.f_frsize + allocated if st.f_blocks else want
-            room = fs_room(self._dir, self.cfg.disk_watermark)
-            if room is not None:
-                used, limit = room
-                fits = min(fits, limit - used + allocated)
-            fits = align_down(max(0, fits))
+            fits = self._room_bytes(st, allocated, want)
             if want > fits:
                 logger.warning("ssd.capacity_bytes=%d does not fit the file system at %s under "
                                "ssd.disk_watermark=%.2f: the offset backend keeps its %d-byte file and grows "
@@ -347,12 +342,7 @@ class OffsetBackend(IndexedBackend):
                               f"holding ssd.path={self._dir!r} ({total} bytes)")
         # Never ask fallocate for more than is free: on ext4 a failed fallocate keeps what it got,
         # which would leave the file system full.
-        fits = st.f_bavail * st.f_frsize + allocated if st.f_blocks else want
-        room = fs_room(self._dir, self.cfg.disk_watermark)
-        if room is not None:
-            used, limit = room
-            fits = min(fits, limit - used + allocated)
-        fits = align_down(max(0, fits))
+        fits = self._room_bytes(st, allocated, want)
         if want > fits:
             logger.warning("ssd.capacity_bytes=%d does not fit the file system at %s under ssd.disk_watermark=%.2f "
                            "(room for %d bytes): the offset backend uses %d bytes",
@@ -362,6 +352,17 @@ class OffsetBackend(IndexedBackend):
             raise ConfigError(f"ssd.capacity_bytes={self.cfg.capacity_bytes}: the file system at ssd.path={self._dir!r} "
                               f"has no room for it under ssd.disk_watermark={self.cfg.disk_watermark}")
         return want
+
+    def _room_bytes(self, st: os.statvfs_result, allocated: int, want: int) -> int:
+        """Aligned bytes the data file may hold on the file system ``st`` describes: the free space
+        plus ``allocated`` (what the file holds already), kept under ``disk_watermark``; ``want``
+        where the file system reports no size."""
+        fits = st.f_bavail * st.f_frsize + allocated if st.f_blocks else want
+        room = fs_room(self._dir, self.cfg.disk_watermark)
+        if room is not None:
+            used, limit = room
+            fits = min(fits, limit - used + allocated)
+        return align_down(max(0, fits))
 
     def _open_file(self) -> tuple[int, int]:
         try:
