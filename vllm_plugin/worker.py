@@ -513,8 +513,23 @@ class WorkerSide:
 
     def _settle_held(self, commit: list[int], discard: list[int]) -> None:
         """Apply the scheduler's decisions on held saves (ids this rank does not hold are ignored:
-        e.g. a save this rank already reported as not saved)."""
-        to_put = [job for i in commit if (job := self._held.pop(i, None)) is not None]
+        e.g. a save this rank already reported as not saved).
+
+        A held save keyed under an older cache epoch than the current one is dropped even when
+        committed (reported not stored): its KV predates a cache reset, and under its old key it
+        would only be an unreachable object the reset's sweep may already have passed."""
+        to_put: list[_SaveJob] = []
+        for i in commit:
+            job = self._held.pop(i, None)
+            if job is None:
+                continue
+            if job.key == object_key(self.digest, job.chunk.chunk_hash):
+                to_put.append(job)
+                continue
+            assert self.staging is not None
+            self.staging.release(job.buf)
+            self.counters["saves_discarded"] += 1
+            self._report(i, False)
         for i in discard:
             job = self._held.pop(i, None)
             if job is not None:

@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
+from mooncake_connector.keys import object_key  # noqa: E402
 from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
 from mooncake_connector.staging import StagingPool  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS  # noqa: E402
@@ -186,3 +187,24 @@ def test_a_load_behind_stuck_saves_fails_within_the_load_timeout(make_worker: An
     finally:
         stuck.gate.set()
         w.wait_for_save(meta)
+
+
+def test_a_held_save_committed_after_a_cache_reset_is_not_stored(make_worker: Any) -> None:
+    """A save held for the scheduler's decision was keyed before a cache reset moved the worker to
+    a new epoch (``set_epoch`` changes ``digest``). Committed afterwards, it must not be put under
+    its old-epoch key (unreachable, and possibly after the reset's sweep) nor under the new one (its
+    KV predates the reset): it is reported not stored and its staging returned."""
+    w = make_worker(staging_chunks=4)
+    save = ChunkSave("chunk-held", None, [0, 1], save_id=7, hold=True)
+    meta = TieredConnectorMetadata(requests=[RequestPlan("r", saves=[save])], step=1)
+    w.start_load_kv(meta)
+    for layer in LAYERS:
+        w.save_kv_layer(meta, layer)
+    w.wait_for_save(meta)
+    old_key = object_key(w.digest, "chunk-held")
+    w.digest = "test-digest-epoch-1"  # what set_epoch does at a cache reset
+    w.start_load_kv(TieredConnectorMetadata(step=2, commit_saves=[7]))
+    assert w.flush(10)
+    assert _reports_until(w, 1) == {7: False}
+    assert w.client.lookup([old_key]) == 0
+    assert w.staging is not None and w.staging.in_use_bytes == 0
