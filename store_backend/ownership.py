@@ -74,7 +74,9 @@ def flock_holders(fd: int) -> list[tuple[int, bool]]:
     return out
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists in this pid namespace (signal 0; one owned by another user
+    counts as alive). Never blocks."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -91,7 +93,7 @@ def _describe(pids: list[int]) -> str:
     for p in pids:
         if p == os.getpid():
             named.append(f"pid {p} (this process)")
-        elif not _pid_alive(p):
+        elif not pid_alive(p):
             # /proc/locks names the pid that took the lock; a descriptor it handed on keeps it.
             named.append(f"pid {p} (pid {p} has exited; a process it forked may still hold it)")
         else:

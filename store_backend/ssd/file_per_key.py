@@ -36,6 +36,7 @@ import msgspec
 import xxhash
 
 from store_backend.config import ConfigError, SsdConfig
+from store_backend.ownership import pid_alive
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.directory import direct_io_usable, fs_room, open_directory
 from store_backend.ssd.indexed import IndexedBackend
@@ -82,16 +83,6 @@ _ABANDONED_TMP_S = 3600.0
 def temp_path(path: str) -> str:
     """This thread's temporary name for the record file ``path`` (renamed onto it when durable)."""
     return f"{path}.{os.getpid()}-{threading.get_native_id()}.tmp"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def record_file_kind(name: str) -> str | None:
@@ -224,7 +215,7 @@ class FilePerKeyBackend(IndexedBackend):
                 age_s = time.time() - os.stat(path).st_mtime
             except FileNotFoundError:
                 return
-            gone = pid is not None and not _pid_alive(int(pid))
+            gone = pid is not None and not pid_alive(int(pid))
             if not ((gone and age_s > _STALE_TMP_S) or age_s > _ABANDONED_TMP_S):
                 return
         try:
