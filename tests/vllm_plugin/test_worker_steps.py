@@ -26,6 +26,8 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/i
 import torch  # noqa: E402
 from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed.parallel_state import (  # noqa: E402
+    destroy_distributed_environment,
+    destroy_model_parallel,
     ensure_model_parallel_initialized,
     init_distributed_environment,
     model_parallel_is_initialized,
@@ -66,8 +68,9 @@ def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
                            kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
     vllm_config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
                              max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc).create_engine_config()
+    owns_groups = not model_parallel_is_initialized()
     with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
+        if owns_groups:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
             ensure_model_parallel_initialized(1, 1)
@@ -93,6 +96,9 @@ def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     yield make
     for w in workers:
         w.close()
+    if owns_groups:
+        destroy_model_parallel()
+        destroy_distributed_environment()
 
 
 def _step(step: int, first_block: int) -> TieredConnectorMetadata:
