@@ -334,9 +334,9 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
         small = ["a", "b", "c", "d"]
         assert s.put(small, [np.ones(unit, np.uint8)] * 4) == [Status.OK] * 4  # 7 of 8 units
         f1 = threading.Thread(target=s.flush, kwargs={"timeout_s": 1.0}, name="f1")
-        t0 = time.monotonic()
         f1.start()
         assert entered.wait(10)  # f1 writes "big" and "a": half of DRAM, all the room there is
+        t0 = time.monotonic()  # f1 began before this: its deadline is before t0 + 1.0
         # No room: b, c, d go back to the offload queue, which takes two; "d" is refused.
         assert not s.flush_report(timeout_s=0.3).ok
         time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))  # f1's deadline has passed ...

@@ -473,6 +473,10 @@ class LandingGates:
     def size_of(self, keys):  # noqa: ANN001, ANN201
         return self._asked(keys, self.inner.size_of(keys))
 
+    def keys(self):  # noqa: ANN201
+        out = list(self.inner.keys())
+        return self._asked(out, out)
+
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self.inner, name)
 
@@ -492,7 +496,7 @@ def landing_store(tmp_path, backend: str) -> tuple[TieredStore, LandingGates]:
     return TieredStore(cfg, ssd=gates).start(), gates
 
 
-@pytest.mark.parametrize("call", ["put", "contains", "size_of"])
+@pytest.mark.parametrize("call", ["put", "contains", "size_of", "keys"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_lookup_that_saw_an_old_copy_just_before_its_deletion_is_not_trusted(
         tmp_path, monkeypatch, backend, call) -> None:
@@ -513,7 +517,7 @@ def test_a_lookup_that_saw_an_old_copy_just_before_its_deletion_is_not_trusted(
         assert g.rm_entered.wait(10)
         got: list = []
         ops = {"put": lambda: s.put(["K"], [versioned(0, 2)])[0], "contains": lambda: s.contains(["K"])[0],
-               "size_of": lambda: s.size_of(["K"])[0]}
+               "size_of": lambda: s.size_of(["K"])[0], "keys": lambda: "K" in s.keys()}
         asker = threading.Thread(target=lambda: got.append(ops[call]()), name="asker")
         asker.start()
         assert g.asked.wait(10)  # its SSD lookup saw the landed v1 copy
