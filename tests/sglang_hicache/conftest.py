@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from sglang_hicache.cpu_compat import prepare_sglang_import
+
+if TYPE_CHECKING:
+    from tests.sglang_hicache.harness import Scheduler
 
 SGLANG_READY = importlib.util.find_spec("sglang") is not None and prepare_sglang_import()
 
@@ -28,3 +32,13 @@ def sglang_runtime() -> Iterator[None]:
     publish(ServerArgs(model_path="dummy"), role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     yield
     reset_context()
+
+
+@pytest.fixture
+def schedulers() -> Iterator[list[Scheduler]]:
+    """A list a test appends each :class:`~tests.sglang_hicache.harness.Scheduler` it starts to;
+    every one is closed when the test ends."""
+    made: list[Scheduler] = []
+    yield made
+    for s in made:
+        s.close()

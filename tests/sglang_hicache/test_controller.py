@@ -32,14 +32,6 @@ def same_pages(host, a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(torch.equal(x, y) for x, y in zip(read_pages(host, a), read_pages(host, b)))
 
 
-@pytest.fixture
-def schedulers():
-    made: list[Scheduler] = []
-    yield made
-    for s in made:
-        s.close()
-
-
 def start(schedulers, layout: str, store: dict, *, mla: bool = False, **extra) -> Scheduler:
     s = Scheduler(make_pools(layout, mla=mla), extra_config(store, **extra))
     schedulers.append(s)

@@ -23,14 +23,6 @@ PAGE_BYTES = 2 * 3 * PAGE * 2 * 16 * 2  # planes * layers * tokens * heads * hea
 SLOT_BYTES = -(-PAGE_BYTES // 4096) * 4096  # arena allocations are 4 KiB aligned
 
 
-@pytest.fixture
-def schedulers():
-    made: list[Scheduler] = []
-    yield made
-    for s in made:
-        s.close()
-
-
 def test_many_lookups_without_loads_never_block_backups(schedulers) -> None:
     # A DRAM-only store of 8 pages; every prefix is backed up, then asked for again and again by
     # requests whose prefetch SGLang drops. Old pages must stay evictable so new backups succeed.
