@@ -10,13 +10,8 @@ than recomputing it.
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,33 +19,11 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [prompt(31, 700), prompt(32, 300)]
-MAX_TOKENS = 16
-STARTUP_TIMEOUT_S = 400
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for proc, log in zip(procs, logs):
-            if proc.poll() is not None:
-                raise AssertionError(f"{log.name} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s")
 
 
 def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subprocess.Popen:
@@ -64,57 +37,11 @@ def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subp
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("disagg")
-    ssd = work / "ssd"
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    logs = [work / "prefill.log", work / "decode.log"]
-    servers = [vllm_server(tiny_model, ports["prefill"], "kv_producer", ssd, logs[0]),
-               vllm_server(tiny_model, ports["decode"], "kv_consumer", ssd, logs[1])]
-    procs = list(servers)
-    try:
-        for name in ("prefill", "decode"):
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", servers, logs)
-        proxy_log = work / "proxy.log"
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "vllm_disagg" / "proxy.py"), "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode", f"http://127.0.0.1:{ports['decode']}"],
-            stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env={**os.environ}))
-        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", procs[2:], [proxy_log])
+    with disagg_cluster(work, lambda port, role, log: vllm_server(tiny_model, port, role, work / "ssd", log)) as ports:
         yield {"ports": ports, "work": work}
-    finally:
-        stop(procs)
-
-
-def complete(port: int, token_ids: list[int]) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE):
-        total += float(m.group(1))
-    return total
 
 
 def test_decode_server_loads_the_prefilled_prefix_and_matches_baseline(

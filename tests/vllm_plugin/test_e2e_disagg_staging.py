@@ -13,7 +13,6 @@ the store, well within the wait, and answers with a no-connector engine's tokens
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
-from tests.vllm_plugin.test_e2e_disagg import MAX_TOKENS, complete, free_port, metric, stop, wait_healthy
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric
 from tests.vllm_plugin.test_e2e_staging import CHUNK_BYTES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -50,24 +49,8 @@ def _server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subproce
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("disagg-staging")
-    ssd = work / "ssd"
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    logs = [work / "prefill.log", work / "decode.log"]
-    servers = [_server(tiny_model, ports["prefill"], "kv_producer", ssd, logs[0]),
-               _server(tiny_model, ports["decode"], "kv_consumer", ssd, logs[1])]
-    procs = list(servers)
-    try:
-        for name in ("prefill", "decode"):
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", servers, logs)
-        proxy_log = work / "proxy.log"
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "vllm_disagg" / "proxy.py"), "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode", f"http://127.0.0.1:{ports['decode']}"],
-            stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env={**os.environ}))
-        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", procs[2:], [proxy_log])
+    with disagg_cluster(work, lambda port, role, log: _server(tiny_model, port, role, work / "ssd", log)) as ports:
         yield {"ports": ports, "work": work}
-    finally:
-        stop(procs)
 
 
 def test_decode_loads_every_announced_chunk_without_waiting_out(cluster: dict[str, Any], tiny_model: Path) -> None:

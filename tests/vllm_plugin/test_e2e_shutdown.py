@@ -18,7 +18,7 @@ import pytest
 
 from store_backend.store import TieredStore
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, store_section
-from tests.vllm_plugin.test_e2e_disagg import complete, free_port, stop, wait_healthy
+from tests.vllm_plugin.disagg_cluster import complete, free_port, stop, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,0 +1,106 @@
+"""Real vLLM OpenAI servers for the disaggregated (1P1D) e2e tests, and the example proxy in front.
+
+:func:`disagg_cluster` starts a prefill (``kv_producer``) and a decode (``kv_consumer``) server, waits
+until both answer ``/health``, starts ``examples/vllm_disagg/proxy.py`` in front of them and stops all
+three on exit. The servers are whatever the caller's ``start_server`` makes (the tests differ in their
+connector config and batch size). The HTTP helpers block; none is thread-safe beyond what urllib is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_plugin.conftest import ROOT
+
+MAX_TOKENS = 16
+STARTUP_TIMEOUT_S = 400
+
+# (port, kv_role, log path) -> the started server process
+StartServer = Callable[[int, str, Path], subprocess.Popen]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for proc, log in zip(procs, logs):
+            if proc.poll() is not None:
+                raise AssertionError(f"{log.name} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextmanager
+def disagg_cluster(work: Path, start_server: StartServer) -> Iterator[dict[str, int]]:
+    """Prefill and decode servers from ``start_server`` and the example proxy, logging under ``work``.
+
+    Yields the ports (``"prefill"``, ``"decode"``, ``"proxy"``); a server that exits before it is
+    healthy fails with its log. Every process is stopped on exit."""
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    logs = [work / "prefill.log", work / "decode.log"]
+    servers = [start_server(ports["prefill"], "kv_producer", logs[0]),
+               start_server(ports["decode"], "kv_consumer", logs[1])]
+    procs = list(servers)
+    try:
+        for name in ("prefill", "decode"):
+            wait_healthy(f"http://127.0.0.1:{ports[name]}", servers, logs)
+        proxy_log = work / "proxy.log"
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "vllm_disagg" / "proxy.py"), "--port", str(ports["proxy"]),
+             "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode", f"http://127.0.0.1:{ports['decode']}"],
+            stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env={**os.environ}))
+        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", procs[2:], [proxy_log])
+        yield ports
+    finally:
+        stop(procs)
+
+
+def complete(port: int, token_ids: list[int]) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE):
+        total += float(m.group(1))
+    return total
