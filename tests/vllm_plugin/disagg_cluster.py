@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_plugin.conftest import ROOT
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, store_section
 
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 400
@@ -49,6 +49,20 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> N
         except OSError:
             time.sleep(1)
     raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s")
+
+
+def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path, *,
+                extra_config: dict[str, Any] | None = None, args: Sequence[str] = ()) -> subprocess.Popen:
+    """A vLLM OpenAI server on ``port`` with this connector as ``role``, sharing the SSD directory
+    ``ssd``; ``extra_config`` adds connector keys, ``args`` adds server flags. Output goes to ``log``."""
+    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": role,
+           "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "shared_ssd": True, **(extra_config or {}),
+                                         "store": store_section(ssd)}}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+           "--block-size", "32", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", *args,
+           "--kv-transfer-config", json.dumps(ktc)]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

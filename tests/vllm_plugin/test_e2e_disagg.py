@@ -9,32 +9,18 @@ than recomputing it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [prompt(31, 700), prompt(32, 300)]
-
-
-def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subprocess.Popen:
-    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": role,
-           "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "shared_ssd": True,
-                                         "store": store_section(ssd)}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
-           "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-           "--kv-transfer-config", json.dumps(ktc)]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

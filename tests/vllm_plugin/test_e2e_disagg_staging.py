@@ -12,9 +12,7 @@ the store, well within the wait, and answers with a no-connector engine's tokens
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric, vllm_server
 from tests.vllm_plugin.test_e2e_staging import CHUNK_BYTES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,16 +32,9 @@ REMOTE_WAIT_S = 120  # far longer than the test takes: a wait that runs out show
 
 
 def _server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subprocess.Popen:
-    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": role,
-           "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "shared_ssd": True,
-                                         "staging_bytes": 10 * CHUNK_BYTES,
-                                         "remote_prefill_wait_s": REMOTE_WAIT_S,
-                                         "store": store_section(ssd)}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--skip-tokenizer-init", "--block-size", "32", "--dtype", "float32", "--max-model-len", "4096",
-           "--enforce-eager", "--max-num-batched-tokens", "256", "--kv-transfer-config", json.dumps(ktc)]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
+    return vllm_server(model, port, role, ssd, log,
+                       extra_config={"staging_bytes": 10 * CHUNK_BYTES, "remote_prefill_wait_s": REMOTE_WAIT_S},
+                       args=["--max-num-batched-tokens", "256"])
 
 
 @pytest.fixture(scope="module")
