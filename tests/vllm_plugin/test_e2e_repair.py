@@ -79,8 +79,9 @@ def test_damaged_load_is_recomputed_with_baseline_tokens(runs: dict[str, Any]) -
     # The damaged copy must be gone so a put can replace it. Whoever reads it first finds it CORRUPT
     # and it is dropped: the load (then the worker removes it too: damaged_removed), or the
     # promotion the scheduler's lease queued a moment earlier (the SSD backend drops a record that
-    # fails its checksum; the load then finds it missing). Either way exactly one corrupt read.
-    assert worker["store"]["ssd"]["corrupt_reads"] == 1, worker["store"]
+    # fails its checksum; the load then finds it missing), or both at once. The fresh engine's full
+    # hit below shows the copy was replaced.
+    assert worker["store"]["ssd"]["corrupt_reads"] in (1, 2), worker["store"]
     assert worker["damaged_removed"] in (0, 1)
 
 
