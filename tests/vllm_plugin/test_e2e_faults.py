@@ -15,11 +15,8 @@ from typing import Any
 
 import pytest
 
-from mooncake_connector.keys import chunk_hashes
-from store_backend.config import SsdConfig
-from store_backend.ssd.factory import open_ssd_backend
-from store_backend.ssd.record import HEADER_BLOCK
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
+from tests.vllm_plugin.damage import damage_chunk, delete_chunk
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,20 +26,8 @@ P_B = prompt(22, 330)  # 5 chunks; chunk 3 gets deleted
 
 def _damage(ssd_dir: Path) -> None:
     """Flip bytes in P_A's chunk 1 and delete P_B's chunk 3 (file-per-key records)."""
-    backend = open_ssd_backend(SsdConfig(path=str(ssd_dir), backend="file", io_engine="posix"))
-    try:
-        by_hash = {k.rsplit("/", 1)[1]: k for k in backend.keys()}
-        corrupt_key = by_hash[chunk_hashes(P_A, CHUNK_TOKENS)[1]]
-        delete_key = by_hash[chunk_hashes(P_B, CHUNK_TOKENS)[3]]
-        path = backend.path_for(corrupt_key)
-        assert backend.remove([delete_key])[0].ok
-    finally:
-        backend.close()
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BLOCK + 1000)
-        byte = f.read(1)
-        f.seek(HEADER_BLOCK + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    delete_chunk(ssd_dir, P_B, 3)
+    damage_chunk(ssd_dir, P_A, 1)
 
 
 @pytest.fixture(scope="module")

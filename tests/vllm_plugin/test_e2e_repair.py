@@ -18,11 +18,8 @@ from typing import Any
 
 import pytest
 
-from mooncake_connector.keys import chunk_hashes
-from store_backend.config import SsdConfig
-from store_backend.ssd.factory import open_ssd_backend
-from store_backend.ssd.record import HEADER_BLOCK
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
+from tests.vllm_plugin.damage import damage_chunk
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,21 +27,6 @@ P_SHORT = prompt(51, 300)  # engine A stores chunks 0-3
 P_LONG = P_SHORT[:256] + prompt(52, 150)  # 406 tokens: chunks 0-3 shared, 4-5 computed by B
 DAMAGED_CHUNK = 1
 MAX_TOKENS = 12
-
-
-def damage_chunk(ssd_dir: Path, tokens: list[int], chunk: int) -> None:
-    """Flip one byte inside the payload of ``tokens``' chunk ``chunk`` (file-per-key records)."""
-    backend = open_ssd_backend(SsdConfig(path=str(ssd_dir), backend="file", io_engine="posix"))
-    try:
-        by_hash = {k.rsplit("/", 1)[1]: k for k in backend.keys()}
-        path = backend.path_for(by_hash[chunk_hashes(tokens, CHUNK_TOKENS)[chunk]])
-    finally:
-        backend.close()
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BLOCK + 1000)
-        byte = f.read(1)
-        f.seek(HEADER_BLOCK + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.fixture(scope="module")

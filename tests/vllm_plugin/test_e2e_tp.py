@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
-from tests.vllm_plugin.test_e2e_repair import DAMAGED_CHUNK, P_LONG, P_SHORT, damage_chunk
+from tests.vllm_plugin.damage import damage_chunk
+from tests.vllm_plugin.test_e2e_repair import DAMAGED_CHUNK, P_LONG, P_SHORT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
