@@ -5,8 +5,10 @@ drives it, without an engine: what is planned, what is planned again, when block
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +257,22 @@ def _ask(sched: SchedulerSide, req: Request, computed: int) -> int:
     return hit
 
 
+@contextlib.contextmanager
+def _gated_lookup(sched: SchedulerSide) -> Iterator[KVClient]:
+    """A client over a DRAM store whose puts wait for a gate (opened at exit), served on the
+    scheduler's lookup socket, so saves stay in flight while the scheduler plans."""
+    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
+        slow = _GatedPuts(store)
+        client = KVClient(slow).start()
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            yield client
+        finally:
+            slow.gate.set()
+            server.close()
+            client.close()
+
+
 def _fail_all(sched: SchedulerSide, meta: TieredConnectorMetadata) -> None:
     sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
         steps=[meta.step], saves=[SaveReport(i, 0, False) for _b, i, _h in _saves(meta)])))
@@ -264,33 +282,25 @@ def test_a_failed_save_another_request_counted_on_is_planned_again_by_it(make_sc
     """B's lookup counts A's saves in flight as present (vLLM's prefix cache gives B A's blocks).
     A has finished when its saves fail: B, which still holds the blocks, saves those chunks."""
     sched = make_scheduler("kv_producer")
-    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
-        slow = _GatedPuts(store)
-        client = KVClient(slow).start()
-        server = LookupServer(client, sched.lookups[0].path).start()
-        try:
-            tokens = prompt(6, 300)
-            blocks_a = list(range(10, 17))
-            _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
-            b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
-            _ask(sched, b, 192)  # vLLM's local hit: A's first six blocks
-            assert sched._reqs["B"].hit_chunks == 3  # A's three saves in flight count as present
-            blocks_b = blocks_a[:6] + [30, 31, 32, 33]
-            sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
-            _fail_all(sched, meta_a)
-            b.num_computed_tokens = 192
-            out = SchedulerOutput.make_empty()
-            out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
-            out.num_scheduled_tokens = {"B": 300 - 192}
-            meta_b = sched.build_connector_meta(out)
-            assert [blk for blk, _i, _h in _saves(meta_b)] == [10, 12, 14, 30]  # chunks 0-3, from B's blocks
-            b.num_computed_tokens = 300
-            delay, params = sched.request_finished(b, blocks_b)
-            assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
-        finally:
-            slow.gate.set()
-            server.close()
-            client.close()
+    with _gated_lookup(sched) as client:
+        tokens = prompt(6, 300)
+        blocks_a = list(range(10, 17))
+        _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
+        b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
+        _ask(sched, b, 192)  # vLLM's local hit: A's first six blocks
+        assert sched._reqs["B"].hit_chunks == 3  # A's three saves in flight count as present
+        blocks_b = blocks_a[:6] + [30, 31, 32, 33]
+        sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
+        _fail_all(sched, meta_a)
+        b.num_computed_tokens = 192
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
+        out.num_scheduled_tokens = {"B": 300 - 192}
+        meta_b = sched.build_connector_meta(out)
+        assert [blk for blk, _i, _h in _saves(meta_b)] == [10, 12, 14, 30]  # chunks 0-3, from B's blocks
+        b.num_computed_tokens = 300
+        delay, params = sched.request_finished(b, blocks_b)
+        assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
 
 
 def test_a_prefill_request_keeps_its_blocks_until_saves_it_counted_on_settled(make_scheduler: Any) -> None:
@@ -298,40 +308,32 @@ def test_a_prefill_request_keeps_its_blocks_until_saves_it_counted_on_settled(ma
     lands first; B still keeps its blocks until A's saves settle. They fail: B saves those chunks
     from its blocks and releases them only once they landed, so the decode side gets its promise."""
     sched = make_scheduler("kv_producer")
-    with TieredStore({"dram": {"capacity_bytes": "4MiB"}}) as store:
-        slow = _GatedPuts(store)
-        client = KVClient(slow).start()
-        server = LookupServer(client, sched.lookups[0].path).start()
-        try:
-            tokens = prompt(7, 260)
-            blocks_a = list(range(40, 47))
-            _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
-            b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
-            _ask(sched, b, 192)
-            assert sched._reqs["B"].hit_chunks == 3
-            blocks_b = blocks_a[:6] + [50, 51, 52]
-            sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
-            b.num_computed_tokens = 192
-            out = SchedulerOutput.make_empty()
-            out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
-            out.num_scheduled_tokens = {"B": 260 - 192}
-            step1 = sched.build_connector_meta(out)
-            assert [blk for blk, _i, _h in _saves(step1)] == [50]  # chunk 3 only: 0-2 are A's, in flight
-            b.num_computed_tokens = 260
-            delay, params = sched.request_finished(b, blocks_b)
-            assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
-            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
-                steps=[step1.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step1)])))
-            step2 = _next_step(sched)
-            assert step2.release == [], "B released its blocks while saves it promised were in flight"
-            _fail_all(sched, meta_a)
-            step3 = _next_step(sched)
-            # Chunks 0-3 from B's blocks (saved_chunks is a prefix: chunk 3 again, stored EXISTS).
-            assert [blk for blk, _i, _h in _saves(step3)] == [40, 42, 44, 50] and step3.release == []
-            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
-                steps=[step3.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step3)])))
-            assert _next_step(sched).release == ["B"]
-        finally:
-            slow.gate.set()
-            server.close()
-            client.close()
+    with _gated_lookup(sched) as client:
+        tokens = prompt(7, 260)
+        blocks_a = list(range(40, 47))
+        _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
+        b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
+        _ask(sched, b, 192)
+        assert sched._reqs["B"].hit_chunks == 3
+        blocks_b = blocks_a[:6] + [50, 51, 52]
+        sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
+        b.num_computed_tokens = 192
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(b, (blocks_b,))]
+        out.num_scheduled_tokens = {"B": 260 - 192}
+        step1 = sched.build_connector_meta(out)
+        assert [blk for blk, _i, _h in _saves(step1)] == [50]  # chunk 3 only: 0-2 are A's, in flight
+        b.num_computed_tokens = 260
+        delay, params = sched.request_finished(b, blocks_b)
+        assert delay and params[REMOTE_PREFIX_TOKENS] == 4 * CHUNK_TOKENS
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+            steps=[step1.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step1)])))
+        step2 = _next_step(sched)
+        assert step2.release == [], "B released its blocks while saves it promised were in flight"
+        _fail_all(sched, meta_a)
+        step3 = _next_step(sched)
+        # Chunks 0-3 from B's blocks (saved_chunks is a prefix: chunk 3 again, stored EXISTS).
+        assert [blk for blk, _i, _h in _saves(step3)] == [40, 42, 44, 50] and step3.release == []
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+            steps=[step3.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step3)])))
+        assert _next_step(sched).release == ["B"]
