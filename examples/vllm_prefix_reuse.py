@@ -71,7 +71,7 @@ def main() -> int:
              "--chunk-tokens", str(args.chunk_tokens), "--store-dir", args.store_dir or str(work / "ssd")]
     if args.model is None:
         sys.path.insert(0, str(ROOT))
-        from store_backend.bench_vllm import write_llama_config
+        from mooncake_kv.devtools.llama import write_llama_config
 
         model = write_llama_config(work / "model", layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816)
         child += ["--model", str(model), "--dummy"]

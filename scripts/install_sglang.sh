@@ -12,7 +12,7 @@
 #      modules import (only the ones whose module is missing, so nothing vLLM pinned is moved).
 #   3. torchvision: SGLang imports it on the way to its memory pools, PyPI has only CUDA builds of it,
 #      and one in site-packages would break vLLM's CPU build. The wheel matching the installed torch
-#      is unpacked into <venv>/sglang-cpu-extras instead, which only sglang_hicache.cpu_compat (used
+#      is unpacked into <venv>/sglang-cpu-extras instead, which only mooncake_kv.devtools.sglang_cpu (used
 #      by the tests and `mooncake-kv bench sglang`) puts on sys.path.
 #   4. SGLang hashes HiCache pages with a C++ extension it compiles on first use (g++, OpenSSL
 #      headers, ninja); the system packages are installed when missing (as root), and the extension
@@ -106,7 +106,7 @@ fi
 
 # 4. Check the imports the backend and its tests need, and build SGLang's page-hash extension.
 "$PY" - <<'EOF'
-from sglang_hicache.cpu_compat import prepare_sglang_import
+from mooncake_kv.devtools.sglang_cpu import prepare_sglang_import
 
 assert prepare_sglang_import(), "torchvision is missing"
 import sglang.srt.managers.cache_controller  # noqa: F401

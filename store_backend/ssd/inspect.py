@@ -2,7 +2,7 @@
 what an open would clean up, and (``verify``) which records fail their checksum.
 
 :func:`inspect_directory` returns an :class:`InspectReport` (plain data; ``mooncake-kv inspect``
-in :mod:`store_backend.ssd.inspect_cli` prints it). The backend is detected from the files on
+in :mod:`mooncake_kv.inspect_cli` prints it). The backend is detected from the files on
 disk; each backend is read through its own read-only recovery helpers (``read_footer``,
 ``scan_records``, ``read_tombstones``, ``live_records`` in :mod:`~store_backend.ssd.bucket`;
 ``decode_superblock``, ``scan_records``, ``pick_winners`` in :mod:`~store_backend.ssd.offset`;

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from sglang_hicache.cpu_compat import prepare_sglang_import
+from mooncake_kv.devtools.sglang_cpu import prepare_sglang_import
 
 if TYPE_CHECKING:
     from tests.sglang_hicache.harness import Scheduler

@@ -19,7 +19,7 @@ import sys
 
 def main(args_path: str) -> int:
     args = json.loads(open(args_path).read())
-    from sglang_hicache.cpu_compat import prepare_sglang_import
+    from mooncake_kv.devtools.sglang_cpu import prepare_sglang_import
 
     assert prepare_sglang_import()
     import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from store_backend.cli import main
+from mooncake_kv.cli import main
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

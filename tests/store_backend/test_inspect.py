@@ -69,7 +69,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 
 def inspect_cli(*args: str, prefix: list[str] | None = None) -> tuple[int, str, str]:
-    proc = subprocess.run((prefix or []) + [sys.executable, "-m", "store_backend.cli", "inspect", *args],
+    proc = subprocess.run((prefix or []) + [sys.executable, "-m", "mooncake_kv.cli", "inspect", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout, proc.stderr
 

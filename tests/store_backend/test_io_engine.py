@@ -25,7 +25,7 @@ from store_backend.ssd.io.posix_engine import PosixEngine
 from store_backend.ssd.io.requests import ALIGN, IoRequest, aligned_buffer
 from store_backend.ssd.io.uring import io_uring_available
 from store_backend.ssd.io.uring_engine import IoUringEngine
-from store_backend.ssd.raw_bench import raw_direct_bench
+from mooncake_kv.bench.raw_direct import raw_direct_bench
 
 pytestmark = pytest.mark.timeout(120)
 

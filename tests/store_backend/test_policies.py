@@ -273,7 +273,7 @@ def test_a_cycle_of_parent_links_cannot_pin_objects() -> None:
 
 
 def test_store_benchmark_times_every_policy_at_steady_state() -> None:
-    from store_backend.bench_store import bench_policies
+    from mooncake_kv.bench.store import bench_policies
 
     us = bench_policies(resident=256, ops=2000)
     assert sorted(us) == policy_names()

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from store_backend.cli import main as cli_main
+from mooncake_kv.cli import main as cli_main
 from store_backend.policies.registry import make_policy
-from store_backend.replay.driver import ReplaySetup, replay_store, store_config
-from store_backend.replay.reference import (belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits, max_hits,
+from mooncake_kv.replay.driver import ReplaySetup, replay_store, store_config
+from mooncake_kv.replay.reference import (belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits, max_hits,
                                             next_uses, speedup)
-from store_backend.replay.report import gap_closed, parse_tokens, ssd_key, tokens_label
-from store_backend.replay.simulate import simulate
-from store_backend.replay.trace import TraceError, load_trace, parse_lines, trace_from_hash_ids
+from mooncake_kv.replay.report import gap_closed, parse_tokens, ssd_key, tokens_label
+from mooncake_kv.replay.simulate import simulate
+from mooncake_kv.replay.trace import TraceError, load_trace, parse_lines, trace_from_hash_ids
 
 TRACES = Path(os.environ.get("MOONCAKE_KV_TRACES", Path(__file__).resolve().parents[2] / "traces"))
 CONVERSATION = TRACES / "conversation_trace.jsonl"

@@ -1,7 +1,7 @@
 """Batched file I/O for the SSD tier: io_uring through raw syscalls, POSIX preadv/pwritev as fallback.
 
 Who calls it: the SSD backends (the store's offload/promotion workers and readers on the get path,
-any thread) and :mod:`store_backend.ssd.raw_bench`. Both engines are thread-safe: the io_uring
+any thread) and :mod:`mooncake_kv.bench.raw_direct`. Both engines are thread-safe: the io_uring
 engine gives every calling thread a private ring (``threading.local``), the POSIX engine runs a
 batch on a bounded thread pool it starts on first use.
 

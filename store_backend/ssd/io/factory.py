@@ -1,7 +1,7 @@
 """``make_io_engine``: the I/O engine for an ``ssd.io_engine`` config value (auto, io_uring, posix).
 
 Who calls it: :func:`store_backend.ssd.factory.open_ssd_backend` and
-:mod:`store_backend.ssd.raw_bench`, once per backend or benchmark, from the thread that opens it.
+:mod:`mooncake_kv.bench.raw_direct`, once per backend or benchmark, from the thread that opens it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The POSIX fallback engine: :class:`PosixEngine`, preadv/pwritev on a bounded thread pool.
 
-Who calls it: the SSD backends and :mod:`store_backend.ssd.raw_bench` through the
+Who calls it: the SSD backends and :mod:`mooncake_kv.bench.raw_direct` through the
 :class:`~.base.IoEngine` Protocol (any thread), built by :func:`~.factory.make_io_engine` where
 io_uring is refused or not wanted; :class:`~.uring_engine.IoUringEngine` borrows ``sync_inline``
 for a thread without a ring. Thread-safe: a batch runs on the engine's own pool (started on first

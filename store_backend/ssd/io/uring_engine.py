@@ -1,7 +1,7 @@
 """The io_uring engine: :class:`IoUringEngine`, a private :class:`~.uring.Ring` per calling thread.
 
 Who calls it: the SSD backends (the store's offload/promotion workers and readers on the get path,
-any thread) and :mod:`store_backend.ssd.raw_bench`, through the :class:`~.base.IoEngine` Protocol;
+any thread) and :mod:`mooncake_kv.bench.raw_direct`, through the :class:`~.base.IoEngine` Protocol;
 built by :func:`~.factory.make_io_engine`. Thread-safe: each thread submits to and reaps from its
 own ring; a thread the kernel refuses a ring runs its calls synchronously (:mod:`.planning`).
 """

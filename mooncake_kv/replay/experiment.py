@@ -20,11 +20,11 @@ from typing import Literal
 import msgspec
 
 from store_backend.policies.registry import make_policy
-from store_backend.replay.driver import ReplaySetup, replay_store
-from store_backend.replay.reference import (HitStats, belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits,
+from mooncake_kv.replay.driver import ReplaySetup, replay_store
+from mooncake_kv.replay.reference import (HitStats, belady_hits, dead_block_oracle_lru_hits, frequency_oracle_hits,
                                             max_hits, next_uses, remaining_uses, speedup)
-from store_backend.replay.simulate import simulate
-from store_backend.replay.trace import Trace, TraceFormat, load_trace
+from mooncake_kv.replay.simulate import simulate
+from mooncake_kv.replay.trace import Trace, TraceFormat, load_trace
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Turning replay results into the JSON summary, a text table and the PNG plot.
 
-Pure functions over :class:`~store_backend.replay.experiment.TraceResult` lists; the plot uses
+Pure functions over :class:`~mooncake_kv.replay.experiment.TraceResult` lists; the plot uses
 matplotlib's Agg canvas (no display needed; matplotlib is imported only when a plot is drawn,
 as it is an optional dependency). Called by the CLI on the caller's thread.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from store_backend.replay.experiment import TraceResult
-from store_backend.replay.reference import speedup
+from mooncake_kv.replay.experiment import TraceResult
+from mooncake_kv.replay.reference import speedup
 
 GAP_CLOSED_TARGET = 0.5
 SSD_VS_MAX_TARGET = 0.99

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from store_backend.policies.base import EvictionPolicy
-from store_backend.replay.reference import HitStats
-from store_backend.replay.trace import Trace, hit_tokens
+from mooncake_kv.replay.reference import HitStats
+from mooncake_kv.replay.trace import Trace, hit_tokens
 
 
 def _always(_key: str) -> bool:

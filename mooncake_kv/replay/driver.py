@@ -32,8 +32,8 @@ from pathlib import Path
 import msgspec
 
 from store_backend.config import StoreConfig, config_from_dict
-from store_backend.replay.reference import HitStats
-from store_backend.replay.trace import Trace
+from mooncake_kv.replay.reference import HitStats
+from mooncake_kv.replay.trace import Trace
 from store_backend.ssd.record import record_bytes
 from store_backend.store import TieredStore
 from store_backend.types import Status

@@ -61,7 +61,7 @@ def _best(fn: Callable[[], None], repeats: int, before: Callable[[], None] | Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_hicache.cpu_compat import prepare_sglang_import
+    from mooncake_kv.devtools.sglang_cpu import prepare_sglang_import
 
     if not prepare_sglang_import():
         _log("SGLang is not installed (bash scripts/install_sglang.sh)")

@@ -27,8 +27,8 @@ from rich.table import Table
 
 from store_backend.config import DramConfig
 from store_backend.policies.registry import policy_names
-from store_backend.replay.experiment import ExperimentSpec, Progress, RunResult, run_experiment
-from store_backend.replay.report import TABLE_HEADER, parse_tokens, plot, summarize, table_rows
+from mooncake_kv.replay.experiment import ExperimentSpec, Progress, RunResult, run_experiment
+from mooncake_kv.replay.report import TABLE_HEADER, parse_tokens, plot, summarize, table_rows
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ is kept free of vLLM's OpenMP threads by default (``--reserved-cpus``, both engi
 threads spin-wait for each other, so any other thread on their cores (the connector's copies, the
 store's offload, or another process) stalls every parallel region of the forward. Progress goes to stderr; with
 ``--json`` the last stdout line is one JSON object. The engines run as child processes of this
-module (``python -m store_backend.bench_vllm --child SPEC``) so each starts clean.
+module (``python -m mooncake_kv.bench.vllm --child SPEC``) so each starts clean.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from mooncake_kv.devtools.llama import write_llama_config
 
 CHILD_TIMEOUT_S = 1800
 
@@ -59,20 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="cores kept free of vLLM's OpenMP threads for the connector's and the store's "
                         "threads (VLLM_CPU_NUM_OF_RESERVED_CPU; both engines get the same)")
-
-
-def write_llama_config(path: Path, *, layers: int, hidden: int, heads: int, kv_heads: int,
-                       intermediate: int, vocab: int = 8192) -> Path:
-    """A Llama config.json for ``load_format="dummy"`` (no weights needed)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": hidden // heads, "num_hidden_layers": layers, "vocab_size": vocab,
-        "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
-    }))
-    return path
 
 
 def _prompt(seed: int, n: int, vocab: int = 8000) -> list[int]:
@@ -154,10 +142,10 @@ def _run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
     spec_path = work / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     log = work / f"{name}.log"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout, so the child imports this tree
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "store_backend.bench_vllm", "--child", str(spec_path)],
+        proc = subprocess.run([sys.executable, "-m", "mooncake_kv.bench.vllm", "--child", str(spec_path)],
                               stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root, timeout=CHILD_TIMEOUT_S)
     lines = [ln for ln in log.read_text().splitlines() if ln.startswith("CHILD ")]
     if proc.returncode != 0 or not lines:

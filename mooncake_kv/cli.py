@@ -13,14 +13,14 @@ import sys
 
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("store_backend.demo", "write, offload, evict, read back and promote a stream of KV chunks"),
-    "replay": ("store_backend.replay.cli", "replay a request trace through the store and report hit ratios"),
-    "inspect": ("store_backend.ssd.inspect_cli", "what an SSD tier directory holds; --verify checks every record"),
+    "demo": ("mooncake_kv.demo", "write, offload, evict, read back and promote a stream of KV chunks"),
+    "replay": ("mooncake_kv.replay.cli", "replay a request trace through the store and report hit ratios"),
+    "inspect": ("mooncake_kv.inspect_cli", "what an SSD tier directory holds; --verify checks every record"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
-    "store": ("store_backend.bench_store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),
-    "vllm": ("store_backend.bench_vllm", "TTFT with a full external hit versus recompute on vLLM (CPU build)"),
-    "sglang": ("store_backend.bench_sglang", "HiCache backend throughput against SGLang's file backend"),
+    "store": ("mooncake_kv.bench.store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),
+    "vllm": ("mooncake_kv.bench.vllm", "TTFT with a full external hit versus recompute on vLLM (CPU build)"),
+    "sglang": ("mooncake_kv.bench.sglang", "HiCache backend throughput against SGLang's file backend"),
 }
 
 

@@ -22,7 +22,7 @@ from rich.progress import Progress
 
 from store_backend.config import DramConfig, SsdConfig, parse_size
 from store_backend.policies.registry import make_policy, policy_names
-from store_backend.ssd import raw_bench
+from mooncake_kv.bench import raw_direct
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
@@ -163,7 +163,7 @@ def bench_raw(directory: Path, total_bytes: int, queue_depth: int, io_engine: st
     task = progress.add_task("raw O_DIRECT (limit)", total=len(SIZES))
     for size in SIZES:
         n = max(queue_depth, total_bytes // size)
-        r = raw_bench.raw_direct_bench(str(directory), size, n, queue_depth, engine=io_engine,
+        r = raw_direct.raw_direct_bench(str(directory), size, n, queue_depth, engine=io_engine,
                                        use_fio=size == 1 << 20)
         out["write"][size] = r.write_gbps
         out["read"][size] = r.read_gbps

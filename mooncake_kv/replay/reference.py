@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from store_backend.replay.trace import Request, Trace, hit_tokens
+from mooncake_kv.replay.trace import Request, Trace, hit_tokens
 
 NEVER = 1 << 62  # next use of a block that is never used again
 
