@@ -3,7 +3,14 @@
 A :class:`BatchWorker` is one thread draining one bounded queue in batches. The store creates its
 workers, starts them in ``start()`` and stops them in ``close()``; nothing starts at import or in a
 constructor. ``submit`` never blocks: a full queue refuses the item and the caller counts it.
-Handler exceptions are logged and counted, and the worker keeps going.
+
+Errors are reported, never lost: an exception that escapes the handler (or the idle hook) is
+logged with its traceback, counted in ``errors`` and passed to ``on_error``, and the worker keeps
+going. Should the loop itself die (its own bookkeeping raised), that is logged and counted the same
+way, the worker is marked ``dead``, ``submit`` refuses everything from then on and every waiter
+returns at once, so callers (a store's flush) go on without it instead of hanging. ``close()`` is
+bounded by its timeout as a whole and says whether the thread stopped; one that did not is logged
+at WARNING with its name.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
+
+from store_backend.threads import Deadline, join_threads
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +41,10 @@ class BatchWorker(Generic[T]):
         batch_weight_max: int = 0,
         idle_hook: Callable[[], None] | None = None,
         idle_interval_s: float = 0.05,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
+        """``on_error`` is called (from the worker thread, holding no lock of the worker's) once per
+        exception that escaped the handler, the idle hook or the loop."""
         self.name = name
         self._handle = handle
         self._queue: deque[T] = deque()
@@ -51,6 +63,8 @@ class BatchWorker(Generic[T]):
         self._passes_done = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._on_error = on_error
+        self._dead = False  # the loop died of an exception; nothing is handled any more
         self.errors = 0
 
     def start(self) -> None:
@@ -64,7 +78,7 @@ class BatchWorker(Generic[T]):
         refused = 0
         with self._cond:
             for item in items:
-                if len(self._queue) >= self._queue_max or self._stopping:
+                if len(self._queue) >= self._queue_max or self._stopping or self._dead:
                     refused += 1
                 else:
                     self._queue.append(item)
@@ -89,12 +103,12 @@ class BatchWorker(Generic[T]):
     def wait_for(self, items: int = 0, passes: int = 0, timeout_s: float | None = None) -> bool:
         """Block until the first ``items`` items ever submitted are handled and ``passes`` idle-hook
         passes are done (numbers from :meth:`mark` and :meth:`kick`), so work submitted after
-        them is never waited for; returns at once when the thread is not running or is stopping.
-        False on timeout."""
+        them is never waited for; returns at once when the thread is not running, is stopping or
+        died. False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while (self._handled < items or self._passes_done < passes) \
-                    and self._thread is not None and not self._stopping:
+                    and self._thread is not None and not self._stopping and not self._dead:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -107,33 +121,50 @@ class BatchWorker(Generic[T]):
         return self._stopping
 
     @property
+    def dead(self) -> bool:
+        """The loop died of an exception (logged and counted): nothing is handled any more."""
+        return self._dead
+
+    @property
     def depth(self) -> int:
         return len(self._queue) + self._in_flight
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until the queue is empty and no batch is in flight; False on timeout."""
+        """Block until the queue is empty and no batch is in flight; False on timeout, or at once
+        when the loop died with work left."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._queue or self._in_flight or self._hook_pending:
+                if self._dead:
+                    return False
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining if remaining is not None else 0.1)
         return True
 
-    def close(self, drain: bool = True, timeout_s: float = 60.0) -> None:
-        """Stop the thread; with ``drain``, queued items are handled first (bounded by timeout)."""
-        if drain and self._thread is not None:
-            self.wait_idle(timeout_s)
+    def stop(self) -> None:
+        """Ask the thread to stop after its current batch and drop what is queued (non-blocking);
+        an owner with several workers stops them all before joining any (see :meth:`close`)."""
         with self._cond:
             self._stopping = True
             self._hook_pending = False
             self._handled += len(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+
+    def close(self, drain: bool = True, timeout_s: float = 60.0, *, deadline: Deadline | None = None) -> bool:
+        """Stop the thread; with ``drain``, queued items are handled first. Blocking, bounded by
+        ``timeout_s`` (or by the caller's ``deadline``, shared with its other joins) as a whole.
+        Returns False when the thread was still running at the deadline (logged at WARNING with
+        its name; it is left behind, and stops after its current batch)."""
+        if deadline is None:
+            deadline = Deadline(timeout_s)
+        if drain and self._thread is not None:
+            self.wait_idle(deadline.left())
+        self.stop()
+        thread, self._thread = self._thread, None
+        return join_threads([thread], deadline, owner=self.name) == 0
 
     def _take_batch(self) -> list[T]:
         batch: list[T] = []
@@ -147,7 +178,29 @@ class BatchWorker(Generic[T]):
             weight += w
         return batch
 
+    def _error(self) -> None:
+        self.errors += 1
+        if self._on_error is not None:
+            try:
+                self._on_error()
+            except Exception:
+                logger.exception("%s: error callback failed", self.name)
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            # The loop's own bookkeeping raised (a handler's exception never gets here): mark the
+            # worker dead so that waiters and submitters go on without it, and say so loudly.
+            logger.exception("%s: worker loop died; its work is no longer done in the background", self.name)
+            with self._cond:
+                self._dead = True
+                self._in_flight = 0
+                self._hook_pending = False
+                self._cond.notify_all()
+            self._error()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._stopping and not self._hook_pending:
@@ -167,9 +220,9 @@ class BatchWorker(Generic[T]):
                     self._handle(batch)
                 elif self._idle_hook is not None:
                     self._idle_hook()
-            except Exception:  # a worker must survive a bad batch; the store counts failures
-                self.errors += 1
+            except Exception:  # a worker must survive a bad batch; the owner counts it (on_error)
                 logger.exception("%s: batch of %d failed", self.name, len(batch))
+                self._error()
             finally:
                 with self._cond:
                     self._in_flight = 0

@@ -35,6 +35,10 @@ class StoreCounters(msgspec.Struct):
     offload_declined: int = 0
     promotion_queue_full: int = 0
     promotions_skipped: int = 0
+    # Exceptions that escaped a background worker's batch, idle pass or loop (each logged with its traceback).
+    worker_errors: int = 0
+    # Background threads still running when close() reached its deadline (each logged by name; left behind).
+    thread_join_timeouts: int = 0
 
 
 class StoreMetrics:

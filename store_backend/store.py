@@ -36,6 +36,7 @@ from store_backend.plans import demotion_bytes, evict_pass_order, should_promote
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
+from store_backend.threads import Deadline
 from store_backend.types import (
     Buffer,
     FlushReport,
@@ -131,9 +132,11 @@ class TieredStore:
             batch_weight=self._queued_size,
             batch_weight_max=off.batch_bytes,
             idle_hook=self._watermark_tick if off.policy == "watermark" else None,
+            on_error=self._worker_error,
         )
         self._promoter: BatchWorker[str] = BatchWorker(
-            "kv-promote", self._promote_batch, queue_max=self.config.promotion.queue_max_objects, batch_max=32
+            "kv-promote", self._promote_batch, queue_max=self.config.promotion.queue_max_objects, batch_max=32,
+            on_error=self._worker_error,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -154,12 +157,20 @@ class TieredStore:
         ``flush()`` promises is then written to SSD, in both offload policies, before the workers
         stop (objects that could not be are logged); without it, queued offloads are dropped.
         Then the SSD tier and the arena are closed.
+
+        All of it is bounded by ``timeout_s`` together (one deadline: the wait for calls, the flush
+        and the joins of both workers each get what is left of it). A worker still running at the
+        deadline (an SSD write that hangs) is logged at WARNING by name, counted in
+        ``store.thread_join_timeouts`` and left behind; the SSD tier is then left open for it
+        (closing files under its I/O could send its writes to a reused descriptor) and released
+        with the process.
         """
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            deadline = time.monotonic() + timeout_s
+            limit = Deadline(timeout_s)
+            deadline = limit.start + timeout_s
             while self._calls:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -171,13 +182,19 @@ class TieredStore:
             report = self._flush(max(0.0, deadline - time.monotonic()))
             if not report.ok:
                 logger.warning("close: %s", report.summary())
-        self._offloader.close(drain=False, timeout_s=timeout_s)
-        self._promoter.close(drain=False, timeout_s=timeout_s)
+        workers = (self._offloader, self._promoter)
+        for w in workers:
+            w.stop()
+        stuck = [w.name for w in workers if not w.close(drain=False, deadline=limit)]
         with self._lock:
             self._closed = True
+            self.metrics_counters.store.thread_join_timeouts += len(stuck)
         try:
-            if self._ssd is not None:
+            if self._ssd is not None and not stuck:
                 self._ssd.close()
+            elif self._ssd is not None:
+                logger.warning("close: SSD tier left open for the %s thread(s) still running after %.2f s",
+                               ", ".join(stuck), limit.waited_s())
         finally:
             self._dram.close()
 
@@ -186,6 +203,11 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _worker_error(self) -> None:
+        """A background worker's exception (already logged with its traceback): counted."""
+        with self._lock:
+            self.metrics_counters.store.worker_errors += 1
 
     def _check_open(self) -> None:
         if self._closing or self._closed:
