@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from store_backend.threads import Deadline, shutdown_pool
 from store_backend.types import Buffer, ReadResult, Status
 
 logger = logging.getLogger(__name__)
@@ -106,12 +107,16 @@ class KVClient:
                 self._pool = ThreadPoolExecutor(self._io_workers, thread_name_prefix=self._name)
         return self
 
-    def close(self) -> None:
-        """Finish every submitted save and load, then stop the threads (blocking)."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Finish every submitted save and load, then stop the threads (blocking; at most
+        ``timeout_s`` when given). Returns how many I/O threads were still running then (a store
+        call that hangs): each is logged at WARNING by name and left behind, never waited for
+        again; the owner counts them in ``thread_join_timeouts``."""
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if pool is None:
+            return 0
+        return shutdown_pool(pool, Deadline(timeout_s), owner=self._name)
 
     def __enter__(self) -> KVClient:
         return self.start()

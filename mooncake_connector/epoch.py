@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from store_backend.config import ConfigError
 from store_backend.store import TieredStore
+from store_backend.threads import Deadline, join_threads
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,7 @@ class EpochSweeper:
         self.removed = 0
         self.busy = 0
         self.sweeps = 0
+        self.errors = 0  # sweeps ended by an exception (logged with their tracebacks)
 
     def sweep(self, digests: Iterable[str]) -> None:
         """Queue removal of every key under ``digests`` (non-blocking; thread-safe)."""
@@ -186,16 +188,18 @@ class EpochSweeper:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending and not self._running, timeout_s)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Let queued sweeps finish for up to ``timeout_s``, then stop the thread (a sweep still
-        running stops at its next batch; the next start sweeps again). Blocking, bounded."""
-        self.wait_idle(timeout_s)
+    def close(self, timeout_s: float = 5.0) -> int:
+        """Let queued sweeps finish, then stop the thread (a sweep still running stops at its next
+        batch; the next start sweeps again). Blocking, bounded by ``timeout_s`` as a whole. Returns
+        1 when the thread was still running then (a store call that hangs): logged at WARNING by
+        name and left behind; the owner counts it in ``thread_join_timeouts``."""
+        deadline = Deadline(timeout_s)
+        self.wait_idle(deadline.left())
         with self._cond:
             self._stop = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+        return join_threads([thread], deadline, owner="epoch sweeper")
 
     def _run(self) -> None:
         while True:
@@ -208,6 +212,7 @@ class EpochSweeper:
             try:
                 self._sweep_once(digests)
             except Exception:
+                self.errors += 1
                 logger.exception("removing the keys of %d old cache epochs failed", len(digests))
             finally:
                 with self._cond:

@@ -42,6 +42,7 @@ from typing import Literal, Protocol
 import msgspec
 import xxhash
 
+from store_backend.threads import Deadline, join_threads
 from store_backend.types import MAX_PIN_TTL_S
 from store_backend.types import check_ttl_s as _store_check_ttl_s
 
@@ -188,7 +189,7 @@ class LookupServer:
     at any time): ``bad_frames``, connections closed for breaking the wire format (a frame slower
     than ``frame_timeout_s`` included); ``slow_frames``, those closed for that alone;
     ``idle_closed``, connections closed for idling, past ``idle_timeout_s`` or to make room for a
-    new client.
+    new client; ``errors``, serving threads ended by an exception (a bug; logged with traceback).
     """
 
     def __init__(self, store: PrefixIndex, path: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -208,6 +209,7 @@ class LookupServer:
         self.bad_frames = 0
         self.slow_frames = 0
         self.idle_closed = 0
+        self.errors = 0  # exceptions that ended a serving thread (logged with their tracebacks)
         # conn -> monotonic time it went idle (waiting for a frame's first byte); absent while a
         # frame is being read or answered. Under _lock.
         self._idle_since: dict[socket.socket, float] = {}
@@ -240,8 +242,13 @@ class LookupServer:
         self._threads.append(t)
         return self
 
-    def close(self) -> None:
-        """Stop accepting, close every connection, join the threads, remove the socket file."""
+    def close(self, timeout_s: float = 5.0) -> int:
+        """Stop accepting, close every connection, join the threads, remove the socket file.
+
+        Blocking, bounded by ``timeout_s`` for all threads together. Returns how many threads were
+        still running then (a store call that hangs under a request): each is logged at WARNING
+        by name and left behind (the owner counts them in ``thread_join_timeouts``)."""
+        deadline = Deadline(timeout_s)
         self._closed.set()
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -258,10 +265,10 @@ class LookupServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for t in threads:
-            t.join(timeout=5)
+        stuck = join_threads(threads, deadline, owner=f"lookup server {self.path}")
         if os.path.exists(self.path):
             os.unlink(self.path)
+        return stuck
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -387,6 +394,10 @@ class LookupServer:
                 _send(conn, reply)
         except OSError:  # TimeoutError included: the reply was not taken in time
             pass
+        except Exception:  # a bug, not a peer's fault: said once per connection, with its traceback
+            with self._lock:
+                self.errors += 1
+            logger.exception("lookup connection of pid %s failed; closing it", pid)
         finally:
             with self._lock:
                 self._idle_since.pop(conn, None)

@@ -204,6 +204,14 @@ class TieredStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def note_stuck_threads(self, count: int) -> None:
+        """Count ``count`` threads of this store's users (a connector's I/O pool, lookup service,
+        sweeper) still running when their close() reached its deadline, in
+        ``store.thread_join_timeouts`` (they logged each by name). Thread-safe; works after close."""
+        if count > 0:
+            with self._lock:
+                self.metrics_counters.store.thread_join_timeouts += count
+
     def _worker_error(self) -> None:
         """A background worker's exception (already logged with its traceback): counted."""
         with self._lock:

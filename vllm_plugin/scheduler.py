@@ -47,6 +47,7 @@ from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_connector.lookup_service import LookupClient, socket_path
 from store_backend.config import ConfigError
+from store_backend.threads import Deadline, shutdown_pool
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
@@ -129,8 +130,10 @@ class SchedulerSide:
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
                          "hits_capped_staging": 0, "save_chunks_replanned_shared": 0}
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the lookup thread (bounded: a lookup still running past ``timeout_s`` is logged by
+        name and left behind) and close the lookup clients."""
+        shutdown_pool(self._pool, Deadline(timeout_s), owner="scheduler lookups")
         for client in self.lookups:
             client.close()
 

@@ -188,11 +188,16 @@ class WorkerSide:
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
 
     def close(self) -> None:
+        """Stop this worker's threads and release the store; blocking, each step bounded. Threads
+        still running at their deadline are logged by name and counted in the store's
+        ``thread_join_timeouts``."""
+        stuck = 0
         if self._sweeper is not None:
-            self._sweeper.close()
+            stuck += self._sweeper.close()
         if self.lookup_server is not None:
-            self.lookup_server.close()
-        self.client.close()
+            stuck += self.lookup_server.close()
+        stuck += self.client.close(timeout_s=self.cfg.flush_timeout_s)
+        self.store.note_stuck_threads(stuck)
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
 
     # -- cache epochs ------------------------------------------------------------------------------

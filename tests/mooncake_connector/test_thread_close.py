@@ -1,0 +1,102 @@
+"""Owned threads of the connector core stop within their close() timeout, as a whole, and a thread
+still running then (a store call that hangs) is logged by name and reported, not forgotten.
+
+The hang is injected around a real store: a wrapper whose one method blocks until released."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_connector.client import KVClient
+from mooncake_connector.epoch import EpochSweeper
+from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
+from store_backend.store import TieredStore
+
+
+class Hanging:
+    """A real store whose ``method`` blocks until ``release`` is set."""
+
+    def __init__(self, inner: TieredStore, method: str) -> None:
+        self.inner, self.method = inner, method
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        real = getattr(self.inner, name)
+        if name != self.method:
+            return real
+
+        def hang(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.entered.set()
+            self.release.wait(30)
+            return real(*args, **kwargs)
+        return hang
+
+
+@pytest.fixture
+def store():
+    s = TieredStore({"dram": {"capacity_bytes": "4MiB"}}).start()
+    yield s
+    s.close()
+
+
+def _warned(caplog, name: str) -> bool:
+    return any(r.levelno == logging.WARNING and name in r.getMessage() and "did not stop" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_client_close_with_a_hanging_save_is_bounded_and_reports_it(store, caplog) -> None:
+    hanging = Hanging(store, "put")
+    client = KVClient(hanging, name="kv-io-test").start()
+    try:
+        client.save(["a"], [np.ones(64, np.uint8)])
+        assert hanging.entered.wait(10)
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        assert client.close(timeout_s=0.5) == 1
+        assert time.monotonic() - t0 < 1.0
+        assert _warned(caplog, "kv-io-test")
+    finally:
+        hanging.release.set()
+
+
+def test_lookup_server_close_with_a_hanging_lookup_is_bounded_and_reports_it(store, tmp_path: Path,
+                                                                            caplog) -> None:
+    hanging = Hanging(store, "exists")
+    server = LookupServer(hanging, socket_path("hang", 0, str(tmp_path))).start()
+    asker = LookupClient(server.path, timeout_s=10)
+    t = threading.Thread(target=lambda: asker.exists(["a"]), daemon=True)
+    t.start()
+    try:
+        assert hanging.entered.wait(10)
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        assert server.close(timeout_s=0.5) == 1
+        assert time.monotonic() - t0 < 1.0
+        assert _warned(caplog, "kv-lookup-conn")
+    finally:
+        hanging.release.set()
+        t.join(10)
+        asker.close()
+
+
+def test_sweeper_close_with_a_hanging_sweep_is_bounded_by_one_timeout_and_reports_it(store, caplog) -> None:
+    hanging = Hanging(store, "keys")
+    sweeper = EpochSweeper(hanging)  # type: ignore[arg-type]
+    sweeper.sweep(["0" * 32])
+    try:
+        assert hanging.entered.wait(10)
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        stuck = sweeper.close(timeout_s=0.5)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 0.9, f"close(timeout_s=0.5) took {elapsed:.2f} s"  # was: the wait, then a full join
+        assert stuck == 1
+        assert _warned(caplog, "kv-epoch-sweep")
+    finally:
+        hanging.release.set()
