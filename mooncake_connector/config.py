@@ -2,34 +2,29 @@
 
 Engines hand the connector a plain dict (vLLM: ``kv_connector_extra_config``); :func:`load_connector_config`
 validates it once into :class:`ConnectorConfig` and raises :class:`store_backend.config.ConfigError`
-naming the bad field. Store settings come from a nested ``store`` section that uses
-:class:`store_backend.config.StoreConfig`'s field names, or from ``config_file`` (a JSON/YAML file holding
-either a whole connector config or just a store config). ``MOONCAKE_KV_*`` environment variables
-override store fields as everywhere else in the project.
+naming the bad field's full path (``store.ssd.backend: ...``). Store settings come from a nested
+``store`` section that uses :class:`store_backend.config.StoreConfig`'s field names, or from
+``config_file`` (a JSON/YAML file holding either a whole connector config or just a store config;
+``MOONCAKE_KV_CONFIG`` names one when the dict does not). Files, ``MOONCAKE_KV_*`` variables and size
+strings are read by :mod:`store_backend.config_loader`, the same loader as the store's: a variable
+names a store field by its path in the store config (``MOONCAKE_KV_DRAM__CAPACITY_BYTES``) and a
+connector key by its name (``MOONCAKE_KV_CHUNK_TOKENS``); variables win over the dict, which wins
+over the file.
 
 Called once per connector instance, from the engine's construction thread.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import yaml
 
 from mooncake_connector.keys import chain_hash
-from store_backend.config import (
-    ConfigError,
-    StoreConfig,
-    config_from_dict,
-    config_from_file,
-    load_config,
-    parse_size,
-)
+from store_backend.config import ConfigError, StoreConfig
+from store_backend.config_loader import CONFIG_FILE_ENV, ENV_PREFIX, decode, env_overrides, merge, read_file
 
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -53,7 +48,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The store (StoreConfig's sections: dram, ssd, offload, promotion); default 1 GiB DRAM, no SSD.
     store: StoreConfig | None = None
     # A JSON/YAML file holding a whole connector config or just a store config; keys given directly
-    # win. MOONCAKE_KV_CONNECTOR_CONFIG names one too.
+    # win. MOONCAKE_KV_CONFIG names one when this is not set.
     config_file: str | None = None
     # Several engine processes of this node share the SSD directory (file backend): objects any of
     # them writes are visible to all. Needed for disaggregated prefill/decode on the embedded store.
@@ -86,22 +81,25 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
-            raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens}")
-        chain_hash(self.hash_scheme)  # raises ValueError naming the known schemes
+            raise ValueError(f"chunk_tokens: must be > 0, got {self.chunk_tokens}")
+        try:
+            chain_hash(self.hash_scheme)
+        except ValueError as e:  # names the registered schemes
+            raise ValueError(f"hash_scheme: {e}") from None
         if self.io_workers <= 0:
-            raise ValueError(f"io_workers must be > 0, got {self.io_workers}")
+            raise ValueError(f"io_workers: must be > 0, got {self.io_workers}")
         if self.staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be > 0, got {self.staging_bytes}")
+            raise ValueError(f"staging_bytes: must be > 0, got {self.staging_bytes}")
         for name in ("lookup_wait_s", "remote_prefill_wait_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("load_timeout_s", "lease_ttl_s", "flush_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not self.lease_ttl_s <= 3600:  # the lookup service's MAX_LEASE_TTL_S (nan fails too)
-            raise ValueError(f"lease_ttl_s must be at most 3600 s, got {self.lease_ttl_s}")
+            raise ValueError(f"lease_ttl_s: must be at most 3600 s, got {self.lease_ttl_s}")
         if self.model_id is not None and not self.model_id:
-            raise ValueError("model_id must not be empty")
+            raise ValueError("model_id: must not be empty")
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ConfigError unless chunk_tokens is a multiple of the engine's block size."""
@@ -110,63 +108,57 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"chunk_tokens: {self.chunk_tokens} is not a multiple of the engine's block size {block_size}"
             )
 
-    def store_config(self, environ: Mapping[str, str] | None = None) -> StoreConfig:
-        """The store's config: the ``store`` section (or the default), with MOONCAKE_KV_* overrides."""
-        base = msgspec.to_builtins(self.store) if self.store is not None else {}
-        return load_config(base, environ=environ)
+    def store_config(self) -> StoreConfig:
+        """The store's config: the ``store`` section (environment overrides applied when the
+        connector config was read), or the default store."""
+        return self.store if self.store is not None else StoreConfig()
 
 
-def _normalize_sizes(data: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(data)
-    if isinstance(out.get("staging_bytes"), str):
-        try:
-            out["staging_bytes"] = parse_size(out["staging_bytes"])
-        except ValueError as e:
-            raise ConfigError(f"staging_bytes: {e}") from None
-    return out
+# Read by the loader itself, never set by a variable: the file is MOONCAKE_KV_CONFIG, and store
+# fields are named by their path in the store config.
+_NOT_FROM_ENV = frozenset({"store", "config_file"})
+_CONNECTOR_KEYS = frozenset(ConnectorConfig.__struct_fields__) - {"store"}
+# An earlier name of MOONCAKE_KV_CONFIG for connectors; refused so that it is not silently ignored.
+_RENAMED_ENV = {ENV_PREFIX + "CONNECTOR_CONFIG": CONFIG_FILE_ENV}
 
 
-def _read_file(path: str) -> dict[str, Any]:
-    """A config file holds a connector config, or just a store config (recognised by its sections)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config_file: {p} does not exist")
-    connector_fields = set(ConnectorConfig.__struct_fields__) - {"store"}
+def _connector_file(path: str) -> dict[str, Any]:
+    """A config file holds a connector config, or just a store config (recognised by its keys)."""
     try:
-        raw = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except Exception as e:  # parse errors of either format
-        raise ConfigError(f"config_file: cannot parse {p}: {e}") from None
-    raw = raw or {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config_file: {p} must hold a mapping")
-    if connector_fields & set(raw) or "store" in raw:
-        return dict(raw)
-    return {"store": msgspec.to_builtins(config_from_file(p))}
+        data = read_file(path)
+    except ConfigError as e:
+        raise ConfigError(f"config_file: {e}") from None
+    if _CONNECTOR_KEYS & set(data) or "store" in data:
+        data.pop("config_file", None)
+        return data
+    return {"store": data}
 
 
-def load_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+def load_connector_config(
+    extra: Mapping[str, Any] | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> ConnectorConfig:
     """Validate an engine's extra-config dict (raises ConfigError naming the field).
 
-    Keys given directly win over the same keys from ``config_file``.
+    Layers, the later winning section by section: ``config_file`` (or the file named by
+    ``MOONCAKE_KV_CONFIG``), the dict itself, ``MOONCAKE_KV_*`` variables.
     """
+    environ = os.environ if environ is None else environ
+    for old, new in _RENAMED_ENV.items():
+        if old in environ:
+            raise ConfigError(f"{old}: renamed, set {new} instead (it names the same file)")
     data = dict(extra or {})
-    path = data.get("config_file") or os.environ.get("MOONCAKE_KV_CONNECTOR_CONFIG")
+    if isinstance(data.get("store"), StoreConfig):
+        data["store"] = msgspec.to_builtins(data["store"])
+    path = data.get("config_file") or environ.get(CONFIG_FILE_ENV)
     if path:
-        from_file = _read_file(str(path))
-        from_file.pop("config_file", None)
-        data = {**from_file, **data, "config_file": str(path)}
-    try:
-        return msgspec.convert(_normalize_sizes(_with_store_sizes(data)), ConnectorConfig, str_keys=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid connector config: {e}") from None
-
-
-def _with_store_sizes(data: dict[str, Any]) -> dict[str, Any]:
-    """Run the store section through the store's own parser (size strings, field errors)."""
-    store = data.get("store")
-    if store is None or isinstance(store, StoreConfig):
-        return data
-    if not isinstance(store, Mapping):
-        raise ConfigError(f"store: must be a mapping, not {type(store).__name__}")
-    parsed = config_from_dict(store)
-    return {**data, "store": msgspec.to_builtins(parsed)}
+        data = {**merge(_connector_file(str(path)), data), "config_file": str(path)}
+    data = merge(data, env_overrides(ConnectorConfig, environ, exclude=_NOT_FROM_ENV))
+    store_env = env_overrides(StoreConfig, environ)
+    if store_env:
+        store = data.get("store")
+        if store is not None and not isinstance(store, Mapping):
+            raise ConfigError(f"store: must be a mapping, not {type(store).__name__}")
+        data["store"] = merge(store or {}, store_env)
+    return decode(data, ConnectorConfig)

@@ -45,10 +45,23 @@ SECTIONS: list[tuple[str, str, type[msgspec.Struct]]] = [
 HEADER = """# Configuration reference
 
 Generated from the config Structs by `python scripts/config_reference.py > docs/CONFIG.md`; a test
-fails when this file is out of date. Every field whose name ends in `_bytes` also takes a size
-string (`"512MiB"`, `"4GB"`). Store fields can be set by environment too:
-`MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB` (`__` separates the levels); `MOONCAKE_KV_CONFIG` names a
-store config file. A bad value stops start-up with an error naming the field.
+fails when this file is out of date. Every config (store, connector, SGLang backend) is read by one
+loader, `store_backend/config_loader.py`, so the rules below hold for all of them.
+
+- **Files**: JSON (`.json`) or YAML (anything else). `MOONCAKE_KV_CONFIG` names the file when none
+  is given (`config_file` in a connector config); it may hold a store config or a whole connector
+  config (the store then reads its `store` section).
+- **Environment**: `MOONCAKE_KV_<PATH>`, the field's path in upper case with `__` between levels:
+  store fields by their path in the store config (`MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`, also
+  for a connector's `store` section), connector and SGLang keys by their name
+  (`MOONCAKE_KV_CHUNK_TOKENS=512`). Values are JSON where they parse as JSON, else text. Variables
+  win over the dict, which wins over the file, section by section. (`MOONCAKE_KV_CONNECTOR_CONFIG`
+  is now `MOONCAKE_KV_CONFIG`; the old name is refused.)
+- **Sizes**: every field whose name ends in `_bytes` also takes a size string (`"512MiB"`, `"4GB"`).
+- **Errors**: a bad value stops start-up with an error that starts with the field's full path
+  (`store.ssd.backend: unknown value 'tape' (known: 'bucket', 'offset', 'file')`). Closed choices
+  (eviction and admission policy, SSD backend, I/O engine, offload policy, bucket eviction,
+  hash scheme) are checked when the config is read, against the names registered at that moment.
 """
 
 

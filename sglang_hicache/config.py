@@ -12,6 +12,10 @@ It holds three kinds of keys:
   given, must equal SGLang's ``--page-size``.
 * Keys only this backend reads (:class:`SglangOnlySettings`).
 
+Both kinds of keys are read by the project's one config loader (:mod:`store_backend.config_loader`,
+through :func:`mooncake_connector.config.load_connector_config`), so files, ``MOONCAKE_KV_*``
+variables, sizes and error messages work as for the vLLM connector.
+
 Called from SGLang's scheduler thread when it attaches the storage backend.
 """
 
@@ -24,6 +28,7 @@ import msgspec
 
 from mooncake_connector.config import ConnectorConfig, load_connector_config
 from store_backend.config import ConfigError
+from store_backend.config_loader import decode, env_overrides, merge
 
 # Keys SGLang reads from the same dict (the dynamic-backend loader, the cache controller, and the
 # server, which adds file_storage_path when --file-storage-path is given).
@@ -46,7 +51,7 @@ class SglangOnlySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
     def __post_init__(self) -> None:
         if self.kv_dtype is not None and not self.kv_dtype:
-            raise ValueError("kv_dtype must not be empty")
+            raise ValueError("kv_dtype: must not be empty")
 
 
 class BackendSettings(msgspec.Struct, frozen=True):
@@ -59,20 +64,27 @@ class BackendSettings(msgspec.Struct, frozen=True):
 _ONLY_KEYS = frozenset(SglangOnlySettings.__struct_fields__)
 
 
-def load_backend_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
-    """Split and validate the extra config (raises ConfigError naming the bad field)."""
+def load_backend_settings(
+    extra_config: Mapping[str, Any] | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> BackendSettings:
+    """Split and validate the extra config (raises ConfigError naming the bad field).
+
+    ``environ``: the ``MOONCAKE_KV_*`` variables to apply (default: the process environment).
+    """
     data = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
     only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS}
     # SGLang computes the page keys itself, with its own hash; the vLLM connector's matching setting
     # is accepted here so that one config text can serve both engines.
     scheme = data.pop("hash_scheme", "sglang")
     if scheme != "sglang":
-        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself (\"sglang\"), not {scheme!r}")
-    connector = load_connector_config(data)
-    try:
-        sglang = msgspec.convert(only, SglangOnlySettings, str_keys=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid SGLang backend config: {e}") from None
-    given = data.get("chunk_tokens")
+        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself ('sglang'), got {scheme!r}")
+    connector = load_connector_config({**data, "hash_scheme": scheme}, environ=environ)
+    if connector.hash_scheme != "sglang":  # a MOONCAKE_KV_HASH_SCHEME variable
+        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself ('sglang'), got {connector.hash_scheme!r}")
+    sglang = decode(merge(only, env_overrides(SglangOnlySettings, environ)), SglangOnlySettings)
+    # Given by the dict or by MOONCAKE_KV_CHUNK_TOKENS (then it must equal the page size).
+    given = data.get("chunk_tokens", env_overrides(ConnectorConfig, environ).get("chunk_tokens"))
     return BackendSettings(connector=connector, sglang=sglang,
                            chunk_tokens_given=None if given is None else connector.chunk_tokens)

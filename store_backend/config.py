@@ -1,37 +1,49 @@
-"""Typed configuration of the store, read in this one module.
+"""Typed configuration of the store: the Structs, and :func:`load_config` that reads them.
 
 A config comes from a JSON or YAML file, a dict, or ``MOONCAKE_KV_*`` environment variables
 (``MOONCAKE_KV_CONFIG`` names a file; ``MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`` sets a nested field,
 ``__`` separating the levels). Every field whose name ends in ``_bytes`` also accepts a size string
-such as ``"512MiB"`` or ``"4GB"``. A bad value raises :class:`ConfigError` naming the field.
+such as ``"512MiB"`` or ``"4GB"``. Reading, sizes and error messages live in
+:mod:`store_backend.config_loader`, shared with the connectors' configs. A bad value raises
+:class:`ConfigError` naming the field's full path; a closed choice (eviction and admission policy,
+SSD backend, I/O engine, offload policy) is checked when the config is read, against the names
+registered at that moment.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import yaml
 
+from store_backend.config_loader import (
+    CONFIG_FILE_ENV,
+    ENV_PREFIX,
+    ConfigError,
+    GiB,
+    KiB,
+    MiB,
+    decode,
+    env_overrides,
+    merge,
+    parse_size,
+    read_file,
+)
 from store_backend.policies.admission import admission_names
+from store_backend.policies.registry import policy_names
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the reason."""
+__all__ = [
+    "CONFIG_FILE_ENV", "ENV_PREFIX", "ConfigError", "DramConfig", "GiB", "KiB", "MiB", "OffloadConfig",
+    "PromotionConfig", "SsdConfig", "StoreConfig", "config_from_dict", "load_config", "parse_size",
+]
 
 
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ValueError(f"{name}: must be > 0, got {value}")
 
 
 # Larger sizes are typos (or overflow a file offset): nothing this store maps or writes is that big.
@@ -43,19 +55,25 @@ MIN_SSD_CAPACITY_BYTES = 4 * 4096
 
 def _size(name: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+        raise ValueError(f"{name}: must be at least {minimum}, got {value}")
     if value > MAX_BYTES:
-        raise ValueError(f"{name} must be at most {MAX_BYTES} (1 EiB), got {value}")
+        raise ValueError(f"{name}: must be at most {MAX_BYTES} (1 EiB), got {value}")
 
 
 def _fraction(name: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
+        raise ValueError(f"{name}: must be in (0, 1], got {value}")
+
+
+def _one_of(name: str, value: str, names: list[str]) -> None:
+    """A closed choice whose names come from a registry (a registered name is accepted at once)."""
+    if value not in names:
+        raise ValueError(f"{name}: unknown value {value!r} (known: {', '.join(repr(n) for n in names)})")
 
 
 def _power_of_two(name: str, value: int) -> None:
     if value <= 0 or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two, got {value}")
+        raise ValueError(f"{name}: must be a power of two, got {value}")
 
 
 class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,9 +92,10 @@ class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _power_of_two("alignment_bytes", self.alignment_bytes)
         # Below one alignment unit nothing fits: every put would answer TOO_LARGE.
-        _size("dram.capacity_bytes", self.capacity_bytes, minimum=max(1, self.alignment_bytes))
+        _size("capacity_bytes", self.capacity_bytes, minimum=max(1, self.alignment_bytes))
         if self.shm_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.shm_name):
-            raise ValueError(f"shm_name must be 1-200 of [A-Za-z0-9_.-], got {self.shm_name!r}")
+            raise ValueError(f"shm_name: must be 1-200 of [A-Za-z0-9_.-], got {self.shm_name!r}")
+        _one_of("eviction_policy", self.eviction_policy, policy_names())
 
 
 class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -117,15 +136,14 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not self.path:
-            raise ValueError("path must not be empty")
-        _size("ssd.capacity_bytes", self.capacity_bytes, minimum=MIN_SSD_CAPACITY_BYTES)
+            raise ValueError("path: must not be empty")
+        _size("capacity_bytes", self.capacity_bytes, minimum=MIN_SSD_CAPACITY_BYTES)
         _positive("io_threads", self.io_threads)
         _positive("queue_depth", self.queue_depth)
-        _size("ssd.bucket_size_bytes", self.bucket_size_bytes)
+        _size("bucket_size_bytes", self.bucket_size_bytes)
         _positive("bucket_max_keys", self.bucket_max_keys)
         _fraction("disk_watermark", self.disk_watermark)
-        if self.admission_policy not in admission_names():
-            raise ValueError(f"admission_policy must be one of {admission_names()}, got {self.admission_policy!r}")
+        _one_of("admission_policy", self.admission_policy, admission_names())
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -149,10 +167,10 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _fraction("low_watermark", self.low_watermark)
         if self.low_watermark >= self.high_watermark:
             raise ValueError(
-                f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
+                f"low_watermark: {self.low_watermark} must be below high_watermark ({self.high_watermark})"
             )
         _positive("queue_max_objects", self.queue_max_objects)
-        _size("offload.batch_bytes", self.batch_bytes)
+        _size("batch_bytes", self.batch_bytes)
 
 
 class PromotionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -187,106 +205,19 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _size("max_object_bytes", self.max_object_bytes)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": KiB, "M": 10**6, "MB": 10**6, "MIB": MiB,
-          "G": 10**9, "GB": 10**9, "GIB": GiB, "T": 10**12, "TB": 10**12, "TIB": 1024 * GiB}
-
-
-def parse_size(text: str) -> int:
-    """Parse ``"512MiB"``, ``"4GB"``, ``"4096"`` into bytes (raises ValueError)."""
-    m = _SIZE_RE.match(text)
-    unit = (m.group(2) or "").upper() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512MiB, 4GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def _normalize(obj: Any, path: str = "") -> Any:
-    """Turn size strings in ``*_bytes`` fields into ints, recursively."""
-    if isinstance(obj, Mapping):
-        out = {}
-        for k, v in obj.items():
-            here = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and k.endswith("_bytes") and isinstance(v, str):
-                try:
-                    v = parse_size(v)
-                except ValueError as e:
-                    raise ConfigError(f"{here}: {e}") from None
-            out[k] = _normalize(v, here)
-        return out
-    return obj
-
-
 def config_from_dict(data: Mapping[str, Any], cls: type = StoreConfig) -> Any:
-    """Build and validate a config Struct from plain data (raises ConfigError)."""
-    try:
-        return msgspec.convert(_normalize(data), cls, str_keys=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid {cls.__name__}: {e}") from None
+    """Build and validate a config Struct from plain data, no environment (raises ConfigError)."""
+    return decode(data, cls)
 
 
-def config_from_file(path: str | os.PathLike[str], cls: type = StoreConfig) -> Any:
-    """Load a JSON (``.json``) or YAML (anything else) config file."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e}") from None
-    try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except Exception as e:  # parse errors of either format
-        raise ConfigError(f"cannot parse config file {p}: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config file {p} must hold a mapping, not {type(data).__name__}")
-    return config_from_dict(data, cls)
-
-
-ENV_PREFIX = "MOONCAKE_KV_"
-_TOP_LEVEL = frozenset(f.name for f in msgspec.structs.fields(StoreConfig))
-
-
-def _env_value(text: str) -> Any:
-    """Environment values are JSON when they parse as JSON (numbers, booleans, null), else text."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Nested dict from ``MOONCAKE_KV_A__B=v`` variables whose first level names a StoreConfig field
-    (``dram``, ``ssd``, ``offload``, ``promotion``, ``max_object_bytes``); other ``MOONCAKE_KV_*``
-    variables (``MOONCAKE_KV_CONFIG``, the scripts' ``MOONCAKE_KV_VENV``) are not settings."""
-    environ = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
-            continue
-        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
-        if not parts or parts[0] not in _TOP_LEVEL:
-            continue  # not a store setting (e.g. MOONCAKE_KV_VENV of the set-up scripts)
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{name}: {p} is both a value and a section")
-        node[parts[-1]] = _env_value(raw)
-    return out
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _merge(dict(out[k]), v)
-        else:
-            out[k] = v
-    return out
+def _store_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A store config file; a whole connector config file gives its ``store`` section (the rest of
+    it is the connector's, read by its own loader)."""
+    data = read_file(path)
+    store = data.get("store")
+    if isinstance(store, Mapping) and not set(data) & set(StoreConfig.__struct_fields__):
+        return dict(store)
+    return data
 
 
 def load_config(
@@ -294,21 +225,23 @@ def load_config(
     *,
     environ: Mapping[str, str] | None = None,
 ) -> StoreConfig:
-    """The one entry point: a Struct (returned as is), a dict, a file path, or None.
+    """The store's entry point: a Struct (returned as is), a dict, a file path, or None.
 
-    With None, ``MOONCAKE_KV_CONFIG`` (a file) and ``MOONCAKE_KV_*`` variables are read; the
-    variables also override a dict or file source. Raises ConfigError naming the bad field.
+    With None, ``MOONCAKE_KV_CONFIG`` names the file. ``MOONCAKE_KV_*`` variables naming a store
+    field override a dict or file source. Raises ConfigError naming the bad field.
     """
     if isinstance(source, StoreConfig):
         return source
     environ = os.environ if environ is None else environ
-    data: dict[str, Any] = {}
-    if source is None and environ.get(ENV_PREFIX + "CONFIG"):
-        source = environ[ENV_PREFIX + "CONFIG"]
+    if source is None and environ.get(CONFIG_FILE_ENV):
+        source = environ[CONFIG_FILE_ENV]
+    data: Mapping[str, Any]
     if isinstance(source, (str, os.PathLike)):
-        data = msgspec.to_builtins(config_from_file(source))
+        data = _store_file(source)
     elif isinstance(source, Mapping):
-        data = dict(source)
-    elif source is not None:
+        data = source
+    elif source is None:
+        data = {}
+    else:
         raise ConfigError(f"config source must be a dict, a path or a StoreConfig, not {type(source).__name__}")
-    return config_from_dict(_merge(data, env_overrides(environ)))
+    return decode(merge(data, env_overrides(StoreConfig, environ)), StoreConfig)

@@ -109,7 +109,7 @@ def test_saves_never_block_the_caller_and_excess_saves_are_dropped(store: Tiered
 
 def test_one_store_per_config_per_process(tmp_path: Path) -> None:
     cfg = load_connector_config({"store": {"dram": {"capacity_bytes": "1MiB"},
-                                           "ssd": {"path": str(tmp_path / "ssd")}}}).store_config(environ={})
+                                           "ssd": {"path": str(tmp_path / "ssd")}}}).store_config()
     a = acquire_store(cfg)
     b = acquire_store(cfg)
     assert a is b

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,19 @@ from mooncake_connector.config import ConnectorConfig, load_connector_config
 from store_backend.config import ConfigError, StoreConfig
 
 
+@pytest.fixture(autouse=True)
+def _no_config_variables(monkeypatch) -> None:
+    """The loader reads MOONCAKE_KV_* variables; the caller's must not change these answers."""
+    for name in list(os.environ):
+        if name.startswith("MOONCAKE_KV_"):
+            monkeypatch.delenv(name)
+
+
 def test_defaults() -> None:
     cfg = load_connector_config({})
     assert cfg.chunk_tokens == 256
     assert cfg.store is None
-    assert cfg.store_config(environ={}) == StoreConfig()
+    assert cfg.store_config() == StoreConfig()
 
 
 def test_store_section_uses_store_field_names_and_sizes() -> None:
@@ -25,14 +34,15 @@ def test_store_section_uses_store_field_names_and_sizes() -> None:
     })
     assert cfg.chunk_tokens == 128 and cfg.model_id == "org/model"
     assert cfg.staging_bytes == 64 * 1024**2
-    store = cfg.store_config(environ={})
+    store = cfg.store_config()
     assert store.dram.capacity_bytes == 2 * 1024**3
     assert store.ssd is not None and store.ssd.backend == "file"
 
 
 def test_environment_overrides_store_fields() -> None:
-    cfg = load_connector_config({"store": {"dram": {"capacity_bytes": "1GiB"}}})
-    store = cfg.store_config(environ={"MOONCAKE_KV_DRAM__CAPACITY_BYTES": "512MiB"})
+    cfg = load_connector_config({"store": {"dram": {"capacity_bytes": "1GiB"}}},
+                                environ={"MOONCAKE_KV_DRAM__CAPACITY_BYTES": "512MiB"})
+    store = cfg.store_config()
     assert store.dram.capacity_bytes == 512 * 1024**2
 
 
@@ -62,7 +72,7 @@ def test_config_file_with_a_store_config(tmp_path: Path) -> None:
     f.write_text("dram:\n  capacity_bytes: 256MiB\nssd:\n  path: /tmp/kv\n")
     cfg = load_connector_config({"config_file": str(f), "chunk_tokens": 64})
     assert cfg.chunk_tokens == 64
-    assert cfg.store_config(environ={}).dram.capacity_bytes == 256 * 1024**2
+    assert cfg.store_config().dram.capacity_bytes == 256 * 1024**2
 
 
 def test_config_file_with_a_connector_config_and_direct_keys_winning(tmp_path: Path) -> None:
@@ -71,7 +81,7 @@ def test_config_file_with_a_connector_config_and_direct_keys_winning(tmp_path: P
     cfg = load_connector_config({"config_file": str(f), "chunk_tokens": 64})
     assert isinstance(cfg, ConnectorConfig)
     assert (cfg.chunk_tokens, cfg.io_workers) == (64, 3)
-    assert cfg.store_config(environ={}).dram.capacity_bytes == 4096
+    assert cfg.store_config().dram.capacity_bytes == 4096
 
 
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:

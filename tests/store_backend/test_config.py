@@ -56,13 +56,13 @@ def test_env_typo_in_a_section_is_rejected() -> None:
         ({"ssd": {"capacity_bytes": 10}}, "path"),
         ({"promotion": {"admission_hits": 0}}, "admission_hits"),
         # Below one alignment unit nothing fits (every put would answer TOO_LARGE).
-        ({"dram": {"capacity_bytes": 4095}}, "dram.capacity_bytes must be at least 4096, got 4095"),
-        ({"dram": {"capacity_bytes": 8192, "alignment_bytes": 16384}}, "dram.capacity_bytes must be at least 16384"),
-        ({"ssd": {"path": "/x", "capacity_bytes": 4096}}, "ssd.capacity_bytes must be at least 16384, got 4096"),
+        ({"dram": {"capacity_bytes": 4095}}, "dram.capacity_bytes: must be at least 4096, got 4095"),
+        ({"dram": {"capacity_bytes": 8192, "alignment_bytes": 16384}}, "dram.capacity_bytes: must be at least 16384"),
+        ({"ssd": {"path": "/x", "capacity_bytes": 4096}}, "ssd.capacity_bytes: must be at least 16384, got 4096"),
         # Sizes no machine has are typos (and overflow file offsets and mappings).
-        ({"dram": {"capacity_bytes": "2000000TiB"}}, "dram.capacity_bytes must be at most"),
-        ({"ssd": {"path": "/x", "capacity_bytes": 1 << 63}}, "ssd.capacity_bytes must be at most"),
-        ({"max_object_bytes": 1 << 61}, "max_object_bytes must be at most"),
+        ({"dram": {"capacity_bytes": "2000000TiB"}}, "dram.capacity_bytes: must be at most"),
+        ({"ssd": {"path": "/x", "capacity_bytes": 1 << 63}}, "ssd.capacity_bytes: must be at most"),
+        ({"max_object_bytes": 1 << 61}, "max_object_bytes: must be at most"),
     ],
 )
 def test_bad_values_name_the_field(data, field) -> None:
