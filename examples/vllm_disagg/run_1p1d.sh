@@ -6,7 +6,8 @@
 #        -d '{"model": "'"$MODEL"'", "prompt": "...", "max_tokens": 64}'
 #
 # Both servers use the embedded store on one node; they share its SSD directory (shared_ssd), which
-# is how the decode server finds what the prefill server saved. Ctrl-C stops everything.
+# is how the decode server finds what the prefill server saved. Ctrl-C (or SIGTERM) stops everything.
+# tests/vllm_plugin/test_e2e_disagg.py runs this script on vLLM's CPU build with a tiny model.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
@@ -17,10 +18,11 @@ PREFILL_PORT=${PREFILL_PORT:-8100}
 DECODE_PORT=${DECODE_PORT:-8200}
 PROXY_PORT=${PROXY_PORT:-8000}
 CHUNK_TOKENS=${CHUNK_TOKENS:-256}
+DRAM=${DRAM:-4GiB}           # DRAM arena of each server's store
 EXTRA_ARGS=${EXTRA_ARGS:-}   # e.g. "--block-size 32 --max-model-len 8192" (CPU build: block size a multiple of 32)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 
-store='{"dram": {"capacity_bytes": "4GiB"},
+store='{"dram": {"capacity_bytes": "'"$DRAM"'"},
         "ssd": {"path": "'"$SSD_DIR"'", "backend": "file", "capacity_bytes": "64GiB"},
         "offload": {"policy": "eager"}}'
 config() {  # $1: kv_producer | kv_consumer
@@ -40,9 +42,14 @@ pids+=($!)
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$DECODE_PORT" $EXTRA_ARGS \
     --kv-transfer-config "$(config kv_consumer)" &
 pids+=($!)
-for port in "$PREFILL_PORT" "$DECODE_PORT"; do
-  until curl -sf "localhost:$port/health" >/dev/null; do sleep 2; done
-done
+healthy() {  # $1: port; $2: pid of the server behind it
+  until "$PY" -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then echo "the server on port $1 exited before it was healthy" >&2; exit 1; fi
+    sleep 2
+  done
+}
+healthy "$PREFILL_PORT" "${pids[0]}"
+healthy "$DECODE_PORT" "${pids[1]}"
 "$PY" "$ROOT/examples/vllm_disagg/proxy.py" --port "$PROXY_PORT" \
     --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" &
 pids+=($!)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -100,6 +101,41 @@ def disagg_cluster(work: Path, start_server: StartServer) -> Iterator[dict[str, 
         yield ports
     finally:
         stop(procs)
+
+
+SERVER_FLAGS = ("--served-model-name tiny --host 127.0.0.1 --skip-tokenizer-init --block-size 32 --dtype float32 "
+                "--max-model-len 4096 --enforce-eager")
+
+
+@contextmanager
+def example_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
+    """``examples/vllm_disagg/run_1p1d.sh`` as a user runs it (both servers and the proxy), on ``model``
+    with the CPU build's flags, its SSD directory and logs under ``work``.
+
+    Yields the ports, as :func:`disagg_cluster` does; the script exiting before the proxy is healthy
+    fails with its log. The whole process group is stopped (SIGTERM, then SIGKILL) on exit."""
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    log = work / "run_1p1d.log"
+    env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
+           "DRAM": "64MiB", "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
+           "PROXY_PORT": str(ports["proxy"]), "EXTRA_ARGS": SERVER_FLAGS,
+           "MOONCAKE_KV_VENV": sys.prefix}
+    script = subprocess.Popen(["bash", str(ROOT / "examples" / "vllm_disagg" / "run_1p1d.sh")], env=env, cwd=ROOT,
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [script], [log])
+        yield ports
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(script.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                script.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
 
 
 def complete(port: int, token_ids: list[int]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Disaggregated prefill/decode (1P1D) through the example proxy, two real vLLM OpenAI servers.
+"""Disaggregated prefill/decode (1P1D) as the README starts it: ``examples/vllm_disagg/run_1p1d.sh``
+(two real vLLM OpenAI servers and the example proxy).
 
 The prefill server (``kv_producer``) and the decode server (``kv_consumer``) share one SSD directory
 (``shared_ssd``). The proxy sends each request to prefill with ``max_tokens=1``, then to decode with
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric, vllm_server
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, example_cluster, metric
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -26,7 +27,7 @@ PROMPTS = [prompt(31, 700), prompt(32, 300)]
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("disagg")
-    with disagg_cluster(work, lambda port, role, log: vllm_server(tiny_model, port, role, work / "ssd", log)) as ports:
+    with example_cluster(work, tiny_model) as ports:
         yield {"ports": ports, "work": work}
 
 
