@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from store_backend.config import ConfigError
+from store_backend.ownership import lock_holders
 from store_backend.store import TieredStore
 from store_backend.threads import Deadline, join_threads
 from store_backend.types import Status
@@ -44,15 +47,29 @@ logger = logging.getLogger(__name__)
 
 EPOCH_FILE = "mooncake-kv-epoch"
 LOCK_FILE = EPOCH_FILE + ".lock"
+# A write goes to ``<EPOCH_FILE>.<pid>.partial`` first; one left by a crash is removed under the lock.
+PARTIAL_SUFFIX = ".partial"
+
+# How long a start or a reset waits for another process's hold of the epoch lock (a few fsyncs
+# normally) before it gives up with an error naming the holder.
+DEFAULT_LOCK_TIMEOUT_S = 30.0
+
+# How many digests of retired epochs a sweeper remembers and sweeps again with every later sweep.
+_RETIRED_MAX = 64
 
 
 class EpochFile:
     """The persisted epoch of the store directory ``directory`` (None: no SSD tier, in memory).
 
-    Not thread-safe on its own (one caller thread); safe between processes (``flock``)."""
+    Not thread-safe on its own (one caller thread); safe between processes (``flock``). The lock
+    is waited for at most ``lock_timeout_s``: past that, ConfigError naming the lock file and the
+    pid holding it (a hung or stopped process), instead of hanging the engine's start or reset.
+    A temporary file that a crash left in the middle of a write is never read as the epoch, and is
+    removed at the next :meth:`start` (or write), under the lock so no live writer's is touched."""
 
-    def __init__(self, directory: str | None) -> None:
+    def __init__(self, directory: str | None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         self.directory = directory
+        self.lock_timeout_s = lock_timeout_s
         self._memory_epoch = 0
 
     @property
@@ -111,6 +128,9 @@ class EpochFile:
             return self._memory_epoch  # a new process: 0, nothing stored survives anyway
         epoch, from_reset = self.read_state()
         if not from_reset:
+            if self._partials():
+                with self._locked():
+                    self._remove_partials()
             return epoch
         with self._locked():
             epoch, from_reset = self.read_state()  # another starter may have moved on meanwhile
@@ -121,13 +141,40 @@ class EpochFile:
                             epoch - 1, epoch)
             return epoch
 
+    def _partials(self) -> list[str]:
+        assert self.path is not None
+        return glob.glob(glob.escape(self.path) + ".*" + PARTIAL_SUFFIX)
+
+    def _remove_partials(self) -> None:
+        """Remove temporary files of writes a crash cut short (lock held: no write is running)."""
+        for p in self._partials():
+            try:
+                os.unlink(p)
+                logger.info("removed %s, left by an epoch write that did not finish", p)
+            except FileNotFoundError:
+                pass
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         assert self.directory is not None
         os.makedirs(self.directory, exist_ok=True)
-        lock_fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock_path = os.path.join(self.directory, LOCK_FILE)
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holders = ", ".join(f"pid {p}" for p in lock_holders(lock_fd)) or "another process"
+                        raise ConfigError(
+                            f"ssd.path: the cache epoch lock {lock_path} is held by {holders} for more "
+                            f"than {self.lock_timeout_s:g} s; that process is hung or stopped (end it), "
+                            "or it still runs a cache reset (try again)") from None
+                    time.sleep(0.02)
+            self._remove_partials()
             yield
         finally:
             os.close(lock_fd)  # releases the flock
@@ -155,7 +202,13 @@ class EpochSweeper:
 
     One owned thread, started by the first :meth:`sweep`, stopped by :meth:`close`. Requests that
     arrive while a sweep runs are merged into the next one. An object a reader holds right now
-    (BUSY) is left for the store's eviction: nothing looks for old-epoch keys any more."""
+    (BUSY) is left for the store's eviction: nothing looks for old-epoch keys any more.
+
+    Old-epoch objects may still land after a sweep listed the store (a save or offload in flight
+    then; ``settle`` waits for the saves it knows of first). They are unreachable (no key of the
+    current epoch has their digest) and would only take room, so each sweep lists the store a
+    second time after its removals and removes what landed meanwhile, and the sweeper remembers
+    the digests it retired (the last 64) and sweeps them again with every later request."""
 
     def __init__(self, store: TieredStore, *, settle: Callable[[], object] | None = None,
                  batch_keys: int = 256) -> None:
@@ -164,6 +217,7 @@ class EpochSweeper:
         self._batch_keys = batch_keys
         self._cond = threading.Condition()
         self._pending: set[str] = set()
+        self._retired: dict[str, None] = {}  # digests swept before, oldest first
         self._stop = False
         self._thread: threading.Thread | None = None
         self._running = False
@@ -178,6 +232,7 @@ class EpochSweeper:
             if self._stop:
                 return
             self._pending.update(digests)
+            self._pending.update(self._retired)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kv-epoch-sweep", daemon=True)
                 self._thread.start()
@@ -220,20 +275,32 @@ class EpochSweeper:
                     self._cond.notify_all()
 
     def _sweep_once(self, digests: set[str]) -> None:
+        with self._cond:
+            for d in digests:
+                self._retired.pop(d, None)
+                self._retired[d] = None
+            while len(self._retired) > _RETIRED_MAX:
+                self._retired.pop(next(iter(self._retired)))
         if self._settle is not None:
             self._settle()
-        victims = [k for k in self._store.keys() if k.partition("/")[0] in digests]
         busy_before = self.busy
-        for i in range(0, len(victims), self._batch_keys):
-            with self._cond:
-                if self._stop:
-                    return
-            for st in self._store.remove(victims[i:i + self._batch_keys]):
-                if st is Status.OK:
-                    self.removed += 1
-                elif st is Status.BUSY:
-                    self.busy += 1
+        found = 0
+        done: set[str] = set()  # removed, or BUSY (left to eviction): not asked again in this sweep
+        for _listing in range(2):  # the second one catches objects that landed during the first pass
+            victims = [k for k in self._store.keys() if k.partition("/")[0] in digests and k not in done]
+            found += len(victims)
+            for i in range(0, len(victims), self._batch_keys):
+                with self._cond:
+                    if self._stop:
+                        return
+                batch = victims[i:i + self._batch_keys]
+                for st in self._store.remove(batch):
+                    if st is Status.OK:
+                        self.removed += 1
+                    elif st is Status.BUSY:
+                        self.busy += 1
+                done.update(batch)
         self.sweeps += 1
-        if victims:
+        if found:
             logger.info("removed %d objects of old cache epochs (%d busy, left to eviction)",
-                        len(victims) - (self.busy - busy_before), self.busy - busy_before)
+                        found - (self.busy - busy_before), self.busy - busy_before)

@@ -153,8 +153,9 @@ class WorkerSide:
         self.epoch = EpochFile(base_store.ssd.path if base_store.ssd is not None else None).read()
         self.digest = msgspec.structs.replace(self._fingerprint, epoch=self.epoch).digest()
         if self.epoch > 0:
-            # A crash may have cut the last reset's removal short: finish it in the background.
-            self._sweep_epochs(self.epoch - 1, self.epoch)
+            # A crash may have cut the last reset's removal short, and objects of older epochs may
+            # have landed after their sweep listed the store: remove them all in the background.
+            self._sweep_epochs(0, self.epoch)
         forward_context = self.vllm_config.compilation_config.static_forward_context
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mooncake_connector.epoch import EPOCH_FILE, EpochFile, EpochSweeper
+from mooncake_connector.epoch import EPOCH_FILE, LOCK_FILE, EpochFile, EpochSweeper
 from store_backend.config import ConfigError, load_config
 from store_backend.store import TieredStore
 
@@ -119,3 +120,74 @@ def test_sweeper_removes_only_old_epoch_keys_from_both_tiers(tmp_path: Path) -> 
         assert sweeper.removed == 300
     with TieredStore(cfg) as store:  # and the SSD copies are gone too
         assert sorted(store.keys()) == sorted(keep)
+
+
+def _hold_lock(directory: str, ready, release) -> None:  # noqa: ANN001
+    import fcntl
+    import os
+    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    ready.set()
+    release.wait(60)
+
+
+def test_a_held_epoch_lock_times_out_with_an_error_naming_the_path_and_holder(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            EpochFile(str(tmp_path), lock_timeout_s=0.5).advance(0)
+        assert time.monotonic() - t0 < 5
+        assert LOCK_FILE in str(err.value) and f"pid {holder.pid}" in str(err.value), str(err.value)
+    finally:
+        release.set()
+        holder.join(30)
+    assert EpochFile(str(tmp_path), lock_timeout_s=5).advance(0) == 1  # free again: works
+
+
+def test_partial_epoch_files_a_crash_left_are_removed_at_the_next_start(tmp_path: Path) -> None:
+    (tmp_path / f"{EPOCH_FILE}.12345.partial").write_text('{"epoch": 9, "re')  # cut short by a kill
+    (tmp_path / EPOCH_FILE).write_text('{"epoch": 2, "reset": false}')
+    assert EpochFile(str(tmp_path)).start() == 2  # the partial is not the epoch
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([EPOCH_FILE, LOCK_FILE])
+
+
+class LandsAfterListing:
+    """A real store into which one old-epoch object lands right after the sweep's first listing
+    (an offload or save still in flight when the sweep looked)."""
+
+    def __init__(self, inner: TieredStore, late_key: str) -> None:
+        self.inner, self.late_key, self.listings = inner, late_key, 0
+
+    def keys(self, prefix: str = "") -> list[str]:
+        out = self.inner.keys(prefix)
+        self.listings += 1
+        if self.listings == 1:
+            self.inner.put([self.late_key], [np.ones(4096, np.uint8)])
+        return out
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_an_old_epoch_object_that_lands_after_the_sweep_listed_is_still_removed(tmp_path: Path) -> None:
+    cfg = load_config({"dram": {"capacity_bytes": "8MiB"},
+                       "ssd": {"path": str(tmp_path), "capacity_bytes": "64MiB", "backend": "file"},
+                       "offload": {"policy": "eager"}})
+    with TieredStore(cfg) as store:
+        store.put(["old/a", "new/a"], [np.zeros(4096, np.uint8)] * 2)
+        sweeper = EpochSweeper(LandsAfterListing(store, "old/late"))  # type: ignore[arg-type]
+        sweeper.sweep(["old"])
+        assert sweeper.wait_idle(30)
+        assert sorted(store.keys()) == ["new/a"]
+        # And one that lands after every listing of that sweep goes with the next sweep, whatever
+        # epochs it is asked for: the sweeper keeps the digests it retired.
+        store.put(["old/later"], [np.zeros(4096, np.uint8)])
+        sweeper.sweep(["older"])
+        assert sweeper.wait_idle(30)
+        sweeper.close()
+        assert sorted(store.keys()) == ["new/a"]
