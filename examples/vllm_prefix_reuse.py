@@ -3,7 +3,8 @@
 Each run is a fresh vLLM engine process (CPU build or GPU) with an empty local cache; both use the
 same store directory. The first run computes the prompt and saves its KV (DRAM, then SSD); the second
 run finds the prefix in the store, loads it and computes only the tail. Prints TTFT and the external
-hit of each run::
+hit of each run, and checks that both runs then generate the same tokens over the prompt (exit status 1
+if not)::
 
     python examples/vllm_prefix_reuse.py                    # a Llama-shaped model with dummy weights
     python examples/vllm_prefix_reuse.py --model Qwen/Qwen2.5-0.5B-Instruct --prompt-tokens 4000
@@ -48,8 +49,12 @@ def serve_once(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     ttft = time.perf_counter() - t0
+    # A few greedy tokens over the same prefix (now in the engine's own cache): run 1 computed that
+    # prefix, run 2 loaded it from the store, so equal tokens mean the loaded KV is the computed KV.
+    more = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    tokens = list(llm.generate([{"prompt_token_ids": prompt}], more, use_tqdm=False)[0].outputs[0].token_ids)
     print("RESULT " + json.dumps({"ttft_s": ttft, "hit_tokens": out.num_cached_tokens,
-                                  "prompt_tokens": len(prompt)}), flush=True)
+                                  "prompt_tokens": len(prompt), "tokens": tokens}), flush=True)
     llm.llm_engine.engine_core.shutdown()  # flushes the store to its SSD directory
 
 
@@ -78,6 +83,7 @@ def main() -> int:
     else:
         child += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tokens: list[list[int]] = []
     for run in (1, 2):
         print(f"run {run}: starting a fresh vLLM engine ...", flush=True)
         proc = subprocess.run(child, capture_output=True, text=True, env=env)
@@ -88,6 +94,11 @@ def main() -> int:
         r = json.loads(lines[-1][len("RESULT "):])
         print(f"run {run}: TTFT {r['ttft_s']:.3f} s, external hit {r['hit_tokens']} of {r['prompt_tokens']} "
               f"prompt tokens", flush=True)
+        tokens.append(r["tokens"])
+    if tokens[0] != tokens[1]:
+        print(f"run 2 generated {tokens[1]} over the loaded prefix, run 1 {tokens[0]}", file=sys.stderr)
+        return 1
+    print(f"run 2 generated the same {len(tokens[1])} tokens as run 1", flush=True)
     return 0
 
 
