@@ -66,7 +66,7 @@ if [ ! -x "$PY" ]; then
     mkdir -p "$(dirname "$VENV")"
     python3 -m venv "$VENV"
 fi
-if ! "$PY" -c "import store_backend, sglang_hicache" >/dev/null 2>&1; then
+if ! "$PY" -c "import store_backend, sglang_hicache, mooncake_kv.devtools" >/dev/null 2>&1; then
     say "installing mooncake-kv (editable) into $VENV"
     quiet_pip -e "$ROOT[test]"
 fi

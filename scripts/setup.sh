@@ -36,7 +36,11 @@ extras=""
 [ "$WHAT" = all ] && extras="[test]"
 echo "setup: installing mooncake-kv$extras into $VENV"
 "$PY" -m pip install -q -e "$ROOT$extras" 2>&1 | grep -v "^WARNING: Location" || true
-"$PY" -c "import store_backend, msgspec, xxhash" # fail here, not later, if the install did not take
+# Fail here, not later, if the install did not take (the test extra brings import-linter, which
+# tests/test_import_layers.py runs).
+check="import mooncake_kv, store_backend, msgspec, xxhash"
+[ "$WHAT" = all ] && check="$check, importlinter"
+(cd / && "$PY" -c "$check")
 
 case "$WHAT" in
   store) engines=() ;;
