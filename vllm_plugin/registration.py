@@ -19,8 +19,13 @@ CONNECTOR_MODULE = "vllm_plugin.connector"
 
 def register() -> bool:
     """Register the connector with vLLM's factory; True if this call registered it."""
+    import vllm  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: PLC0415
     # (imported here: plugin discovery imports this module in processes that never build a connector)
+
+    from mooncake_connector.engine_versions import check_engine_version  # noqa: PLC0415
+
+    check_engine_version("vllm", vllm.__version__)
 
     try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
