@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from mooncake_connector.metrics import ClientCounters, ConnectorFailures, ConnectorLatency, ConnectorStats, copy_stats
 from store_backend.threads import Deadline, shutdown_pool
 from store_backend.types import Buffer, ReadResult, Status
 
@@ -57,22 +58,6 @@ class KVStore(Protocol):
     def metrics(self) -> dict[str, Any]: ...
 
 
-class ClientCounters(msgspec.Struct):
-    lookups: int = 0
-    lookup_keys: int = 0
-    lookup_hits: int = 0  # leading keys found
-    save_batches: int = 0
-    saved_objects: int = 0  # newly stored
-    save_exists: int = 0  # already stored (content-addressed: nothing to do)
-    save_failed: int = 0  # NO_SPACE, TOO_LARGE, IO_ERROR ...
-    saves_dropped: int = 0  # never submitted: too many saves in flight
-    saved_bytes: int = 0
-    load_batches: int = 0
-    loaded_objects: int = 0
-    load_failed: int = 0  # missing, corrupt, I/O error, wrong size
-    loaded_bytes: int = 0
-
-
 class ClientClosedError(RuntimeError):
     """A save or load submitted to a client that is not started, or already closed."""
 
@@ -99,6 +84,7 @@ class KVClient:
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}  # key -> its save in flight
         self.counters = ClientCounters()
+        self.latency = ConnectorLatency()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> KVClient:
@@ -146,6 +132,7 @@ class KVClient:
     def lookup(self, keys: Sequence[str]) -> int:
         """Number of leading keys present in the store or being saved (blocking; cheap for the
         embedded store)."""
+        t0 = time.perf_counter()
         n = 0
         while n < len(keys):
             if keys[n] in self._pending:  # racy read of a dict: a save just landing is in the store
@@ -160,6 +147,7 @@ class KVClient:
             c.lookups += 1
             c.lookup_keys += len(keys)
             c.lookup_hits += n
+            self.latency.lookup.observe(time.perf_counter() - t0)
         return n
 
     def lookup_async(self, keys: Sequence[str]) -> Future:
@@ -209,9 +197,10 @@ class KVClient:
         if not keys:
             return _done([])
         with self._lock:  # registered before the put can run, so lookups never miss it
-            fut = self._submit(self._save, keys, list(buffers), parents, block=False)
+            fut = self._submit(self._save, keys, list(buffers), parents, time.perf_counter(), block=False)
             if fut is None:
                 self.counters.saves_dropped += len(keys)
+                self.counters.failures.capacity += len(keys)
                 return _done([Status.NO_SPACE] * len(keys))
             for k in keys:
                 self._pending[k] = fut
@@ -224,7 +213,8 @@ class KVClient:
                 if self._pending.get(k) is fut:
                     del self._pending[k]
 
-    def _save(self, keys: list[str], buffers: list[Buffer], parents: Sequence[str | None] | None) -> list[Status]:
+    def _save(self, keys: list[str], buffers: list[Buffer], parents: Sequence[str | None] | None,
+              submitted: float) -> list[Status]:
         try:
             statuses = self.store.put(keys, buffers, parents)
         except Exception:
@@ -241,6 +231,8 @@ class KVClient:
                     c.save_exists += 1
                 else:
                     c.save_failed += 1
+                    _count_failure(c.failures, st)
+            self.latency.save.observe(time.perf_counter() - submitted)
         return statuses
 
     # -- load --------------------------------------------------------------------------------------
@@ -266,13 +258,15 @@ class KVClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.wait_for_saves(keys, wait_saves_s if timeout_s is None else min(wait_saves_s, timeout_s))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, block=True, timeout_s=left)
+        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, time.perf_counter(),
+                           block=True, timeout_s=left)
         if fut is None:
             logger.warning("load of %d objects not started: no I/O slot free within %.1f s", len(keys), timeout_s)
             if unpin_after:
                 self.unpin(keys)
             with self._lock:
                 self.counters.load_failed += len(keys)
+                self.counters.failures.timeout += len(keys)
             return _done([ReadResult(Status.IO_ERROR)] * len(keys))
         return fut
 
@@ -290,7 +284,7 @@ class KVClient:
         return True
 
     def _load(self, keys: list[str], buffers: list[Buffer], sizes: Sequence[int] | None,
-              unpin_after: bool) -> list[ReadResult]:
+              unpin_after: bool, submitted: float) -> list[ReadResult]:
         try:
             results = self.store.get_into(keys, buffers)
         except Exception:
@@ -311,6 +305,8 @@ class KVClient:
                     c.loaded_bytes += r.nbytes
                 else:
                     c.load_failed += 1
+                    _count_failure(c.failures, r.status)
+            self.latency.load.observe(time.perf_counter() - submitted)
         return results
 
     def drain(self, timeout_s: float | None = None) -> bool:
@@ -320,6 +316,33 @@ class KVClient:
         return self.wait_for_saves(keys, float("inf") if timeout_s is None else timeout_s)
 
     # -- observability -----------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """The counters as a plain nested dict (a copy)."""
         with self._lock:
-            return msgspec.structs.asdict(self.counters)
+            return msgspec.to_builtins(self.counters)
+
+    def snapshot(self) -> ConnectorStats:
+        """A typed copy of the counters and latency histograms (thread-safe)."""
+        with self._lock:
+            return copy_stats(self.counters, self.latency)
+
+    def count(self, *, hit_tokens: int = 0, staging_failures: int = 0, timeouts: int = 0) -> None:
+        """Add what only the engine layer knows: prompt tokens it loads from the store instead of
+        computing them, chunks it could not load or save for want of staging, and chunks whose
+        load it stopped waiting for (thread-safe)."""
+        with self._lock:
+            self.counters.hit_tokens += hit_tokens
+            self.counters.failures.staging += staging_failures
+            self.counters.failures.timeout += timeouts
+
+
+def _count_failure(failures: ConnectorFailures, status: Status) -> None:
+    """Count a chunk the store did not load or save under its kind (lock held)."""
+    if status is Status.CORRUPT:
+        failures.checksum += 1
+    elif status in (Status.NO_SPACE, Status.TOO_LARGE):
+        failures.capacity += 1
+    elif status is Status.NOT_FOUND:
+        failures.missing += 1
+    else:
+        failures.io_error += 1

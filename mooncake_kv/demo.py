@@ -117,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     for tier in ("dram", "ssd"):
         t = m[tier]
-        table.add_row(tier, str(t["hits"]), str(t["misses"]), f"{t['bytes_in'] / 2**20:.0f}",
-                      f"{t['bytes_out'] / 2**20:.0f}", str(t["evictions"] + t.get("backend_evictions", 0)),
-                      str(t["offloads"]), str(t["promotions"]), str(t["failures"]))
+        table.add_row(tier, str(t["hits"]), str(t["misses"]), f"{t['bytes_written'] / 2**20:.0f}",
+                      f"{t['bytes_read'] / 2**20:.0f}", str(t["evictions"]),
+                      str(t["offloads"]), str(t["promotions"]), str(sum(t["failures"].values())))
     console.print(table)
     console.print(f"prefix hits: {hit_chunks}/{total_chunks} chunks ({hit_chunks / max(1, total_chunks):.1%}); "
                   f"objects: {m['dram']['objects']} in DRAM, {m['ssd'].get('objects', 0)} on SSD; "

@@ -1,24 +1,95 @@
-"""Per-tier counters of the store, exposed as a plain snapshot (exporters read the snapshot).
+"""The store's typed counters, gauges and latency histograms: the one source of truth for metrics.
 
-Counters are plain ints updated by the store under its lock; ``snapshot()`` copies them.
+Counters are plain ints (and histogram buckets plain lists) updated by the store under its own
+lock, where it already holds it; nothing here takes a lock. ``TieredStore.stats()`` copies them into
+a :class:`StoreStats` together with the gauges it reads at that moment; exporters (the Prometheus
+mapping in :mod:`store_backend.prometheus`, the vLLM and SGLang stats hooks) read that copy.
+Every field is exported by :mod:`store_backend.prometheus`, whose table must describe it (a test
+fails for a field with no description), so a counter added here cannot go unexported.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+from typing import Any, ClassVar
 
 import msgspec
+
+# Upper bounds (seconds) of the store's latency histogram buckets; one more bucket counts the rest.
+LATENCY_BOUNDS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# Tier names as they appear in stats and metric labels ("pool" is reserved for the pooled tier).
+TIERS: tuple[str, ...] = ("dram", "ssd")
+
+
+class FailureCounters(msgspec.Struct):
+    """Failed operations of one tier, by kind (each failure counts once, under one kind)."""
+
+    checksum: int = 0
+    io_error: int = 0
+    capacity: int = 0
 
 
 class TierCounters(msgspec.Struct):
     hits: int = 0
     misses: int = 0
-    bytes_in: int = 0  # bytes written into the tier
-    bytes_out: int = 0  # bytes read out of the tier
+    bytes_read: int = 0
+    bytes_written: int = 0
     evictions: int = 0
     offloads: int = 0  # objects copied from this tier to the one below
     promotions: int = 0  # objects copied into this tier from the one below
-    failures: int = 0  # corrupt reads, I/O errors, rejected writes
+    failures: FailureCounters = msgspec.field(default_factory=FailureCounters)
+
+
+class TierStats(TierCounters):
+    """One tier's counters and its gauges, as ``TieredStore.stats()`` reports them."""
+
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    objects: int = 0
+
+
+class QueueGauges(msgspec.Struct):
+    """Objects waiting in (or being handled by) each background queue."""
+
+    offload: int = 0
+    promotion: int = 0
+
+
+class LatencyHistogram(msgspec.Struct):
+    """Latencies in fixed buckets (:data:`LATENCY_BOUNDS_S`): ``counts[i]`` observations fell in
+    bucket ``i`` (not cumulative; the last bucket is above every bound); ``sum_s`` is their total.
+    Not thread-safe: the owner updates it under its own lock."""
+
+    bounds_s: ClassVar[tuple[float, ...]] = LATENCY_BOUNDS_S
+    counts: list[int] = msgspec.field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    sum_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds_s, seconds)] += 1
+        self.sum_s += seconds
+
+    def copy(self) -> LatencyHistogram:
+        return LatencyHistogram(list(self.counts), self.sum_s)
+
+    def minus(self, older: LatencyHistogram) -> LatencyHistogram:
+        """What was observed since ``older`` (an earlier copy of this histogram)."""
+        return LatencyHistogram([a - b for a, b in zip(self.counts, older.counts)], self.sum_s - older.sum_s)
+
+    def plus(self, other: LatencyHistogram) -> LatencyHistogram:
+        return LatencyHistogram([a + b for a, b in zip(self.counts, other.counts)], self.sum_s + other.sum_s)
+
+
+class StoreLatency(msgspec.Struct):
+    """Time the store's public calls took, from entry to return (blocking SSD I/O included)."""
+
+    get: LatencyHistogram = msgspec.field(default_factory=LatencyHistogram)
+    put: LatencyHistogram = msgspec.field(default_factory=LatencyHistogram)
 
 
 class StoreCounters(msgspec.Struct):
@@ -41,23 +112,39 @@ class StoreCounters(msgspec.Struct):
     thread_join_timeouts: int = 0
 
 
+class StoreStats(msgspec.Struct):
+    """A copy of everything the store counts, plus its gauges at the moment of the copy."""
+
+    dram: TierStats = msgspec.field(default_factory=TierStats)
+    ssd: TierStats = msgspec.field(default_factory=TierStats)
+    store: StoreCounters = msgspec.field(default_factory=StoreCounters)
+    queues: QueueGauges = msgspec.field(default_factory=QueueGauges)
+    latency: StoreLatency = msgspec.field(default_factory=StoreLatency)
+
+
 class StoreMetrics:
+    """The live counters a store updates (under its lock)."""
+
     def __init__(self) -> None:
         self.dram = TierCounters()
         self.ssd = TierCounters()
         self.store = StoreCounters()
+        self.latency = StoreLatency()
 
-    def snapshot(self, **gauges: Any) -> dict[str, Any]:
-        """Counters plus the caller's gauges (usage, queue depths) as a nested dict."""
-        out: dict[str, Any] = {
-            "dram": msgspec.structs.asdict(self.dram),
-            "ssd": msgspec.structs.asdict(self.ssd),
-            "store": msgspec.structs.asdict(self.store),
-        }
-        for name, value in gauges.items():
-            tier, _, field = name.partition("__")
-            if field:
-                out.setdefault(tier, {})[field] = value
-            else:
-                out[name] = value
-        return out
+    def tier(self, name: str) -> TierCounters:
+        return self.dram if name == "dram" else self.ssd
+
+    def snapshot(self, dram: dict[str, int], ssd: dict[str, int], queues: QueueGauges) -> StoreStats:
+        """A deep copy of the counters with the caller's gauges (``TierStats`` gauge fields by
+        name, per tier); the caller holds the store's lock."""
+        def tier(c: TierCounters, gauges: dict[str, int]) -> TierStats:
+            return TierStats(**{k: v for k, v in _fields(c).items() if k != "failures"},
+                             failures=msgspec.structs.replace(c.failures), **gauges)
+
+        return StoreStats(dram=tier(self.dram, dram), ssd=tier(self.ssd, ssd),
+                          store=msgspec.structs.replace(self.store), queues=queues,
+                          latency=StoreLatency(get=self.latency.get.copy(), put=self.latency.put.copy()))
+
+
+def _fields(s: msgspec.Struct) -> dict[str, Any]:
+    return {f: getattr(s, f) for f in s.__struct_fields__}

@@ -27,11 +27,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from store_backend.coherence import LossLedger, RemovalTracker
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
-from store_backend.metrics import StoreMetrics
+from store_backend.metrics import FailureCounters, LatencyHistogram, QueueGauges, StoreMetrics, StoreStats
 from store_backend.plans import demotion_bytes, evict_pass_order, should_promote
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.ssd.base import SsdBackend
@@ -74,6 +76,16 @@ _WRITE_FAILED = "its SSD write answered"
 # Waits on the store's condition wake up at least this often to look again (a backstop: every
 # change that ends a wait also notifies).
 _WAIT_SLICE_S = 0.5
+
+
+def _count_failure(failures: FailureCounters, status: Status) -> None:
+    """Count a failed SSD read or write under its kind (lock held)."""
+    if status is Status.CORRUPT:
+        failures.checksum += 1
+    elif status in (Status.NO_SPACE, Status.TOO_LARGE):
+        failures.capacity += 1
+    else:
+        failures.io_error += 1
 
 
 class StoreClosedError(RuntimeError):
@@ -222,11 +234,13 @@ class TieredStore:
             raise StoreClosedError("the store is closed")
 
     @contextlib.contextmanager
-    def _call(self) -> Iterator[None]:
-        """Count a public call in flight (close() waits for it); refuse it once close() began."""
+    def _call(self, latency: LatencyHistogram | None = None) -> Iterator[None]:
+        """Count a public call in flight (close() waits for it); refuse it once close() began.
+        With ``latency``, the call's time is observed there (under the lock this takes anyway)."""
         with self._lock:
             self._check_open()
             self._calls += 1
+        t0 = time.perf_counter()
         try:
             yield
         except StoreClosedError:
@@ -238,6 +252,8 @@ class TieredStore:
             raise
         finally:
             with self._lock:
+                if latency is not None:
+                    latency.observe(time.perf_counter() - t0)
                 self._calls -= 1
                 if not self._calls:
                     self._changed.notify_all()
@@ -286,7 +302,7 @@ class TieredStore:
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
         views = [byte_view(b) for b in buffers]
-        with self._call():
+        with self._call(self.metrics_counters.latency.put):
             return self._put(keys, views, parents)
 
     def _put(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
@@ -347,6 +363,7 @@ class TieredStore:
             if entry is None:
                 out[i] = Status.NO_SPACE
                 m.store.put_no_space += 1
+                m.dram.failures.capacity += 1
                 continue
             reserved.append((i, entry))
         return reserved
@@ -376,7 +393,7 @@ class TieredStore:
                     entry.put_seq = self._put_seq
                     self._losses.clear(entry.key)
                     m.store.puts += 1
-                    m.dram.bytes_in += entry.size
+                    m.dram.bytes_written += entry.size
                     if eager:
                         entry.offload_queued = True
                         queued.append(entry)
@@ -472,7 +489,7 @@ class TieredStore:
         for i, buf in enumerate(buffers):
             if memoryview(buf).readonly:  # type: ignore[arg-type]
                 raise TypeError(f"buffers[{i}] (for key {keys[i]!r}) is read-only; get_into writes into it")
-        with self._call():
+        with self._call(self.metrics_counters.latency.get):
             return self._get_into(keys, buffers)
 
     def _get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
@@ -510,7 +527,7 @@ class TieredStore:
                     else:
                         self._unlease(entry)  # removed meanwhile: the last reader frees it
                     m.dram.hits += 1
-                    m.dram.bytes_out += entry.size
+                    m.dram.bytes_read += entry.size
                 m.dram.misses += len(below)
         if below and self._ssd is not None:
             self._read_below(keys, buffers, below, out)
@@ -542,7 +559,7 @@ class TieredStore:
                 out[i] = res
                 if res.status is Status.OK:
                     m.ssd.hits += 1
-                    m.ssd.bytes_out += res.nbytes
+                    m.ssd.bytes_read += res.nbytes
                     hits = self._ssd_hits.get(keys[i], 0) + 1
                     if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
                                       policy_uses(self._dram.policy, keys[i])):
@@ -553,7 +570,7 @@ class TieredStore:
                             self._ssd_hits.pop(next(iter(self._ssd_hits)))
                         self._ssd_hits[keys[i]] = hits
                 elif res.status in (Status.CORRUPT, Status.IO_ERROR):
-                    m.ssd.failures += 1
+                    _count_failure(m.ssd.failures, res.status)
                     m.ssd.misses += 1
                 else:
                     m.ssd.misses += 1
@@ -1125,13 +1142,13 @@ class TieredStore:
                     e.persisted = True
                     e.offload_failures = 0
                     m.dram.offloads += 1
-                    m.ssd.bytes_in += e.size if st is Status.OK else 0
+                    m.ssd.bytes_written += e.size if st is Status.OK else 0
                     if demote and e.leases == 0 and e.pins == 0:
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                 else:
                     e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
-                    m.ssd.failures += 1
+                    _count_failure(m.ssd.failures, st)
                     problems[e.key] = f"{_WRITE_FAILED} {st.name}"
             self._changed.notify_all()
         if landed_after_remove:
@@ -1209,6 +1226,7 @@ class TieredStore:
                 e = self._reserve(key, size, None, promotion=True)
                 if e is None:
                     m.store.promotions_skipped += 1
+                    m.dram.failures.capacity += 1
                     continue
                 reserved.append(e)
         if not reserved:
@@ -1229,30 +1247,40 @@ class TieredStore:
                     e.persisted = True
                     self._dram.commit(e)
                     m.dram.promotions += 1
-                    m.dram.bytes_in += e.size
+                    m.dram.bytes_written += e.size
                 else:
                     self._dram.drop(e.key)
                     m.store.promotions_skipped += 1
+                    if res.status in (Status.CORRUPT, Status.IO_ERROR):
+                        _count_failure(m.ssd.failures, res.status)
 
     # -- observability -----------------------------------------------------------------------------
-    def metrics(self) -> dict[str, Any]:
-        """Counters per tier plus usage gauges, as a plain nested dict (a copy)."""
+    def stats(self) -> StoreStats:
+        """A typed copy of every counter, with the gauges as they are now (capacity, usage and
+        objects per tier, queue depths). Thread-safe; takes the store lock briefly, and asks the
+        SSD backend for its gauges outside it."""
         with self._call():
-            return self._metrics()
+            return self._stats()[0]
 
-    def _metrics(self) -> dict[str, Any]:
+    def _stats(self) -> tuple[StoreStats, Any]:
+        ssd = self._ssd.stats() if self._ssd is not None else None
         with self._lock:
-            gauges: dict[str, Any] = {
-                "dram__used_bytes": self._dram.used_bytes,
-                "dram__capacity_bytes": self._dram.capacity_bytes,
-                "dram__objects": len(self._dram.entries),
-                "store__offload_queue": self._offloader.depth,
-                "store__promotion_queue": self._promoter.depth,
-            }
-            snap = self.metrics_counters.snapshot(**gauges)
-        if self._ssd is not None:
-            st = self._ssd.stats()
-            snap["ssd"].update(used_bytes=st.used_bytes, capacity_bytes=st.capacity_bytes, objects=st.objects,
-                               backend_evictions=st.evictions, corrupt_reads=st.corrupt_reads,
-                               recovered_objects=st.recovered_objects)
+            dram = {"used_bytes": self._dram.used_bytes, "capacity_bytes": self._dram.capacity_bytes,
+                    "objects": len(self._dram.entries)}
+            queues = QueueGauges(offload=self._offloader.depth, promotion=self._promoter.depth)
+            stats = self.metrics_counters.snapshot(dram, {}, queues)
+        if ssd is not None:
+            # The SSD tier evicts on its own (capacity): its evictions are the backend's count.
+            stats.ssd.used_bytes, stats.ssd.capacity_bytes = ssd.used_bytes, ssd.capacity_bytes
+            stats.ssd.objects, stats.ssd.evictions = ssd.objects, ssd.evictions
+        return stats, ssd
+
+    def metrics(self) -> dict[str, Any]:
+        """:meth:`stats` as a plain nested dict (a copy), plus the SSD backend's recovery counts
+        (``ssd.corrupt_reads``, ``ssd.recovered_objects``) for logs and tests."""
+        with self._call():
+            stats, ssd = self._stats()
+        snap: dict[str, Any] = msgspec.to_builtins(stats)
+        if ssd is not None:
+            snap["ssd"].update(corrupt_reads=ssd.corrupt_reads, recovered_objects=ssd.recovered_objects)
         return snap

@@ -130,7 +130,7 @@ def test_corrupt_objects_stop_prefetch_at_that_page(schedulers, tmp_path: Path):
     hit, loaded, dst = s.prefetch(tokens)
     assert (hit, loaded) == (4 * PAGE, 3 * PAGE)
     assert same_pages(s.host, src[:3 * PAGE], dst[:3 * PAGE])
-    assert st.metrics()["ssd"]["failures"] >= 1
+    assert st.metrics()["ssd"]["failures"]["checksum"] >= 1
 
     # A wrong-sized object under a page's key (written by something else): not a page, a miss.
     assert st.remove([keys[1]]) == [Status.OK]

@@ -251,7 +251,7 @@ def test_full_disk_loses_nothing(small_disk, backend) -> None:
         assert all(read_ok(s, keys))
         m = s.metrics()
         assert m["dram"]["offloads"] > 0
-        assert backend == "offset" or m["ssd"]["backend_evictions"] > 0  # room was made on the full disk
+        assert backend == "offset" or m["ssd"]["evictions"] > 0  # room was made on the full disk
         assert m["store"]["dropped_unpersisted"] == 0
         # and the store keeps working: newer objects still go in and come out
         assert s.put(["after"], [payload("after", CHUNK)]) == [Status.OK]
@@ -346,7 +346,7 @@ def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept
     with TieredStore(cfg, ssd=ssd) as s:
         assert s.put(["k0"], [payload("k0", CHUNK)]) == [Status.OK]
         settle(s)
-        assert "k0" not in ssd.data and s.metrics()["ssd"]["failures"] == 1
+        assert "k0" not in ssd.data and s.metrics()["ssd"]["failures"]["io_error"] == 1
         for i in range(1, 24):  # 6 MiB through 2 MiB: every put evicts, k0 first in LRU order
             k = f"k{i}"
             assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
@@ -357,7 +357,7 @@ def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept
         assert m["store"]["dropped_unpersisted"] == 0
         attempts = 1 + m["store"]["offload_retries"]
         assert attempts == (failures + 1 if kept else MAX_OFFLOAD_ATTEMPTS)
-        assert m["ssd"]["failures"] == min(failures, MAX_OFFLOAD_ATTEMPTS)
+        assert m["ssd"]["failures"]["io_error"] == min(failures, MAX_OFFLOAD_ATTEMPTS)
         assert read_ok(s, ["k0"]) == [True]
 
 

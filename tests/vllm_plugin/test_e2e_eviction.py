@@ -41,7 +41,7 @@ def test_hits_come_from_ssd_when_dram_is_too_small(tiny_model: Path, tmp_path: P
     metrics = result["stats"]["worker"]["store"]
     assert metrics["dram"]["capacity_bytes"] == 8 * CHUNK_BYTES
     assert metrics["dram"]["evictions"] >= 24 - 8  # the working set did not fit
-    assert metrics["ssd"]["bytes_in"] >= 24 * CHUNK_BYTES  # everything reached SSD
+    assert metrics["ssd"]["bytes_written"] >= 24 * CHUNK_BYTES  # everything reached SSD
     assert metrics["store"]["dropped_unpersisted"] == 0
     # 24 chunks loaded; at most the 8 DRAM still held can have been DRAM hits of the first pass.
     assert result["stats"]["worker"]["chunks_loaded"] == 24

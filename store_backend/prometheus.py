@@ -1,0 +1,334 @@
+"""The one Prometheus mapping of the typed stats: names, types, units, labels and help.
+
+Every exporter goes through this table: :class:`StoreCollector` (a ``prometheus_client``
+collector over a store, for a node service's ``/metrics`` or any process that embeds a store),
+the vLLM connector's ``KVConnectorPromMetrics`` and SGLang's ``get_stats``. Families are derived
+from the fields of the typed Structs in :mod:`store_backend.metrics` (one family per field, or one
+family per struct with the fields as a label's values); each needs one description in
+:data:`DESCRIPTIONS` or :data:`LABEL_VALUES`. ``undescribed()`` lists what lacks one, and a test
+fails on it, so a counter added to a Struct is exported and documented, never silently dropped.
+docs/METRICS.md is generated from :func:`render_reference` (a test keeps it current).
+
+Pure functions and one collector; nothing is registered at import. Thread-safe: the collector
+reads a fresh ``stats()`` copy on each scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from store_backend.metrics import (
+    TIERS,
+    FailureCounters,
+    LatencyHistogram,
+    QueueGauges,
+    StoreCounters,
+    StoreLatency,
+    StoreStats,
+    TierCounters,
+    TierStats,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "mooncake_kv"
+
+# Help text of every family, by name (counters without their ``_total`` suffix).
+DESCRIPTIONS: dict[str, str] = {
+    # per tier, counters
+    "mooncake_kv_tier_hits": "Objects a get served from this tier.",
+    "mooncake_kv_tier_misses": "Objects a get looked for in this tier and did not find there (a failed read counts too).",
+    "mooncake_kv_tier_bytes_read": "Bytes copied out of this tier to callers.",
+    "mooncake_kv_tier_bytes_written": "Bytes written into this tier (puts and promotions into DRAM, offloads to SSD).",
+    "mooncake_kv_tier_evictions": "Objects removed from this tier to make room (on SSD: by the SSD backend itself).",
+    "mooncake_kv_tier_offloads": "Objects copied from this tier to the tier below (DRAM to SSD).",
+    "mooncake_kv_tier_promotions": "Objects copied into this tier from the tier below (SSD to DRAM).",
+    "mooncake_kv_tier_failures": "Failed reads and writes of this tier, by kind.",
+    # per tier, gauges
+    "mooncake_kv_tier_capacity_bytes": "Bytes this tier may hold.",
+    "mooncake_kv_tier_used_bytes": "Bytes this tier holds now (on SSD: on disk, headers and padding included).",
+    "mooncake_kv_tier_objects": "Objects this tier holds now.",
+    # store-wide counters
+    "mooncake_kv_store_puts": "Objects stored by put (each one once, in DRAM).",
+    "mooncake_kv_store_put_exists": "Objects a put found already stored (bytes kept, nothing written).",
+    "mooncake_kv_store_put_no_space": "Objects a put refused for want of evictable DRAM (everything leased, pinned or in flight).",
+    "mooncake_kv_store_gets": "Objects asked for by get.",
+    "mooncake_kv_store_dropped_unpersisted": "Objects evicted from DRAM before they reached SSD (SSD fell behind, or no SSD tier).",
+    "mooncake_kv_store_offload_queue_full": "Objects the offload queue refused (full); they are tried again when DRAM needs room.",
+    "mooncake_kv_store_offload_retries": "Objects queued for SSD again (a failed or refused write, or a copy the SSD tier evicted).",
+    "mooncake_kv_store_offload_declined": "Objects the SSD admission policy kept off SSD.",
+    "mooncake_kv_store_promotion_queue_full": "Promotions the promotion queue refused (full).",
+    "mooncake_kv_store_promotions_skipped": "Promotions not done (no clean DRAM to evict, the read failed, or the key was removed).",
+    "mooncake_kv_store_worker_errors": "Exceptions that escaped a background worker (each logged with its traceback).",
+    "mooncake_kv_store_thread_join_timeouts": "Background threads still running when close() reached its deadline (each logged by name).",
+    # gauges and histograms
+    "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
+    "mooncake_kv_store_get_seconds": "Time a store get_into call took (DRAM copies and blocking SSD reads).",
+    "mooncake_kv_store_put_seconds": "Time a store put call took (the copy into DRAM; offload is not on this path).",
+}
+
+# Meaning of every value a label takes, by label.
+LABEL_VALUES: dict[str, dict[str, str]] = {
+    "tier": {
+        "dram": "host DRAM arena of this node",
+        "ssd": "SSD tier of this node",
+    },
+    "kind": {
+        "checksum": "a record failed its checksum or was torn (served as a miss, never as bytes)",
+        "io_error": "the backend answered an I/O error or raised",
+        "capacity": "no room: a write the tier refused (full disk, DRAM with nothing evictable)",
+    },
+    "queue": {
+        "offload": "objects waiting to be written from DRAM to SSD",
+        "promotion": "objects waiting to be copied from SSD back into DRAM",
+    },
+}
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+Sample = tuple[tuple[str, ...], "float | LatencyHistogram"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: ``read(stats)`` gives its samples as (label values, value); a
+    histogram's value is a :class:`LatencyHistogram`."""
+
+    name: str  # counters without the ``_total`` suffix
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+    read: Callable[[Any], list[Sample]] = field(compare=False, repr=False)
+
+    @property
+    def unit(self) -> str:
+        for unit in ("bytes", "seconds", "tokens"):
+            if unit in self.name.removeprefix(PREFIX).split("_"):
+                return unit
+        return ""
+
+    @property
+    def exposed_name(self) -> str:
+        return self.name + "_total" if self.kind == COUNTER else self.name
+
+
+def fields_of(cls: type[msgspec.Struct]) -> tuple[str, ...]:
+    return cls.__struct_fields__
+
+
+def struct_families(cls: type[msgspec.Struct], prefix: str, kind: str, get: Callable[[Any], Any],
+                    descriptions: Mapping[str, str]) -> list[Family]:
+    """One family per field of ``cls`` named ``{prefix}_{field}``; ``get(stats)`` is the instance.
+    Help comes from ``descriptions`` by family name (empty when missing: see :func:`undescribed`)."""
+    return [Family(f"{prefix}_{name}", kind, (), descriptions.get(f"{prefix}_{name}", ""),
+                   lambda s, n=name: [((), getattr(get(s), n))])
+            for name in fields_of(cls)]
+
+
+def labelled_family(cls: type[msgspec.Struct], name: str, kind: str, label: str, get: Callable[[Any], Any],
+                    descriptions: Mapping[str, str]) -> Family:
+    """One family whose ``label`` takes the fields of ``cls`` as values."""
+    return Family(name, kind, (label,), descriptions.get(name, ""),
+                  lambda s: [((f,), getattr(get(s), f)) for f in fields_of(cls)])
+
+
+def histogram_families(cls: type[msgspec.Struct], prefix: str, get: Callable[[Any], Any],
+                       descriptions: Mapping[str, str]) -> list[Family]:
+    """One ``{prefix}_{field}_seconds`` histogram per :class:`LatencyHistogram` field of ``cls``."""
+    return [Family(f"{prefix}_{op}_seconds", HISTOGRAM, (), descriptions.get(f"{prefix}_{op}_seconds", ""),
+                   lambda s, o=op: [((), getattr(get(s), o))])
+            for op in fields_of(cls)]
+
+
+def _tier_families() -> list[Family]:
+    gauges = [f for f in fields_of(TierStats) if f not in fields_of(TierCounters)]
+    out: list[Family] = []
+    for name in fields_of(TierStats):
+        full = f"{PREFIX}_tier_{name}"
+        if name == "failures":
+            out.append(Family(full, COUNTER, ("tier", "kind"), DESCRIPTIONS.get(full, ""), lambda s: [
+                ((t, k), getattr(getattr(s, t).failures, k)) for t in TIERS for k in fields_of(FailureCounters)]))
+        else:
+            out.append(Family(full, GAUGE if name in gauges else COUNTER, ("tier",), DESCRIPTIONS.get(full, ""),
+                              lambda s, n=name: [((t,), getattr(getattr(s, t), n)) for t in TIERS]))
+    return out
+
+
+def store_families() -> list[Family]:
+    """Every family a :class:`StoreStats` fills, in a stable order."""
+    return [
+        *_tier_families(),
+        *struct_families(StoreCounters, f"{PREFIX}_store", COUNTER, lambda s: s.store, DESCRIPTIONS),
+        labelled_family(QueueGauges, f"{PREFIX}_queue_depth", GAUGE, "queue", lambda s: s.queues, DESCRIPTIONS),
+        *histogram_families(StoreLatency, f"{PREFIX}_store", lambda s: s.latency, DESCRIPTIONS),
+    ]
+
+
+def label_structs() -> dict[str, type[msgspec.Struct] | Sequence[str]]:
+    """Where each label's values come from (for the description check)."""
+    return {"tier": TIERS, "kind": FailureCounters, "queue": QueueGauges}
+
+
+def undescribed(families: Iterable[Family], labels: Mapping[str, type[msgspec.Struct] | Sequence[str]],
+                label_values: Mapping[str, Mapping[str, str]] | None = None) -> list[str]:
+    """Families without help text and label values without a meaning (must be empty)."""
+    meanings = label_values if label_values is not None else LABEL_VALUES
+    missing = [f.name for f in families if not f.help]
+    for label, source in labels.items():
+        values = fields_of(source) if isinstance(source, type) else source
+        missing += [f"{label}={v}" for v in values if not meanings.get(label, {}).get(v)]
+    return missing
+
+
+def cumulative_buckets(h: LatencyHistogram) -> list[tuple[str, float]]:
+    """``h`` as Prometheus buckets: (upper bound, observations at or below it), +Inf last."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, n in zip(h.bounds_s, h.counts):
+        total += n
+        out.append((repr(float(bound)), float(total)))
+    out.append(("+Inf", float(total + h.counts[-1])))
+    return out
+
+
+def to_metrics(families: Iterable[Family], stats: Any, *, const_labels: dict[str, str] | None = None
+               ) -> Iterator[Metric]:
+    """Prometheus metric families for ``stats`` (what a collector's ``collect()`` yields)."""
+    const = const_labels or {}
+    names, values = list(const), list(const.values())
+    for fam in families:
+        labels = names + list(fam.labels)
+        metric: Metric
+        if fam.kind == COUNTER:
+            metric = CounterMetricFamily(fam.name, fam.help, labels=labels)
+        elif fam.kind == GAUGE:
+            metric = GaugeMetricFamily(fam.name, fam.help, labels=labels)
+        else:
+            metric = HistogramMetricFamily(fam.name, fam.help, labels=labels)
+        for label_values, value in fam.read(stats):
+            if isinstance(value, LatencyHistogram):
+                assert isinstance(metric, HistogramMetricFamily)
+                metric.add_metric(values + list(label_values), cumulative_buckets(value), value.sum_s)
+            else:
+                metric.add_metric(values + list(label_values), float(value))
+        yield metric
+
+
+class StoreCollector(Collector):
+    """A ``prometheus_client`` collector over a store (anything with ``stats() -> StoreStats``).
+
+    Register it on a registry (``registry.register(StoreCollector(store))``); each scrape reads a
+    fresh copy. A store that is closed (or fails) yields nothing for that scrape, logged once per
+    failure at DEBUG: a scrape never raises into the HTTP server."""
+
+    def __init__(self, store: Any, *, const_labels: dict[str, str] | None = None) -> None:
+        self._stats: Callable[[], StoreStats] = store.stats
+        self._const_labels = dict(const_labels or {})
+        self._families = store_families()
+
+    def describe(self) -> list[Metric]:
+        return list(to_metrics(self._families, StoreStats(), const_labels=self._const_labels))
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:
+            logger.debug("store stats unavailable for this scrape", exc_info=True)
+            return
+        yield from to_metrics(self._families, stats, const_labels=self._const_labels)
+
+
+# -- payloads: the families' samples as plain data, for exporters in another process ---------------
+# {family name: {label values joined by _SEP: value}}; a histogram's value is its bucket counts with
+# the sum last. Plain dicts, lists and numbers, so msgpack/JSON carry them as they are.
+_SEP = "\x1f"
+
+
+def to_payload(families: Iterable[Family], stats: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for fam in families:
+        out[fam.name] = {_SEP.join(lv): ([*v.counts, v.sum_s] if isinstance(v, LatencyHistogram) else v)
+                         for lv, v in fam.read(stats)}
+    return out
+
+
+def payload_delta(new: Mapping[str, Mapping[str, Any]], old: Mapping[str, Mapping[str, Any]],
+                  families: Iterable[Family]) -> dict[str, dict[str, Any]]:
+    """Counters and histograms of ``new`` minus ``old`` (missing in ``old``: zero); gauges are
+    left out (see :func:`gauge_payload`). Only samples that moved are kept."""
+    out: dict[str, dict[str, Any]] = {}
+    for fam in families:
+        if fam.kind == GAUGE or fam.name not in new:
+            continue
+        before = old.get(fam.name, {})
+        moved: dict[str, Any] = {}
+        for key, v in new[fam.name].items():
+            if fam.kind == HISTOGRAM:
+                prev = before.get(key) or [0] * len(v)
+                d = [a - b for a, b in zip(v, prev)]
+                if any(d[:-1]):
+                    moved[key] = d
+            elif (d := v - before.get(key, 0)):
+                moved[key] = d
+        if moved:
+            out[fam.name] = moved
+    return out
+
+
+def gauge_payload(families: Iterable[Family], payload: Mapping[str, Mapping[str, Any]]
+                  ) -> dict[str, dict[str, Any]]:
+    """The gauges of ``payload`` alone."""
+    return {f.name: dict(payload[f.name]) for f in families if f.kind == GAUGE and f.name in payload}
+
+
+def add_payloads(a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Samplewise sum of two delta payloads (counters add, histogram buckets and sums add)."""
+    out = {name: dict(samples) for name, samples in a.items()}
+    for name, samples in b.items():
+        into = out.setdefault(name, {})
+        for key, v in samples.items():
+            if key not in into:
+                into[key] = list(v) if isinstance(v, list) else v
+            elif isinstance(v, list):
+                into[key] = [x + y for x, y in zip(into[key], v)]
+            else:
+                into[key] = into[key] + v
+    return out
+
+
+def split_key(key: str) -> list[str]:
+    """The label values of a payload key."""
+    return key.split(_SEP) if key else []
+
+
+def render_reference(sections: Sequence[tuple[str, list[Family]]],
+                     label_values: Mapping[str, Mapping[str, str]]) -> str:
+    """The Markdown reference (docs/METRICS.md): every family with type, unit, labels and meaning,
+    then every label value's meaning."""
+    lines = ["# Metrics", "",
+             "Generated by `python scripts/metrics_reference.py > docs/METRICS.md` from the typed stats",
+             "(`store_backend/metrics.py`, `mooncake_connector/metrics.py`) and their descriptions",
+             "(`store_backend/prometheus.py`); a test fails when this file is out of date.", "",
+             "Counters are exposed with the `_total` suffix; histograms as `_bucket`, `_sum` and `_count`",
+             f"(bucket bounds in seconds: {', '.join(f'{b:g}' for b in LatencyHistogram.bounds_s)}, +Inf).",
+             "In vLLM every family also carries vLLM's own labels (`model_name`, `engine`); the numbers",
+             "are summed over the engine's workers (TP ranks).", ""]
+    for title, families in sections:
+        lines += [f"## {title}", "", "| name | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+        for f in families:
+            labels = ", ".join(f"`{x}`" for x in f.labels) or "-"
+            lines.append(f"| `{f.exposed_name}` | {f.kind} | {f.unit or '-'} | {labels} | {f.help} |")
+        lines.append("")
+    lines += ["## Label values", "", "| label | value | meaning |", "|---|---|---|"]
+    for label, values in label_values.items():
+        for value, meaning in values.items():
+            lines.append(f"| `{label}` | `{value}` | {meaning} |")
+    lines.append("")
+    return "\n".join(lines)
