@@ -8,8 +8,8 @@ same keys.
 Key text: ``"<fingerprint digest>/<chunk hash hex>"``. The fingerprint covers everything that
 changes the KV bytes of a token: model id and revision, KV dtype and quantization, the canonical
 layout version, the attention geometry, and the KV shard (TP rank and size), plus, when known, the
-identity of the weights files, a digest of the effective model config and the cache epoch (bumped
-by a cache reset). Two deployments that differ in any of these never share a key.
+identity of the weights files, a digest of the effective model config, the cache epoch (bumped
+by a cache reset) and the identity of a speculative-decoding draft model whose KV is stored too. Two deployments that differ in any of these never share a key.
 
 Extra keys (what besides the tokens changes KV: LoRA adapter, cache salt, multimodal items, prompt
 embeddings) are hashed into the chain: request-wide ones into every chunk, per-chunk ones
@@ -51,6 +51,9 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Digest of the effective model config the engine computes with (after its overrides: RoPE
     # parameters, sliding window, compute dtype); K is stored after RoPE, so any of these changes KV.
     config: str | None = None
+    # Identity of a speculative-decoding draft model whose layers' KV is stored with the target's
+    # (method, model, revision, config digest, weights stamp); None without draft KV.
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -66,7 +69,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def digest(self) -> str:
         """32 hex chars identifying this fingerprint (xxh3_128 of its canonical msgpack form).
 
-        ``weights``, ``epoch`` and ``config`` enter the digest only when set, so a fingerprint without them keeps
+        ``weights``, ``epoch``, ``config`` and ``draft`` enter the digest only when set, so a fingerprint without them keeps
         the digest it had before they existed (stores written then stay readable, and an engine that
         does not know them, e.g. the SGLang backend, keeps matching)."""
         fields = msgspec.structs.asdict(self)
@@ -77,7 +80,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # Fields added after digests were in use, with the default under which they are left out of it.
-_LATE_FIELDS: dict[str, object] = {"weights": None, "epoch": 0, "config": None}
+_LATE_FIELDS: dict[str, object] = {"weights": None, "epoch": 0, "config": None, "draft": None}
 
 
 # A chain hash maps (parent hash or None, token ids of one chunk, extra key bytes) to a hash text.

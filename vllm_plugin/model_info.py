@@ -217,6 +217,41 @@ def _config_doc(value: object) -> object:
     return value
 
 
+def _hf_config_digest(hf_config: object) -> str:
+    text = json.dumps(_config_doc(hf_config.to_dict()), sort_keys=True, separators=(",", ":"), default=str)  # type: ignore[attr-defined]
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def draft_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> str | None:
+    """What names a speculative-decoding draft model in the fingerprint; None without one.
+
+    vLLM puts the attention layers of a draft that keeps KV (``draft_model``, EAGLE, MTP, dflash,
+    hidden-state extraction: ``uses_draft_kv_cache()``) into the same KV cache config as the target's,
+    and the connector saves and loads every layer there, so a chunk holds the draft's KV too: another
+    draft (or new draft weights) must never load it. The identity is the method, the draft's model
+    id, revision and quantization, a digest of its effective config and, unless the operator names
+    the model (``model_id``/``revision``, see :func:`weights_identity`), a stamp of its weights files
+    (for MTP the target's own checkpoint). Speculation without draft KV (n-gram, suffix) changes no
+    byte of the KV: None, the keys stay the target's. Blocking like :func:`weights_identity`."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not spec.uses_draft_kv_cache():
+        return None
+    draft = spec.draft_model_config
+    doc: dict[str, object] = {"method": str(spec.method)}
+    if draft is not None:
+        doc.update(model=str(draft.model), revision=draft.revision, quantization=draft.quantization,
+                   dtype=str(draft.dtype), config=_hf_config_digest(draft.hf_config))
+        if not (cfg.revision or cfg.model_id):
+            stamp = files_stamp(str(draft.model))
+            if stamp is None:
+                snap = hub_snapshot(str(draft.model), draft.revision,
+                                    getattr(vllm_config.load_config, "download_dir", None))
+                stamp = None if snap is None else f"hf:{snap[0]}:{files_stamp(snap[1])}"
+            doc["weights"] = stamp
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def config_identity(vllm_config: VllmConfig) -> str:
     """A digest of the model config vLLM computes with: the effective ``hf_config`` (and
     ``hf_text_config`` when it is another object) after ``hf_overrides`` and vLLM's own updates
@@ -258,7 +293,7 @@ def stage_layer_counts(vllm_config: VllmConfig, geometry: KVGeometry, stage: int
 
 def fingerprint(vllm_config: VllmConfig, geometry: KVGeometry, cfg: ConnectorConfig,
                 shard_index: int, *, num_layers: int | None = None, weights: str | None = None,
-                epoch: int = 0) -> ModelFingerprint:
+                epoch: int = 0, draft: str | None = None) -> ModelFingerprint:
     """The fingerprint of one KV shard (``shard_index = pp_rank * tp_size + tp_rank``).
 
     ``num_layers``: that shard's KV layers when ``geometry`` was read on another pipeline stage
@@ -288,6 +323,7 @@ def fingerprint(vllm_config: VllmConfig, geometry: KVGeometry, cfg: ConnectorCon
         # SGLang's backend cannot compute vLLM's effective config, and keys shared with it must
         # match: with the "sglang" scheme the operator's model_id/revision name the configuration.
         config=None if cfg.hash_scheme == "sglang" else config_identity(vllm_config),
+        draft=draft,
     )
 
 
@@ -295,9 +331,11 @@ def shard_fingerprints(vllm_config: VllmConfig, geometry: KVGeometry, cfg: Conne
                        stage: int = 0, weights: str | None = None, epoch: int = 0) -> list[ModelFingerprint]:
     """Fingerprints of every KV shard (index ``pp_rank * tp_size + tp_rank``), each with its own
     stage's layer count; ``geometry`` was read on pipeline stage ``stage`` (the scheduler sees
-    stage 0's). Raises ConfigError as :func:`stage_layer_counts`."""
+    stage 0's), and the draft model's identity (:func:`draft_identity`). Raises ConfigError as
+    :func:`stage_layer_counts`."""
     counts = stage_layer_counts(vllm_config, geometry, stage)
     tp = vllm_config.parallel_config.tensor_parallel_size
+    draft = draft_identity(vllm_config, cfg)
     return [fingerprint(vllm_config, geometry, cfg, shard, num_layers=counts[shard // tp], weights=weights,
-                        epoch=epoch)
+                        epoch=epoch, draft=draft)
             for shard in range(geometry.shard_count)]

@@ -401,3 +401,39 @@ def test_sglang_scheme_leaves_the_config_digest_to_the_operator(model_dir: Path)
     assert shard_fingerprints(vc, g, cfg)[0].config is None
     xcfg = load_connector_config({"chunk_tokens": CHUNK, "model_id": "m"})
     assert shard_fingerprints(vc, g, xcfg)[0].config is not None
+
+
+# -- speculative decoding -----------------------------------------------------------------------------
+# vLLM allocates the draft model's attention layers (draft_model, EAGLE, MTP) in the same KV cache
+# config as the target's, and the connector saves and loads every layer of it: the draft's KV is in
+# every chunk, so the draft's identity must be in the fingerprint.
+def _spec_digest(target: Path, spec: dict | None, extra: dict | None = None) -> str:
+    vc = vllm_config(target, **({"speculative_config": spec} if spec is not None else {}))
+    cfg = load_connector_config({"chunk_tokens": CHUNK, **(extra or {})})
+    g = kv_geometry(vc, cache_config(full_spec(), layers(0, 1, 2)))
+    return shard_fingerprints(vc, g, cfg, weights=weights_identity(vc, cfg))[0].digest()
+
+
+def test_the_draft_model_is_in_the_fingerprint(model_dir: Path, tmp_path: Path) -> None:
+    d1 = write_tiny_llama(tmp_path / "draft1", num_layers=1, kv_heads=1, seed=5)
+    d2 = write_tiny_llama(tmp_path / "draft2", num_layers=1, kv_heads=1, seed=6)
+    plain = _spec_digest(model_dir, None)
+    with_d1 = _spec_digest(model_dir, {"method": "draft_model", "model": str(d1), "num_speculative_tokens": 2})
+    with_d2 = _spec_digest(model_dir, {"method": "draft_model", "model": str(d2), "num_speculative_tokens": 2})
+    assert with_d1 != plain and with_d2 != plain and with_d1 != with_d2
+    assert _spec_digest(model_dir, {"method": "draft_model", "model": str(d1), "num_speculative_tokens": 2}) == with_d1
+    # New draft weights at the same path: new keys (the draft's files are stamped like the target's).
+    st = os.stat(d1 / "model.safetensors")
+    write_tiny_llama(tmp_path / "draft1", num_layers=1, kv_heads=1, seed=7)
+    os.utime(d1 / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert _spec_digest(model_dir, {"method": "draft_model", "model": str(d1), "num_speculative_tokens": 2}) != with_d1
+    # With the target named by the operator (no stamps), the draft's path and config still count.
+    named = {"model_id": "m", "revision": "v1"}
+    assert _spec_digest(model_dir, {"method": "draft_model", "model": str(d2), "num_speculative_tokens": 2},
+                        named) != _spec_digest(model_dir, None, named)
+
+
+def test_speculation_without_draft_kv_keeps_the_plain_fingerprint(model_dir: Path) -> None:
+    # n-gram speculation has no draft layers: the KV is the target's alone, and keys are shared.
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    assert _spec_digest(model_dir, ngram) == _spec_digest(model_dir, None)
