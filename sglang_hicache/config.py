@@ -21,6 +21,7 @@ Called from SGLang's scheduler thread when it attaches the storage backend.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,12 +31,23 @@ from mooncake_connector.config import ConnectorConfig, load_connector_config
 from store_backend.config import ConfigError
 from store_backend.config_loader import decode, env_overrides, merge
 
+logger = logging.getLogger(__name__)
+
 # Keys SGLang reads from the same dict (the dynamic-backend loader, the cache controller, and the
 # server, which adds file_storage_path when --file-storage-path is given).
 SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
     "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
     "file_storage_path",
+})
+
+
+# Connector keys only the vLLM connector reads: SGLang's own threads do the I/O, it asks for hits
+# itself, and its pages are not leased. Accepted so that one config text serves both engines, and
+# logged when given, since here they change nothing.
+VLLM_ONLY_KEYS = frozenset({
+    "io_workers", "lookup_wait_s", "lookup_socket_dir", "load_timeout_s", "lease_ttl_s", "save_decode",
+    "remote_prefill_wait_s",
 })
 
 
@@ -77,6 +89,9 @@ def load_backend_settings(
     only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS}
     # SGLang computes the page keys itself, with its own hash; the vLLM connector's matching setting
     # is accepted here so that one config text can serve both engines.
+    ignored = sorted(VLLM_ONLY_KEYS & set(data))
+    if ignored:
+        logger.info("SGLang backend: %s only read by the vLLM connector; ignored here", ", ".join(ignored))
     scheme = data.pop("hash_scheme", "sglang")
     if scheme != "sglang":
         raise ConfigError(f"hash_scheme: SGLang hashes its pages itself ('sglang'), got {scheme!r}")

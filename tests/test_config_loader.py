@@ -9,6 +9,8 @@ and the allowed values), and that the connector and SGLang configs answer like t
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import msgspec
 import pytest
 
 from mooncake_connector.config import ConnectorConfig, load_connector_config
-from sglang_hicache.config import load_backend_settings
+from sglang_hicache.config import VLLM_ONLY_KEYS, SglangOnlySettings, load_backend_settings
 from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, SsdConfig, StoreConfig, load_config
 from store_backend.config_loader import ConfigError, parse_size
 from store_backend.policies import registry
@@ -266,3 +268,48 @@ def test_a_store_struct_given_to_the_connector_is_kept() -> None:
     store = load_config(STORE, environ={})
     cfg = load_connector_config({"store": store}, environ={})
     assert isinstance(cfg, ConnectorConfig) and cfg.store == store
+
+
+# ---- no field that does nothing -------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_MODULES = {"store_backend/config.py", "store_backend/config_loader.py", "mooncake_connector/config.py",
+                  "sglang_hicache/config.py"}
+
+
+def _source(*packages: str) -> str:
+    """Production code of ``packages``, without the config modules (which declare the fields)."""
+    return "\n".join(p.read_text() for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))
+                     if str(p.relative_to(ROOT)) not in CONFIG_MODULES)
+
+
+def _unread(cls: type[msgspec.Struct], source: str, exempt: set[str]) -> list[str]:
+    return [f for f in cls.__struct_fields__ if f not in exempt and not re.search(rf"\.{f}\b", source)]
+
+
+def test_every_store_field_is_read_by_the_store() -> None:
+    source = _source("store_backend")
+    for cls in (StoreConfig, DramConfig, SsdConfig, OffloadConfig, PromotionConfig):
+        assert _unread(cls, source, set()) == [], cls.__name__
+
+
+def test_every_connector_key_is_read_by_the_vllm_connector() -> None:
+    # store: read through store_config(); config_file: read by the loader itself.
+    assert _unread(ConnectorConfig, _source("vllm_plugin", "mooncake_connector"), {"store", "config_file"}) == []
+
+
+def test_the_sglang_backend_reads_every_connector_key_but_the_vllm_only_ones() -> None:
+    source = _source("sglang_hicache")
+    # chunk_tokens: read as BackendSettings.chunk_tokens_given; hash_scheme: always "sglang".
+    exempt = {"store", "config_file", "chunk_tokens", "hash_scheme"} | set(VLLM_ONLY_KEYS)
+    assert _unread(ConnectorConfig, source, exempt) == []
+    assert _unread(SglangOnlySettings, source, set()) == []
+    assert VLLM_ONLY_KEYS <= set(ConnectorConfig.__struct_fields__)
+    # A vLLM-only key that SGLang starts to read must leave VLLM_ONLY_KEYS (and the docs' list).
+    assert [k for k in sorted(VLLM_ONLY_KEYS) if re.search(rf"\.{k}\b", source)] == []
+
+
+def test_the_sglang_backend_logs_the_keys_it_ignores(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="sglang_hicache.config"):
+        load_backend_settings({"lease_ttl_s": 5, "io_workers": 3, "staging_bytes": "8MiB"}, environ={})
+    assert "io_workers, lease_ttl_s only read by the vLLM connector" in caplog.text
