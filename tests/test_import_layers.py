@@ -11,6 +11,7 @@ tests skip, which under CI is a failure (``tests/conftest.py``).
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -50,6 +51,27 @@ def test_every_contract_is_kept() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"lint-imports found imports against the layers:\n{out}"
     assert f"Contracts: {n} kept, 0 broken." in out, out
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (inside functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_examples_import_no_benchmark() -> None:
+    """An example is code users copy: what it needs comes from the packages or ``mooncake_kv.devtools``."""
+    examples = sorted((ROOT / "examples").rglob("*.py"))
+    assert examples, "no example scripts found"
+    offending = {str(path.relative_to(ROOT)): sorted(m for m in _imported_modules(path)
+                                                     if any(part.startswith("bench") for part in m.split(".")))
+                 for path in examples}
+    assert {k: v for k, v in offending.items() if v} == {}
 
 
 def _write(path: Path, text: str) -> None:
