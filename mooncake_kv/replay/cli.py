@@ -1,6 +1,6 @@
 """``mooncake-kv replay``: replay request traces through the store and report prefix hit ratios.
 
-Wired into ``store_backend/cli.py``, which calls :func:`add_arguments` and :func:`run`
+Wired into ``mooncake_kv/cli.py``, which calls :func:`add_arguments` and :func:`run`
 (also exported as :func:`add_replay_arguments` and :func:`run_replay`). Progress goes to stderr;
 the table and, with ``--json``, the summary (as the last line) go to stdout. Writes the plot and
 the summary under ``--out``.
