@@ -23,6 +23,10 @@ from store_backend.ssd.io.planning import (
     execute_sync,
 )
 from store_backend.ssd.io.requests import IoRequest
+from store_backend.threads import Deadline, shutdown_pool
+
+# How long close() waits for the pool's threads (they only run inside a caller's batch).
+CLOSE_TIMEOUT_S = 10.0
 
 
 class PosixEngine:
@@ -100,13 +104,16 @@ class PosixEngine:
         return list(self._executor().map(lambda fd: self._sync_one(fd, datasync), fds))
 
     def close(self) -> None:
+        """Stop the pool (blocking, at most ``CLOSE_TIMEOUT_S``). A pool thread still in a read or
+        write then (a hung disk) is logged at WARNING by name and left behind, and the staging
+        areas are left to it (unmapping memory under its I/O could crash the process)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
             stagings, self._stagings = self._stagings, []
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if shutdown_pool(pool, Deadline(CLOSE_TIMEOUT_S), owner="posix io engine"):
+            return
         for st in stagings:
             st.close()
