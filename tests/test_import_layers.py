@@ -44,6 +44,18 @@ def _run(cwd: Path, config: Path) -> subprocess.CompletedProcess[str]:
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_every_package_is_under_the_contracts() -> None:
+    """A new top-level package (installed by setuptools) must take its place in the layers."""
+    text = (ROOT / "pyproject.toml").read_text()
+    roots = re.search(r"^root_packages = \[(.*?)\]$", text, re.MULTILINE)
+    include = re.search(r"^\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*?)\]$", text, re.MULTILINE)
+    assert roots is not None and include is not None, "pyproject.toml: root_packages or packages.find include missing"
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    installed = {name.rstrip("*") for name in re.findall(r'"([^"]+)"', include.group(1))}
+    linted = set(re.findall(r'"([^"]+)"', roots.group(1)))
+    assert on_disk == installed == linted == set(PACKAGES), (on_disk, installed, linted)
+
+
 def test_every_contract_is_kept() -> None:
     n = _contracts(ROOT / "pyproject.toml")
     assert n >= 6, "the import-linter contracts are missing from pyproject.toml"
