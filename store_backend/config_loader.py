@@ -8,7 +8,7 @@ Every config of the project (the store's :class:`store_backend.config.StoreConfi
 * :func:`env_overrides`: ``MOONCAKE_KV_<PATH>`` variables, one naming rule for every config: the
   path of a field, upper case, ``__`` between levels (``MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`` sets
   ``dram.capacity_bytes``). A value is JSON when it parses as JSON (numbers, booleans, null), else
-  text. :data:`CONFIG_FILE_ENV` (``MOONCAKE_KV_CONFIG``) names a config file instead.
+  text; a field that only takes text (``revision``, ``ssd.path``) always gets the text as written. :data:`CONFIG_FILE_ENV` (``MOONCAKE_KV_CONFIG``) names a config file instead.
 * :func:`parse_size`: ``"512MiB"``, ``"4GB"``, ``4096`` into bytes. Every field whose name ends in
   ``_bytes`` takes such a string; :func:`decode` parses them, so sizes mean the same everywhere.
 * :func:`decode`: plain data into the Struct; every error (a type, an unknown field, a value outside
@@ -25,7 +25,7 @@ import json
 import os
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -81,11 +81,19 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(data)
 
 
-def _env_value(text: str) -> Any:
+def _env_value(text: str, field_type: Any) -> Any:
+    if _text_only(field_type):
+        return text  # a revision "1234567" or a path "1e5" stays text
     try:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def _text_only(tp: Any) -> bool:
+    """Whether a field of type ``tp`` takes a string and no number or boolean."""
+    args = set(typing.get_args(tp)) if typing.get_args(tp) else {tp}
+    return str in args and not args & {int, float, bool}
 
 
 def env_overrides(
@@ -114,7 +122,8 @@ def env_overrides(
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{name}: {p} is both a value and a section")
-        node[parts[-1]] = _env_value(raw)
+        parent = _struct_at(cls, parts[:-1])
+        node[parts[-1]] = _env_value(raw, _field_types(parent).get(parts[-1]))
     return out
 
 
@@ -191,7 +200,7 @@ def _field_types(cls: type[msgspec.Struct] | None) -> dict[str, Any]:
     return {} if cls is None else {f.name: f.type for f in msgspec.structs.fields(cls)}
 
 
-def _struct_at(cls: type[msgspec.Struct], parts: list[str | int]) -> type[msgspec.Struct] | None:
+def _struct_at(cls: type[msgspec.Struct], parts: Sequence[str | int]) -> type[msgspec.Struct] | None:
     current: type[msgspec.Struct] | None = cls
     for p in parts:
         if isinstance(p, int) or current is None:

@@ -102,6 +102,14 @@ def test_environment_overrides_a_nested_field_of_each_config(tmp_path: Path) -> 
     assert load_backend_settings({}, environ={"MOONCAKE_KV_KV_DTYPE": "fp8_e4m3"}).sglang.kv_dtype == "fp8_e4m3"
 
 
+def test_a_variable_for_a_text_field_keeps_its_text() -> None:
+    # JSON would read these as numbers, which a revision or a path never is.
+    cfg = load_connector_config({}, environ={"MOONCAKE_KV_REVISION": "1234567", "MOONCAKE_KV_SSD__PATH": "1e5",
+                                             "MOONCAKE_KV_LOAD_TIMEOUT_S": "2.5"})
+    assert cfg.revision == "1234567" and cfg.load_timeout_s == 2.5
+    assert cfg.store is not None and cfg.store.ssd is not None and cfg.store.ssd.path == "1e5"
+
+
 def test_a_typo_below_the_first_level_of_a_variable_is_refused_with_its_path() -> None:
     with pytest.raises(ConfigError, match=r"^store\.ssd\.io_engin: unknown field"):
         load_connector_config({}, environ={"MOONCAKE_KV_SSD__PATH": "/x", "MOONCAKE_KV_SSD__IO_ENGIN": "posix"})
