@@ -211,7 +211,8 @@ class EpochSweeper:
     the digests it retired (the last 64) and sweeps them again with every later request."""
 
     def __init__(self, store: TieredStore, *, settle: Callable[[], object] | None = None,
-                 batch_keys: int = 256) -> None:
+                 batch_keys: int = 256, on_error: Callable[[], None] | None = None) -> None:
+        """``on_error`` is called (sweeper thread) for each sweep an exception ended (logged)."""
         self._store = store
         self._settle = settle  # waits for saves still in flight (their keys may be old-epoch ones)
         self._batch_keys = batch_keys
@@ -225,6 +226,7 @@ class EpochSweeper:
         self.busy = 0
         self.sweeps = 0
         self.errors = 0  # sweeps ended by an exception (logged with their tracebacks)
+        self._on_error = on_error
 
     def sweep(self, digests: Iterable[str]) -> None:
         """Queue removal of every key under ``digests`` (non-blocking; thread-safe)."""
@@ -269,6 +271,8 @@ class EpochSweeper:
             except Exception:
                 self.errors += 1
                 logger.exception("removing the keys of %d old cache epochs failed", len(digests))
+                if self._on_error is not None:
+                    self._on_error()
             finally:
                 with self._cond:
                     self._running = False

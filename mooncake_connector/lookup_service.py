@@ -36,7 +36,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 import msgspec
@@ -194,7 +194,8 @@ class LookupServer:
 
     def __init__(self, store: PrefixIndex, path: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S) -> None:
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+                 on_error: Callable[[], None] | None = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if not idle_timeout_s > 0:
@@ -210,6 +211,7 @@ class LookupServer:
         self.slow_frames = 0
         self.idle_closed = 0
         self.errors = 0  # exceptions that ended a serving thread (logged with their tracebacks)
+        self._on_error = on_error  # told of each of them too (the owner counts it, e.g. in its store)
         # conn -> monotonic time it went idle (waiting for a frame's first byte); absent while a
         # frame is being read or answered. Under _lock.
         self._idle_since: dict[socket.socket, float] = {}
@@ -398,6 +400,8 @@ class LookupServer:
             with self._lock:
                 self.errors += 1
             logger.exception("lookup connection of pid %s failed; closing it", pid)
+            if self._on_error is not None:
+                self._on_error()
         finally:
             with self._lock:
                 self._idle_since.pop(conn, None)

@@ -224,6 +224,12 @@ class TieredStore:
             with self._lock:
                 self.metrics_counters.store.thread_join_timeouts += count
 
+    def note_worker_error(self) -> None:
+        """Count one exception that escaped a background thread of this store's users (the lookup
+        service, the epoch sweeper; already logged with its traceback) in ``store.worker_errors``.
+        Thread-safe; works after close."""
+        self._worker_error()
+
     def _worker_error(self) -> None:
         """A background worker's exception (already logged with its traceback): counted."""
         with self._lock:

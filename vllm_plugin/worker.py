@@ -183,7 +183,8 @@ class WorkerSide:
             self._side_stream = torch.cuda.Stream(device=device)
         # The scheduler (maybe another process) asks this worker's store what it holds.
         self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
-                                                                   self.cfg.lookup_socket_dir))
+                                                                   self.cfg.lookup_socket_dir),
+                                          on_error=self.store.note_worker_error)
         self.lookup_server.start()
         logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, %d staging bytes, device %s",
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
@@ -222,7 +223,8 @@ class WorkerSide:
         digests = [msgspec.structs.replace(fp, epoch=e).digest() for e in range(max(first, end - max_epochs, 0), end)]
         if self._sweeper is None:
             # Saves still in flight may carry old-epoch keys: let them land before sweeping.
-            self._sweeper = EpochSweeper(self.store, settle=lambda: self.client.drain(self.cfg.flush_timeout_s))
+            self._sweeper = EpochSweeper(self.store, settle=lambda: self.client.drain(self.cfg.flush_timeout_s),
+                                         on_error=self.store.note_worker_error)
         self._sweeper.sweep(digests)
 
     # -- loads -------------------------------------------------------------------------------------

@@ -100,3 +100,51 @@ def test_sweeper_close_with_a_hanging_sweep_is_bounded_by_one_timeout_and_report
         assert _warned(caplog, "kv-epoch-sweep")
     finally:
         hanging.release.set()
+
+
+class Broken:
+    """A real store whose ``method`` misbehaves: raises, or answers something of the wrong type."""
+
+    def __init__(self, inner: TieredStore, method: str, answer: object = None) -> None:
+        self.inner, self.method, self.answer = inner, method, answer
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if name != self.method:
+            return getattr(self.inner, name)
+
+        def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if self.answer is None:
+                raise RuntimeError(f"injected {self.method} failure")
+            return self.answer
+        return broken
+
+
+def test_a_failed_sweep_is_logged_and_reported_to_the_owner(store, caplog) -> None:
+    errors: list[int] = []
+    sweeper = EpochSweeper(Broken(store, "keys"), on_error=lambda: errors.append(1))  # type: ignore[arg-type]
+    caplog.set_level(logging.ERROR)
+    sweeper.sweep(["0" * 32])
+    assert sweeper.wait_idle(10)
+    assert sweeper.close(timeout_s=5) == 0
+    assert errors == [1] and sweeper.errors == 1
+    assert any(r.exc_info is not None and "old cache epochs" in r.getMessage() for r in caplog.records)
+
+
+def test_a_serving_thread_killed_by_a_bug_is_logged_and_reported_to_the_owner(store, tmp_path: Path,
+                                                                              caplog) -> None:
+    errors: list[int] = []
+    # exists() answering a non-integer: the reply cannot be encoded (a bug, not a peer's fault).
+    server = LookupServer(Broken(store, "exists", answer=object()), socket_path("bug", 0, str(tmp_path)),
+                          on_error=lambda: errors.append(1)).start()
+    asker = LookupClient(server.path, timeout_s=2)
+    caplog.set_level(logging.ERROR)
+    try:
+        asker.exists(["a"])  # the connection is closed under it: a transport failure, a miss
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert errors and len(errors) == server.errors  # the client may ask again once, on a new connection
+        assert any(r.exc_info is not None and "lookup connection" in r.getMessage() for r in caplog.records)
+    finally:
+        asker.close()
+        assert server.close(timeout_s=5) == 0
