@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, Ssd
 from store_backend.config_loader import ConfigError, parse_size
 from store_backend.policies import registry
 from store_backend.policies.lru import LruPolicy
+from store_backend.ssd.factory import backend_names
+from store_backend.ssd.io.factory import make_io_engine
 
 MiB = 1 << 20
 
@@ -219,6 +222,14 @@ def test_every_closed_choice_is_refused_when_read_naming_the_field_and_the_choic
 def test_a_closed_choice_from_the_environment_is_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match=r"^dram\.eviction_policy: unknown value 'mru' \(known: .*'lru'"):
         load_config(None, environ={"MOONCAKE_KV_DRAM__EVICTION_POLICY": "mru"})
+
+
+def test_the_config_names_exactly_the_ssd_backends_and_io_engines_there_are() -> None:
+    fields = {f.name: f.type for f in msgspec.structs.fields(SsdConfig)}
+    assert sorted(typing.get_args(fields["backend"])) == backend_names()
+    assert set(typing.get_args(fields["io_engine"])) == {"auto", "io_uring", "posix"}
+    with pytest.raises(ValueError, match="io_engine"):
+        make_io_engine("aio")  # the factory refuses what the config refuses
 
 
 def test_a_registered_eviction_policy_is_accepted_by_the_config(monkeypatch) -> None:

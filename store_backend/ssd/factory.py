@@ -26,16 +26,13 @@ class SsdBackendClass(Protocol):
                  shared: bool = False) -> SsdBackend: ...
 
 
+# The names are a closed choice of the config (SsdConfig.backend's Literal, checked when the config is
+# read); tests/test_config_loader.py keeps the two lists equal.
 _BACKENDS: dict[str, SsdBackendClass] = {
     "bucket": BucketBackend,
     "offset": OffsetBackend,
     "file": FilePerKeyBackend,
 }
-
-
-def register_backend(name: str, cls: SsdBackendClass) -> None:
-    """Make ``cls`` selectable as ``ssd.backend: <name>`` (replacing any backend of that name)."""
-    _BACKENDS[name] = cls
 
 
 def backend_names() -> list[str]:
