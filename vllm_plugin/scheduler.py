@@ -104,6 +104,10 @@ class SchedulerSide:
         self.blocks_per_chunk = cfg.chunk_tokens // geometry.block_size
         self.can_load = kv_role in ("kv_both", "kv_consumer", "kv_producer")
         self.can_save = kv_role in ("kv_both", "kv_producer")
+        # With a draft that keeps KV (EAGLE, MTP, draft_model) the draft layers' KV of the last
+        # accepted position may be rewritten after a rejected speculation: see _plan.
+        spec = vllm_config.speculative_config
+        self._draft_kv = spec is not None and spec.uses_draft_kv_cache()
         # One key prefix per KV shard (every worker rank); a chunk counts as present only when every
         # rank's store holds its shard. MLA ranks of one stage hold the same latent: one prefix. Each
         # pipeline stage has its own layer count (vLLM's partition; this side sees stage 0's cache).
@@ -319,7 +323,13 @@ class SchedulerSide:
             if not self.cfg.save_decode:
                 limit = min(limit, t.request.num_prompt_tokens)
             # Only tokens the scheduler already knows can be hashed (async scheduling lags a step).
-            upto = min(limit, len(t.request.all_token_ids)) // self.chunk_tokens
+            known = len(t.request.all_token_ids)
+            if self._draft_kv and computed_after > t.request.num_prompt_tokens and not t.request.is_finished():
+                # Decoding with draft KV: the last known position's draft KV may still be rewritten
+                # (as vLLM's offloading connector, which holds that chunk back too); a chunk ending
+                # there is saved once another token follows it, or when the request finishes.
+                known -= 1
+            upto = min(limit, known) // self.chunk_tokens
             upto = min(upto, len(t.block_ids) // self.blocks_per_chunk)
             if upto > t.saved_chunks:
                 hashes = self._hashes_upto(t, upto)

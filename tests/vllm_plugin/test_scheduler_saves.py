@@ -31,6 +31,7 @@ from mooncake_connector.config import load_connector_config  # noqa: E402
 from mooncake_connector.lookup_service import LookupServer  # noqa: E402
 from store_backend.store import TieredStore  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
+from tests.vllm_plugin.tiny_model import write_tiny_llama  # noqa: E402
 from vllm_plugin.metadata import SaveReport, TieredConnectorMetadata, TieredWorkerMetadata  # noqa: E402
 from vllm_plugin.model_info import KVGeometry  # noqa: E402
 from vllm_plugin.scheduler import DO_REMOTE_DECODE, REMOTE_PREFIX_TOKENS, SchedulerSide  # noqa: E402
@@ -337,3 +338,37 @@ def test_a_prefill_request_keeps_its_blocks_until_saves_it_counted_on_settled(ma
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
             steps=[step3.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(step3)])))
         assert _next_step(sched).release == ["B"]
+
+
+def test_with_draft_kv_a_decode_chunk_ending_at_the_last_token_waits_for_the_next(
+        tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With EAGLE/MTP/draft-model speculation the draft layers' KV of the last accepted position
+    may be rewritten after a rejection (vLLM's own offloading connector holds that chunk back too):
+    during decode a chunk ending at the last known token is saved one step later, once it is
+    followed by another; without draft KV it is saved at once."""
+    draft = write_tiny_llama(tmp_path_factory.mktemp("draft"), num_layers=1, seed=9)
+    extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path_factory.mktemp("sockets"))}
+    ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
+                           kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+
+    def chunks_saved(spec: dict | None) -> list[int]:
+        args: dict[str, Any] = {"model": str(tiny_model), "skip_tokenizer_init": True, "block_size": BLOCK,
+                                "dtype": "float32", "max_model_len": 4096, "enforce_eager": True,
+                                "kv_transfer_config": ktc}
+        if spec is not None:
+            args["speculative_config"] = spec
+        sched = SchedulerSide(EngineArgs(**args).create_engine_config(), load_connector_config(extra), GEOMETRY)
+        try:
+            req = Request("d", prompt(21, 2 * CHUNK_TOKENS), SamplingParams(max_tokens=4 * CHUNK_TOKENS), None)
+            saved = [len(_saves(_first_step(sched, req, list(range(8)))))]  # prefill: chunks 0 and 1
+            computed = req.num_computed_tokens
+            for n in (CHUNK_TOKENS, 1):  # decode: chunk 2 completes at the last token, then one more
+                req.append_output_token_ids(list(range(1, n + 1)))
+                saved.append(len(_saves(_next_step(sched, req, computed))))
+                computed = req.num_tokens
+            return saved
+        finally:
+            sched.close()
+
+    assert chunks_saved(None) == [2, 1, 0]
+    assert chunks_saved({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}) == [2, 0, 1]
