@@ -29,6 +29,8 @@ if str(ROOT) not in sys.path:
 from mooncake_connector.config import ConnectorConfig  # noqa: E402
 from sglang_hicache.config import SglangOnlySettings  # noqa: E402
 from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, SsdConfig, StoreConfig  # noqa: E402
+from store_backend.policies.admission import admission_names  # noqa: E402
+from store_backend.policies.registry import policy_names  # noqa: E402
 
 # (heading, how the section is addressed, Struct); the order of the document.
 SECTIONS: list[tuple[str, str, type[msgspec.Struct]]] = [
@@ -87,6 +89,14 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+# Closed choices whose names come from a registry (a `str` field checked in __post_init__): the
+# reference lists the built-in names as it lists a Literal's.
+REGISTRY_CHOICES = {
+    (DramConfig, "eviction_policy"): policy_names,
+    (SsdConfig, "admission_policy"): admission_names,
+}
+
+
 def type_text(tp: object) -> str:
     text = str(tp) if not isinstance(tp, type) else tp.__name__
     for prefix in ("typing.", "store_backend.config.", "mooncake_connector.config."):
@@ -123,7 +133,9 @@ def render() -> str:
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
         for f in msgspec.structs.fields(cls):
             meaning = comments.get(f.name, "").replace("|", "\\|")
-            parts.append(f"| `{f.name}` | {type_text(f.type)} | {default_text(f)} | {meaning} |")
+            names = REGISTRY_CHOICES.get((cls, f.name))
+            kind = " \\| ".join(repr(n) for n in names()) if names else type_text(f.type)
+            parts.append(f"| `{f.name}` | {kind} | {default_text(f)} | {meaning} |")
         parts.append("")
     return "\n".join(parts)
 
