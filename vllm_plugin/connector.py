@@ -29,12 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from mooncake_connector.config import load_connector_config
 from vllm_plugin.metadata import TieredConnectorMetadata
 from vllm_plugin.model_info import kv_geometry
 from vllm_plugin.scheduler import SchedulerSide
+from vllm_plugin.stats import TieredConnectorStats, TieredPromMetrics
 from vllm_plugin.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -201,6 +203,25 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         """Worker side: block until every save so far is stored and offloaded to SSD (e.g. before
         handing the SSD directory to another process). Scheduler side: nothing to do."""
         return self._worker.flush(timeout_s) if self._worker is not None else True
+
+    # -- metrics (see vllm_plugin.stats) ------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this half counted since the last call (store and client deltas, gauges); None when
+        nothing moved."""
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TieredConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return TieredPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this half plus the store's per-tier metrics (for tests and benchmarks)."""

@@ -54,6 +54,7 @@ from vllm_plugin.parallel import lookup_name
 from vllm_plugin.request_keys import chunk_extra_keys, request_extra_keys
 from vllm_plugin.save_ledger import SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
+from vllm_plugin.stats import HIT_TOKENS, StatsSource, TieredConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,6 +131,7 @@ class SchedulerSide:
         # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
         self._finishing: dict[str, _Tracked] = {}
         self._finish_retries: dict[str, int] = {}
+        self._stats_source = StatsSource("scheduler")
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
                          "hits_capped_staging": 0, "save_chunks_replanned_shared": 0}
@@ -424,6 +426,11 @@ class SchedulerSide:
         """Whether a save this request's promise rests on is still held or in flight: its own, or
         another request's save of one of its chunks (counted as present by a lookup)."""
         return self.ledger.unsettled(req_id) or self.ledger.unsettled_chunks(t.hashes[:t.saved_chunks])
+
+    def take_stats(self) -> TieredConnectorStats | None:
+        """Prompt tokens planned for loading since the last call, for vLLM's stats hooks (the
+        workers report the rest); None when there were none. Scheduler thread."""
+        return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]}})
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),

@@ -58,11 +58,13 @@ from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
+from store_backend.store import StoreClosedError
 from store_backend.types import ReadResult, Status
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, SaveReport, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, kv_layer_names, page_format_for, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
 from vllm_plugin.sizing import staging_bytes, staging_shortfall
+from vllm_plugin.stats import StatsSource, TieredConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +108,7 @@ class WorkerSide:
                                    shared_ssd=cfg.shared_ssd)
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
+        self._stats_source: StatsSource | None = None  # made once the rank is known
         self.paged: list[PagedLayer] = []
         self.ratio = 1  # kernel blocks per engine block
         self.digest = ""  # key prefix: this shard's fingerprint at cache epoch ``self.epoch``
@@ -292,6 +295,7 @@ class WorkerSide:
                 buf = self._acquire(deadline)
                 if buf is None:
                     self.counters["loads_failed_staging"] += 1
+                    self.client.count(staging_failures=1)
                     self._fail_load(plan.req_id, chunk)
                     continue
                 self._loads.append(_LoadJob(plan.req_id, chunk, buf))
@@ -326,6 +330,7 @@ class WorkerSide:
             logger.warning("load of %d chunks timed out after %.1f s; recomputing them",
                            len(self._loads), self.cfg.load_timeout_s)
             results = [ReadResult(Status.IO_ERROR)] * len(self._loads)
+            self.client.count(timeouts=len(self._loads))
         self.counters["load_wait_s"] += time.perf_counter() - t0
         damaged: list[str] = []
         for job, res in zip(self._loads, results):
@@ -411,6 +416,7 @@ class WorkerSide:
                 buf = self._acquire(deadline)
                 if buf is None:
                     self.counters["saves_dropped_staging"] += 1
+                    self.client.count(staging_failures=1)
                     self._report(chunk.save_id, False)
                     continue
                 key = object_key(self.digest, chunk.chunk_hash)
@@ -592,3 +598,14 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "held_saves": len(self._held), "client": self.client.stats()}
+
+    def take_stats(self) -> TieredConnectorStats | None:
+        """What this rank's store and client counted since the last call, for vLLM's stats hooks
+        (None when nothing moved). Forward thread; the store is asked for a copy of its stats."""
+        if self._stats_source is None:
+            self._stats_source = StatsSource(f"rank{self.rank}")
+        try:
+            store = self.store.stats()
+        except StoreClosedError:
+            return None
+        return self._stats_source.take(store, self.client.snapshot())

@@ -1,0 +1,82 @@
+"""The connector's vLLM stats objects: deltas per worker, aggregation across workers and steps,
+and the frontend's Prometheus metrics built from them (real prometheus_client, own registry)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+from mooncake_connector.metrics import ConnectorStats  # noqa: E402
+from store_backend.metrics import StoreStats  # noqa: E402
+from vllm_plugin.stats import StatsSource, TieredConnectorStats, TieredPromMetrics  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def stats(hits: int = 0, used: int = 0, gets: int = 0) -> StoreStats:
+    s = StoreStats()
+    s.dram.hits = hits
+    s.dram.used_bytes = used
+    for _ in range(gets):
+        s.latency.get.observe(0.003)
+    return s
+
+
+def test_a_source_reports_what_moved_since_its_last_call() -> None:
+    src = StatsSource("rank0")
+    first = src.take(stats(hits=2, used=10, gets=1), ConnectorStats())
+    assert first is not None
+    assert first.data["deltas"]["mooncake_kv_tier_hits"] == {"dram": 2}
+    assert first.data["gauges"]["rank0"]["mooncake_kv_tier_used_bytes"]["dram"] == 10
+    assert src.take(stats(hits=2, used=10, gets=1), ConnectorStats()) is None  # nothing moved
+    again = src.take(stats(hits=5, used=10, gets=1), ConnectorStats())
+    assert again is not None and again.data["deltas"] == {"mooncake_kv_tier_hits": {"dram": 3}}
+    assert again.data["gauges"] == {}  # unchanged gauges are not sent again
+
+
+def test_aggregate_adds_deltas_and_keeps_the_newest_gauges_of_each_worker() -> None:
+    a, b = StatsSource("rank0"), StatsSource("rank1")
+    acc = a.take(stats(hits=1, used=100, gets=1), ConnectorStats())
+    assert acc is not None
+    for s in (b.take(stats(hits=2, used=200, gets=2), ConnectorStats()),
+              a.take(stats(hits=4, used=150, gets=1), ConnectorStats())):
+        assert s is not None
+        acc = acc.aggregate(s)
+    assert isinstance(acc, TieredConnectorStats) and not acc.is_empty()
+    assert acc.data["deltas"]["mooncake_kv_tier_hits"] == {"dram": 6}
+    assert sum(acc.data["deltas"]["mooncake_kv_store_get_seconds"][""][:-1]) == 3
+    assert {w: g["mooncake_kv_tier_used_bytes"]["dram"] for w, g in acc.data["gauges"].items()} == \
+        {"rank0": 150, "rank1": 200}
+    assert acc.reduce()["DRAM hits"] == 6
+    assert TieredConnectorStats().is_empty()
+    rebuilt = TieredConnectorStats(data=acc.to_dict())  # what build_kv_connector_stats gets
+    assert rebuilt.reduce() == acc.reduce()
+
+
+def test_prom_metrics_apply_payloads_with_vllm_labels() -> None:
+    reg = CollectorRegistry()
+    types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+
+    class Cfg:
+        kv_transfer_config = None
+
+    prom = TieredPromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["tiny", 0]})  # type: ignore[arg-type]
+    a, b = StatsSource("rank0"), StatsSource("rank1")
+    for step in (a.take(stats(hits=1, used=100, gets=2), ConnectorStats()),
+                 b.take(stats(hits=2, used=200), ConnectorStats()),
+                 a.take(stats(hits=3, used=50, gets=2), ConnectorStats())):
+        assert step is not None
+        prom.observe(step.to_dict(), 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert reg.get_sample_value("mooncake_kv_tier_hits_total", {**labels, "tier": "dram"}) == 5
+    assert reg.get_sample_value("mooncake_kv_tier_used_bytes", {**labels, "tier": "dram"}) == 250
+    assert reg.get_sample_value("mooncake_kv_store_get_seconds_count", labels) == 2
+    assert reg.get_sample_value("mooncake_kv_store_get_seconds_bucket", {**labels, "le": "0.0025"}) == 0
+    assert reg.get_sample_value("mooncake_kv_store_get_seconds_bucket", {**labels, "le": "0.005"}) == 2
+    assert abs(reg.get_sample_value("mooncake_kv_store_get_seconds_sum", labels) - 0.006) < 1e-9
