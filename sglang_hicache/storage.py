@@ -45,10 +45,11 @@ from mooncake_connector.keys import ModelFingerprint, object_key
 from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.stores import acquire_store, release_store
 from sglang_hicache.config import BackendSettings, load_backend_settings
+from sglang_hicache.metrics import StoreMetricsExporter, TieredStorageMetrics
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
 from sglang_hicache.ranks import rank_position
 from store_backend.config import ConfigError
-from store_backend.store import TieredStore
+from store_backend.store import StoreClosedError, TieredStore
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         self._backup_pages: list[int] = []
         self._prefetch_gbps: list[float] = []
         self._backup_gbps: list[float] = []
+        self._exporter = StoreMetricsExporter((self.model_id, storage_config.tp_rank, storage_config.pp_rank))
 
     # -- set-up --------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -361,12 +363,22 @@ class MooncakeTieredStorage(HiCacheStorage):
                           flush_timeout_s=self.settings.connector.flush_timeout_s)
 
     def get_stats(self) -> StorageMetrics:
-        """SGLang's StorageMetrics since the last call (with --enable-cache-report storage metrics)."""
+        """SGLang's StorageMetrics since the last call (with storage metrics on), with the store's
+        typed stats as ``store``; the store's counters, gauges and histograms are mirrored into
+        this process's Prometheus metrics (docs/METRICS.md) on the way (sglang_hicache.metrics).
+        SGLang's scheduler thread; never raises for a closed store (``store`` is None then)."""
         with self._stats_lock:
-            stats = StorageMetrics(prefetch_pgs=self._prefetch_pages, backup_pgs=self._backup_pages,
-                                   prefetch_bandwidth=self._prefetch_gbps, backup_bandwidth=self._backup_gbps)
+            stats = TieredStorageMetrics(prefetch_pgs=self._prefetch_pages, backup_pgs=self._backup_pages,
+                                         prefetch_bandwidth=self._prefetch_gbps, backup_bandwidth=self._backup_gbps)
             self._prefetch_pages, self._backup_pages = [], []
             self._prefetch_gbps, self._backup_gbps = [], []
+        store = self._store
+        if store is not None:
+            try:
+                stats.store = store.stats()
+            except StoreClosedError:
+                return stats
+            self._exporter.export(stats.store)
         return stats
 
     def store_metrics(self) -> dict[str, Any]:

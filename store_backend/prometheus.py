@@ -308,6 +308,103 @@ def split_key(key: str) -> list[str]:
     return key.split(_SEP) if key else []
 
 
+class DeltaTracker:
+    """What moved since the last :meth:`take`, as payloads (not thread-safe: one caller thread)."""
+
+    def __init__(self, families: Iterable[Family]) -> None:
+        self._families = list(families)
+        self._last: dict[str, dict[str, Any]] = {}
+        self._last_gauges: dict[str, dict[str, Any]] = {}
+
+    def take(self, now: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]] | None]:
+        """(counter and histogram deltas since the last call, the gauges when they changed, else None)."""
+        deltas = payload_delta(now, self._last, self._families)
+        gauges = gauge_payload(self._families, now)
+        self._last = {k: dict(v) for k, v in now.items()}
+        changed = gauges != self._last_gauges
+        self._last_gauges = gauges
+        return deltas, (gauges if changed else None)
+
+
+class PrometheusMirror:
+    """Live Prometheus metrics (``prometheus_client`` classes, or an engine's wrappers of them)
+    for ``families``, fed with payloads: for a process whose ``/metrics`` is served from
+    ``prometheus_client``'s own registry or multiprocess files (vLLM's frontend, SGLang's
+    scheduler), where a collector cannot be added.
+
+    ``labelnames`` come before each family's own labels; every :meth:`apply` names their values.
+    Gauges are made with ``multiprocess_mode`` (how a multiprocess registry combines the gauge
+    files of several processes). Not thread-safe: one thread applies payloads."""
+
+    def __init__(self, families: Iterable[Family], *, counter_cls: Callable[..., Any], gauge_cls: Callable[..., Any],
+                 histogram_cls: Callable[..., Any], labelnames: Sequence[str] = (),
+                 gauge_mode: str = "mostrecent") -> None:
+        self._families = {f.name: f for f in families}
+        self._metrics: dict[str, Any] = {}
+        for fam in self._families.values():
+            labels = [*labelnames, *fam.labels]
+            if fam.kind == COUNTER:
+                m = counter_cls(name=fam.name, documentation=fam.help, labelnames=labels)
+            elif fam.kind == GAUGE:
+                m = gauge_cls(name=fam.name, documentation=fam.help, labelnames=labels, multiprocess_mode=gauge_mode)
+            else:
+                m = histogram_cls(name=fam.name, documentation=fam.help, labelnames=labels,
+                                  buckets=list(LatencyHistogram.bounds_s))
+            self._metrics[fam.name] = m
+        # The newest gauges of each source, per set of leading label values: a payload may carry
+        # only the sources whose gauges changed, and a gauge is the sum over sources.
+        self._gauges: dict[tuple[str, ...], dict[str, dict[str, dict[str, Any]]]] = {}
+
+    def apply(self, deltas: Mapping[str, Mapping[str, Any]], gauges: Mapping[str, Mapping[str, Mapping[str, Any]]],
+              labelvalues: Sequence[object] = ()) -> None:
+        """Add ``deltas`` (see :func:`payload_delta`) and set the gauges to the sum over the sources
+        of ``gauges`` (``{source: gauge payload}``, merged into the sources seen before)."""
+        lead = [str(v) for v in labelvalues]
+        for name, samples in deltas.items():
+            fam = self._families.get(name)
+            if fam is None or fam.kind == GAUGE:
+                continue
+            for key, value in samples.items():
+                child = self._metrics[name].labels(*lead, *split_key(key))
+                if fam.kind == COUNTER:
+                    if value > 0:
+                        child.inc(value)
+                else:
+                    observe_buckets(child, value)
+        known = self._gauges.setdefault(tuple(lead), {})
+        known.update({src: dict(p) for src, p in gauges.items()})
+        sums: dict[str, dict[str, float]] = {}
+        for payload in known.values():
+            for name, samples in payload.items():
+                into = sums.setdefault(name, {})
+                for key, value in samples.items():
+                    into[key] = into.get(key, 0) + value
+        for name, samples in sums.items():
+            if name in self._metrics:
+                for key, value in samples.items():
+                    self._metrics[name].labels(*lead, *split_key(key)).set(value)
+
+
+def observe_buckets(child: Any, counts_and_sum: Sequence[float]) -> None:
+    """Add a histogram delta (bucket counts, sum last) to a Prometheus histogram child.
+
+    A Prometheus histogram takes single observations: each one is observed at its bucket's upper
+    bound (above the last bound for the last bucket), so every count lands in its own bucket; the
+    sum is then corrected to the true total where the client library allows it
+    (``prometheus_client``'s ``_sum``; another class keeps the approximate sum)."""
+    bounds = LatencyHistogram.bounds_s
+    counts, true_sum = counts_and_sum[:-1], counts_and_sum[-1]
+    observed = 0.0
+    for i, n in enumerate(counts):
+        at = bounds[i] if i < len(bounds) else bounds[-1] * 2
+        for _ in range(int(n)):
+            child.observe(at)
+        observed += at * n
+    total = getattr(child, "_sum", None)
+    if total is not None and hasattr(total, "inc"):
+        total.inc(true_sum - observed)
+
+
 def render_reference(sections: Sequence[tuple[str, list[Family]]],
                      label_values: Mapping[str, Mapping[str, str]]) -> str:
     """The Markdown reference (docs/METRICS.md): every family with type, unit, labels and meaning,

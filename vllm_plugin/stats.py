@@ -31,14 +31,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from mooncake_connector.metrics import connector_families
-from store_backend.metrics import LATENCY_BOUNDS_S, StoreStats
+from store_backend.metrics import StoreStats
 from store_backend.prometheus import (
-    COUNTER,
-    GAUGE,
+    DeltaTracker,
     Family,
+    PrometheusMirror,
     add_payloads,
-    gauge_payload,
-    payload_delta,
     split_key,
     store_families,
     to_payload,
@@ -107,16 +105,14 @@ class TieredConnectorStats(KVConnectorStats):
 
 
 class StatsSource:
-    """One process's side of the stats: what moved since the last :meth:`take` (thread: the
-    caller's; not thread-safe, vLLM calls it from one thread)."""
+    """One process's side of the stats: what moved since the last :meth:`take` (not thread-safe;
+    vLLM calls it from one thread)."""
 
     def __init__(self, worker: str) -> None:
         self._worker = worker
         self._store_families = store_families()
         self._connector_families = connector_families()
-        self._families = [*self._store_families, *self._connector_families]
-        self._last: dict[str, dict[str, Any]] = {}
-        self._last_gauges: dict[str, dict[str, Any]] = {}
+        self._tracker = DeltaTracker([*self._store_families, *self._connector_families])
 
     def take(self, *stats: Any) -> TieredConnectorStats | None:
         """``stats`` are a StoreStats and/or a ConnectorStats (or a ready payload dict); None when
@@ -127,81 +123,21 @@ class StatsSource:
                 now.update(s)
             else:
                 now.update(to_payload(self._store_families if isinstance(s, StoreStats) else self._connector_families, s))
-        deltas = payload_delta(now, self._last, self._families)
-        gauges = gauge_payload(self._families, now)
-        self._last = now
-        changed = gauges != self._last_gauges
-        self._last_gauges = gauges
-        if not deltas and not changed:
+        deltas, gauges = self._tracker.take(now)
+        if not deltas and gauges is None:
             return None
-        return TieredConnectorStats(data={DELTAS: deltas, GAUGES: {self._worker: gauges} if changed else {}})
+        return TieredConnectorStats(data={DELTAS: deltas, GAUGES: {self._worker: gauges} if gauges is not None else {}})
 
 
 class TieredPromMetrics(KVConnectorPromMetrics):
-    """Registers every family with vLLM's metric classes and applies payloads (frontend)."""
+    """Every family of the one mapping as vLLM metrics, fed with the engines' payloads (frontend)."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._families = {f.name: f for f in all_families()}
-        self._metrics: dict[str, Any] = {}
-        for fam in self._families.values():
-            labels = [*labelnames, *fam.labels]
-            if fam.kind == COUNTER:
-                m = self._counter_cls(name=fam.name, documentation=fam.help, labelnames=labels)
-            elif fam.kind == GAUGE:
-                m = self._gauge_cls(name=fam.name, documentation=fam.help, labelnames=labels,
-                                    multiprocess_mode="mostrecent")
-            else:
-                m = self._histogram_cls(name=fam.name, documentation=fam.help, labelnames=labels,
-                                        buckets=list(LATENCY_BOUNDS_S))
-            self._metrics[fam.name] = m
-        # Gauges are set from the newest value each worker reported (kept here: a payload carries
-        # only the workers whose gauges changed).
-        self._gauges: dict[int, dict[str, dict[str, Any]]] = {}
+        self._mirror = PrometheusMirror(all_families(), counter_cls=self._counter_cls, gauge_cls=self._gauge_cls,
+                                        histogram_cls=self._histogram_cls, labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
-        for name, samples in transfer_stats_data.get(DELTAS, {}).items():
-            fam = self._families.get(name)
-            if fam is None:
-                continue
-            for key, value in samples.items():
-                child = self._metrics[name].labels(*engine, *split_key(key))
-                if fam.kind == COUNTER:
-                    if value > 0:
-                        child.inc(value)
-                else:
-                    _observe_buckets(child, value)
-        known = self._gauges.setdefault(engine_idx, {})
-        known.update(transfer_stats_data.get(GAUGES, {}))
-        sums: dict[str, dict[str, float]] = {}
-        for payload in known.values():
-            for name, samples in payload.items():
-                into = sums.setdefault(name, {})
-                for key, value in samples.items():
-                    into[key] = into.get(key, 0) + value
-        for name, samples in sums.items():
-            if name in self._metrics:
-                for key, value in samples.items():
-                    self._metrics[name].labels(*engine, *split_key(key)).set(value)
-
-
-def _observe_buckets(child: Any, counts_and_sum: list[float]) -> None:
-    """Add a histogram delta (bucket counts, sum last) to a Prometheus histogram child.
-
-    Prometheus histograms take single observations: each one is observed at its bucket's upper
-    bound (above the last bound for the last bucket), so every count lands in its own bucket; the
-    sum is then corrected to the true total where the client library lets us (prometheus_client's
-    ``_sum``; another metric class keeps the approximate sum)."""
-    counts, true_sum = counts_and_sum[:-1], counts_and_sum[-1]
-    observed = 0.0
-    for i, n in enumerate(counts):
-        at = LATENCY_BOUNDS_S[i] if i < len(LATENCY_BOUNDS_S) else LATENCY_BOUNDS_S[-1] * 2
-        for _ in range(int(n)):
-            child.observe(at)
-        observed += at * n
-    total = getattr(child, "_sum", None)
-    if total is not None and hasattr(total, "inc"):
-        total.inc(true_sum - observed)
-
+        self._mirror.apply(transfer_stats_data.get(DELTAS, {}), transfer_stats_data.get(GAUGES, {}),
+                           self.per_engine_labelvalues.get(engine_idx, []))
