@@ -47,6 +47,8 @@ class KVStore(Protocol):
 
     def contains(self, keys: Sequence[str]) -> list[bool]: ...
 
+    def tier_of(self, keys: Sequence[str]) -> list[str | None]: ...
+
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
 
     def unpin(self, keys: Sequence[str]) -> None: ...
@@ -167,6 +169,12 @@ class KVClient:
     def exists(self, keys: Sequence[str]) -> int:
         """``lookup`` under the store's name, so a client can stand in for a store (lookup service)."""
         return self.lookup(keys)
+
+    def tier_of(self, keys: Sequence[str]) -> list[str | None]:
+        """The fastest tier holding each key ("dram", "ssd", None); a key whose save is in flight
+        answers "dram", where the save lands (blocking; cheap for the embedded store)."""
+        out = list(self.store.tier_of(keys))
+        return ["dram" if t is None and k in self._pending else t for k, t in zip(keys, out)]
 
     # -- leases ------------------------------------------------------------------------------------
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> list[bool]:

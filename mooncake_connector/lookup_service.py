@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 import xxhash
@@ -89,6 +89,13 @@ class PrefixIndex(Protocol):
     def unpin(self, keys: Sequence[str]) -> None: ...
 
 
+@runtime_checkable
+class TierIndex(PrefixIndex, Protocol):
+    """A :class:`PrefixIndex` that can also say where each key is (for pin replies' ``tiers``)."""
+
+    def tier_of(self, keys: Sequence[str]) -> list[str | None]: ...
+
+
 class Request(msgspec.Struct, array_like=True):
     op: Literal["exists", "pin", "unpin"]
     keys: list[str]
@@ -98,6 +105,9 @@ class Request(msgspec.Struct, array_like=True):
 class Reply(msgspec.Struct, array_like=True):
     count: int = 0  # exists: leading keys present
     present: list[bool] = msgspec.field(default_factory=list)  # pin: presence per key
+    # pin: the fastest tier holding each key ("dram", "ssd"; "" when absent), when the server's
+    # store can tell (a TierIndex); empty otherwise.
+    tiers: list[str] = msgspec.field(default_factory=list)
     error: str | None = None
 
 
@@ -422,7 +432,11 @@ class LookupServer:
                 return Reply(count=self.store.exists(req.keys) if req.keys else 0)
             if req.op == "pin":
                 ttl_s = check_ttl_s(req.ttl_s)
-                return Reply(present=self.store.pin(req.keys, ttl_s=ttl_s) if req.keys else [])
+                if not req.keys:
+                    return Reply()
+                present = self.store.pin(req.keys, ttl_s=ttl_s)
+                tiers = self.store.tier_of(req.keys) if isinstance(self.store, TierIndex) else []
+                return Reply(present=present, tiers=[t or "" for t in tiers])
             self.store.unpin(req.keys)
             return Reply()
         except ValueError as e:  # the peer's argument (a TTL, a key the store refuses)
@@ -537,6 +551,21 @@ class LookupClient:
             return self.pin(keys[:half], ttl_s) + self.pin(keys[half:], ttl_s)
         reply = self._call(payload)
         return [False] * len(keys) if reply is None or len(reply.present) != len(keys) else reply.present
+
+    def pin_tiers(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[str | None]:
+        """``pin``, answering for each key the tier that holds it ("dram", "ssd"), "" when the
+        server cannot tell, or None when the key is absent (or the server cannot be asked)."""
+        ttl_s = check_ttl_s(ttl_s)
+        keys = list(keys)
+        payload = self._frame_or_split(Request("pin", keys, ttl_s))
+        if payload is None:
+            half = len(keys) // 2
+            return self.pin_tiers(keys[:half], ttl_s) + self.pin_tiers(keys[half:], ttl_s)
+        reply = self._call(payload)
+        if reply is None or len(reply.present) != len(keys):
+            return [None] * len(keys)
+        tiers = reply.tiers if len(reply.tiers) == len(keys) else [""] * len(keys)
+        return [t if ok else None for ok, t in zip(reply.present, tiers)]
 
     def unpin(self, keys: Sequence[str]) -> None:
         keys = list(keys)

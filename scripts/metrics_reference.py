@@ -50,9 +50,10 @@ these bucket bounds (seconds), and +Inf:
 
 Failure kinds count each failed object once, under one kind. The tier `pool` is reserved for the
 pooled tier.
-Where vLLM asks which tier a hit came from (`vllm:prompt_tokens_cached_by_source`), the connector
-answers `external_unspecified`: its scheduler learns how many chunks are stored, not where; the
-per-tier split is in `mooncake_kv_tier_hits_total`.
+In vLLM, the tier each hit came from is also in vLLM's own `vllm:prompt_tokens_cached_by_source_total`:
+`host` for chunks in DRAM, `disk` for chunks on SSD when the load was planned (a chunk held in
+different tiers by different ranks counts under the slower one; a chunk gone by then under
+`external_unspecified`).
 
 """
 

@@ -153,6 +153,13 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_timed
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """The tier each planned load's tokens come from (vLLM's ``prompt_tokens_cached_by_source``)."""
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
+    @_timed
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)

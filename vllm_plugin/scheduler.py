@@ -41,6 +41,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
@@ -79,7 +80,8 @@ class _Tracked:
     """Scheduler-side state of one live request."""
 
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
-                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale")
+                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
+                 "load_sources")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -95,6 +97,13 @@ class _Tracked:
         self.plan_loads: list[ChunkLoad] = []
         self.remote_chunks = 0  # chunks a prefill instance promised (disaggregated decode)
         self.remote_deadline = 0.0
+        self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
+
+
+# Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
+_HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+# Slowest first: a chunk held in different tiers by different ranks is as slow as its slowest copy.
+_TIER_ORDER = {None: 0, "": 1, "ssd": 2, "dram": 3}
 
 
 class SchedulerSide:
@@ -277,8 +286,16 @@ class SchedulerSide:
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
         self._step_load_chunks += len(loads)
+        tiers: list[str | None] = ["dram"] * len(loads)
         for client, keys in zip(self.lookups, self._keys([ld.chunk_hash for ld in loads])):
-            client.pin(keys, ttl_s=self.cfg.lease_ttl_s)
+            rank_tiers = client.pin_tiers(keys, ttl_s=self.cfg.lease_ttl_s)
+            tiers = [min(a, b, key=_TIER_ORDER.__getitem__) for a, b in zip(tiers, rank_tiers)]
+        sources: dict[CacheHitSource, int] = {}
+        for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
+            n = min(end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
+            src = _HIT_SOURCE.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[src] = sources.get(src, 0) + n
+        t.load_sources = sources
         self.counters["load_plans"] += 1
         self.counters["hit_tokens"] += num_external_tokens
 
@@ -426,6 +443,16 @@ class SchedulerSide:
         """Whether a save this request's promise rests on is still held or in flight: its own, or
         another request's save of one of its chunks (counted as present by a lookup)."""
         return self.ledger.unsettled(req_id) or self.ledger.unsettled_chunks(t.hashes[:t.saved_chunks])
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """``num_external_tokens`` split by the tier that held each chunk when its load was planned
+        (DRAM: host, SSD: disk; a chunk no rank could place, or gone by then: unspecified)."""
+        t = self._reqs.get(request.request_id)
+        if not num_external_tokens:
+            return {}
+        if t is None or sum(t.load_sources.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return dict(t.load_sources)
 
     def take_stats(self) -> TieredConnectorStats | None:
         """Prompt tokens planned for loading since the last call, for vLLM's stats hooks (the

@@ -109,3 +109,6 @@ def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_
     assert total(two, "mooncake_kv_tier_failures_total") == 0
     # vLLM's own counter agrees: the second prompt's whole chunks came from the connector.
     assert total(two, "vllm:external_prefix_cache_hits_total") == HIT_CHUNKS * CHUNK_TOKENS
+    # ... and files them under the tier they came from: host DRAM.
+    assert total(two, "vllm:prompt_tokens_cached_by_source_total", source="host") == HIT_CHUNKS * CHUNK_TOKENS
+    assert total(two, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
