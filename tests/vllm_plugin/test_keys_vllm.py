@@ -355,6 +355,31 @@ def test_reset_cache_answers_false_when_the_epoch_cannot_be_written(model_dir: P
         side.close()
 
 
+def test_reset_cache_answers_false_naming_the_holder_when_the_epoch_lock_stays_held(model_dir: Path, tmp_path: Path,
+                                                                                    caplog) -> None:
+    import fcntl
+    import time
+
+    from mooncake_connector.epoch import LOCK_FILE
+
+    ssd = tmp_path / "ssd"
+    extra = {"chunk_tokens": CHUNK, "store": {"ssd": {"path": str(ssd)}}, "lookup_socket_dir": str(tmp_path)}
+    side = scheduler_side(model_dir, extra)
+    ssd.mkdir(exist_ok=True)
+    holder = os.open(ssd / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # another open file description
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        side._epoch_file.lock_timeout_s = 0.5
+        t0 = time.monotonic()
+        assert side.reset_cache() is False  # was: blocked in flock for as long as the holder held it
+        assert time.monotonic() - t0 < 5
+        assert side.epoch == 0
+        assert any(LOCK_FILE in r.getMessage() and f"pid {os.getpid()}" in r.getMessage() for r in caplog.records)
+    finally:
+        os.close(holder)
+        side.close()
+
+
 # -- model config in the fingerprint ------------------------------------------------------------------
 def _digest(model: Path, extra: dict | None = None, **kw: object) -> str:
     vc = vllm_config(model, **kw)
