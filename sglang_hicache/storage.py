@@ -25,7 +25,9 @@ stop the prefetch at that page.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from mooncake_connector.engine_versions import check_engine_version
 from mooncake_connector.keys import ModelFingerprint, object_key
 from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.stores import acquire_store, release_store
@@ -77,6 +80,13 @@ class _Staging:
         return [flat[i * self.page_bytes:(i + 1) * self.page_bytes] for i in range(pages)]
 
 
+def _sglang_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path
+        return getattr(sys.modules.get("sglang"), "__version__", "unknown")
+
+
 class MooncakeTieredStorage(HiCacheStorage):
     """HiCache storage on an embedded :class:`store_backend.store.TieredStore`."""
 
@@ -87,6 +97,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         ``register_mem_pool_host``, once the host pool's geometry is known.
         """
         self.storage_config = storage_config
+        check_engine_version("sglang", _sglang_version())
         self.settings: BackendSettings = load_backend_settings(storage_config.extra_config)
         self.model_id = self.settings.connector.model_id or storage_config.model_name
         if not self.model_id:
