@@ -44,7 +44,8 @@ PREFIX = "mooncake_kv"
 DESCRIPTIONS: dict[str, str] = {
     # per tier, counters
     "mooncake_kv_tier_hits": "Objects a get served from this tier.",
-    "mooncake_kv_tier_misses": "Objects a get looked for in this tier and did not find there (a failed read counts too).",
+    "mooncake_kv_tier_misses": ("Objects a get looked for in this tier and did not find there (a failed read counts "
+                                "too)."),
     "mooncake_kv_tier_bytes_read": "Bytes copied out of this tier to callers.",
     "mooncake_kv_tier_bytes_written": "Bytes written into this tier (puts and promotions into DRAM, offloads to SSD).",
     "mooncake_kv_tier_evictions": "Objects removed from this tier to make room (on SSD: by the SSD backend itself).",
@@ -58,16 +59,22 @@ DESCRIPTIONS: dict[str, str] = {
     # store-wide counters
     "mooncake_kv_store_puts": "Objects stored by put (each one once, in DRAM).",
     "mooncake_kv_store_put_exists": "Objects a put found already stored (bytes kept, nothing written).",
-    "mooncake_kv_store_put_no_space": "Objects a put refused for want of evictable DRAM (everything leased, pinned or in flight).",
+    "mooncake_kv_store_put_no_space": ("Objects a put refused for want of evictable DRAM (everything leased, pinned or "
+                                       "in flight)."),
     "mooncake_kv_store_gets": "Objects asked for by get.",
-    "mooncake_kv_store_dropped_unpersisted": "Objects evicted from DRAM before they reached SSD (SSD fell behind, or no SSD tier).",
-    "mooncake_kv_store_offload_queue_full": "Objects the offload queue refused (full); they are tried again when DRAM needs room.",
-    "mooncake_kv_store_offload_retries": "Objects queued for SSD again (a failed or refused write, or a copy the SSD tier evicted).",
+    "mooncake_kv_store_dropped_unpersisted": ("Objects evicted from DRAM before they reached SSD (SSD fell behind, or "
+                                              "no SSD tier)."),
+    "mooncake_kv_store_offload_queue_full": ("Objects the offload queue refused (full); they are tried again when DRAM "
+                                             "needs room."),
+    "mooncake_kv_store_offload_retries": ("Objects queued for SSD again (a failed or refused write, or a copy the SSD "
+                                          "tier evicted)."),
     "mooncake_kv_store_offload_declined": "Objects the SSD admission policy kept off SSD.",
     "mooncake_kv_store_promotion_queue_full": "Promotions the promotion queue refused (full).",
-    "mooncake_kv_store_promotions_skipped": "Promotions not done (no clean DRAM to evict, the read failed, or the key was removed).",
+    "mooncake_kv_store_promotions_skipped": ("Promotions not done (no clean DRAM to evict, the read failed, or the key "
+                                             "was removed)."),
     "mooncake_kv_store_worker_errors": "Exceptions that escaped a background worker (each logged with its traceback).",
-    "mooncake_kv_store_thread_join_timeouts": "Background threads still running when close() reached its deadline (each logged by name).",
+    "mooncake_kv_store_thread_join_timeouts": ("Background threads still running when close() reached its deadline "
+                                               "(each logged by name)."),
     # gauges and histograms
     "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
     "mooncake_kv_store_get_seconds": "Time a store get_into call took (DRAM copies and blocking SSD reads).",
@@ -316,7 +323,8 @@ class DeltaTracker:
         self._last: dict[str, dict[str, Any]] = {}
         self._last_gauges: dict[str, dict[str, Any]] = {}
 
-    def take(self, now: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]] | None]:
+    def take(self, now: Mapping[str, Mapping[str, Any]]
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]] | None]:
         """(counter and histogram deltas since the last call, the gauges when they changed, else None)."""
         deltas = payload_delta(now, self._last, self._families)
         gauges = gauge_payload(self._families, now)

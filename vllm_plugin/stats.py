@@ -122,7 +122,8 @@ class StatsSource:
             if isinstance(s, dict):
                 now.update(s)
             else:
-                now.update(to_payload(self._store_families if isinstance(s, StoreStats) else self._connector_families, s))
+                families = self._store_families if isinstance(s, StoreStats) else self._connector_families
+                now.update(to_payload(families, s))
         deltas, gauges = self._tracker.take(now)
         if not deltas and gauges is None:
             return None

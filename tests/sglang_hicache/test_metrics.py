@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(120)]
 
 
 def sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, {"model_name": "tiny-llama", "tp_rank": "0", "pp_rank": "0", **labels}) or 0.0
+    value = REGISTRY.get_sample_value(name, {"model_name": "tiny-llama", "tp_rank": "0", "pp_rank": "0", **labels})
+    return value or 0.0
 
 
 def test_get_stats_reports_the_store_to_sglang_and_to_prometheus(schedulers) -> None:

@@ -3,7 +3,10 @@
 One OpenAI server (vLLM's default multiprocessing: the engine core and its worker run in another
 process than the HTTP frontend, so the stats cross vLLM's process boundary as they do in
 production), with vLLM's own prefix cache off so that the second request's prefix can only come
-from the store. Two requests with the same long prompt: the first saves every whole chunk, the
+from the store. With two API server processes, vLLM serves ``/metrics`` from prometheus_client's
+multiprocess files (PROMETHEUS_MULTIPROC_DIR): the same numbers must come out.
+
+Two requests with the same long prompt: the first saves every whole chunk, the
 second loads them from DRAM; the scrape after each must show exactly that.
 """
 
@@ -55,7 +58,8 @@ def wait_for(port: int, check, timeout_s: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
-def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_path: Path, api_servers: int) -> None:
     ssd = tmp_path / "ssd"
     ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path),
@@ -65,7 +69,8 @@ def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--block-size", "32", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-           "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
+           "--no-enable-prefix-caching", "--api-server-count", str(api_servers),
+           "--kv-transfer-config", json.dumps(ktc)]
     log = tmp_path / "server.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
