@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from store_backend.api import StoreClosedError  # defined there; re-exported here
 from store_backend.coherence import LossLedger, RemovalTracker
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
@@ -86,10 +87,6 @@ def _count_failure(failures: FailureCounters, status: Status) -> None:
         failures.capacity += 1
     else:
         failures.io_error += 1
-
-
-class StoreClosedError(RuntimeError):
-    """A call on a store after ``close()`` began."""
 
 
 class TieredStore:
