@@ -23,41 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import msgspec
 
 from mooncake_connector.metrics import ClientCounters, ConnectorFailures, ConnectorLatency, ConnectorStats, copy_stats
+from store_backend.api import KVStore  # the store interface; re-exported here for callers
 from store_backend.threads import Deadline, shutdown_pool
 from store_backend.types import Buffer, ReadResult, Status
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class KVStore(Protocol):
-    """What the client needs from a store (``store_backend.store.TieredStore`` provides it)."""
-
-    def put(self, keys: Sequence[str], buffers: Sequence[Buffer],
-            parents: Sequence[str | None] | None = None) -> list[Status]: ...
-
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]: ...
-
-    def exists(self, keys: Sequence[str]) -> int: ...
-
-    def contains(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def tier_of(self, keys: Sequence[str]) -> list[str | None]: ...
-
-    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
-
-    def unpin(self, keys: Sequence[str]) -> None: ...
-
-    def remove(self, keys: Sequence[str]) -> list[Status]: ...
-
-    def flush(self, timeout_s: float | None = None) -> bool: ...
-
-    def metrics(self) -> dict[str, Any]: ...
 
 
 class ClientClosedError(RuntimeError):

@@ -37,9 +37,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from store_backend.api import KVStore
 from store_backend.config import ConfigError
 from store_backend.ownership import lock_holders
-from store_backend.store import TieredStore
 from store_backend.threads import Deadline, join_threads
 from store_backend.types import Status
 
@@ -210,7 +210,7 @@ class EpochSweeper:
     second time after its removals and removes what landed meanwhile, and the sweeper remembers
     the digests it retired (the last 64) and sweeps them again with every later request."""
 
-    def __init__(self, store: TieredStore, *, settle: Callable[[], object] | None = None,
+    def __init__(self, store: KVStore, *, settle: Callable[[], object] | None = None,
                  batch_keys: int = 256, on_error: Callable[[], None] | None = None) -> None:
         """``on_error`` is called (sweeper thread) for each sweep an exception ended (logged)."""
         self._store = store

@@ -18,20 +18,21 @@ import threading
 import msgspec
 
 from mooncake_connector.shared_ssd import SharedDirectoryBackend
+from store_backend.api import KVStore
 from store_backend.config import ConfigError, StoreConfig
 from store_backend.store import TieredStore
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_stores: dict[bytes, tuple[TieredStore, int]] = {}
+_stores: dict[bytes, tuple[KVStore, int]] = {}
 
 
 def _key(config: StoreConfig, shared_ssd: bool) -> bytes:
     return msgspec.json.encode([config, shared_ssd])
 
 
-def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> TieredStore:
+def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> KVStore:
     """The started store for ``config`` in this process (opened on first use; blocking).
 
     ``shared_ssd``: other processes write to the same SSD directory too (see
@@ -53,7 +54,7 @@ def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> TieredSto
         return store
 
 
-def release_store(store: TieredStore, *, flush: bool = True, flush_timeout_s: float = 120.0) -> None:
+def release_store(store: KVStore, *, flush: bool = True, flush_timeout_s: float = 120.0) -> None:
     """Drop one reference; the last one closes the store (blocking), first waiting up to
     ``flush_timeout_s`` for queued offloads to reach the SSD tier when ``flush``."""
     with _lock:

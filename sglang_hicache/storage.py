@@ -51,8 +51,8 @@ from sglang_hicache.config import BackendSettings, load_backend_settings
 from sglang_hicache.metrics import StoreMetricsExporter, TieredStorageMetrics
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
 from sglang_hicache.ranks import rank_position
+from store_backend.api import KVStore, StoreClosedError
 from store_backend.config import ConfigError
-from store_backend.store import StoreClosedError, TieredStore
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         # Each rank process opens its own DRAM segment and (unless shared_ssd) its own SSD directory.
         self.position = rank_position(storage_config)
         store_config = rank_store_config(connector.store_config(), self.position, shared_ssd=connector.shared_ssd)
-        self._store: TieredStore | None = acquire_store(store_config, shared_ssd=connector.shared_ssd)
+        self._store: KVStore | None = acquire_store(store_config, shared_ssd=connector.shared_ssd)
         self.mem_pool_host: Any = None
         self.geometry: PoolGeometry | None = None
         self.fingerprint: ModelFingerprint | None = None
@@ -171,7 +171,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         return [object_key(self._prefix, k) for k in keys]
 
     @property
-    def store(self) -> TieredStore:
+    def store(self) -> KVStore:
         if self._store is None:
             raise RuntimeError("the storage backend is closed")
         return self._store
