@@ -42,18 +42,16 @@ from typing import Literal, Protocol, runtime_checkable
 import msgspec
 import xxhash
 
+# The length-prefixed framing (shared with the node service's control protocol).
+from store_backend.framing import MAX_FRAME_BYTES, FrameError
+from store_backend.framing import recv_frame as _recv
+from store_backend.framing import send_frame as _send
 from store_backend.threads import Deadline, join_threads
 from store_backend.types import MAX_PIN_TTL_S
 from store_backend.types import check_ttl_s as _store_check_ttl_s
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
-# Largest frame either side sends or accepts. 8 MiB holds an exists/pin request of ~100k keys
-# (a million-token prompt in 16-token chunks); the client splits anything larger.
-MAX_FRAME_BYTES = 8 * 1024 * 1024
-# A body is read in pieces of at most this, so memory follows the bytes that actually arrived.
-_READ_PIECE_BYTES = 256 * 1024
 # Longest lease a peer may ask for: a lease bridges one lookup and its load (seconds), and one that
 # outlives an hour is a leak that makes objects unevictable.
 MAX_LEASE_TTL_S = MAX_PIN_TTL_S
@@ -67,10 +65,6 @@ DEFAULT_FRAME_TIMEOUT_S = 2.0
 _MIN_IDLE_TO_EVICT_S = 0.2
 # Clients beyond max_connections wait here; the kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
-
-
-class FrameError(ValueError):
-    """A frame that breaks the wire format (a length over MAX_FRAME_BYTES)."""
 
 
 def check_ttl_s(ttl_s: float) -> float:
@@ -143,42 +137,6 @@ def _remove_stale_sockets(directory: str) -> None:
             pass  # not ours to judge (permissions, a busy listener)
         finally:
             probe.close()
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
-    """``n`` bytes, read in bounded pieces (so a peer that announces much and sends little costs only
-    what it sent); None at end of stream. With ``deadline`` (monotonic), TimeoutError once it
-    passes, however the bytes trickle in; without, the socket's own timeout applies per piece."""
-    pieces: list[bytes] = []
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("frame deadline passed")
-            sock.settimeout(left)
-        piece = sock.recv(min(n - got, _READ_PIECE_BYTES))
-        if not piece:
-            return None
-        pieces.append(piece)
-        got += len(piece)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
-
-
-def _recv(sock: socket.socket, first: bytes = b"", deadline: float | None = None) -> bytes | None:
-    """One frame's body; None when the peer closed the stream. FrameError for a length over the limit.
-    ``first``: the frame's bytes already read; ``deadline``: see :func:`_recv_exact`."""
-    rest = _recv_exact(sock, _LEN.size - len(first), deadline)
-    if rest is None:
-        return None
-    (n,) = _LEN.unpack(first + rest)
-    if n > MAX_FRAME_BYTES:
-        raise FrameError(f"a frame of {n} bytes is larger than the {MAX_FRAME_BYTES}-byte limit")
-    return _recv_exact(sock, n, deadline)
 
 
 def _peer_pid(conn: socket.socket) -> int | None:
