@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from store_backend.metrics import (
     TIERS,
@@ -75,6 +75,8 @@ DESCRIPTIONS: dict[str, str] = {
     "mooncake_kv_store_worker_errors": "Exceptions that escaped a background worker (each logged with its traceback).",
     "mooncake_kv_store_thread_join_timeouts": ("Background threads still running when close() reached its deadline "
                                                "(each logged by name)."),
+    "mooncake_kv_store_events_dropped": ("Residency events (stored, moved, evicted, removed) dropped because the "
+                                         "event queue was full; subscribers are told of the gap and resync."),
     # gauges and histograms
     "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
     "mooncake_kv_store_get_seconds": "Time a store get_into call took (DRAM copies and blocking SSD reads).",
@@ -342,12 +344,18 @@ class PrometheusMirror:
 
     ``labelnames`` come before each family's own labels; every :meth:`apply` names their values.
     Gauges are made with ``multiprocess_mode`` (how a multiprocess registry combines the gauge
-    files of several processes). Not thread-safe: one thread applies payloads."""
+    files of several processes). With ``replace_in``, metrics of the same names an earlier mirror
+    registered there are unregistered first (an engine that builds its stat loggers again in one
+    process, as vLLM does, drops its own the same way). Not thread-safe: one thread applies payloads."""
 
     def __init__(self, families: Iterable[Family], *, counter_cls: Callable[..., Any], gauge_cls: Callable[..., Any],
                  histogram_cls: Callable[..., Any], labelnames: Sequence[str] = (),
-                 gauge_mode: str = "mostrecent") -> None:
+                 gauge_mode: str = "mostrecent", replace_in: CollectorRegistry | None = None) -> None:
         self._families = {f.name: f for f in families}
+        if replace_in is not None:
+            for collector in list(replace_in._collector_to_names):  # no public way to list collectors
+                if getattr(collector, "_name", None) in self._families:
+                    replace_in.unregister(collector)
         self._metrics: dict[str, Any] = {}
         for fam in self._families.values():
             labels = [*labelnames, *fam.labels]

@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from mooncake_connector.metrics import connector_families
@@ -136,8 +137,11 @@ class TieredPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM builds its loggers again in one process (a second engine) after dropping its own
+        # metrics from the default registry; ours are dropped there the same way.
         self._mirror = PrometheusMirror(all_families(), counter_cls=self._counter_cls, gauge_cls=self._gauge_cls,
-                                        histogram_cls=self._histogram_cls, labelnames=labelnames)
+                                        histogram_cls=self._histogram_cls, labelnames=labelnames,
+                                        replace_in=REGISTRY)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._mirror.apply(transfer_stats_data.get(DELTAS, {}), transfer_stats_data.get(GAUGES, {}),

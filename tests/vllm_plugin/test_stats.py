@@ -80,3 +80,22 @@ def test_prom_metrics_apply_payloads_with_vllm_labels() -> None:
     assert reg.get_sample_value("mooncake_kv_store_get_seconds_bucket", {**labels, "le": "0.0025"}) == 0
     assert reg.get_sample_value("mooncake_kv_store_get_seconds_bucket", {**labels, "le": "0.005"}) == 2
     assert abs(reg.get_sample_value("mooncake_kv_store_get_seconds_sum", labels) - 0.006) < 1e-9
+
+
+def test_prom_metrics_can_be_built_again_in_one_process() -> None:
+    """vLLM builds its stat loggers again in one process (a second engine; tests): it drops its own
+    metrics from the default registry first, and ours must not collide with the earlier ones."""
+    from prometheus_client import REGISTRY
+
+    class Cfg:
+        kv_transfer_config = None
+
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
+    for hits in (2, 3):
+        prom = TieredPromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["again", 0]})  # type: ignore[arg-type]
+        step = StatsSource("rank0").take(stats(hits=hits), ConnectorStats())
+        assert step is not None
+        prom.observe(step.to_dict(), 0)
+        value = REGISTRY.get_sample_value("mooncake_kv_tier_hits_total",
+                                          {"model_name": "again", "engine": "0", "tier": "dram"})
+        assert value == hits  # the new logger's metrics, starting from zero
