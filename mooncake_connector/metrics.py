@@ -23,7 +23,8 @@ from store_backend.prometheus import (
 
 
 class ConnectorFailures(msgspec.Struct):
-    """Chunks a connector failed to load or save, by kind (each counts once, under one kind)."""
+    """Chunks a connector failed to load or save, by kind (each counts once, under one kind);
+    ``peer_gone`` counts lookups and leases instead, the requests its peer did not answer."""
 
     timeout: int = 0
     staging: int = 0
@@ -31,6 +32,7 @@ class ConnectorFailures(msgspec.Struct):
     io_error: int = 0
     capacity: int = 0
     missing: int = 0
+    peer_gone: int = 0
 
 
 class ClientCounters(msgspec.Struct):
@@ -101,6 +103,8 @@ LABEL_VALUES: dict[str, dict[str, str]] = {
         "timeout": "a load that did not start or finish within load_timeout_s (the engine recomputes)",
         "staging": "no host staging buffer came free in time (the chunk is recomputed, or not saved)",
         "missing": "a planned chunk was gone by the time it was read (evicted or removed)",
+        "peer_gone": "the process that owns the store (its lookup server) did not answer a lookup or lease; "
+                     "the chunks count as misses",
     },
 }
 

@@ -55,7 +55,7 @@ from vllm_plugin.parallel import lookup_name
 from vllm_plugin.request_keys import chunk_extra_keys, request_extra_keys
 from vllm_plugin.save_ledger import SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
-from vllm_plugin.stats import HIT_TOKENS, StatsSource, TieredConnectorStats
+from vllm_plugin.stats import FAILURES, HIT_TOKENS, StatsSource, TieredConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -455,9 +455,11 @@ class SchedulerSide:
         return dict(t.load_sources)
 
     def take_stats(self) -> TieredConnectorStats | None:
-        """Prompt tokens planned for loading since the last call, for vLLM's stats hooks (the
-        workers report the rest); None when there were none. Scheduler thread."""
-        return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]}})
+        """Prompt tokens planned for loading and lookups no worker answered, since the last call,
+        for vLLM's stats hooks (the workers report the rest); None when nothing moved. Scheduler
+        thread."""
+        return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]},
+                                        FAILURES: {"peer_gone": sum(c.failures for c in self.lookups)}})
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),

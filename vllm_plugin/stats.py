@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 DELTAS, GAUGES = "deltas", "gauges"
 
-# The family the scheduler fills itself (its workers' clients never see how many tokens it plans to load).
+# Families the scheduler fills itself: its workers' clients never see how many tokens it plans to
+# load, nor the lookups that never reached them.
 HIT_TOKENS = "mooncake_kv_connector_hit_tokens"
+FAILURES = "mooncake_kv_connector_failures"
 
 
 def all_families() -> list[Family]:

@@ -59,3 +59,13 @@ def test_hits_are_filed_under_the_tier_that_held_each_chunk(make_scheduler: Any,
         finally:
             server.close()
             client.close()
+
+
+def test_lookups_no_worker_answered_are_reported_as_peer_gone(make_scheduler: Any) -> None:
+    sched = make_scheduler("kv_both")  # no lookup server on its socket: the worker is gone
+    req = _request("lonely", prompt(3, 3 * CHUNK_TOKENS + 1))
+    assert _ask(sched, req, 0) == 0  # a lookup nobody answers is a miss
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["deltas"]["mooncake_kv_connector_failures"]["peer_gone"] >= 1
+    assert "mooncake_kv_connector_hit_tokens" not in stats.data["deltas"]
