@@ -1,0 +1,367 @@
+"""The node service's control protocol: every frame a client and the service exchange, and its codec.
+
+Wire format (shared with the lookup service, :mod:`store_backend.framing`): a 4-byte little-endian
+length, then one msgpack-encoded :data:`Frame`, at most :data:`~store_backend.framing.MAX_FRAME_BYTES`
+(8 MiB; a client splits longer key lists). Every frame is a ``msgspec.Struct`` encoded as an array
+whose first element is its tag (``array_like=True``), so one decoder reads the whole tagged union
+and an unknown tag or a wrong field is a :class:`~store_backend.framing.FrameError` naming it.
+
+Conversation: the client's first frame is :class:`Hello`; the service answers :class:`Welcome`
+(with the arena segment's fd alongside when ``want_segment``, see :mod:`store_backend.node.fdpass`)
+or :class:`Error`. Every request carries an ``id`` (> 0) that its reply echoes; one request is in
+flight per connection. A push from the service (:class:`Draining`) has ``id`` 0. Bytes of objects
+never travel here: a :class:`Grant` names an offset into the shared segment, and the client copies
+into or out of its own mapping of it.
+
+Tokens name one reservation or lease, held by the connection that took it (a token of another
+connection answers IO_ERROR for that token). Statuses are :class:`store_backend.types.Status`
+values.
+
+Nothing here touches a socket except :class:`FrameReader` (blocking, one per connection); the
+asyncio server feeds a :class:`MessageDecoder` with what arrives. Not thread-safe: one reader and one
+writer per connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Literal, Union
+
+import msgspec
+
+from store_backend.framing import (
+    MAX_FRAME_BYTES,
+    FrameDecoder,
+    FrameError,
+    frame,
+    read_frame,
+)
+from store_backend.metrics import StoreStats
+from store_backend.types import Status
+
+PROTOCOL_VERSION = 1
+
+ErrorCode = Literal["bad_request", "too_large", "closed", "permission", "version", "busy", "internal"]
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
+
+
+class _Frame(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Base of every frame (array-encoded, tagged by the first element)."""
+
+
+# -- requests (client → service) -------------------------------------------------------------------
+class Hello(_Frame, tag="hello"):
+    """First frame of a connection. ``want_segment``: send the arena segment's fd with the reply
+    (a status probe does not map it)."""
+
+    id: int
+    version: int
+    pid: int
+    name: str
+    want_segment: bool = True
+
+
+class Exists(_Frame, tag="exists"):
+    """Leading keys present. ``count_reserved``: saves in flight count; ``wait_s`` > 0: answer when
+    all are committed or at the deadline."""
+
+    id: int
+    keys: list[str]
+    count_reserved: bool = False
+    wait_s: float = 0.0
+
+
+class ExistsAll(_Frame, tag="exists_all"):
+    """The shortest leading run present over several key lists (all TP ranks in one round trip)."""
+
+    id: int
+    key_lists: list[list[str]]
+    count_reserved: bool = False
+
+
+class Contains(_Frame, tag="contains"):
+    id: int
+    keys: list[str]
+
+
+class SizeOf(_Frame, tag="size_of"):
+    id: int
+    keys: list[str]
+
+
+class TierOf(_Frame, tag="tier_of"):
+    id: int
+    keys: list[str]
+
+
+class Pin(_Frame, tag="pin"):
+    """Key-counted pins with a TTL (not reclaimed when the connection ends: they bridge a lookup in
+    one process and a load in another)."""
+
+    id: int
+    keys: list[str]
+    ttl_s: float
+
+
+class Unpin(_Frame, tag="unpin"):
+    id: int
+    keys: list[str]
+
+
+class Reserve(_Frame, tag="reserve"):
+    """Slots to write objects into; invisible to every reader until committed."""
+
+    id: int
+    keys: list[str]
+    sizes: list[int]
+    parents: list[str | None] | None = None
+    ttl_s: float = 60.0
+
+
+class Commit(_Frame, tag="commit"):
+    id: int
+    tokens: list[int]
+
+
+class Abort(_Frame, tag="abort"):
+    id: int
+    tokens: list[int]
+
+
+class Lease(_Frame, tag="lease"):
+    """Slots to read objects from; the bytes stay put until released. ``stage_in``: bring an object
+    that is only below DRAM into a slot; ``wait_pending_s``: wait that long for a reserved key to
+    be committed."""
+
+    id: int
+    keys: list[str]
+    ttl_s: float = 60.0
+    stage_in: bool = True
+    wait_pending_s: float = 0.0
+
+
+class Release(_Frame, tag="release"):
+    id: int
+    tokens: list[int]
+
+
+class Remove(_Frame, tag="remove"):
+    id: int
+    keys: list[str]
+
+
+class Keys(_Frame, tag="keys"):
+    """One page of the stored keys starting with ``prefix``, from ``cursor`` (empty: the start)."""
+
+    id: int
+    prefix: str = ""
+    cursor: str = ""
+    limit: int = 10000
+
+
+class Flush(_Frame, tag="flush"):
+    id: int
+    timeout_s: float | None = None
+
+
+class Stats(_Frame, tag="stats"):
+    """``mine``: this connection's own counters rather than the whole store's."""
+
+    id: int
+    mine: bool = False
+
+
+class Shutdown(_Frame, tag="shutdown"):
+    """Stop the service as SIGTERM does (``mooncake-kv stop``)."""
+
+    id: int
+
+
+class Goodbye(_Frame, tag="goodbye"):
+    """The client is done: its open tokens are reclaimed now, and the service closes the connection."""
+
+    id: int
+
+
+# -- replies and pushes (service → client) ---------------------------------------------------------
+class Welcome(_Frame, tag="welcome"):
+    """The service is ready for this connection. ``segment_id``: ``"<st_dev>:<st_ino>"`` of the
+    segment whose fd comes with this frame (the client checks it against ``fstat``)."""
+
+    id: int
+    version: int
+    service_pid: int
+    conn_id: int
+    segment_id: str
+    segment_bytes: int
+    alignment_bytes: int
+    max_frame_bytes: int
+    ttl_max_s: float
+    tiers: list[str]
+    ssd_path: str | None = None
+
+
+class Count(_Frame, tag="count"):
+    id: int
+    n: int
+
+
+class Bools(_Frame, tag="bools"):
+    id: int
+    values: list[bool]
+
+
+class Sizes(_Frame, tag="sizes"):
+    id: int
+    values: list[int | None]
+
+
+class Names(_Frame, tag="names"):
+    id: int
+    values: list[str | None]
+
+
+class Ack(_Frame, tag="ack"):
+    id: int
+
+
+class Grant(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One key's slot: ``offset`` and ``nbytes`` into the segment when ``status`` is OK."""
+
+    status: Status
+    token: int = 0
+    offset: int = 0
+    nbytes: int = 0
+
+
+class Slots(_Frame, tag="slots"):
+    id: int
+    grants: list[Grant]
+
+
+class Statuses(_Frame, tag="statuses"):
+    id: int
+    values: list[Status]
+
+
+class KeyPage(_Frame, tag="key_page"):
+    """``cursor``: pass it back for the next page; empty when this was the last."""
+
+    id: int
+    keys: list[str]
+    cursor: str = ""
+
+
+class FlushResult(_Frame, tag="flush_result"):
+    """``unpersisted``: the first objects not persisted (at most 1000), key → why."""
+
+    id: int
+    ok: bool
+    unpersisted: dict[str, str] = msgspec.field(default_factory=dict)
+    declined: int = 0
+    lost_untracked: int = 0
+
+
+class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
+    """The service's own gauges and counters beside the store's."""
+
+    connections: int = 0
+    reservations: int = 0
+    leases: int = 0
+    held_bytes: int = 0
+    zombie_bytes: int = 0
+    bad_frames: int = 0
+    frames: dict[str, int] = msgspec.field(default_factory=dict)  # by op
+
+
+class StatsReply(_Frame, tag="stats_reply"):
+    id: int
+    store: StoreStats
+    node: NodeStats = msgspec.field(default_factory=NodeStats)
+
+
+class Draining(_Frame, tag="draining"):
+    """Push (id 0) to every connection at SIGTERM: new reserve/lease are refused from now on, open
+    tokens have ``deadline_s`` to finish."""
+
+    id: int
+    deadline_s: float
+
+
+class Error(_Frame, tag="error"):
+    """A refused request (``id`` echoes it; 0 when the frame could not be read)."""
+
+    id: int
+    code: ErrorCode
+    message: str
+
+
+Request = Union[Hello, Exists, ExistsAll, Contains, SizeOf, TierOf, Pin, Unpin, Reserve, Commit, Abort,
+                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye]
+Reply = Union[Welcome, Count, Bools, Sizes, Names, Ack, Slots, Statuses, KeyPage, FlushResult, StatsReply,
+              Draining, Error]
+Frame = Union[Request, Reply]
+
+REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]
+REPLY_TYPES: tuple[type, ...] = Reply.__args__  # type: ignore[attr-defined]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Frame, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """``message`` as one frame, length prefix included; FrameError when it is over the cap (the
+    caller splits its key lists)."""
+    return frame(_encoder.encode(message), max_frame_bytes)
+
+
+class MessageDecoder:
+    """Frames from a byte stream as it arrives (sans-I/O): ``feed(data)`` returns the messages
+    ``data`` completed. Raises only :class:`FrameError`, naming what was wrong (an oversized
+    length, an undecodable body, an unknown op, a field of the wrong type, a frame the stream cut
+    short at ``eof()``); after one, the connection is to be closed. Buffers at most a frame's
+    header plus ``max_frame_bytes``. ``expect``: :data:`Request` (the service) or :data:`Reply`
+    (a client)."""
+
+    def __init__(self, expect: object = Frame, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.frames = FrameDecoder(max_frame_bytes)
+        self._decoder = msgspec.msgpack.Decoder(expect)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self.frames.buffered_bytes
+
+    def decode(self, body: bytes) -> Frame:
+        """One frame's body as its message; FrameError naming what was wrong."""
+        try:
+            return self._decoder.decode(body)
+        except msgspec.ValidationError as e:
+            raise FrameError(f"a {len(body)}-byte frame does not fit the protocol: {e}") from None
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise FrameError(f"a {len(body)}-byte frame is not valid msgpack: {e}") from None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        return [self.decode(body) for body in self.frames.feed(data)]
+
+    def eof(self) -> None:
+        self.frames.eof()
+
+
+class FrameReader:
+    """Blocking reads of whole messages from one connected socket, each within a deadline.
+
+    ``read(timeout_s)``: the next message; None at a clean end of stream. :class:`FrameError` for
+    a broken frame; :class:`~store_backend.framing.FrameTimeoutError` when the frame did not
+    complete within ``timeout_s`` (the deadline covers the whole frame, however its bytes
+    trickle in). Other socket errors (a reset) pass through as OSError.
+    """
+
+    def __init__(self, sock: socket.socket, expect: object = Frame, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.decoder = MessageDecoder(expect, max_frame_bytes)
+        self._pending: list[bytes] = []
+
+    def read(self, timeout_s: float | None = None) -> Frame | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        body = read_frame(self.sock, self.decoder.frames, self._pending, deadline)
+        return None if body is None else self.decoder.decode(body)
