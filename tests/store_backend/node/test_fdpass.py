@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from store_backend.framing import READ_PIECE_BYTES
+from store_backend.node import protocol as p
 from store_backend.node.fdpass import (
     FdPassError,
     PeerAccessError,
@@ -210,3 +212,25 @@ def test_a_process_of_another_user_is_refused_by_its_real_credentials() -> None:
         server.close()
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_welcome_frame_and_the_segment_fd_arrive_together(tmp_path: Path) -> None:
+    """How the service answers ``hello``: the encoded ``welcome`` with the fd riding on its first
+    byte; the client reads that first piece with recv_fd and feeds it to its frame decoder."""
+    seg = os.open(tmp_path / "seg", os.O_CREAT | os.O_RDWR, 0o600)
+    a, b = socket.socketpair()
+    try:
+        welcome = p.Welcome(1, p.PROTOCOL_VERSION, os.getpid(), 1, fd_identity(seg), 0, 4096,
+                            p.MAX_FRAME_BYTES, 3600.0, ["dram"])
+        send_fd(a, p.encode(welcome) + p.encode(p.Ack(2)), seg)
+        data, fd = recv_fd(b, READ_PIECE_BYTES)
+        assert fd is not None
+        try:
+            assert p.MessageDecoder(p.Reply).feed(data) == [welcome, p.Ack(2)]
+            assert fd_identity(fd) == welcome.segment_id and fd != seg
+        finally:
+            os.close(fd)
+    finally:
+        a.close()
+        b.close()
+        os.close(seg)
