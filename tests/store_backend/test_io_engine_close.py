@@ -48,3 +48,74 @@ def test_close_with_a_stuck_pool_thread_is_bounded_and_reports_it(tmp_path, monk
         reader.join(10)
         os.close(fd)
     assert bytes(bufs[0]) == b"x" * 4096  # the stuck read finished into memory that stayed valid
+
+
+def test_a_stuck_pool_thread_keeps_its_staging_for_the_bounces_it_still_needs(tmp_path, monkeypatch) -> None:
+    """O_DIRECT with unaligned buffers: every read goes through a bounce buffer in the pool
+    thread's staging area. Both pool threads hang in the syscall (their bounces allocated) when
+    close() gives up on them; the two requests still queued behind them run after release, from
+    the same stagings, and every byte arrives."""
+    real_preadv = os.preadv
+    release = threading.Event()
+    in_syscall = threading.Semaphore(0)
+
+    def hung_disk(fd, bufs, offset, *a):  # noqa: ANN001, ANN002, ANN202
+        if threading.current_thread().name.startswith("kv-posix-io") and not release.is_set():
+            in_syscall.release()
+            release.wait(30)
+        return real_preadv(fd, bufs, offset, *a)
+
+    path = tmp_path / "data"
+    content = os.urandom(4 * 4096)
+    path.write_bytes(content)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs) has no bounces to keep
+        import pytest
+        pytest.skip(f"no O_DIRECT here: {e}")
+    monkeypatch.setattr(os, "preadv", hung_disk)
+    eng = PosixEngine(threads=2)
+    bufs = [bytearray(100) for _ in range(4)]  # unaligned length: bounced
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(eng.read([IoRequest(fd, i * 4096, [b]) for i, b in enumerate(bufs)]))
+        except Exception as e:  # noqa: BLE001
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        for _ in range(2):
+            assert in_syscall.acquire(timeout=10), "the pool threads never reached the disk"
+        assert eng.close(timeout_s=0.3) == 2
+    finally:
+        release.set()
+        reader.join(10)
+        os.close(fd)
+    assert got == [[100, 100, 100, 100]], got
+    for i, b in enumerate(bufs):
+        assert bytes(b) == content[i * 4096:i * 4096 + 100]
+
+
+def test_a_single_request_after_close_is_refused_as_closed(tmp_path) -> None:
+    """One request runs inline in the caller's thread, with that thread's staging area, which
+    close() released: it must say the engine is closed, not fail on released memory."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDWR)
+    eng = PosixEngine(threads=2)
+    try:
+        buf = bytearray(100)  # under O_DIRECT: bounced through this thread's staging
+        assert eng.read([IoRequest(fd, 0, [buf])]) == [100]
+        assert eng.close() == 0
+        import pytest
+        for write in (False, True):
+            with pytest.raises(RuntimeError, match="io engine is closed"):
+                (eng.write if write else eng.read)([IoRequest(fd, 0, [bytearray(100)])])
+    finally:
+        os.close(fd)

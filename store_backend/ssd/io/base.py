@@ -40,6 +40,8 @@ class IoEngine(Protocol):
         """fdatasync (or fsync) every fd, concurrently; 0 or ``-errno`` per fd."""
         ...
 
-    def close(self) -> None:
-        """Release rings, staging memory and threads. Idempotent; no call may be in flight."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Release rings, staging memory and threads. Idempotent; no call may be in flight.
+        Blocks at most ``timeout_s`` (None: the engine's own bound) for threads of its own still
+        in I/O; returns how many were left running (logged by name; their memory stays theirs)."""
         ...

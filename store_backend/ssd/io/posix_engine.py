@@ -68,9 +68,16 @@ class PosixEngine:
     def write(self, requests: Sequence[IoRequest], on_complete: Completion | None = None) -> list[int]:
         return self._run(requests, True, on_complete)
 
+    def _check_open(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("io engine is closed")
+
     def _run(self, requests: Sequence[IoRequest], write: bool, on_complete: Completion | None) -> list[int]:
         results = [0] * len(requests)
         if len(requests) == 1 or self.threads == 1:
+            # Inline in the caller's thread: its staging area may be one close() released already.
+            self._check_open()
             for i, req in enumerate(requests):
                 results[i] = execute_sync(req, write, self._alloc)
                 if on_complete is not None:
@@ -103,17 +110,23 @@ class PosixEngine:
             return self.sync_inline(fds, datasync)
         return list(self._executor().map(lambda fd: self._sync_one(fd, datasync), fds))
 
-    def close(self) -> None:
-        """Stop the pool (blocking, at most ``CLOSE_TIMEOUT_S``). A pool thread still in a read or
-        write then (a hung disk) is logged at WARNING by name and left behind, and the staging
-        areas are left to it (unmapping memory under its I/O could crash the process)."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Stop the pool: blocking, at most ``timeout_s`` (default ``CLOSE_TIMEOUT_S``; a store's
+        close passes what is left of its own deadline). Returns how many pool threads were still
+        running then (a hung disk): each is logged at WARNING by name and left behind, and the
+        staging areas are left to them (their bounce buffers live there, and requests already
+        queued still run). Later calls raise RuntimeError("io engine is closed"). Idempotent
+        (a second close returns 0)."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
             pool, self._pool = self._pool, None
             stagings, self._stagings = self._stagings, []
-        if shutdown_pool(pool, Deadline(CLOSE_TIMEOUT_S), owner="posix io engine"):
-            return
+        stuck = shutdown_pool(pool, Deadline(CLOSE_TIMEOUT_S if timeout_s is None else timeout_s),
+                              owner="posix io engine")
+        if stuck:
+            return stuck
         for st in stagings:
             st.close()
+        return 0

@@ -257,12 +257,15 @@ class IoUringEngine:
             raise
         return results
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> int:
+        """Release the rings (no thread of its own: ``timeout_s`` has nothing to bound); 0 threads
+        left running."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
             rings, self._rings = self._rings, []
         for _, r in rings:
             r.close()
         self._local = threading.local()
+        return 0
