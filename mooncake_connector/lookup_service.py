@@ -32,7 +32,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -46,6 +45,7 @@ import xxhash
 from store_backend.framing import MAX_FRAME_BYTES, FrameError
 from store_backend.framing import recv_frame as _recv
 from store_backend.framing import send_frame as _send
+from store_backend.node.fdpass import peer_credentials
 from store_backend.threads import Deadline, join_threads
 from store_backend.types import MAX_PIN_TTL_S
 from store_backend.types import check_ttl_s as _store_check_ttl_s
@@ -142,9 +142,7 @@ def _remove_stale_sockets(directory: str) -> None:
 def _peer_pid(conn: socket.socket) -> int | None:
     """The connecting process (SO_PEERCRED), so a bad peer is logged once, not once per connection."""
     try:
-        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                              struct.calcsize("3i")))
-        return pid
+        return peer_credentials(conn).pid
     except (AttributeError, OSError):
         return None
 

@@ -32,6 +32,10 @@ class FrameError(ValueError):
     a body the protocol cannot decode. The message says which, with the sizes involved."""
 
 
+class FrameTooLargeError(FrameError):
+    """A frame whose length is over the cap (a service answers ``error(too_large)``)."""
+
+
 class FrameTimeoutError(TimeoutError):
     """A frame that did not arrive completely before its deadline (the message says how much did)."""
 
@@ -39,7 +43,7 @@ class FrameTimeoutError(TimeoutError):
 def frame(payload: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """``payload`` with its length prefix; FrameError when it is over ``max_frame_bytes``."""
     if len(payload) > max_frame_bytes:
-        raise FrameError(f"a frame of {len(payload)} bytes is larger than the {max_frame_bytes}-byte limit")
+        raise FrameTooLargeError(f"a frame of {len(payload)} bytes is larger than the {max_frame_bytes}-byte limit")
     return LEN.pack(len(payload)) + payload
 
 
@@ -78,7 +82,7 @@ def recv_frame(sock: socket.socket, first: bytes = b"", deadline: float | None =
         return None
     (n,) = LEN.unpack(first + rest)
     if n > max_frame_bytes:
-        raise FrameError(f"a frame of {n} bytes is larger than the {max_frame_bytes}-byte limit")
+        raise FrameTooLargeError(f"a frame of {n} bytes is larger than the {max_frame_bytes}-byte limit")
     return recv_exact(sock, n, deadline)
 
 
@@ -122,7 +126,7 @@ class FrameDecoder:
                 (n,) = LEN.unpack_from(self._buf)
                 if n > self.max_frame_bytes:
                     self._buf = bytearray()
-                    self._broken = FrameError(
+                    self._broken = FrameTooLargeError(
                         f"a frame of {n} bytes is larger than the {self.max_frame_bytes}-byte limit")
                     raise self._broken
                 del self._buf[:HEADER_BYTES]

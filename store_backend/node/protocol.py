@@ -34,6 +34,7 @@ from store_backend.framing import (
     MAX_FRAME_BYTES,
     FrameDecoder,
     FrameError,
+    FrameTooLargeError,
     frame,
     read_frame,
 )
@@ -313,6 +314,13 @@ def encode(message: Frame, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """``message`` as one frame, length prefix included; FrameError when it is over the cap (the
     caller splits its key lists)."""
     return frame(_encoder.encode(message), max_frame_bytes)
+
+
+def error_for(exc: FrameError, request_id: int = 0) -> Error:
+    """The reply a service sends before closing a connection whose bytes broke the protocol:
+    ``too_large`` for a length over the cap, else ``bad_request``, with the error's own message."""
+    code: ErrorCode = "too_large" if isinstance(exc, FrameTooLargeError) else "bad_request"
+    return Error(request_id, code, str(exc))
 
 
 class MessageDecoder:

@@ -14,7 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store_backend.framing import HEADER_BYTES, LEN, MAX_FRAME_BYTES, FrameError, FrameTimeoutError
+from store_backend.framing import (
+    HEADER_BYTES,
+    LEN,
+    MAX_FRAME_BYTES,
+    FrameError,
+    FrameTimeoutError,
+    FrameTooLargeError,
+)
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
 from store_backend.types import Status
@@ -96,16 +103,29 @@ def test_a_bad_body_is_a_frame_error_saying_what_was_wrong(body: bytes, match: s
 
 def test_an_oversized_length_is_refused_at_its_header_and_the_stream_stays_broken() -> None:
     dec = p.MessageDecoder()
-    with pytest.raises(FrameError, match=f"{MAX_FRAME_BYTES + 1} bytes is larger than the {MAX_FRAME_BYTES}-byte"):
+    too_large = f"{MAX_FRAME_BYTES + 1} bytes is larger than the {MAX_FRAME_BYTES}-byte"
+    with pytest.raises(FrameTooLargeError, match=too_large):
         dec.feed(LEN.pack(MAX_FRAME_BYTES + 1))
     assert dec.buffered_bytes == 0
     with pytest.raises(FrameError, match="broke earlier"):
         dec.feed(p.encode(p.Ack(1)))
 
 
+def test_the_error_reply_for_a_broken_stream_names_its_code_and_cause() -> None:
+    dec = p.MessageDecoder()
+    with pytest.raises(FrameError) as big:
+        dec.feed(LEN.pack(MAX_FRAME_BYTES + 1))
+    reply = p.error_for(big.value)
+    assert (reply.id, reply.code) == (0, "too_large") and "larger than" in reply.message
+    with pytest.raises(FrameError) as bad:
+        p.MessageDecoder().feed(LEN.pack(1) + b"\xc1")
+    assert p.error_for(bad.value, 7) == p.Error(7, "bad_request", str(bad.value))
+    assert p.MessageDecoder(p.Reply).feed(p.encode(p.error_for(bad.value))) == [p.error_for(bad.value)]
+
+
 def test_encode_refuses_a_frame_over_the_cap() -> None:
     big = p.Exists(1, ["k" * 1000] * 9000)
-    with pytest.raises(FrameError, match="larger than the 8388608-byte limit"):
+    with pytest.raises(FrameTooLargeError, match="larger than the 8388608-byte limit"):
         p.encode(big)
 
 
