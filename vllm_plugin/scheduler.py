@@ -30,6 +30,10 @@ process or not.
   until they landed, re-planning any that failed. That includes saves of its chunks planned by
   other requests (a lookup counts another request's save in flight as present): if one fails, every
   request holding that chunk is rolled back to it, so one that still holds the blocks saves it.
+  With a draft model keeping KV (EAGLE, MTP, draft_model) a decode chunk ending at the last known
+  token is held back one step (the draft's KV of that position may still be rewritten); a request
+  that finishes with such a chunk keeps its blocks the same way until the step after saved it and
+  every save it rests on landed.
 """
 
 from __future__ import annotations
@@ -346,7 +350,8 @@ class SchedulerSide:
             if self._draft_kv and computed_after > t.request.num_prompt_tokens and not t.request.is_finished():
                 # Decoding with draft KV: the last known position's draft KV may still be rewritten
                 # (as vLLM's offloading connector, which holds that chunk back too); a chunk ending
-                # there is saved once another token follows it, or when the request finishes.
+                # there is saved once another token follows it, or, when the request finishes in
+                # this step, by the step after it (request_finished keeps the blocks for that).
                 known -= 1
             upto = min(limit, known) // self.chunk_tokens
             upto = min(upto, len(t.block_ids) // self.blocks_per_chunk)
@@ -422,22 +427,47 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
-        if t is None or not self.can_save or not params.get(DO_REMOTE_DECODE):
+        if t is None or not self.can_save:
             return False, None
+        # With draft KV, _plan held back a decode chunk ending at the last known token; once the
+        # request ended its KV up to num_computed_tokens is final. Those chunks are planned by the
+        # next step's _plan_finishing from the blocks kept for it (delayed free, as below), and a
+        # failed save is planned again from them like any finishing save.
+        final_chunks = self._final_chunks(t, block_ids)
+        held_back = final_chunks > t.saved_chunks
+        if not params.get(DO_REMOTE_DECODE):
+            if held_back:
+                t.block_ids = list(block_ids)
+                self._finishing[request.request_id] = t
+            return held_back, None
         # Disaggregated prefill: the decode instance waits (up to remote_prefill_wait_s) for every
         # chunk planned for saving. Saves still held or in flight when the request ends keep its
         # blocks (vLLM frees them when the workers name it in get_finished), so a save that fails
         # is planned again from them rather than leaving the decode instance waiting in vain.
-        delay = self._unsettled(t, request.request_id)
+        delay = held_back or self._unsettled(t, request.request_id)
         if delay:
             t.block_ids = list(block_ids)
             self._finishing[request.request_id] = t
         return delay, {
             DO_REMOTE_PREFILL: True,
             DO_REMOTE_DECODE: False,
-            REMOTE_PREFIX_TOKENS: t.saved_chunks * self.chunk_tokens,
+            REMOTE_PREFIX_TOKENS: max(t.saved_chunks, final_chunks) * self.chunk_tokens,
             REMOTE_FINGERPRINT: self.shard_digests[0],
         }
+
+    def _final_chunks(self, t: _Tracked, block_ids: list[int]) -> int:
+        """The chunks a request that just finished while decoding with draft KV has computed for
+        good (up to ``num_computed_tokens``, known tokens only, on ``block_ids``), as _plan plans
+        them once the request is finished; 0 where _plan held nothing back (no draft KV, no decode
+        saves, a stale request, one that ended before decoding)."""
+        req = t.request
+        if not self._draft_kv or not self.cfg.save_decode or t.stale:
+            return 0
+        computed = req.num_computed_tokens
+        if computed <= req.num_prompt_tokens:
+            return 0
+        upto = min(computed, len(req.all_token_ids)) // self.chunk_tokens
+        return min(upto, len(block_ids) // self.blocks_per_chunk)
 
     def _unsettled(self, t: _Tracked, req_id: str) -> bool:
         """Whether a save this request's promise rests on is still held or in flight: its own, or

@@ -24,7 +24,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
@@ -279,6 +279,11 @@ def _fail_all(sched: SchedulerSide, meta: TieredConnectorMetadata) -> None:
         steps=[meta.step], saves=[SaveReport(i, 0, False) for _b, i, _h in _saves(meta)])))
 
 
+def _land_all(sched: SchedulerSide, meta: TieredConnectorMetadata) -> None:
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=[meta.step], saves=[SaveReport(i, 0, True) for _b, i, _h in _saves(meta)])))
+
+
 def test_a_failed_save_another_request_counted_on_is_planned_again_by_it(make_scheduler: Any) -> None:
     """B's lookup counts A's saves in flight as present (vLLM's prefix cache gives B A's blocks).
     A has finished when its saves fail: B, which still holds the blocks, saves those chunks."""
@@ -372,3 +377,69 @@ def test_with_draft_kv_a_decode_chunk_ending_at_the_last_token_waits_for_the_nex
 
     assert chunks_saved(None) == [2, 1, 0]
     assert chunks_saved({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}) == [2, 0, 1]
+
+
+def test_with_draft_kv_the_held_back_chunk_is_saved_when_the_request_finishes(
+        tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A decode chunk ending at the last known token is held back with draft KV; when the request
+    finishes in that step, its chunks up to ``num_computed_tokens`` are final: ``request_finished``
+    keeps the blocks (vLLM's delayed free), the next step saves the held chunk from them (once: a
+    failed save is planned again, a landed one releases the blocks), as vLLM's offloading connector
+    stores that chunk at finish. A request with nothing held back is freed at once, as before."""
+    draft = write_tiny_llama(tmp_path_factory.mktemp("draft"), num_layers=1, seed=9)
+    extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path_factory.mktemp("sockets"))}
+    ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
+                           kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+    config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
+                        max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc,
+                        speculative_config={"method": "draft_model", "model": str(draft),
+                                            "num_speculative_tokens": 2}).create_engine_config()
+    sched = SchedulerSide(config, load_connector_config(extra), GEOMETRY)
+
+    def decode_and_finish(req: Request, blocks: list[int], n_decoded: int) -> tuple[list[int], Any]:
+        """Prefill, one decode step computing ``n_decoded`` more tokens, the sampled token appended
+        and the request finished (max_tokens): the chunks each step saved and request_finished's answer."""
+        steps = [_first_step(sched, req, blocks)]
+        computed = req.num_computed_tokens
+        req.append_output_token_ids(list(range(1, n_decoded + 1)))
+        steps.append(_next_step(sched, req, computed))
+        req.num_computed_tokens = req.num_tokens
+        for step in steps:  # those saves landed
+            _land_all(sched, step)
+        req.append_output_token_ids([7])  # the token sampled by that step: known, not computed
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return [len(_saves(step)) for step in steps], sched.request_finished(req, blocks)
+
+    try:
+        req = Request("d", prompt(22, 2 * CHUNK_TOKENS), SamplingParams(max_tokens=CHUNK_TOKENS + 1), None)
+        blocks = list(range(40, 48))
+        saved, finished = decode_and_finish(req, blocks, CHUNK_TOKENS)
+        assert saved == [2, 0]  # chunk 2 ends at the last known token: held back
+        assert finished == (True, None) and sched.has_pending_work()
+        hashes = sched._finishing["d"].hashes
+        step = _next_step(sched)  # the request is no longer scheduled: its kept blocks are saved
+        saves = [s for plan in step.requests for s in plan.saves]
+        assert [(s.chunk_hash, s.parent_hash, s.block_ids) for s in saves] == [(hashes[2], hashes[1], [44, 45])]
+        assert step.release == []
+        # The save did not land: planned again from the same blocks, nothing released yet.
+        _fail_all(sched, step)
+        step = _next_step(sched)
+        assert [b for b, _i, _h in _saves(step)] == [44] and step.release == []
+        _land_all(sched, step)
+        step = _next_step(sched)
+        assert _saves(step) == [] and step.release == ["d"] and not sched.has_pending_work()
+        assert sched.counters["save_chunks"] == 4  # chunks 0-2, and chunk 2 once more after its failure
+        assert _saves(_next_step(sched)) == []
+
+        # Chunk 2 saved during decode (another token followed it): nothing held, blocks freed at once.
+        other = Request("e", prompt(23, 2 * CHUNK_TOKENS), SamplingParams(max_tokens=CHUNK_TOKENS + 2), None)
+        saved, finished = decode_and_finish(other, list(range(60, 68)), CHUNK_TOKENS + 1)
+        assert saved == [2, 1] and finished == (False, None) and not sched.has_pending_work()
+
+        # Disaggregated prefill that decoded: the held chunk is in the promise and saved before release.
+        pd = _request("p", prompt(24, 2 * CHUNK_TOKENS), **{DO_REMOTE_DECODE: True})
+        saved, (delay, params) = decode_and_finish(pd, list(range(80, 88)), CHUNK_TOKENS)
+        assert saved == [2, 0] and delay and params[REMOTE_PREFIX_TOKENS] == 3 * CHUNK_TOKENS
+        assert [b for b, _i, _h in _saves(_next_step(sched))] == [84]
+    finally:
+        sched.close()
