@@ -5,26 +5,39 @@ validates it once into :class:`ConnectorConfig` and raises :class:`store_backend
 naming the bad field's full path (``store.ssd.backend: ...``). Store settings come from a nested
 ``store`` section that uses :class:`store_backend.config.StoreConfig`'s field names, or from
 ``config_file`` (a JSON/YAML file holding either a whole connector config or just a store config;
-``MOONCAKE_KV_CONFIG`` names one when the dict does not). Files, ``MOONCAKE_KV_*`` variables and size
-strings are read by :mod:`store_backend.config_loader`, the same loader as the store's: a variable
-names a store field by its path in the store config (``MOONCAKE_KV_DRAM__CAPACITY_BYTES``) and a
-connector key by its name (``MOONCAKE_KV_CHUNK_TOKENS``); variables win over the dict, which wins
-over the file.
+``MOONCAKE_KV_CONFIG`` names one when the dict does not; a file naming another ``config_file``, or
+mixing the two kinds of keys at its top level, is refused). Files, ``MOONCAKE_KV_*`` variables and
+size strings are read by :mod:`store_backend.config_loader`, the same loader as the store's: a
+variable names a store field by its path in the store config (``MOONCAKE_KV_DRAM__CAPACITY_BYTES``)
+and a connector key by its name (``MOONCAKE_KV_CHUNK_TOKENS``); variables win over the dict, which
+wins over the file. An error names the variable or file that set the bad value.
 
 Called once per connector instance, from the engine's construction thread.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from mooncake_connector.keys import chain_hash
+from mooncake_connector.keys import hash_scheme_names
 from store_backend.config import ConfigError, StoreConfig
-from store_backend.config_loader import CONFIG_FILE_ENV, ENV_PREFIX, decode, env_overrides, merge, read_file
+from store_backend.config_loader import (
+    CONFIG_FILE_ENV,
+    Origin,
+    check_variables,
+    decode,
+    env_overrides,
+    merge,
+    one_of,
+    read_file,
+    variable_name,
+)
 
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -82,14 +95,14 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens: must be > 0, got {self.chunk_tokens}")
-        try:
-            chain_hash(self.hash_scheme)
-        except ValueError as e:  # names the registered schemes
-            raise ValueError(f"hash_scheme: {e}") from None
+        one_of("hash_scheme", self.hash_scheme, hash_scheme_names())
         if self.io_workers <= 0:
             raise ValueError(f"io_workers: must be > 0, got {self.io_workers}")
         if self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes: must be > 0, got {self.staging_bytes}")
+        for name in ("lookup_wait_s", "lease_ttl_s", "load_timeout_s", "remote_prefill_wait_s", "flush_timeout_s"):
+            if not math.isfinite(getattr(self, name)):  # the loader refuses these too; a Struct built directly
+                raise ValueError(f"{name}: must be a finite number of seconds, got {getattr(self, name)}")
         for name in ("lookup_wait_s", "remote_prefill_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -117,21 +130,88 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # Read by the loader itself, never set by a variable: the file is MOONCAKE_KV_CONFIG, and store
 # fields are named by their path in the store config.
 _NOT_FROM_ENV = frozenset({"store", "config_file"})
-_CONNECTOR_KEYS = frozenset(ConnectorConfig.__struct_fields__) - {"store"}
-# An earlier name of MOONCAKE_KV_CONFIG for connectors; refused so that it is not silently ignored.
-_RENAMED_ENV = {ENV_PREFIX + "CONNECTOR_CONFIG": CONFIG_FILE_ENV}
+_CONNECTOR_KEYS = frozenset(ConnectorConfig.__struct_fields__) - _NOT_FROM_ENV
+_STORE_FIELDS = frozenset(StoreConfig.__struct_fields__)
+_STORE_FIELDS_ORDERED = tuple(StoreConfig.__struct_fields__)
+
+Layers = list[tuple[Origin | None, Mapping[str, Any]]]
 
 
-def _connector_file(path: str) -> dict[str, Any]:
-    """A config file holds a connector config, or just a store config (recognised by its keys)."""
+def _connector_file(path: str, also: frozenset[str]) -> dict[str, Any]:
+    """A config file: a connector config (its keys, ``store`` among them), or just a store config
+    (only store fields), returned as a connector config. ``also``: further top-level keys the
+    caller reads (the SGLang backend's own). Anything else is refused naming the key, the file,
+    and both kinds of keys, since a typo could otherwise be read as the other kind."""
     try:
         data = read_file(path)
     except ConfigError as e:
         raise ConfigError(f"config_file: {e}") from None
-    if _CONNECTOR_KEYS & set(data) or "store" in data:
-        data.pop("config_file", None)
-        return data
-    return {"store": data}
+    if "config_file" in data:
+        raise ConfigError(f"config_file: {path} names another config file ({data['config_file']!r}); "
+                          "a config file cannot name another")
+    connector_keys = _CONNECTOR_KEYS | also
+    for key in data:
+        if key != "store" and key not in connector_keys and key not in _STORE_FIELDS:
+            known = sorted(connector_keys | {"store"})
+            close = difflib.get_close_matches(str(key), [*known, *_STORE_FIELDS], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{key}: unknown key (connector keys: {', '.join(known)}; store fields: "
+                              f"{', '.join(_STORE_FIELDS_ORDERED)}{hint}) (from config file {path})")
+    store_fields = [k for k in data if k in _STORE_FIELDS]
+    if store_fields and len(store_fields) < len(data):
+        raise ConfigError(f"{store_fields[0]}: a store field at the top of a connector config (from config "
+                          f"file {path}): put the store fields ({', '.join(store_fields)}) under store")
+    return {"store": data} if store_fields else data
+
+
+def connector_data(
+    extra: Mapping[str, Any] | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    also: Sequence[type[msgspec.Struct]] = (),
+) -> tuple[dict[str, Any], Layers]:
+    """The engine's extra config merged with its file and the variables, not yet validated.
+
+    Layers, the later winning section by section: ``config_file`` (or the file named by
+    ``MOONCAKE_KV_CONFIG``), the dict itself, ``MOONCAKE_KV_*`` variables. ``also``: further
+    Structs whose keys sit at the top level beside the connector's (the SGLang backend's own),
+    read from the file and the variables like them. Returns the merged plain data and the layers,
+    for :func:`store_backend.config_loader.decode`'s ``layers``. Raises ConfigError for a bad
+    file or a refused variable; logs a warning for a ``MOONCAKE_KV_*`` variable no setting reads.
+    """
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"the extra config must be a mapping of keys to values, not {type(extra).__name__}")
+    environ = os.environ if environ is None else environ
+    check_variables(environ, [(StoreConfig, frozenset()), (ConnectorConfig, _NOT_FROM_ENV),
+                              *((cls, frozenset()) for cls in also)], warn_any=True)
+    data = dict(extra or {})
+    if isinstance(data.get("store"), StoreConfig):
+        data["store"] = msgspec.to_builtins(data["store"])
+    layers: Layers = []
+    path = data.get("config_file") or environ.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            from_file = _connector_file(str(path), frozenset(f for cls in also for f in cls.__struct_fields__))
+        except ConfigError as e:
+            if data.get("config_file"):
+                raise
+            raise ConfigError(f"{e} (from {CONFIG_FILE_ENV})") from None
+        layers.append((f"config file {path}", from_file))
+        data = {**merge(from_file, data), "config_file": str(path)}
+    layers.append((None, dict(extra or {})))
+    env = env_overrides(ConnectorConfig, environ, exclude=_NOT_FROM_ENV)
+    for cls in also:
+        env = merge(env, env_overrides(cls, environ))
+    data = merge(data, env)
+    layers.append((variable_name, env))
+    store_env = env_overrides(StoreConfig, environ)
+    if store_env:
+        store = data.get("store")
+        if store is not None and not isinstance(store, Mapping):
+            raise ConfigError(f"store: must be a mapping, not {type(store).__name__}")
+        data["store"] = merge(store or {}, store_env)
+        layers.append((lambda parts: variable_name(parts[1:]), {"store": store_env}))
+    return data, layers
 
 
 def load_connector_config(
@@ -139,26 +219,7 @@ def load_connector_config(
     *,
     environ: Mapping[str, str] | None = None,
 ) -> ConnectorConfig:
-    """Validate an engine's extra-config dict (raises ConfigError naming the field).
-
-    Layers, the later winning section by section: ``config_file`` (or the file named by
-    ``MOONCAKE_KV_CONFIG``), the dict itself, ``MOONCAKE_KV_*`` variables.
-    """
-    environ = os.environ if environ is None else environ
-    for old, new in _RENAMED_ENV.items():
-        if old in environ:
-            raise ConfigError(f"{old}: renamed, set {new} instead (it names the same file)")
-    data = dict(extra or {})
-    if isinstance(data.get("store"), StoreConfig):
-        data["store"] = msgspec.to_builtins(data["store"])
-    path = data.get("config_file") or environ.get(CONFIG_FILE_ENV)
-    if path:
-        data = {**merge(_connector_file(str(path)), data), "config_file": str(path)}
-    data = merge(data, env_overrides(ConnectorConfig, environ, exclude=_NOT_FROM_ENV))
-    store_env = env_overrides(StoreConfig, environ)
-    if store_env:
-        store = data.get("store")
-        if store is not None and not isinstance(store, Mapping):
-            raise ConfigError(f"store: must be a mapping, not {type(store).__name__}")
-        data["store"] = merge(store or {}, store_env)
-    return decode(data, ConnectorConfig)
+    """Validate an engine's extra-config dict (raises ConfigError naming the field, and the variable
+    or file that set it). Layers: see :func:`connector_data`."""
+    data, layers = connector_data(extra, environ=environ)
+    return decode(data, ConnectorConfig, layers=layers)

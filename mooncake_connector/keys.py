@@ -103,6 +103,11 @@ def register_chain_hash(name: str, fn: ChainHash) -> None:
     _CHAIN_HASHES[name] = fn
 
 
+def hash_scheme_names() -> list[str]:
+    """The registered chain-hash schemes' names (the config's hash_scheme choices)."""
+    return sorted(_CHAIN_HASHES)
+
+
 def chain_hash(name: str) -> ChainHash:
     try:
         return _CHAIN_HASHES[name]

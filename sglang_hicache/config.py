@@ -27,9 +27,9 @@ from typing import Any
 
 import msgspec
 
-from mooncake_connector.config import ConnectorConfig, load_connector_config
+from mooncake_connector.config import ConnectorConfig, connector_data
 from store_backend.config import ConfigError
-from store_backend.config_loader import decode, env_overrides, merge
+from store_backend.config_loader import decode, with_origin
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +81,30 @@ def load_backend_settings(
     *,
     environ: Mapping[str, str] | None = None,
 ) -> BackendSettings:
-    """Split and validate the extra config (raises ConfigError naming the bad field).
+    """Merge, split and validate the extra config (raises ConfigError naming the bad field).
 
-    ``environ``: the ``MOONCAKE_KV_*`` variables to apply (default: the process environment).
+    The dict (less :data:`SGLANG_KEYS`), its ``config_file`` and the ``MOONCAKE_KV_*`` variables
+    are merged first, as for the vLLM connector; the keys only this backend reads are split off the
+    merged data, so they work from a file or a variable as from the dict. ``environ``: the
+    variables to apply (default: the process environment).
     """
-    data = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    if extra_config is not None and not isinstance(extra_config, Mapping):
+        raise ConfigError(f"the extra config must be a mapping of keys to values, not {type(extra_config).__name__}")
+    own = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    data, layers = connector_data(own, environ=environ, also=(SglangOnlySettings,))
     only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS}
-    # SGLang computes the page keys itself, with its own hash; the vLLM connector's matching setting
-    # is accepted here so that one config text can serve both engines.
     ignored = sorted(VLLM_ONLY_KEYS & set(data))
     if ignored:
         logger.info("SGLang backend: %s only read by the vLLM connector; ignored here", ", ".join(ignored))
-    scheme = data.pop("hash_scheme", "sglang")
+    # SGLang computes the page keys itself, with its own hash; the vLLM connector's matching setting
+    # is accepted so that one config text can serve both engines.
+    scheme = data.get("hash_scheme", "sglang")
     if scheme != "sglang":
-        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself ('sglang'), got {scheme!r}")
-    connector = load_connector_config({**data, "hash_scheme": scheme}, environ=environ)
-    if connector.hash_scheme != "sglang":  # a MOONCAKE_KV_HASH_SCHEME variable
-        raise ConfigError(f"hash_scheme: SGLang hashes its pages itself ('sglang'), got {connector.hash_scheme!r}")
-    sglang = decode(merge(only, env_overrides(SglangOnlySettings, environ)), SglangOnlySettings)
-    # Given by the dict or by MOONCAKE_KV_CHUNK_TOKENS (then it must equal the page size).
-    given = data.get("chunk_tokens", env_overrides(ConnectorConfig, environ).get("chunk_tokens"))
+        message = f"hash_scheme: unknown value {scheme!r} for SGLang (known: 'sglang': SGLang hashes its pages itself)"
+        raise ConfigError(with_origin(message, layers))
+    connector = decode({**data, "hash_scheme": "sglang"}, ConnectorConfig, layers=layers)
+    sglang = decode(only, SglangOnlySettings, layers=layers)
+    # Given by the dict, the file or MOONCAKE_KV_CHUNK_TOKENS (then it must equal the page size).
+    given = data.get("chunk_tokens")
     return BackendSettings(connector=connector, sglang=sglang,
                            chunk_tokens_given=None if given is None else connector.chunk_tokens)

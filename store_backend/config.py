@@ -12,6 +12,7 @@ registered at that moment.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -26,11 +27,14 @@ from store_backend.config_loader import (
     GiB,
     KiB,
     MiB,
+    check_variables,
     decode,
     env_overrides,
     merge,
+    one_of,
     parse_size,
     read_file,
+    variable_name,
 )
 from store_backend.policies.admission import admission_names
 from store_backend.policies.registry import policy_names
@@ -65,12 +69,6 @@ def _fraction(name: str, value: float) -> None:
         raise ValueError(f"{name}: must be in (0, 1], got {value}")
 
 
-def _one_of(name: str, value: str, names: list[str]) -> None:
-    """A closed choice whose names come from a registry (a registered name is accepted at once)."""
-    if value not in names:
-        raise ValueError(f"{name}: unknown value {value!r} (known: {', '.join(repr(n) for n in names)})")
-
-
 def _power_of_two(name: str, value: int) -> None:
     if value <= 0 or value & (value - 1):
         raise ValueError(f"{name}: must be a power of two, got {value}")
@@ -95,7 +93,7 @@ class DramConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _size("capacity_bytes", self.capacity_bytes, minimum=max(1, self.alignment_bytes))
         if self.shm_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.shm_name):
             raise ValueError(f"shm_name: must be 1-200 of [A-Za-z0-9_.-], got {self.shm_name!r}")
-        _one_of("eviction_policy", self.eviction_policy, policy_names())
+        one_of("eviction_policy", self.eviction_policy, policy_names())
 
 
 class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -137,13 +135,16 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path: must not be empty")
+        if self.path != self.path.strip():
+            # Kept as written, never stripped: "/mnt/kv " is another directory than "/mnt/kv".
+            raise ValueError(f"path: starts or ends with white space: {self.path!r}")
         _size("capacity_bytes", self.capacity_bytes, minimum=MIN_SSD_CAPACITY_BYTES)
         _positive("io_threads", self.io_threads)
         _positive("queue_depth", self.queue_depth)
         _size("bucket_size_bytes", self.bucket_size_bytes)
         _positive("bucket_max_keys", self.bucket_max_keys)
         _fraction("disk_watermark", self.disk_watermark)
-        _one_of("admission_policy", self.admission_policy, admission_names())
+        one_of("admission_policy", self.admission_policy, admission_names())
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -212,11 +213,22 @@ def config_from_dict(data: Mapping[str, Any], cls: type = StoreConfig) -> Any:
 
 def _store_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A store config file; a whole connector config file gives its ``store`` section (the rest of
-    it is the connector's, read by its own loader)."""
+    it is the connector's, read by its own loader). A file with no store field and no ``store``
+    section (a connector config without one) is refused rather than read as the default store."""
     data = read_file(path)
+    fields = set(StoreConfig.__struct_fields__)
     store = data.get("store")
-    if isinstance(store, Mapping) and not set(data) & set(StoreConfig.__struct_fields__):
+    if "store" in data and not set(data) & fields:
+        if store is None:
+            return {}
+        if not isinstance(store, Mapping):
+            raise ConfigError(f"store: must be a mapping, not {type(store).__name__} (from {path})")
         return dict(store)
+    if data and not set(data) & fields and not any(
+            difflib.get_close_matches(str(k), fields, n=1) for k in data):
+        raise ConfigError(f"{path} is a connector config without a store section (keys: "
+                          f"{', '.join(map(str, data))}): the store reads a file's store fields "
+                          f"({', '.join(StoreConfig.__struct_fields__)}) or its store section")
     return data
 
 
@@ -228,20 +240,26 @@ def load_config(
     """The store's entry point: a Struct (returned as is), a dict, a file path, or None.
 
     With None, ``MOONCAKE_KV_CONFIG`` names the file. ``MOONCAKE_KV_*`` variables naming a store
-    field override a dict or file source. Raises ConfigError naming the bad field.
+    field override a dict or file source. Raises ConfigError naming the bad field (and the variable
+    or file that set it); logs a warning for a variable that looks like a store field's and is none.
     """
     if isinstance(source, StoreConfig):
         return source
     environ = os.environ if environ is None else environ
+    check_variables(environ, [(StoreConfig, frozenset())], warn_any=False)
     if source is None and environ.get(CONFIG_FILE_ENV):
         source = environ[CONFIG_FILE_ENV]
     data: Mapping[str, Any]
+    origin = None
     if isinstance(source, (str, os.PathLike)):
         data = _store_file(source)
+        origin = f"config file {source}"
     elif isinstance(source, Mapping):
         data = source
     elif source is None:
         data = {}
     else:
         raise ConfigError(f"config source must be a dict, a path or a StoreConfig, not {type(source).__name__}")
-    return decode(merge(data, env_overrides(StoreConfig, environ)), StoreConfig)
+    env = env_overrides(StoreConfig, environ)
+    layers = [(origin, data)] if origin else []
+    return decode(merge(data, env), StoreConfig, layers=[*layers, (variable_name, env)])

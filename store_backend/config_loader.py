@@ -7,13 +7,23 @@ Every config of the project (the store's :class:`store_backend.config.StoreConfi
 * :func:`read_file`: a JSON (``.json``) or YAML (anything else) file holding one mapping.
 * :func:`env_overrides`: ``MOONCAKE_KV_<PATH>`` variables, one naming rule for every config: the
   path of a field, upper case, ``__`` between levels (``MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`` sets
-  ``dram.capacity_bytes``). A value is JSON when it parses as JSON (numbers, booleans, null), else
-  text; a field that only takes text (``revision``, ``ssd.path``) always gets the text as written. :data:`CONFIG_FILE_ENV` (``MOONCAKE_KV_CONFIG``) names a config file instead.
-* :func:`parse_size`: ``"512MiB"``, ``"4GB"``, ``4096`` into bytes. Every field whose name ends in
-  ``_bytes`` takes such a string; :func:`decode` parses them, so sizes mean the same everywhere.
+  ``dram.capacity_bytes``). A value is JSON when it parses as JSON (numbers, booleans, null, a
+  quoted string), else text. A field that only takes text (``revision``, ``ssd.path``,
+  ``eviction_policy``) gets the text as written, except ``null`` (None, for a field that may be
+  unset) and a JSON string (``'"lru"'`` is ``lru``). :data:`CONFIG_FILE_ENV` (``MOONCAKE_KV_CONFIG``)
+  names a config file instead.
+* :func:`check_variables`: refuses the ``MOONCAKE_KV_*`` names a user may write for a setting that
+  none reads (``MOONCAKE_KV_STORE__...``, ``MOONCAKE_KV_CONFIG_FILE``) and logs a warning, with the
+  nearest setting's name, for another name that matches no setting (the environment is shared with
+  other tools, so that is no error).
+* :func:`parse_size`: ``"512MiB"``, ``"4GB"``, ``4096`` into bytes, exactly (K, M, G, T are powers
+  of 1000; KiB, MiB, GiB, TiB powers of 1024). Every field whose name ends in ``_bytes`` takes such a
+  string; :func:`decode` parses them, so sizes mean the same everywhere.
 * :func:`decode`: plain data into the Struct; every error (a type, an unknown field, a value outside
-  a closed choice, a check in a Struct's ``__post_init__``) becomes one :class:`ConfigError` whose
-  message starts with the field's full path (``ssd.backend: unknown value 'tape' (known: ...)``).
+  a closed choice, a check in a Struct's ``__post_init__``, a non-finite ``*_s`` timeout, a key that
+  is not text) becomes one :class:`ConfigError` whose message starts with the field's full path
+  (``ssd.backend: unknown value 'tape' (known: ...)``) and, when the caller says where each layer
+  came from, ends with the variable or file that set it.
 
 A Struct's ``__post_init__`` reports a bad field as ``ValueError("<field>: <reason>")``; decode puts
 the section's path in front of it. Pure functions, no state: call from any thread.
@@ -21,11 +31,15 @@ the section's path in front of it. Pure functions, no state: call from any threa
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
+import math
 import os
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,34 +56,62 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 S = TypeVar("S", bound=msgspec.Struct)
 
+logger = logging.getLogger(__name__)
+
+# MOONCAKE_KV_* variables of the project that are no config setting (the scripts' and tests'), so
+# check_variables does not warn about them.
+PROJECT_VARIABLES = frozenset({
+    ENV_PREFIX + "VENV", ENV_PREFIX + "TORCH_INDEX", ENV_PREFIX + "SGLANG_CONFIG", ENV_PREFIX + "SGLANG_EXTRAS",
+    ENV_PREFIX + "TRACES",
+})
+# Names a user may well write that no loader reads: refused, naming the one to set instead.
+_REFUSED_VARIABLES = {
+    ENV_PREFIX + "CONNECTOR_CONFIG": f"renamed, set {CONFIG_FILE_ENV} instead (it names the same file)",
+    ENV_PREFIX + "CONFIG_FILE": f"not read, set {CONFIG_FILE_ENV} instead (it names the config file)",
+    ENV_PREFIX + "STORE": ("not read: the store section is set field by field "
+                           f"({ENV_PREFIX}DRAM__CAPACITY_BYTES, ...) or by a file ({CONFIG_FILE_ENV})"),
+}
+_STORE_PREFIX = ENV_PREFIX + "STORE__"
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the reason."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+# ASCII digits only (str.isdigit and \d accept other scripts' digits); \Z, not $ (which also
+# matches before a final newline).
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?i?B?)?\s*\Z", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": KiB, "M": 10**6, "MB": 10**6, "MIB": MiB,
           "G": 10**9, "GB": 10**9, "GIB": GiB, "T": 10**12, "TB": 10**12, "TIB": 1024 * GiB}
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes in ``"512MiB"``, ``"4GB"``, ``"4096"`` (or an int, returned as is); raises ValueError."""
+    """Bytes in ``"512MiB"``, ``"4GB"``, ``"4096"`` (or an int, returned as is); raises ValueError.
+
+    Exact: the number is read as a fraction, never a float, and must come to a whole number of
+    bytes (``"1.5KiB"`` is 1536, ``"0.5B"`` is refused). K, M, G, T are decimal, KiB... binary.
+    """
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     m = _SIZE_RE.match(text) if isinstance(text, str) else None
     unit = (m.group(2) or "").upper() if m else None
     if not m or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512MiB, 4GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = Fraction(m.group(1)) * _UNITS[unit]
+    if size.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {text!r} is {float(size)} bytes")
+    return int(size)
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The mapping in a JSON or YAML file (an empty file is ``{}``); raises ConfigError naming it."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, which some editors write, is skipped
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read config file {p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:  # json.JSONDecodeError is a ValueError
@@ -83,7 +125,17 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _env_value(text: str, field_type: Any) -> Any:
     if _text_only(field_type):
-        return text  # a revision "1234567" or a path "1e5" stays text
+        # A revision "1234567" or a path "1e5" stays text; null unsets a field that may be unset (a
+        # text "null" there would be a model_id that turns off the weights stamp); '"lru"' is lru.
+        if text == "null" and type(None) in typing.get_args(field_type):
+            return None
+        if text.startswith('"'):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return text
+            return value if isinstance(value, str) else text
+        return text
     try:
         return json.loads(text)
     except ValueError:
@@ -127,6 +179,56 @@ def env_overrides(
     return out
 
 
+def _variable_names(cls: type[msgspec.Struct], exclude: frozenset[str], prefix: str = ENV_PREFIX) -> Iterator[str]:
+    """Every variable that names a field or section of ``cls``."""
+    for name, tp in _field_types(cls).items():
+        if name in exclude:
+            continue
+        here = prefix + name.upper()
+        yield here
+        inner = _struct_in(tp)
+        if inner is not None:
+            yield from _variable_names(inner, frozenset(), here + "__")
+
+
+def check_variables(
+    environ: Mapping[str, str],
+    configs: Sequence[tuple[type[msgspec.Struct], frozenset[str]]],
+    *,
+    warn_any: bool,
+) -> None:
+    """Refuse or warn about ``MOONCAKE_KV_*`` variables that no field of ``configs`` reads.
+
+    ``configs``: every (Struct, first-level names not set by a variable) whose fields the caller
+    reads from ``environ``. Raises ConfigError naming the variable for a name a user may mean for a
+    setting (``MOONCAKE_KV_STORE__DRAM__CAPACITY_BYTES``: store fields go without ``STORE__``;
+    ``MOONCAKE_KV_CONFIG_FILE``). Another name whose first level is no field is logged as a warning
+    with the nearest setting's name: always when ``warn_any`` (the caller reads every config of the
+    process's engine), else only when it looks like one of ``configs``' (has ``__`` or a close
+    match). Names below the first level are checked by :func:`decode` (an unknown field there is
+    an error). :data:`PROJECT_VARIABLES` are never reported.
+    """
+    top = {name for cls, exclude in configs for name in cls.__struct_fields__ if name not in exclude}
+    known: list[str] | None = None
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV or name in PROJECT_VARIABLES:
+            continue
+        if name in _REFUSED_VARIABLES:
+            raise ConfigError(f"{name}: {_REFUSED_VARIABLES[name]}")
+        if name.startswith(_STORE_PREFIX):
+            raise ConfigError(f"{name}: store fields are named by their path in the store config, without STORE__: "
+                              f"set {ENV_PREFIX}{name[len(_STORE_PREFIX):]} instead")
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if parts and parts[0] in top:
+            continue
+        if known is None:
+            known = [v for cls, exclude in configs for v in _variable_names(cls, exclude)]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if warn_any or close or "__" in name[len(ENV_PREFIX):]:
+            hint = f"; did you mean {close[0]}?" if close else ""
+            logger.warning("%s matches no setting and is ignored%s", name, hint)
+
+
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` with ``over`` on top, section by section (a key of ``over`` wins)."""
     out = dict(base)
@@ -138,33 +240,83 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sizes(obj: Any, path: str = "") -> Any:
-    """Size strings in ``*_bytes`` fields turned into ints, recursively."""
+def _prepare(obj: Any, path: str = "") -> Any:
+    """Plain data ready for msgspec: size strings in ``*_bytes`` fields turned into ints; a key
+    that is not text, or a non-finite number in a ``*_s`` (seconds) field, refused naming it."""
     if isinstance(obj, msgspec.Struct):
         obj = msgspec.to_builtins(obj)
     if not isinstance(obj, Mapping):
         return obj
     out = {}
     for k, v in obj.items():
-        here = f"{path}.{k}" if path else str(k)
-        if isinstance(k, str) and k.endswith("_bytes") and isinstance(v, str):
+        if not isinstance(k, str):
+            where = f"{path}: key" if path else "key"
+            raise ConfigError(f"{where} {k!r} is not a field name")
+        here = f"{path}.{k}" if path else k
+        if k.endswith("_bytes") and isinstance(v, str):
             try:
                 v = parse_size(v)
             except ValueError as e:
                 raise ConfigError(f"{here}: {e}") from None
-        out[k] = _sizes(v, here)
+        if k.endswith("_s") and isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{here}: must be a finite number of seconds, got {v}")
+        out[k] = _prepare(v, here)
     return out
 
 
-def decode(data: Mapping[str, Any] | msgspec.Struct, cls: type[S]) -> S:
-    """Build and validate ``cls`` from plain data (sizes parsed); raises ConfigError naming the field."""
+# Where a layer of plain data came from: a text (a file), or a function of the path (a variable).
+Origin = str | Callable[[list[str | int]], str]
+
+
+def decode(
+    data: Mapping[str, Any] | msgspec.Struct,
+    cls: type[S],
+    *,
+    layers: Sequence[tuple[Origin | None, Mapping[str, Any]]] = (),
+) -> S:
+    """Build and validate ``cls`` from plain data (sizes parsed); raises ConfigError naming the field.
+
+    ``layers``: the data's sources, in the order they were merged (each in the shape of ``data``),
+    with where each came from; the error then ends with the last one holding the bad field
+    (``... (from MOONCAKE_KV_DRAM__CAPACITY_BYTES)``); a layer whose origin is None (the caller's
+    own dict) adds nothing.
+    """
     if not isinstance(data, (Mapping, msgspec.Struct)):
         raise ConfigError(f"a {cls.__name__} must be a mapping, not {type(data).__name__}")
-    plain = _sizes(data)
     try:
-        return msgspec.convert(plain, cls, str_keys=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(explain(str(e), plain, cls)) from None
+        plain = _prepare(data)
+        try:
+            return msgspec.convert(plain, cls, str_keys=True)
+        except msgspec.ValidationError as e:
+            raise ConfigError(explain(str(e), plain, cls)) from None
+    except ConfigError as e:
+        raise ConfigError(with_origin(str(e), layers)) from None
+
+
+def with_origin(message: str, layers: Sequence[tuple[Origin | None, Mapping[str, Any]]]) -> str:
+    """``message`` (``"<path>: <reason>"``) ending with where the last layer holding ``<path>`` came
+    from (``" (from MOONCAKE_KV_SSD__PATH)"``), or as is when that is unknown or a plain dict."""
+    where = _origin(message, layers)
+    return message if where is None else f"{message} (from {where})"
+
+
+_ERROR_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*):")
+
+
+def _origin(message: str, layers: Sequence[tuple[Origin | None, Mapping[str, Any]]]) -> str | None:
+    m = _ERROR_PATH.match(message)
+    if not m:
+        return None
+    parts: list[str | int] = [a if a else int(b) for a, b in _PART.findall("." + m.group(1))]
+    for origin, layer in reversed(layers):
+        if _value_at(layer, parts) is not _MISSING_VALUE:
+            return origin(parts) if callable(origin) else origin
+    return None
+
+
+def variable_name(parts: Sequence[str | int]) -> str:
+    """The ``MOONCAKE_KV_*`` variable that sets the field at ``parts``."""
+    return ENV_PREFIX + "__".join(str(p).upper() for p in parts)
 
 
 # msgspec's messages: "<what> - at `$.a.b[0]`" (no " - at" for the top level).
@@ -231,8 +383,10 @@ def explain(message: str, data: Any, cls: type[msgspec.Struct]) -> str:
     msg = m.group("msg")
     parts: list[str | int] = [a if a else int(b) for a, b in _PART.findall(m.group("path") or "")]
     if u := _UNKNOWN.match(msg):
-        known = ", ".join(_field_types(_struct_at(cls, parts)))
-        return f"{_dotted([*parts, u.group('name')])}: unknown field (known: {known})"
+        fields = list(_field_types(_struct_at(cls, parts)))
+        close = difflib.get_close_matches(u.group("name"), fields, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"{_dotted([*parts, u.group('name')])}: unknown field (known: {', '.join(fields)}{hint})"
     if r := _MISSING.match(msg):
         return f"{_dotted([*parts, r.group('name')])}: required"
     if e := _ENUM.match(msg):
@@ -248,3 +402,10 @@ def explain(message: str, data: Any, cls: type[msgspec.Struct]) -> str:
     if own and own.group("name") in _field_types(_struct_at(cls, parts)):
         return f"{_dotted([*parts, own.group('name')])}: {own.group('reason')}"
     return f"{_dotted(parts)}: {msg}" if parts else msg
+
+
+def one_of(name: str, value: str, names: Sequence[str]) -> None:
+    """A closed choice whose names come from a registry: ValueError("<name>: unknown value ...")
+    listing them, the message every closed choice gives (a Literal's through :func:`explain`)."""
+    if value not in names:
+        raise ValueError(f"{name}: unknown value {value!r} (known: {', '.join(repr(n) for n in names)})")

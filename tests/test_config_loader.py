@@ -8,6 +8,8 @@ and the allowed values), and that the connector and SGLang configs answer like t
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import logging
 import re
@@ -19,13 +21,21 @@ import msgspec
 import pytest
 
 from mooncake_connector.config import ConnectorConfig, load_connector_config
-from sglang_hicache.config import VLLM_ONLY_KEYS, SglangOnlySettings, load_backend_settings
-from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, SsdConfig, StoreConfig, load_config
+from sglang_hicache.config import VLLM_ONLY_KEYS, BackendSettings, SglangOnlySettings, load_backend_settings
+from store_backend.config import (
+    MAX_BYTES,
+    DramConfig,
+    OffloadConfig,
+    PromotionConfig,
+    SsdConfig,
+    StoreConfig,
+    load_config,
+)
 from store_backend.config_loader import ConfigError, parse_size
 from store_backend.policies import registry
 from store_backend.policies.lru import LruPolicy
 from store_backend.ssd.factory import backend_names
-from store_backend.ssd.io.factory import make_io_engine
+from store_backend.ssd.io.factory import IO_ENGINE_NAMES, make_io_engine
 
 MiB = 1 << 20
 
@@ -227,7 +237,7 @@ def test_a_closed_choice_from_the_environment_is_refused_naming_the_field() -> N
 def test_the_config_names_exactly_the_ssd_backends_and_io_engines_there_are() -> None:
     fields = {f.name: f.type for f in msgspec.structs.fields(SsdConfig)}
     assert sorted(typing.get_args(fields["backend"])) == backend_names()
-    assert set(typing.get_args(fields["io_engine"])) == {"auto", "io_uring", "posix"}
+    assert sorted(typing.get_args(fields["io_engine"])) == sorted(IO_ENGINE_NAMES)
     with pytest.raises(ValueError, match="io_engine"):
         make_io_engine("aio")  # the factory refuses what the config refuses
 
@@ -235,7 +245,8 @@ def test_the_config_names_exactly_the_ssd_backends_and_io_engines_there_are() ->
 def test_a_registered_eviction_policy_is_accepted_by_the_config(monkeypatch) -> None:
     with pytest.raises(ConfigError, match="dram.eviction_policy"):
         load_config({"dram": {"eviction_policy": "lru_again"}}, environ={})
-    monkeypatch.setitem(registry._FACTORIES, "lru_again", LruPolicy)
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # undone after the test
+    registry.register_policy("lru_again", LruPolicy)
     assert load_config({"dram": {"eviction_policy": "lru_again"}}, environ={}).dram.eviction_policy == "lru_again"
 
 
@@ -294,22 +305,114 @@ def test_a_store_struct_given_to_the_connector_is_kept() -> None:
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_MODULES = {"store_backend/config.py", "store_backend/config_loader.py", "mooncake_connector/config.py",
                   "sglang_hicache/config.py"}
+# Structs that hold other config Structs as sections (``store.dram``, ``settings.connector``).
+PARENTS = (StoreConfig, ConnectorConfig, BackendSettings)
+PACKAGES = ("store_backend", "mooncake_connector", "vllm_plugin", "sglang_hicache", "mooncake_kv")
 
 
-def _source(*packages: str) -> str:
-    """Production code of ``packages``, without the config modules (which declare the fields)."""
-    return "\n".join(p.read_text() for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))
-                     if str(p.relative_to(ROOT)) not in CONFIG_MODULES)
+def _source(*packages: str) -> dict[str, str]:
+    """Production code of ``packages`` by path, without the config modules (which declare the fields)."""
+    return {str(p.relative_to(ROOT)): p.read_text() for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))
+            if str(p.relative_to(ROOT)) not in CONFIG_MODULES}
 
 
-def _unread(cls: type[msgspec.Struct], source: str, exempt: set[str]) -> list[str]:
-    return [f for f in cls.__struct_fields__ if f not in exempt and not re.search(rf"\.{f}\b", source)]
+def _last(node: ast.AST) -> str | None:
+    """The last name of ``a.b.c`` (``c``), of ``f()`` (``f``), of ``a.b()`` (``b``)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _mentions(annotation: ast.AST | None, name: str) -> bool:
+    return annotation is not None and any(isinstance(n, ast.Name) and n.id == name or
+                                          isinstance(n, ast.Constant) and isinstance(n.value, str) and name in n.value
+                                          for n in ast.walk(annotation))
+
+
+@functools.cache
+def _producers(cls: type[msgspec.Struct]) -> frozenset[str]:
+    """Functions (in the config modules too) annotated to return ``cls``: ``x = load_config(...)``."""
+    out: set[str] = set()
+    for path in sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
+        tree = _parse(path.read_text())
+        out |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.returns is not None and isinstance(n.returns, ast.Name) and n.returns.id == cls.__name__}
+    return frozenset(out)
+
+
+def _aliases(cls: type[msgspec.Struct], tree: ast.AST, producers: frozenset[str]) -> set[str]:
+    """Names in one module that hold a ``cls``: its section names (``x.promotion``), names annotated
+    with it (``cfg: SsdConfig``), and names assigned from one of those or from a producer call
+    (``off = self.config.offload``, ``self.cfg = cfg``, ``cfg = load_connector_config(...)``)."""
+    names = {f.name for parent in PARENTS for f in msgspec.structs.fields(parent)
+             if cls.__name__ in str(f.type) and cls is not parent}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and _mentions(n.annotation, cls.__name__):
+            names.add(n.arg)
+        elif isinstance(n, ast.AnnAssign) and _mentions(n.annotation, cls.__name__) and _last(n.target):
+            names.add(_last(n.target))  # type: ignore[arg-type]
+    assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)]
+    while True:
+        grown = {_last(t) for a in assigns for t in a.targets
+                 if (_last(a.value) in names and not isinstance(a.value, ast.Call))
+                 or (isinstance(a.value, ast.Call) and _last(a.value) in producers)} - {None} - names
+        if not grown:
+            return names
+        names |= grown  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
+def _unread(cls: type[msgspec.Struct], sources: dict[str, str], exempt: set[str]) -> list[str]:
+    """Fields of ``cls`` that no code reads as ``<a name holding a cls>.<field>``.
+
+    Parsed, so comments, docstrings and strings do not count, and qualified: ``off.queue_max_objects``
+    (off holding the offload section) is no read of ``promotion.queue_max_objects``.
+    """
+    producers = _producers(cls)
+    read: set[str] = set()
+    for text in sources.values():
+        tree = _parse(text)
+        holders = _aliases(cls, tree, producers)
+        read |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+                 and _last(n.value) in holders}
+    return [f for f in cls.__struct_fields__ if f not in exempt and f not in read]
 
 
 def test_every_store_field_is_read_by_the_store() -> None:
     source = _source("store_backend")
     for cls in (StoreConfig, DramConfig, SsdConfig, OffloadConfig, PromotionConfig):
         assert _unread(cls, source, set()) == [], cls.__name__
+
+
+def test_the_unread_field_check_fails_when_a_read_is_removed() -> None:
+    # offload.queue_max_objects is read too (as off.queue_max_objects), so a check by the bare
+    # name would not notice promotion's one read going away.
+    source = _source("store_backend")
+    assert _unread(PromotionConfig, source, set()) == []
+    mutated = {p: t.replace("self.config.promotion.queue_max_objects", "4096") for p, t in source.items()}
+    assert mutated != source
+    assert _unread(PromotionConfig, mutated, set()) == ["queue_max_objects"]
+    # A field named only in a comment, a docstring or a string is not read.
+    for text in ('"self.config.promotion.queue_max_objects"', "4096  # self.config.promotion.queue_max_objects\n"):
+        quoted = {p: t.replace("self.config.promotion.queue_max_objects", text) for p, t in source.items()}
+        assert _unread(PromotionConfig, quoted, set()) == ["queue_max_objects"], text
+
+
+def test_a_struct_nobody_holds_is_unread() -> None:
+    class Unused(msgspec.Struct):
+        path: str = ""
+        policy: str = ""
+        enabled: bool = True
+
+    assert _unread(Unused, _source("store_backend"), set()) == ["path", "policy", "enabled"]
 
 
 def test_every_connector_key_is_read_by_the_vllm_connector() -> None:
@@ -320,15 +423,286 @@ def test_every_connector_key_is_read_by_the_vllm_connector() -> None:
 def test_the_sglang_backend_reads_every_connector_key_but_the_vllm_only_ones() -> None:
     source = _source("sglang_hicache")
     # chunk_tokens: read as BackendSettings.chunk_tokens_given; hash_scheme: always "sglang".
-    exempt = {"store", "config_file", "chunk_tokens", "hash_scheme"} | set(VLLM_ONLY_KEYS)
-    assert _unread(ConnectorConfig, source, exempt) == []
+    exempt = {"store", "config_file", "chunk_tokens", "hash_scheme"}
+    assert _unread(ConnectorConfig, source, exempt | set(VLLM_ONLY_KEYS)) == []
     assert _unread(SglangOnlySettings, source, set()) == []
     assert VLLM_ONLY_KEYS <= set(ConnectorConfig.__struct_fields__)
     # A vLLM-only key that SGLang starts to read must leave VLLM_ONLY_KEYS (and the docs' list).
-    assert [k for k in sorted(VLLM_ONLY_KEYS) if re.search(rf"\.{k}\b", source)] == []
+    assert sorted(set(_unread(ConnectorConfig, source, exempt))) == sorted(VLLM_ONLY_KEYS)
 
 
 def test_the_sglang_backend_logs_the_keys_it_ignores(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="sglang_hicache.config"):
         load_backend_settings({"lease_ttl_s": 5, "io_workers": 3, "staging_bytes": "8MiB"}, environ={})
     assert "io_workers, lease_ttl_s only read by the vLLM connector" in caplog.text
+
+
+# ---- variables ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, get", [
+    ("MOONCAKE_KV_DRAM__SHM_NAME", lambda c: c.store_config().dram.shm_name),
+    ("MOONCAKE_KV_MODEL_ID", lambda c: c.model_id),
+    ("MOONCAKE_KV_REVISION", lambda c: c.revision),
+    ("MOONCAKE_KV_LOOKUP_SOCKET_DIR", lambda c: c.lookup_socket_dir),
+])
+def test_null_from_a_variable_unsets_an_optional_text_field(name, get) -> None:
+    # A model_id "null" would turn off the weights stamp: KV of other weights could be served.
+    given = {"model_id": "m", "revision": "r", "lookup_socket_dir": "/tmp", "store": {"dram": {"shm_name": "kvseg"}}}
+    assert get(load_connector_config(given, environ={})) is not None
+    assert get(load_connector_config(given, environ={name: "null"})) is None
+    assert load_config({"dram": {"shm_name": "kvseg"}},
+                       environ={"MOONCAKE_KV_DRAM__SHM_NAME": "null"}).dram.shm_name is None
+
+
+def test_null_for_a_text_field_that_cannot_be_unset_stays_text() -> None:
+    cfg = load_config(None, environ={"MOONCAKE_KV_SSD__PATH": "null"})
+    assert cfg.ssd is not None and cfg.ssd.path == "null"
+
+
+def test_a_json_string_from_a_variable_means_its_text_for_every_field() -> None:
+    env = {"MOONCAKE_KV_SSD__PATH": '"/x"', "MOONCAKE_KV_SSD__BACKEND": '"file"',
+           "MOONCAKE_KV_DRAM__EVICTION_POLICY": '"lru"', "MOONCAKE_KV_SSD__ADMISSION_POLICY": '"all"'}
+    cfg = load_config(None, environ=env)
+    assert cfg.ssd is not None and (cfg.ssd.path, cfg.ssd.backend, cfg.ssd.admission_policy) == ("/x", "file", "all")
+    assert cfg.dram.eviction_policy == "lru"
+    assert load_connector_config({}, environ={"MOONCAKE_KV_MODEL_ID": '"org/m"'}).model_id == "org/m"
+
+
+@pytest.mark.parametrize("name, instead", [
+    ("MOONCAKE_KV_STORE__DRAM__CAPACITY_BYTES", "MOONCAKE_KV_DRAM__CAPACITY_BYTES"),
+    ("MOONCAKE_KV_STORE", "MOONCAKE_KV_DRAM__CAPACITY_BYTES"),
+    ("MOONCAKE_KV_CONFIG_FILE", "MOONCAKE_KV_CONFIG"),
+    ("MOONCAKE_KV_CONNECTOR_CONFIG", "MOONCAKE_KV_CONFIG"),
+])
+def test_a_variable_a_user_may_mean_for_a_setting_is_refused_naming_it(name: str, instead: str) -> None:
+    for load in (load_config, load_connector_config, load_backend_settings):
+        with pytest.raises(ConfigError) as e:
+            load({}, environ={name: "8MiB"})
+        assert str(e.value).startswith(f"{name}: ") and instead in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name, nearest", [
+    ("MOONCAKE_KV_DRAM_CAPACITY_BYTES", "MOONCAKE_KV_DRAM__CAPACITY_BYTES"),
+    ("MOONCAKE_KV_DRM__CAPACITY_BYTES", "MOONCAKE_KV_DRAM__CAPACITY_BYTES"),
+    ("MOONCAKE_KV_CHUNK_TOKEN", "MOONCAKE_KV_CHUNK_TOKENS"),
+    ("MOONCAKE_KV_KV_DTYP", "MOONCAKE_KV_KV_DTYPE"),
+])
+def test_a_variable_that_matches_no_setting_is_warned_with_the_nearest_name(caplog, name: str, nearest: str) -> None:
+    # A warning, not an error: the environment is shared with other tools.
+    with caplog.at_level(logging.WARNING, logger="store_backend.config_loader"):
+        load_backend_settings({}, environ={name: "8"})
+    assert f"{name} matches no setting and is ignored; did you mean {nearest}?" in caplog.text
+    if "DRAM" in nearest:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="store_backend.config_loader"):
+            load_config(None, environ={name: "8MiB"})
+        assert f"did you mean {nearest}?" in caplog.text
+
+
+def test_the_projects_own_variables_and_other_configs_keys_are_not_warned(caplog) -> None:
+    env = {n: "x" for n in ("MOONCAKE_KV_VENV", "MOONCAKE_KV_TORCH_INDEX", "MOONCAKE_KV_SGLANG_CONFIG",
+                            "MOONCAKE_KV_SGLANG_EXTRAS", "MOONCAKE_KV_TRACES")}
+    with caplog.at_level(logging.WARNING, logger="store_backend.config_loader"):
+        load_backend_settings({}, environ=env)
+        load_connector_config({}, environ=env)
+        # The store alone does not read connector keys, and does not warn about them.
+        load_config(None, environ={**env, "MOONCAKE_KV_CHUNK_TOKENS": "64", "MOONCAKE_KV_KV_DTYPE": "fp8_e4m3"})
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("field", ["lookup_wait_s", "load_timeout_s", "lease_ttl_s", "remote_prefill_wait_s",
+                                   "flush_timeout_s"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_timeout_from_a_variable_is_refused_naming_it(field: str, value: str) -> None:
+    name = "MOONCAKE_KV_" + field.upper()
+    for load in (load_connector_config, load_backend_settings):
+        with pytest.raises(ConfigError, match=f"^{field}: must be a finite number of seconds.*{name}"):
+            load({}, environ={name: value})
+
+
+def test_a_non_finite_timeout_from_a_file_is_refused_naming_it(tmp_path: Path) -> None:
+    j = tmp_path / "c.json"
+    j.write_text('{"lookup_wait_s": Infinity}')
+    y = tmp_path / "c.yaml"
+    y.write_text("remote_prefill_wait_s: .nan\n")
+    with pytest.raises(ConfigError, match=rf"^lookup_wait_s: must be a finite .*{re.escape(str(j))}"):
+        load_connector_config({"config_file": str(j)}, environ={})
+    with pytest.raises(ConfigError, match=rf"^remote_prefill_wait_s: must be a finite .*{re.escape(str(y))}"):
+        load_connector_config({"config_file": str(y)}, environ={})
+    with pytest.raises(ConfigError, match="^load_timeout_s: must be a finite"):
+        load_connector_config({"load_timeout_s": float("nan")}, environ={})
+    with pytest.raises(ValueError, match="^flush_timeout_s: must be a finite"):
+        ConnectorConfig(flush_timeout_s=float("inf"))
+
+
+def test_an_error_from_a_variable_or_a_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^store\.dram\.capacity_bytes: not a size: '12 parsecs'.*"
+                                          r"\(from MOONCAKE_KV_DRAM__CAPACITY_BYTES\)$"):
+        load_connector_config({}, environ={"MOONCAKE_KV_DRAM__CAPACITY_BYTES": "12 parsecs"})
+    with pytest.raises(ConfigError, match=r"^dram\.capacity_bytes: .*\(from MOONCAKE_KV_DRAM__CAPACITY_BYTES\)$"):
+        load_config(None, environ={"MOONCAKE_KV_DRAM__CAPACITY_BYTES": "12 parsecs"})
+    with pytest.raises(ConfigError, match=r"^chunk_tokens: expected int.*\(from MOONCAKE_KV_CHUNK_TOKENS\)$"):
+        load_connector_config({}, environ={"MOONCAKE_KV_CHUNK_TOKENS": "many"})
+    f = _write(tmp_path, "c.yaml", {"io_workers": 0})
+    g = _write(tmp_path, "g.yaml", {"store": {"dram": {"eviction_policy": "mru"}}})
+    with pytest.raises(ConfigError, match=rf"^io_workers: must be > 0, got 0 \(from config file {re.escape(str(f))}\)$"):
+        load_connector_config({"config_file": str(f)}, environ={})
+    with pytest.raises(ConfigError, match=rf"^store\.dram\.eviction_policy: unknown value 'mru'.*{re.escape(str(g))}"):
+        load_connector_config({"config_file": str(g)}, environ={})
+    # What the dict itself sets is the caller's: no source added.
+    with pytest.raises(ConfigError) as e:
+        load_connector_config({"config_file": str(f), "io_workers": -1}, environ={})
+    assert str(e.value) == "io_workers: must be > 0, got -1"
+    s = _write(tmp_path, "s.yaml", {"dram": {"alignment_bytes": 3000}})
+    with pytest.raises(ConfigError, match=rf"^dram\.alignment_bytes: must be a power .*{re.escape(str(s))}"):
+        load_config(s, environ={})
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+def test_a_size_is_parsed_exactly() -> None:
+    assert parse_size(str(MAX_BYTES + 1)) == MAX_BYTES + 1
+    assert parse_size("1.5KiB") == 1536 and parse_size("0.5K") == 500 and parse_size("1.000001M") == 1000001
+    assert parse_size("99999999999999999999999") == 99999999999999999999999
+    # The max check sees the exact number (a float rounds MAX_BYTES + 1 down to MAX_BYTES).
+    with pytest.raises(ConfigError, match="^max_object_bytes: must be at most"):
+        load_config({"max_object_bytes": str(MAX_BYTES + 1)}, environ={})
+    with pytest.raises(ConfigError, match="^dram.capacity_bytes: must be at most"):
+        load_config(None, environ={"MOONCAKE_KV_DRAM__CAPACITY_BYTES": str(MAX_BYTES + 1) + "B"})
+
+
+@pytest.mark.parametrize("text", ["0.5B", "4096.9", "1.0000001KiB", "4.0959999KiB", "\u0663", "\u0663KiB", "1e3",
+                                  "8Ki", "-1", "+5", ".5GiB"])
+def test_a_size_that_is_no_whole_number_of_bytes_or_not_ascii_digits_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+    with pytest.raises(ConfigError, match=r"^dram\.capacity_bytes: not a"):
+        load_config({"dram": {"capacity_bytes": text}}, environ={})
+
+
+# ---- files and shapes ------------------------------------------------------------------------------
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes(b"dram:\n  shm_name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"^cannot read config file {re.escape(str(f))}: not UTF-8"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match=r"^config_file: cannot read config file .*latin1\.yaml: not UTF-8"):
+        load_connector_config({"config_file": str(f)}, environ={})
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: not UTF-8.*\(from MOONCAKE_KV_CONFIG\)"):
+        load_connector_config({}, environ={"MOONCAKE_KV_CONFIG": str(f)})
+
+
+@pytest.mark.parametrize("extra", [["chunk_tokens"], "chunk_tokens=64", 64])
+def test_an_extra_config_that_is_no_mapping_is_a_config_error(extra) -> None:
+    for load in (load_connector_config, load_backend_settings):
+        with pytest.raises(ConfigError, match="^the extra config must be a mapping"):
+            load(extra, environ={})
+
+
+@pytest.mark.parametrize("load, data, message", [
+    (load_config, {"dram": {1: 2}}, "dram: key 1 is not a field name"),
+    (load_config, {1: 2}, "key 1 is not a field name"),
+    (load_connector_config, {"store": {"ssd": {"path": "/x", None: 1}}}, "store.ssd: key None is not a field name"),
+    (load_backend_settings, {"store": {"dram": {True: 1}}}, "store.dram: key True is not a field name"),
+])
+def test_a_key_that_is_not_text_is_refused_naming_its_section(load, data, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(data, environ={})
+    assert str(e.value) == message
+
+
+def test_a_config_file_naming_another_is_refused(tmp_path: Path) -> None:
+    other = _write(tmp_path, "other.yaml", {"io_workers": 3})
+    f = _write(tmp_path, "c.yaml", {"config_file": str(other), "chunk_tokens": 64})
+    with pytest.raises(ConfigError, match=r"^config_file: .*c\.yaml names another config file .*other\.yaml"):
+        load_connector_config({"config_file": str(f)}, environ={})
+
+
+def test_the_store_refuses_a_connector_file_without_a_store_section(tmp_path: Path) -> None:
+    f = _write(tmp_path, "c.yaml", {"chunk_tokens": 64, "save_decode": False})
+    message = rf"^{re.escape(str(f))} is a connector config without a store section \(keys: chunk_tokens, save_decode\)"
+    with pytest.raises(ConfigError, match=message):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, environ={"MOONCAKE_KV_CONFIG": str(f)})
+    # The connector reads it with the default store; with a store section the store reads that.
+    assert load_connector_config({"config_file": str(f)}, environ={}).store is None
+    g = _write(tmp_path, "g.yaml", {"chunk_tokens": 64, "store": {"dram": {"capacity_bytes": "8MiB"}}})
+    assert load_config(g, environ={}).dram.capacity_bytes == 8 * MiB
+    # A store file with a typo is still read as a store file (the typo refused by name).
+    h = _write(tmp_path, "h.yaml", {"drm": {"capacity_bytes": "8MiB"}})
+    with pytest.raises(ConfigError, match=r"^drm: unknown field \(known: dram, .*did you mean dram\?\)"):
+        load_config(h, environ={})
+
+
+def test_a_typo_in_a_connector_file_lists_connector_keys_and_store_fields(tmp_path: Path) -> None:
+    f = _write(tmp_path, "c.yaml", {"chunk_token": 64})
+    with pytest.raises(ConfigError) as e:
+        load_connector_config({"config_file": str(f)}, environ={})
+    text = str(e.value)
+    assert text.startswith("chunk_token: unknown key (connector keys: "), text
+    assert "store fields: dram, ssd, offload, promotion, max_object_bytes" in text and "save_decode" in text, text
+    assert "did you mean chunk_tokens?" in text and str(f) in text, text
+    mixed = _write(tmp_path, "m.yaml", {"chunk_tokens": 64, "dram": {"capacity_bytes": "8MiB"}})
+    with pytest.raises(ConfigError, match=r"^dram: a store field at the top of a connector config.*under store"):
+        load_connector_config({"config_file": str(mixed)}, environ={})
+    # In the dict, an unknown key gets the nearest name too.
+    with pytest.raises(ConfigError, match=r"^chunk_token: unknown field \(known: .*did you mean chunk_tokens\?\)"):
+        load_connector_config({"chunk_token": 64}, environ={})
+
+
+def test_hash_scheme_is_refused_like_every_closed_choice() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_connector_config({"hash_scheme": "XXH3"}, environ={})
+    assert str(e.value) == "hash_scheme: unknown value 'XXH3' (known: 'sglang', 'xxh3_128')"
+
+
+@pytest.mark.parametrize("path", ["/mnt/kv ", " /mnt/kv", "/mnt/kv\n"])
+def test_an_ssd_path_with_white_space_at_an_end_is_refused_not_stripped(path: str) -> None:
+    with pytest.raises(ConfigError, match=r"^ssd\.path: starts or ends with white space"):
+        load_config(None, environ={"MOONCAKE_KV_SSD__PATH": path})
+    with pytest.raises(ConfigError, match=r"^store\.ssd\.path: starts or ends with white space"):
+        load_connector_config({"store": {"ssd": {"path": path}}}, environ={})
+
+
+# ---- SGLang: the merged data is split ---------------------------------------------------------------
+
+
+def test_sglang_only_keys_are_read_from_a_file_and_a_variable(tmp_path: Path) -> None:
+    f = _write(tmp_path, "sg.json", {"kv_dtype": "fp8_e4m3", "quantization": "fp8"})
+    settings = load_backend_settings({"config_file": str(f)}, environ={})
+    assert (settings.sglang.kv_dtype, settings.sglang.quantization) == ("fp8_e4m3", "fp8")
+    # Layers as for every key: the dict over the file, a variable over both.
+    assert load_backend_settings({"config_file": str(f), "kv_dtype": "fp8_e5m2"},
+                                 environ={}).sglang.kv_dtype == "fp8_e5m2"
+    assert load_backend_settings({"config_file": str(f), "kv_dtype": "fp8_e5m2"},
+                                 environ={"MOONCAKE_KV_KV_DTYPE": "int8"}).sglang.kv_dtype == "int8"
+    empty = _write(tmp_path, "empty.json", {"kv_dtype": ""})
+    with pytest.raises(ConfigError, match=rf"^kv_dtype: must not be empty \(from config file {re.escape(str(empty))}"):
+        load_backend_settings({"config_file": str(empty)}, environ={})
+
+
+def test_sglang_chunk_tokens_from_a_file_counts_as_given(tmp_path: Path) -> None:
+    f = _write(tmp_path, "sg.json", {"chunk_tokens": 64})
+    assert load_backend_settings({"config_file": str(f)}, environ={}).chunk_tokens_given == 64
+    assert load_backend_settings({}, environ={"MOONCAKE_KV_CHUNK_TOKENS": "32"}).chunk_tokens_given == 32
+    assert load_backend_settings({}, environ={}).chunk_tokens_given is None
+
+
+def test_sglang_logs_the_vllm_only_keys_of_a_file_and_a_variable(tmp_path: Path, caplog) -> None:
+    f = _write(tmp_path, "sg.yaml", {"io_workers": 3})
+    with caplog.at_level(logging.INFO, logger="sglang_hicache.config"):
+        load_backend_settings({"config_file": str(f)}, environ={"MOONCAKE_KV_LEASE_TTL_S": "5"})
+    assert "io_workers, lease_ttl_s only read by the vLLM connector" in caplog.text
+
+
+def test_sglang_refuses_another_hash_scheme_from_a_file_naming_it(tmp_path: Path) -> None:
+    f = _write(tmp_path, "sg.json", {"hash_scheme": "xxh3_128"})
+    with pytest.raises(ConfigError, match=rf"^hash_scheme: unknown value 'xxh3_128' for SGLang .*{re.escape(str(f))}"):
+        load_backend_settings({"config_file": str(f)}, environ={})
+    with pytest.raises(ConfigError, match=r"^hash_scheme: .*\(from MOONCAKE_KV_HASH_SCHEME\)"):
+        load_backend_settings({}, environ={"MOONCAKE_KV_HASH_SCHEME": "xxh3_128"})

@@ -16,12 +16,15 @@ from store_backend.ssd.io.uring_engine import IoUringEngine
 
 logger = logging.getLogger(__name__)
 
+# The ssd.io_engine choices (the config's Literal names the same; a test keeps them equal).
+IO_ENGINE_NAMES = ("auto", "io_uring", "posix")
+
 
 def make_io_engine(kind: str = "auto", *, queue_depth: int = 32, threads: int = 2,
                    staging_bytes: int = DEFAULT_STAGING_BYTES) -> IoEngine:
     """An engine by config name: ``"auto"`` and ``"io_uring"`` use io_uring where this process may
     (falling back to POSIX, with a log line, where it may not), ``"posix"`` always uses POSIX."""
-    if kind not in ("auto", "io_uring", "posix"):
+    if kind not in IO_ENGINE_NAMES:
         raise ValueError(f"io_engine must be auto, io_uring or posix, got {kind!r}")
     if kind != "posix":
         ok, why = io_uring_available()
