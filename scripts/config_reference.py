@@ -50,20 +50,36 @@ Generated from the config Structs by `python scripts/config_reference.py > docs/
 fails when this file is out of date. Every config (store, connector, SGLang backend) is read by one
 loader, `store_backend/config_loader.py`, so the rules below hold for all of them.
 
-- **Files**: JSON (`.json`) or YAML (anything else). `MOONCAKE_KV_CONFIG` names the file when none
-  is given (`config_file` in a connector config); it may hold a store config or a whole connector
-  config (the store then reads its `store` section).
+- **Files**: JSON (`.json`) or YAML (anything else), UTF-8, holding one mapping. `MOONCAKE_KV_CONFIG`
+  names the file when none is given (`config_file` in a connector config); it may hold a store
+  config or a whole connector config (the store then reads its `store` section; a connector config
+  without one is refused by the store, naming the file, rather than read as the default store). A
+  connector config file keeps store fields under `store` (at its top level beside connector keys
+  they are refused), and cannot name another `config_file`.
 - **Environment**: `MOONCAKE_KV_<PATH>`, the field's path in upper case with `__` between levels:
   store fields by their path in the store config (`MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`, also
   for a connector's `store` section), connector and SGLang keys by their name
-  (`MOONCAKE_KV_CHUNK_TOKENS=512`). Values are JSON where they parse as JSON, else text. Variables
-  win over the dict, which wins over the file, section by section. (`MOONCAKE_KV_CONNECTOR_CONFIG`
-  is now `MOONCAKE_KV_CONFIG`; the old name is refused.)
-- **Sizes**: every field whose name ends in `_bytes` also takes a size string (`"512MiB"`, `"4GB"`).
+  (`MOONCAKE_KV_CHUNK_TOKENS=512`); `store` and `config_file` themselves are not variables.
+  Values are JSON where they parse as JSON, else text; a field that takes only text (`revision`,
+  `ssd.path`, `eviction_policy`, ...) keeps the text as written, except `null`, which unsets a field
+  that may be unset (`MOONCAKE_KV_MODEL_ID=null`), and a JSON string (`'"lru"'` is `lru`).
+  Variables win over the dict, which wins over the file, section by section.
+  `MOONCAKE_KV_STORE__...`, `MOONCAKE_KV_STORE`, `MOONCAKE_KV_CONFIG_FILE` and the old
+  `MOONCAKE_KV_CONNECTOR_CONFIG` are refused, naming the variable to set instead; another
+  `MOONCAKE_KV_*` name that matches no setting is logged as a warning with the nearest setting's
+  name (not an error: other tools share the environment; the scripts' own `MOONCAKE_KV_VENV`,
+  `MOONCAKE_KV_TORCH_INDEX`, ... are not reported).
+- **Sizes**: every field whose name ends in `_bytes` also takes a size string (`"512MiB"`, `"4GB"`,
+  `"1.5KiB"`): K, M, G, T (with or without B) are powers of 1000, KiB, MiB, GiB, TiB powers of
+  1024. The number is read exactly and must come to a whole number of bytes (`"0.5B"` is refused).
+- **Timeouts**: every `*_s` field is in seconds and must be a finite number (`NaN`, `Infinity` are
+  refused, from a variable, JSON or YAML alike).
 - **Errors**: a bad value stops start-up with an error that starts with the field's full path
-  (`store.ssd.backend: unknown value 'tape' (known: 'bucket', 'offset', 'file')`). Closed choices
-  (eviction and admission policy, SSD backend, I/O engine, offload policy, bucket eviction,
-  hash scheme) are checked when the config is read, against the names registered at that moment.
+  (`store.ssd.backend: unknown value 'tape' (known: 'bucket', 'offset', 'file')`) and, when a
+  variable or a file set it, ends with which (`(from MOONCAKE_KV_SSD__BACKEND)`). An unknown key is
+  refused listing the known ones (and the nearest, where one is close). Closed choices (eviction and admission policy, SSD
+  backend, I/O engine, offload policy, bucket eviction, hash scheme) are checked when the config
+  is read, against the names registered at that moment.
 """
 
 
