@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 EPOCH_FILE = "mooncake-kv-epoch"
 LOCK_FILE = EPOCH_FILE + ".lock"
-# A write goes to ``<EPOCH_FILE>.<pid>.partial`` first; one left by a crash is removed under the lock.
+# A write goes to ``<EPOCH_FILE>.<pid>.partial`` first; one left by a crash is removed under the lock
+# (by a start that needs no lock only when the lock is free at once).
 PARTIAL_SUFFIX = ".partial"
 
 # How long a start or a reset waits for another process's hold of the epoch lock (a few fsyncs
@@ -65,7 +66,9 @@ class EpochFile:
     is waited for at most ``lock_timeout_s``: past that, ConfigError naming the lock file and the
     pid holding it (a hung or stopped process), instead of hanging the engine's start or reset.
     A temporary file that a crash left in the middle of a write is never read as the epoch, and is
-    removed at the next :meth:`start` (or write), under the lock so no live writer's is touched."""
+    removed at the next write or :meth:`start`, under the lock so no live writer's is touched; a
+    start that needs no lock removes them only if the lock is free at once (best-effort: it never
+    waits for the lock nor fails for them)."""
 
     def __init__(self, directory: str | None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         self.directory = directory
@@ -129,8 +132,7 @@ class EpochFile:
         epoch, from_reset = self.read_state()
         if not from_reset:
             if self._partials():
-                with self._locked():
-                    self._remove_partials()
+                self._remove_partials_if_unlocked()
             return epoch
         with self._locked():
             epoch, from_reset = self.read_state()  # another starter may have moved on meanwhile
@@ -144,6 +146,30 @@ class EpochFile:
     def _partials(self) -> list[str]:
         assert self.path is not None
         return glob.glob(glob.escape(self.path) + ".*" + PARTIAL_SUFFIX)
+
+    def _remove_partials_if_unlocked(self) -> None:
+        """Best-effort cleanup for a start that needs no lock: remove crash leftovers only if the
+        lock is free right now (one try, no wait). A holder may be writing its own partial (a
+        reset in progress); then they stay for a later start, and this start never waits or fails."""
+        assert self.directory is not None
+        try:
+            lock_fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            logger.debug("cache epoch: left partial files in %s (lock file: %s)", self.directory, e.strerror)
+            return
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # BlockingIOError: held by a writer
+                logger.debug("cache epoch lock in %s is held; partial files left for a later start",
+                             self.directory)
+                return
+            try:
+                self._remove_partials()
+            except OSError as e:
+                logger.warning("cache epoch: could not remove partial files in %s: %s", self.directory, e)
+        finally:
+            os.close(lock_fd)  # releases the flock
 
     def _remove_partials(self) -> None:
         """Remove temporary files of writes a crash cut short (lock held: no write is running)."""
@@ -212,7 +238,9 @@ class EpochSweeper:
 
     def __init__(self, store: KVStore, *, settle: Callable[[], object] | None = None,
                  batch_keys: int = 256, on_error: Callable[[], None] | None = None) -> None:
-        """``on_error`` is called (sweeper thread) for each sweep an exception ended (logged)."""
+        """``on_error`` is called (sweeper thread) for each sweep an exception ended (logged), not
+        for one ended after :meth:`close` began (the owner closing the store under it); an
+        exception it raises is logged and the sweeper goes on."""
         self._store = store
         self._settle = settle  # waits for saves still in flight (their keys may be old-epoch ones)
         self._batch_keys = batch_keys
@@ -269,14 +297,31 @@ class EpochSweeper:
             try:
                 self._sweep_once(digests)
             except Exception:
-                self.errors += 1
-                logger.exception("removing the keys of %d old cache epochs failed", len(digests))
-                if self._on_error is not None:
-                    self._on_error()
+                with self._cond:
+                    stopped = self._stop
+                if stopped:
+                    # close() left this sweep behind and the owner went on to close the store: the
+                    # failure is the shutdown's (StoreClosedError), not a worker error; the next
+                    # start sweeps these epochs again.
+                    logger.info("removing the keys of %d old cache epochs stopped at close", len(digests),
+                                exc_info=logger.isEnabledFor(logging.DEBUG))
+                else:
+                    self.errors += 1
+                    logger.exception("removing the keys of %d old cache epochs failed", len(digests))
+                    self._report_error()
             finally:
                 with self._cond:
                     self._running = False
                     self._cond.notify_all()
+
+    def _report_error(self) -> None:
+        """Tell the owner; a callback that raises is logged and never ends the sweeper thread."""
+        if self._on_error is None:
+            return
+        try:
+            self._on_error()
+        except Exception:
+            logger.exception("epoch sweeper: error callback failed")
 
     def _sweep_once(self, digests: set[str]) -> None:
         with self._cond:

@@ -367,7 +367,10 @@ class LookupServer:
                 self.errors += 1
             logger.exception("lookup connection of pid %s failed; closing it", pid)
             if self._on_error is not None:
-                self._on_error()
+                try:
+                    self._on_error()
+                except Exception:  # the owner's callback must not end this thread unhandled
+                    logger.exception("lookup server %s: error callback failed", self.path)
         finally:
             with self._lock:
                 self._idle_since.pop(conn, None)

@@ -156,6 +156,30 @@ def test_partial_epoch_files_a_crash_left_are_removed_at_the_next_start(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([EPOCH_FILE, LOCK_FILE])
 
 
+def test_a_start_that_needs_no_lock_leaves_a_partial_alone_while_another_process_holds_the_lock(
+        tmp_path: Path) -> None:
+    """Another engine is in a reset: it holds the lock and writes its own partial. A start on an
+    epoch no reset created needs no lock: it answers at once and leaves that partial alone (its
+    cleanup is best-effort, done only when the lock is free)."""
+    import fcntl
+    import os
+    (tmp_path / EPOCH_FILE).write_text('{"epoch": 3, "reset": false}')
+    holder = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # its own open file: conflicts
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        partial = tmp_path / f"{EPOCH_FILE}.99999.partial"
+        partial.write_text('{"epoch": 4')  # the holder's write in progress
+        t0 = time.monotonic()
+        assert EpochFile(str(tmp_path), lock_timeout_s=5).start() == 3
+        assert time.monotonic() - t0 < 1.0
+        assert partial.exists()
+    finally:
+        os.close(holder)
+    # The lock is free again: the next start removes what is left.
+    assert EpochFile(str(tmp_path), lock_timeout_s=5).start() == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([EPOCH_FILE, LOCK_FILE])
+
+
 class LandsAfterListing:
     """A real store into which one old-epoch object lands right after the sweep's first listing
     (an offload or save still in flight when the sweep looked)."""

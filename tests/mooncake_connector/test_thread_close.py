@@ -148,3 +148,82 @@ def test_a_serving_thread_killed_by_a_bug_is_logged_and_reported_to_the_owner(st
     finally:
         asker.close()
         assert server.close(timeout_s=5) == 0
+
+
+class FailsOnce:
+    """A real store whose ``keys`` raises the first time only (a transient failure)."""
+
+    def __init__(self, inner: TieredStore) -> None:
+        self.inner, self.calls = inner, 0
+
+    def keys(self, prefix: str = "") -> list[str]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected keys failure")
+        return self.inner.keys(prefix)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def _raising_callback() -> None:
+    raise RuntimeError("injected on_error failure")
+
+
+def test_a_sweeper_whose_error_callback_raises_keeps_sweeping(store, caplog) -> None:
+    digest = "0" * 32
+    assert all(st.ok for st in store.put([f"{digest}/a"], [np.ones(64, np.uint8)]))
+    sweeper = EpochSweeper(FailsOnce(store), on_error=_raising_callback)  # type: ignore[arg-type]
+    caplog.set_level(logging.ERROR)
+    try:
+        sweeper.sweep([digest])
+        assert sweeper.wait_idle(10) and sweeper.errors == 1
+        sweeper.sweep([digest])  # the thread survived the callback: this sweep runs
+        assert sweeper.wait_idle(5), "the sweeper thread died with its error callback"
+        assert sweeper.removed == 1 and store.keys() == []
+        assert any("error callback" in r.getMessage() and r.exc_info is not None for r in caplog.records)
+    finally:
+        assert sweeper.close(timeout_s=5) == 0
+
+
+def test_a_sweep_that_fails_after_close_is_not_counted(store, caplog) -> None:
+    """close() left a hanging sweep behind and the owner closed the store: the sweep's later
+    StoreClosedError is the shutdown, not a worker error."""
+    errors: list[int] = []
+    hanging = Hanging(store, "keys")
+    sweeper = EpochSweeper(hanging, on_error=lambda: errors.append(1))  # type: ignore[arg-type]
+    sweeper.sweep(["0" * 32])
+    assert hanging.entered.wait(10)
+    assert sweeper.close(timeout_s=0.2) == 1
+    thread = sweeper._thread
+    store.close()
+    hanging.release.set()  # the listing now meets the closed store
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive()
+    assert errors == [] and sweeper.errors == 0
+
+
+def test_a_lookup_server_whose_error_callback_raises_keeps_serving(store, tmp_path: Path, monkeypatch,
+                                                                   caplog) -> None:
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    broken = Broken(store, "exists", answer=object())
+    server = LookupServer(broken, socket_path("cb", 0, str(tmp_path)), on_error=_raising_callback).start()
+    asker = LookupClient(server.path, timeout_s=2)
+    caplog.set_level(logging.ERROR)
+    try:
+        asker.exists(["a"])
+        deadline = time.monotonic() + 5
+        while not server.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.errors >= 1
+        broken.method = "none"  # exists() works again: the server still answers
+        assert all(st.ok for st in store.put(["a"], [np.ones(64, np.uint8)]))
+        assert asker.exists(["a"]) == 1
+        time.sleep(0.2)  # a serving thread that died would have reached the excepthook by now
+        assert died == [], f"a serving thread died with its error callback: {died}"
+        assert any("error callback" in r.getMessage() and r.exc_info is not None for r in caplog.records)
+    finally:
+        asker.close()
+        assert server.close(timeout_s=5) == 0
