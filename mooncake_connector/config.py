@@ -137,11 +137,12 @@ _STORE_FIELDS_ORDERED = tuple(StoreConfig.__struct_fields__)
 Layers = list[tuple[Origin | None, Mapping[str, Any]]]
 
 
-def _connector_file(path: str, also: frozenset[str]) -> dict[str, Any]:
+def _connector_file(path: str, also: frozenset[str], engine_keys: frozenset[str]) -> dict[str, Any]:
     """A config file: a connector config (its keys, ``store`` among them), or just a store config
     (only store fields), returned as a connector config. ``also``: further top-level keys the
-    caller reads (the SGLang backend's own). Anything else is refused naming the key, the file,
-    and both kinds of keys, since a typo could otherwise be read as the other kind."""
+    caller reads (the SGLang backend's own); ``engine_keys``: keys the engine itself reads from the
+    extra config, which in a file would do nothing. Anything else is refused naming the key, the
+    file, and both kinds of keys, since a typo could otherwise be read as the other kind."""
     try:
         data = read_file(path)
     except ConfigError as e:
@@ -151,6 +152,9 @@ def _connector_file(path: str, also: frozenset[str]) -> dict[str, Any]:
                           "a config file cannot name another")
     connector_keys = _CONNECTOR_KEYS | also
     for key in data:
+        if key in engine_keys:
+            raise ConfigError(f"{key}: read by the engine from its extra config only, not from a config file "
+                              f"(from config file {path})")
         if key != "store" and key not in connector_keys and key not in _STORE_FIELDS:
             known = sorted(connector_keys | {"store"})
             close = difflib.get_close_matches(str(key), [*known, *_STORE_FIELDS], n=1)
@@ -169,13 +173,15 @@ def connector_data(
     *,
     environ: Mapping[str, str] | None = None,
     also: Sequence[type[msgspec.Struct]] = (),
+    engine_keys: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], Layers]:
     """The engine's extra config merged with its file and the variables, not yet validated.
 
     Layers, the later winning section by section: ``config_file`` (or the file named by
     ``MOONCAKE_KV_CONFIG``), the dict itself, ``MOONCAKE_KV_*`` variables. ``also``: further
     Structs whose keys sit at the top level beside the connector's (the SGLang backend's own),
-    read from the file and the variables like them. Returns the merged plain data and the layers,
+    read from the file and the variables like them; ``engine_keys``: the engine's own keys of the
+    extra config, refused in a file (the engine does not read it). Returns the merged plain data and the layers,
     for :func:`store_backend.config_loader.decode`'s ``layers``. Raises ConfigError for a bad
     file or a refused variable; logs a warning for a ``MOONCAKE_KV_*`` variable no setting reads.
     """
@@ -191,7 +197,8 @@ def connector_data(
     path = data.get("config_file") or environ.get(CONFIG_FILE_ENV)
     if path:
         try:
-            from_file = _connector_file(str(path), frozenset(f for cls in also for f in cls.__struct_fields__))
+            from_file = _connector_file(str(path), frozenset(f for cls in also for f in cls.__struct_fields__),
+                                        engine_keys)
         except ConfigError as e:
             if data.get("config_file"):
                 raise

@@ -91,7 +91,7 @@ def load_backend_settings(
     if extra_config is not None and not isinstance(extra_config, Mapping):
         raise ConfigError(f"the extra config must be a mapping of keys to values, not {type(extra_config).__name__}")
     own = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
-    data, layers = connector_data(own, environ=environ, also=(SglangOnlySettings,))
+    data, layers = connector_data(own, environ=environ, also=(SglangOnlySettings,), engine_keys=SGLANG_KEYS)
     only = {k: data.pop(k) for k in list(data) if k in _ONLY_KEYS}
     ignored = sorted(VLLM_ONLY_KEYS & set(data))
     if ignored:

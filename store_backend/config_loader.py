@@ -222,10 +222,11 @@ def check_variables(
         if parts and parts[0] in top:
             continue
         if known is None:
-            known = [v for cls, exclude in configs for v in _variable_names(cls, exclude)]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            known = [v[len(ENV_PREFIX):] for cls, exclude in configs for v in _variable_names(cls, exclude)]
+        # Compared without the prefix, which every name shares and which would make most names "close".
+        close = difflib.get_close_matches(name[len(ENV_PREFIX):], known, n=1, cutoff=0.8)
         if warn_any or close or "__" in name[len(ENV_PREFIX):]:
-            hint = f"; did you mean {close[0]}?" if close else ""
+            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
             logger.warning("%s matches no setting and is ignored%s", name, hint)
 
 

@@ -507,7 +507,10 @@ def test_the_projects_own_variables_and_other_configs_keys_are_not_warned(caplog
         load_backend_settings({}, environ=env)
         load_connector_config({}, environ=env)
         # The store alone does not read connector keys, and does not warn about them.
-        load_config(None, environ={**env, "MOONCAKE_KV_CHUNK_TOKENS": "64", "MOONCAKE_KV_KV_DTYPE": "fp8_e4m3"})
+        connector_env = {"MOONCAKE_KV_" + f.upper(): "1" for cls in (ConnectorConfig, SglangOnlySettings)
+                         for f in cls.__struct_fields__ if f not in ("store", "config_file")}
+        assert "MOONCAKE_KV_SHARED_SSD" in connector_env  # close to MOONCAKE_KV_SSD with the prefix counted
+        load_config(None, environ={**env, **connector_env})
     assert caplog.text == ""
 
 
@@ -706,3 +709,11 @@ def test_sglang_refuses_another_hash_scheme_from_a_file_naming_it(tmp_path: Path
         load_backend_settings({"config_file": str(f)}, environ={})
     with pytest.raises(ConfigError, match=r"^hash_scheme: .*\(from MOONCAKE_KV_HASH_SCHEME\)"):
         load_backend_settings({}, environ={"MOONCAKE_KV_HASH_SCHEME": "xxh3_128"})
+
+
+def test_sglang_refuses_its_own_keys_in_a_file_where_sglang_does_not_read_them(tmp_path: Path) -> None:
+    f = _write(tmp_path, "sg.json", {"interface_v1": 1, "chunk_tokens": 64})
+    with pytest.raises(ConfigError, match=r"^interface_v1: read by the engine from its extra config only.*sg\.json"):
+        load_backend_settings({"config_file": str(f)}, environ={})
+    # In the dict they are SGLang's, and left to it.
+    assert load_backend_settings({"interface_v1": 1, "backend_name": "x"}, environ={}).chunk_tokens_given is None
