@@ -42,9 +42,12 @@ class BatchWorker(Generic[T]):
         idle_hook: Callable[[], None] | None = None,
         idle_interval_s: float = 0.05,
         on_error: Callable[[], None] | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         """``on_error`` is called (from the worker thread, holding no lock of the worker's) once per
-        exception that escaped the handler, the idle hook or the loop."""
+        exception that escaped the handler, the idle hook or the loop. ``on_exit`` is called once,
+        from the worker thread as its last step (``running`` is already False then), however the
+        loop ended: an owner that left the thread behind at close releases what it kept for it."""
         self.name = name
         self._handle = handle
         self._queue: deque[T] = deque()
@@ -65,12 +68,16 @@ class BatchWorker(Generic[T]):
         self._thread: threading.Thread | None = None
         self._on_error = on_error
         self._dead = False  # the loop died of an exception; nothing is handled any more
+        self._on_exit = on_exit
+        self._running = False  # started and its loop has not ended yet
         self.errors = 0
 
     def start(self) -> None:
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        with self._cond:
+            self._running = True
         self._thread.start()
 
     def submit(self, items: Iterable[T]) -> int:
@@ -186,7 +193,24 @@ class BatchWorker(Generic[T]):
             except Exception:
                 logger.exception("%s: error callback failed", self.name)
 
+    @property
+    def running(self) -> bool:
+        """Started, and its loop has not ended yet (it may still be in a batch after close())."""
+        return self._running
+
     def _run(self) -> None:
+        try:
+            self._run_loop()
+        finally:
+            with self._cond:
+                self._running = False
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:
+                    logger.exception("%s: exit callback failed", self.name)
+
+    def _run_loop(self) -> None:
         try:
             self._loop()
         except BaseException:

@@ -13,6 +13,7 @@ Pure helpers, callable from any thread; they block at most until the deadline.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -67,3 +68,18 @@ def shutdown_pool(pool: ThreadPoolExecutor | None, deadline: Deadline, *, owner:
     # The executor keeps its threads in ``_threads`` (CPython 3.8+); shutdown(wait=True) would join
     # them with no bound at all.
     return join_threads(list(getattr(pool, "_threads", ())), deadline, owner=owner)
+
+
+def close_within(resource: object, timeout_s: float | None) -> int:
+    """Close ``resource`` (an SSD backend, an I/O engine), waiting at most ``timeout_s`` for its
+    own threads where its ``close`` takes that bound (``close(timeout_s=...)``, returning how many
+    threads it left running); a ``close()`` without one is called as it is (0 left running)."""
+    close = resource.close  # type: ignore[attr-defined]
+    try:
+        bounded = "timeout_s" in inspect.signature(close).parameters
+    except (TypeError, ValueError):
+        bounded = False
+    if not bounded:
+        close()
+        return 0
+    return int(close(timeout_s=timeout_s) or 0)

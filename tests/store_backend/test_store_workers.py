@@ -7,6 +7,7 @@ its lookups raise, and a real :class:`BatchWorker` whose own bookkeeping raises.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -89,10 +90,23 @@ def test_close_with_a_stuck_offload_is_bounded_by_one_timeout_and_reports_the_th
     while not ssd.outcome and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ssd.outcome and ssd.outcome[0] == [Status.OK], ssd.outcome
-    for t in threading.enumerate():  # the left-behind worker ends by itself once its write returns
-        if t.name == "kv-offload":
-            t.join(10)
-    ssd.inner.close()
+    _join_named("kv-offload")  # the left-behind worker ends by itself once its write returns
+    # What the late write landed stays on SSD: the worker found the index close() left alive and
+    # did not take the object for a removed one (it used to delete the copy it had just written).
+    assert ssd.inner.contains(["k"]) == [True]
+    # The last thread using the tier closed it and gave up the directory's lock: the directory
+    # opens again in this process, and the object is there.
+    with TieredStore(cfg) as again:
+        buf = np.empty(OBJ, dtype=np.uint8)
+        assert again.get_into(["k"], [buf])[0].status is Status.OK
+        np.testing.assert_array_equal(buf, payload("k", OBJ))
+
+
+def _join_named(name: str, timeout_s: float = 10) -> None:
+    for t in threading.enumerate():
+        if t.name == name:
+            t.join(timeout_s)
+            assert not t.is_alive(), f"{name} still running"
 
 
 def test_an_exception_escaping_a_worker_is_logged_and_counted_and_the_store_keeps_answering(tmp_path,
@@ -154,3 +168,197 @@ def test_batch_worker_close_shares_one_deadline_between_drain_and_join() -> None
         assert elapsed < 0.9, f"close(timeout_s=0.5) took {elapsed:.2f} s"
     finally:
         gate.set()
+
+
+class BlockingGets:
+    """A real backend whose reads wait until ``release`` is set; records whether ``close`` was
+    called while a read was still in flight."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.name = inner, inner.name
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.in_flight = 0
+        self.closed_under_a_read = False
+        self.closes = 0
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        self.in_flight += 1
+        try:
+            self.entered.set()
+            self.release.wait(30)
+            return self.inner.get_into(keys, buffers)
+        finally:
+            self.in_flight -= 1
+
+    def close(self) -> None:
+        self.closes += 1
+        self.closed_under_a_read |= self.in_flight > 0
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def _persist(cfg, keys) -> None:  # noqa: ANN001
+    with TieredStore(cfg) as s:
+        for k in keys:
+            assert s.put([k], [payload(k, OBJ)]) == [Status.OK]
+        assert s.flush()
+
+
+def test_close_leaves_the_ssd_tier_open_for_a_call_still_reading_and_the_call_closes_it(tmp_path) -> None:
+    cfg = _config(tmp_path)
+    assert cfg.ssd is not None
+    _persist(cfg, ["k"])
+    ssd = BlockingGets(open_ssd_backend(cfg.ssd))
+    store = TieredStore(cfg, ssd=ssd).start()
+    buf = np.zeros(OBJ, dtype=np.uint8)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(store.get_into(["k"], [buf])), daemon=True)
+    reader.start()
+    try:
+        assert ssd.entered.wait(10)
+        t0 = time.monotonic()
+        store.close(timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+        assert ssd.closes == 0, "the SSD tier was closed under a read still running"
+        assert store.metrics_counters.store.thread_join_timeouts == 1  # the call in flight
+    finally:
+        ssd.release.set()
+        reader.join(10)
+    assert not ssd.closed_under_a_read
+    assert got and got[0][0].status is Status.OK, got  # type: ignore[index]
+    np.testing.assert_array_equal(buf, payload("k", OBJ))
+    assert ssd.closes == 1  # the call, the tier's last user, closed it as it left
+    with TieredStore(cfg) as again:
+        assert again.contains(["k"]) == [True]
+
+
+def test_a_read_left_running_by_close_never_reads_another_file_through_a_reused_descriptor(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """Bucket backend on the POSIX engine with O_DIRECT: the pool's reads hang in the syscall when
+    close() gives up on the get_into; the process then opens other files (descriptor numbers are
+    reused). Once the disk answers, the read still gets its own bytes, and nothing good is dropped
+    as corrupt."""
+    cfg = load_config({"dram": {"capacity_bytes": 8 * MiB},
+                       "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "bucket",
+                               "io_engine": "posix", "bucket_size_bytes": 1 * MiB, "bucket_max_keys": 1,
+                               "admission_policy": "all"},
+                       "offload": {"policy": "eager"}})
+    keys = ["a", "b"]
+    _persist(cfg, keys)
+    real_preadv = os.preadv
+    release, entered = threading.Event(), threading.Event()
+
+    def hung_disk(fd, bufs, offset, *a):  # noqa: ANN001, ANN002, ANN202
+        if threading.current_thread().name.startswith("kv-posix-io") and not release.is_set():
+            entered.set()
+            release.wait(30)
+        return real_preadv(fd, bufs, offset, *a)
+
+    store = TieredStore(cfg).start()
+    monkeypatch.setattr(os, "preadv", hung_disk)
+    out = [np.zeros(OBJ, dtype=np.uint8) for _ in keys]
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(store.get_into(keys, out)), daemon=True)
+    reader.start()
+    other = tmp_path / "unrelated.bin"
+    other.write_bytes(b"\xab" * (2 * MiB))
+    fds: list[int] = []
+    try:
+        assert entered.wait(10), "the pool never reached the disk"
+        store.close(timeout_s=0.5)
+        fds = [os.open(other, os.O_RDONLY) for _ in range(8)]  # would take the numbers close() freed
+    finally:
+        release.set()
+        reader.join(20)
+        for fd in fds:
+            os.close(fd)
+    monkeypatch.undo()
+    assert got and [r.status for r in got[0]] == [Status.OK, Status.OK], got  # type: ignore[union-attr]
+    for k, o in zip(keys, out):
+        np.testing.assert_array_equal(o, payload(k, OBJ))
+    with TieredStore(cfg) as again:  # the tier was closed by the call as it left: the lock is free
+        assert again.contains(keys) == [True, True]
+        assert again.metrics()["ssd"]["corrupt_reads"] == 0
+
+
+class SlowPuts:
+    """A real backend whose writes wait until ``release`` is set (a hung disk), whoever writes."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.name = inner, inner.name
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.writers: list[str] = []
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        self.writers.append(threading.current_thread().name)
+        self.entered.set()
+        self.release.wait(30)
+        return self.inner.put(keys, buffers)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_close_in_watermark_mode_with_a_hung_ssd_is_bounded_and_the_late_write_lands(tmp_path) -> None:
+    """In watermark mode the flush inside close writes what is dirty itself; on a hung SSD that
+    write must not hold close past its timeout."""
+    cfg = _config(tmp_path, policy="watermark")
+    assert cfg.ssd is not None
+    ssd = SlowPuts(open_ssd_backend(cfg.ssd))
+    store = TieredStore(cfg, ssd=ssd).start()
+    try:
+        for k in ("k1", "k2"):
+            assert store.put([k], [payload(k, OBJ)]) == [Status.OK]
+        t0 = time.monotonic()
+        store.close(timeout_s=0.5)
+        elapsed = time.monotonic() - t0
+        assert ssd.entered.is_set()
+        assert elapsed < 1.5, f"close(timeout_s=0.5) took {elapsed:.2f} s"
+        assert store.metrics_counters.store.thread_join_timeouts == 1  # the close's flush
+    finally:
+        ssd.release.set()
+    _join_named("kv-close-flush")
+    with TieredStore(cfg) as again:  # the flush, last user of the tier, closed it
+        assert again.contains(["k1", "k2"]) == [True, True]
+
+
+def test_close_bounds_the_ssd_engines_own_wait_and_counts_its_stuck_thread(tmp_path, monkeypatch) -> None:
+    """An I/O pool thread of the SSD tier's engine still in a read at close (its caller gone): the
+    store's close waits for it only until its own deadline, not the engine's 10 s, and counts it."""
+    from store_backend.ssd.io.requests import IoRequest
+
+    cfg = load_config({"dram": {"capacity_bytes": 8 * MiB},
+                       "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "bucket",
+                               "io_engine": "posix", "admission_policy": "all"},
+                       "offload": {"policy": "eager"}})
+    store = TieredStore(cfg).start()
+    real_preadv = os.preadv
+    release, entered = threading.Event(), threading.Event()
+
+    def hung_disk(fd, bufs, offset, *a):  # noqa: ANN001, ANN002, ANN202
+        if threading.current_thread().name.startswith("kv-posix-io") and not release.is_set():
+            entered.set()
+            release.wait(30)
+        return real_preadv(fd, bufs, offset, *a)
+
+    path = tmp_path / "side"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    engine = store._ssd._engine  # type: ignore[union-attr]
+    monkeypatch.setattr(os, "preadv", hung_disk)
+    side = threading.Thread(target=lambda: engine.read([IoRequest(fd, 0, [bytearray(4096)]),
+                                                        IoRequest(fd, 4096, [bytearray(4096)])]), daemon=True)
+    side.start()
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        store.close(timeout_s=0.5)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.5, f"close(timeout_s=0.5) took {elapsed:.2f} s"
+        assert store.metrics_counters.store.thread_join_timeouts == 2  # both pool threads
+    finally:
+        release.set()
+        side.join(10)
+        os.close(fd)
