@@ -362,3 +362,50 @@ def test_close_bounds_the_ssd_engines_own_wait_and_counts_its_stuck_thread(tmp_p
         release.set()
         side.join(10)
         os.close(fd)
+
+
+class BlockingPromotions:
+    """A real backend whose reads from the promotion worker wait until ``release`` is set."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.name = inner, inner.name
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.outcome: list[object] = []
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        if threading.current_thread().name != "kv-promote":
+            return self.inner.get_into(keys, buffers)
+        self.entered.set()
+        self.release.wait(30)
+        res = self.inner.get_into(keys, buffers)
+        self.outcome.append([r.status for r in res])
+        return res
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_a_promotion_left_running_by_close_finishes_harmlessly_and_closes_the_tier(tmp_path) -> None:
+    cfg = _config(tmp_path)
+    assert cfg.ssd is not None
+    _persist(cfg, ["k"])
+    ssd = BlockingPromotions(open_ssd_backend(cfg.ssd))
+    store = TieredStore(cfg, ssd=ssd).start()
+    try:
+        buf = np.empty(OBJ, dtype=np.uint8)
+        for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
+            assert store.get_into(["k"], [buf])[0].status is Status.OK
+        assert ssd.entered.wait(10), "the promotion never began"
+        t0 = time.monotonic()
+        store.close(timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+        assert store.metrics_counters.store.thread_join_timeouts == 1
+    finally:
+        ssd.release.set()
+    _join_named("kv-promote")
+    assert ssd.outcome == [[Status.OK]]
+    assert store.metrics_counters.store.worker_errors == 0
+    with TieredStore(cfg) as again:  # the worker, last user of the tier, closed it as it ended
+        buf = np.empty(OBJ, dtype=np.uint8)
+        assert again.get_into(["k"], [buf])[0].status is Status.OK
+        np.testing.assert_array_equal(buf, payload("k", OBJ))
