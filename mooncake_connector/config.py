@@ -152,12 +152,14 @@ def _connector_file(path: str, also: frozenset[str], engine_keys: frozenset[str]
                           "a config file cannot name another")
     connector_keys = _CONNECTOR_KEYS | also
     for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"key {key!r} is not a field name (from config file {path})")
         if key in engine_keys:
             raise ConfigError(f"{key}: read by the engine from its extra config only, not from a config file "
                               f"(from config file {path})")
         if key != "store" and key not in connector_keys and key not in _STORE_FIELDS:
             known = sorted(connector_keys | {"store"})
-            close = difflib.get_close_matches(str(key), [*known, *_STORE_FIELDS], n=1)
+            close = difflib.get_close_matches(key, [*known, *_STORE_FIELDS], n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"{key}: unknown key (connector keys: {', '.join(known)}; store fields: "
                               f"{', '.join(_STORE_FIELDS_ORDERED)}{hint}) (from config file {path})")

@@ -216,16 +216,19 @@ def _store_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     it is the connector's, read by its own loader). A file with no store field and no ``store``
     section (a connector config without one) is refused rather than read as the default store."""
     data = read_file(path)
+    for key in data:
+        if not isinstance(key, str):  # YAML reads `yes:` as True
+            raise ConfigError(f"key {key!r} is not a field name (from config file {path})")
     fields = set(StoreConfig.__struct_fields__)
     store = data.get("store")
     if "store" in data and not set(data) & fields:
         if store is None:
             return {}
         if not isinstance(store, Mapping):
-            raise ConfigError(f"store: must be a mapping, not {type(store).__name__} (from {path})")
+            raise ConfigError(f"store: must be a mapping, not {type(store).__name__} (from config file {path})")
         return dict(store)
     if data and not set(data) & fields and not any(
-            difflib.get_close_matches(str(k), fields, n=1) for k in data):
+            difflib.get_close_matches(k, fields, n=1) for k in data):
         raise ConfigError(f"{path} is a connector config without a store section (keys: "
                           f"{', '.join(map(str, data))}): the store reads a file's store fields "
                           f"({', '.join(StoreConfig.__struct_fields__)}) or its store section")

@@ -113,7 +113,7 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"cannot read config file {p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"cannot parse config file {p}: {e}") from None
     if data is None:

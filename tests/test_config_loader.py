@@ -717,3 +717,21 @@ def test_sglang_refuses_its_own_keys_in_a_file_where_sglang_does_not_read_them(t
         load_backend_settings({"config_file": str(f)}, environ={})
     # In the dict they are SGLang's, and left to it.
     assert load_backend_settings({"interface_v1": 1, "backend_name": "x"}, environ={}).chunk_tokens_given is None
+
+
+def test_a_non_text_key_in_a_file_is_refused_as_such(tmp_path: Path) -> None:
+    f = tmp_path / "yes.yaml"
+    f.write_text("yes: 1\n")  # YAML 1.1 reads the key as True
+    for load in (lambda: load_config(f, environ={}), lambda: load_connector_config({"config_file": str(f)}, environ={})):
+        with pytest.raises(ConfigError, match=rf"^key True is not a field name \(from config file {re.escape(str(f))}\)$"):
+            load()
+
+
+def test_a_json_file_is_read_as_json_whatever_the_case_of_its_suffix(tmp_path: Path) -> None:
+    f = tmp_path / "c.JSON"
+    f.write_text('{"dram": {"capacity_bytes": "8MiB"}, "offload": {"policy": "watermark"}}')
+    assert load_config(f, environ={}).offload.policy == "watermark"
+    g = tmp_path / "i.JSON"
+    g.write_text('{"lookup_wait_s": Infinity}')  # JSON's Infinity; YAML would read the text 'Infinity'
+    with pytest.raises(ConfigError, match="^lookup_wait_s: must be a finite number of seconds"):
+        load_connector_config({"config_file": str(g)}, environ={})
