@@ -13,20 +13,25 @@ server), where only metrics made with ``prometheus_client``'s classes appear; ga
 
 ``prometheus_client``'s default registry is process-wide and refuses a name twice, so the
 metrics are made once per process (on first use, never at import) and shared by every backend in
-it, each under its own label values. Thread-safe.
+it, each under its own label values; metrics of the same names something else registered there
+before (only tests run two engines in one process) are replaced. Thread-safe; an export that
+fails is logged and never reaches SGLang's scheduler.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from store_backend.metrics import StoreStats
 from store_backend.prometheus import DeltaTracker, PrometheusMirror, store_families, to_payload
+
+logger = logging.getLogger(__name__)
 
 LABELNAMES = ("model_name", "tp_rank", "pp_rank")
 
@@ -48,13 +53,20 @@ class StoreMetricsExporter:
         self._labelvalues = tuple(str(v) for v in labelvalues)
         self._families = store_families()
         self._tracker = DeltaTracker(self._families)
+        self._failed = False
 
     def export(self, stats: StoreStats) -> None:
-        """Add what moved since the last call (blocking briefly on the process-wide lock)."""
+        """Add what moved since the last call (blocking briefly on the process-wide lock). Never
+        raises: a failure is logged (once per exporter at WARNING, then DEBUG)."""
         global _mirror
-        with _lock:
-            if _mirror is None:
-                _mirror = PrometheusMirror(self._families, counter_cls=Counter, gauge_cls=Gauge,
-                                           histogram_cls=Histogram, labelnames=LABELNAMES)
-            deltas, gauges = self._tracker.take(to_payload(self._families, stats))
-            _mirror.apply(deltas, {"store": gauges} if gauges is not None else {}, self._labelvalues)
+        try:
+            with _lock:
+                if _mirror is None:
+                    _mirror = PrometheusMirror(self._families, counter_cls=Counter, gauge_cls=Gauge,
+                                               histogram_cls=Histogram, labelnames=LABELNAMES, replace_in=REGISTRY)
+                deltas, gauges = self._tracker.take(to_payload(self._families, stats))
+                _mirror.apply(deltas, {"store": gauges} if gauges is not None else {}, self._labelvalues)
+        except Exception:
+            logger.log(logging.DEBUG if self._failed else logging.WARNING,
+                       "store metrics not exported to Prometheus", exc_info=True)
+            self._failed = True
