@@ -21,7 +21,7 @@ Thread-safe (the wrapped backend is; the extra reads hold no state).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from store_backend.config import ConfigError, SsdConfig
 from store_backend.ssd.base import SsdStats
@@ -36,6 +36,9 @@ class SharedDirectoryBackend:
     """The SsdBackend Protocol over a file-per-key directory that other processes also write."""
 
     name = "file-shared"
+    # Other processes change this directory too: this process hears of its own backend's evictions
+    # only (an object another process evicted is found missing: a miss, never other bytes).
+    exclusive = False
 
     def __init__(self, cfg: SsdConfig) -> None:
         if cfg.backend != "file":
@@ -120,6 +123,10 @@ class SharedDirectoryBackend:
 
     def keys(self) -> Iterator[str]:
         return self._inner.keys()
+
+    def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None:
+        """This process's backend reports its own evictions (see ``SsdBackend``)."""
+        self._inner.set_eviction_listener(fn)
 
     def stats(self) -> SsdStats:
         return self._inner.stats()

@@ -16,6 +16,12 @@ write, a promotion read) may have begun before the remove did. So:
   before a remove may land a copy after the remove returned; a lookup that saw that copy just
   before it was deleted (and the key made visible again) must not be trusted.
 
+Evictions below. An SSD backend evicts on its own and reports it (``set_eviction_listener``); the
+store numbers each report per key (:class:`EvictionClock`), so an offload that wrote a key outside
+the lock marks it persisted only when no eviction of it was reported meanwhile, and remembers
+what DRAM dropped while persisted (:class:`KnownBelow`) so that admission's "is the parent
+stored?" is answered from memory, never by asking the SSD tier under the lock.
+
 Loss. Objects dropped from DRAM before they reached SSD are remembered (bounded, oldest forgotten
 first) with the reason and the number of their loss, so that ``flush`` can say which objects put
 before it are not persisted, without reporting losses of objects put after it began.
@@ -134,3 +140,65 @@ class LossLedger:
         if self._forgotten_max <= put_seq_max:
             self._forgotten = self._forgotten_max = 0
         return n
+
+
+class EvictionClock:
+    """Numbers the evictions that lower tiers report, per key, so that work which wrote a key below
+    outside the lock can ask at commit time whether that tier evicted the key meanwhile.
+
+    The race it closes: an offload's ``put`` of k returns OK, then another write evicts k below and
+    its report is handled before the offload marks k persisted. The offload reads
+    :meth:`generation` when it forms its batch and marks k persisted only when
+    ``not changed_since(k, generation)``; otherwise k stays dirty and is written again. Every race
+    ends dirty: a redundant write, never a dropped last copy. Bounded like :class:`RemovalTracker`
+    (conservative for keys it forgot).
+    """
+
+    def __init__(self, remembered_max: int = _REMEMBERED_MAX) -> None:
+        self._seq = 0
+        self._changed_at: dict[str, int] = {}  # key -> number of its latest eviction, oldest first
+        self._floor = 0
+        self._max = remembered_max
+
+    def generation(self) -> int:
+        return self._seq
+
+    def changed_since(self, key: str, generation: int) -> bool:
+        """Whether a tier below reported an eviction of ``key`` after ``generation`` was read."""
+        return self._changed_at.get(key, self._floor) > generation
+
+    def stamp(self, key: str) -> None:
+        """A tier below evicted ``key``."""
+        self._seq += 1
+        self._changed_at.pop(key, None)
+        self._changed_at[key] = self._seq
+        if len(self._changed_at) > self._max:
+            for old in list(islice(self._changed_at, len(self._changed_at) // 2)):
+                self._floor = max(self._floor, self._changed_at.pop(old))
+
+
+class KnownBelow:
+    """Keys DRAM dropped while they were persisted: the store's in-memory belief that a copy is in
+    the backing tier, for admission's "is the parent stored?" without asking that tier under the
+    lock. A bounded FIFO: keys evicted below or removed leave it, the oldest are forgotten past
+    ``max_keys`` (a forgotten parent counts as not stored: its child stays declined, as admission
+    wanted for an unknown prefix)."""
+
+    def __init__(self, max_keys: int = _REMEMBERED_MAX) -> None:
+        self._keys: dict[str, None] = {}
+        self._max = max_keys
+
+    def add(self, key: str) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = None
+        if len(self._keys) > self._max:
+            del self._keys[next(iter(self._keys))]
+
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)

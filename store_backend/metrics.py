@@ -110,6 +110,8 @@ class StoreCounters(msgspec.Struct):
     worker_errors: int = 0
     # Background threads still running when close() reached its deadline (each logged by name; left behind).
     thread_join_timeouts: int = 0
+    # Residency events dropped because the event queue was full (subscribers were told of the gap).
+    events_dropped: int = 0
 
 
 class StoreStats(msgspec.Struct):

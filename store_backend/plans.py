@@ -1,9 +1,72 @@
 """Pure decisions of the tiered store: data in, plan out (no locks, no I/O).
 
-Called by the store under its lock; everything here is a function of its arguments.
+Called by the store under its lock; everything here is a function of its arguments. The facts
+passed in are the store's in-memory bookkeeping only: nothing here (nor the store, while it holds
+its lock) asks a lower tier anything.
 """
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class VictimFacts:
+    """What the store knows about one DRAM entry an eviction or a demotion considers."""
+
+    key: str
+    size: int
+    evictable: bool  # READY, not leased, not pinned (or its pin expired)
+    persisted: bool  # a copy in the backing tier (kept honest by that tier's eviction events)
+    declined: bool  # the backing tier's admission policy refused it before
+    readmit: bool  # admission accepts it now (asked only for declined entries), from in-memory facts
+    offload_failures: int  # failed or refused writes to the backing tier so far
+    offload_queued: bool  # waiting in the offload queue now
+
+
+class Verdict(enum.Enum):
+    EVICT = 1  # drop it now
+    KEEP = 2  # not now (its write is coming, or it is the only copy and no write is owed)
+    WRITE_BACK = 3  # not now; queue its write to the backing tier (then it may go)
+
+
+def victim_verdict(f: VictimFacts, *, persisted_only: bool, max_attempts: int) -> Verdict:
+    """Whether DRAM eviction may take ``f``'s entry in this pass (see :func:`evict_pass_order`).
+
+    ``persisted_only`` False (the last pass): anything evictable goes (the store counts a dirty
+    one as ``dropped_unpersisted``). Otherwise only clean entries go: a persisted one, or a
+    declined one that admission still declines; a declined one that admission now accepts is
+    written back first, and so is a dirty one whose earlier write failed or was refused (fewer
+    than ``max_attempts`` times) and that is not queued already. Any other dirty entry is kept:
+    its write is queued, or it has used up its attempts (the last pass may drop it).
+    """
+    if not f.evictable:
+        return Verdict.KEEP
+    if not persisted_only:
+        return Verdict.EVICT
+    if f.declined:
+        return Verdict.WRITE_BACK if f.readmit else Verdict.EVICT
+    if f.persisted:
+        return Verdict.EVICT
+    if 0 < f.offload_failures < max_attempts and not f.offload_queued:
+        return Verdict.WRITE_BACK
+    return Verdict.KEEP
+
+
+def demotion_split(victims: Sequence[VictimFacts]) -> tuple[list[str], list[str]]:
+    """A watermark demotion's victims as (drop now, write then drop): a clean entry (persisted, or
+    declined and still declined by admission) is just dropped; every other one is written to the
+    backing tier first (a declined one that admission now accepts included)."""
+    drop: list[str] = []
+    write: list[str] = []
+    for f in victims:
+        if f.persisted or (f.declined and not f.readmit):
+            drop.append(f.key)
+        else:
+            write.append(f.key)
+    return drop, write
 
 
 def demotion_bytes(used_bytes: int, capacity_bytes: int, high: float, low: float) -> int:

@@ -24,22 +24,31 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from store_backend.api import StoreClosedError  # defined there; re-exported here
-from store_backend.coherence import LossLedger, RemovalTracker
+from store_backend.coherence import EvictionClock, KnownBelow, LossLedger, RemovalTracker
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
 from store_backend.metrics import FailureCounters, LatencyHistogram, QueueGauges, StoreMetrics, StoreStats
-from store_backend.plans import demotion_bytes, evict_pass_order, should_promote
+from store_backend.plans import (
+    Verdict,
+    VictimFacts,
+    demotion_bytes,
+    demotion_split,
+    evict_pass_order,
+    should_promote,
+    victim_verdict,
+)
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
+from store_backend.residency import ALL_TIERS, ResidencyBus, ResidencyEvent, Subscriber
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
-from store_backend.threads import JOIN_GRACE_S, Deadline, close_within
+from store_backend.threads import Deadline
 from store_backend.types import (
     Buffer,
     FlushReport,
@@ -122,12 +131,17 @@ class TieredStore:
         self._started = False
         self._closing = False  # close() has begun: new calls are refused
         self._calls = 0  # public calls in flight; close() waits for them
-        # close() gave up on threads still using the tiers (a call, a worker, its own flush): the
-        # last of them to leave closes the tiers (_last_user_left); until then they stay open.
-        self._tiers_owed = False
         self._changed = threading.Condition(self._lock)  # notified when a call or an SSD write ends
         self._removals = RemovalTracker()
         self._losses = LossLedger()
+        self._evictions = EvictionClock()  # evictions the SSD tier reported, numbered per key
+        self._known_below = KnownBelow()  # dropped from DRAM while persisted: believed on SSD
+        self._bus = ResidencyBus()
+        if self._ssd is not None:
+            # A backend without the hook (a test's dict-backed fake) is one that never evicts.
+            listen = getattr(self._ssd, "set_eviction_listener", None)
+            if listen is not None:
+                listen(self._on_below_evicted)
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
@@ -145,17 +159,18 @@ class TieredStore:
             batch_weight_max=off.batch_bytes,
             idle_hook=self._watermark_tick if off.policy == "watermark" else None,
             on_error=self._worker_error,
-            on_exit=self._worker_exited,
         )
         self._promoter: BatchWorker[str] = BatchWorker(
             "kv-promote", self._promote_batch, queue_max=self.config.promotion.queue_max_objects, batch_max=32,
-            on_error=self._worker_error, on_exit=self._worker_exited,
+            on_error=self._worker_error,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> TieredStore:
         """Start the background workers (idempotent). Without start(), nothing moves between tiers."""
         self._check_open()
+        if not self._started:
+            self._bus.start()
         if not self._started and self._ssd is not None:
             self._offloader.start()
             self._promoter.start()
@@ -171,17 +186,12 @@ class TieredStore:
         stop (objects that could not be are logged); without it, queued offloads are dropped.
         Then the SSD tier and the arena are closed.
 
-        All of it is bounded by ``timeout_s`` together (one deadline: the wait for calls, the flush,
-        the joins of the workers and the SSD tier's own close each get what is left of it). The
-        flush runs on a thread of its own ("kv-close-flush") so that a hung SSD cannot hold close
-        past the deadline. Every thread still using the tiers at the deadline is logged at WARNING
-        and counted in ``store.thread_join_timeouts``: a worker or the close's flush in an SSD
-        write that hangs, a public call still running (``get_into``, ``remove``, ``flush`` ...),
-        and the SSD engine's own I/O threads. The tiers (SSD and DRAM) are then left open for
-        them, never closed under their I/O (a descriptor closed under a read lets it read whatever
-        file reuses the number), and the last of them to finish closes the tiers and releases the
-        SSD directory's lock, so the directory can be opened again in this process. What such a
-        late write lands stays on SSD.
+        All of it is bounded by ``timeout_s`` together (one deadline: the wait for calls, the flush
+        and the joins of both workers each get what is left of it). A worker still running at the
+        deadline (an SSD write that hangs) is logged at WARNING by name, counted in
+        ``store.thread_join_timeouts`` and left behind; the SSD tier is then left open for it
+        (closing files under its I/O could send its writes to a reused descriptor) and released
+        with the process.
         """
         with self._lock:
             if self._closing:
@@ -192,98 +202,29 @@ class TieredStore:
             while self._calls:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    logger.warning("close: %d calls still running after %.1f s; the tiers stay open "
-                                   "until they end", self._calls, timeout_s)
+                    logger.warning("close: %d calls still running after %.1f s; closing under them",
+                                   self._calls, timeout_s)
                     break
                 self._changed.wait(left)
-        flusher = self._flush_for_close(limit) if flush and self._ssd is not None else None
+        if flush and self._ssd is not None:
+            report = self._flush(max(0.0, deadline - time.monotonic()))
+            if not report.ok:
+                logger.warning("close: %s", report.summary())
         workers = (self._offloader, self._promoter)
         for w in workers:
             w.stop()
+        self._bus.stop()  # delivers what is queued while the workers are joined
         stuck = [w.name for w in workers if not w.close(drain=False, deadline=limit)]
+        bus_stuck = 0 if self._bus.close(limit) else 1  # it never touches a tier: no reason to keep one open
         with self._lock:
             self._closed = True
-            calls = self._calls  # public calls still running, and the close's flush if it hangs
-            self.metrics_counters.store.thread_join_timeouts += len(stuck) + calls
-            running = [w.name for w in workers if w.running]
-            if flusher is not None and flusher.is_alive():
-                running.append(flusher.name)  # (it is one of the calls)
-            self._tiers_owed = bool(calls or running)
-        if calls or running:
-            logger.warning("close: the tiers stay open for %d thread(s) still using them after %.2f s "
-                           "(calls in flight: %d; %s); the last to finish closes them",
-                           calls + len([w for w in workers if w.name in running]), limit.waited_s(), calls,
-                           ", ".join(running) or "no worker")
-            return
-        self._close_tiers(limit.left())
-
-    def _flush_for_close(self, limit: Deadline) -> threading.Thread:
-        """close()'s flush, on a thread of its own counted as a call in flight: waited for until
-        ``limit`` (and a short grace); one still writing then is left to finish (close logs and
-        counts it). Returns the thread."""
-        done: list[FlushReport] = []
-        # The flush's own bound ends a little before close's (a tenth of it, at most 1 s), so a
-        # flush that merely timed out has returned by the time it is counted as left running.
-        left = limit.left()
-        total_s = None if limit.at is None else limit.at - limit.start
-        budget = None if left is None or total_s is None else max(0.0, left - min(1.0, 0.1 * total_s))
-
-        def run() -> None:
-            try:
-                done.append(self._flush(budget))
-            except Exception:
-                logger.exception("close: the flush failed")
-            finally:
-                self._leave_call()
-
-        with self._lock:
-            self._calls += 1
-        t = threading.Thread(target=run, name="kv-close-flush", daemon=True)
-        t.start()
-        left = limit.left()
-        t.join(None if left is None else max(left, JOIN_GRACE_S))
-        if done and not done[0].ok:
-            logger.warning("close: %s", done[0].summary())
-        return t
-
-    def _leave_call(self) -> None:
-        """A call (or close's flush) ends: wake close(), and close the tiers if close() left them
-        open for it and it is the last user."""
-        with self._lock:
-            self._calls -= 1
-            if not self._calls:
-                self._changed.notify_all()
-            last = self._last_user_left()
-        if last:
-            self._close_tiers(None)
-
-    def _worker_exited(self) -> None:
-        """A worker's thread ends (on_exit, in that thread): the last user of tiers that close()
-        left open closes them."""
-        with self._lock:
-            last = self._last_user_left()
-        if last:
-            self._close_tiers(None)
-
-    def _last_user_left(self) -> bool:
-        """(lock held) True, once, when close() left the tiers open and nothing uses them any more:
-        the caller closes them."""
-        if not self._tiers_owed or self._calls or self._offloader.running or self._promoter.running:
-            return False
-        self._tiers_owed = False
-        return True
-
-    def _close_tiers(self, timeout_s: float | None) -> None:
-        """Close the SSD tier (its engine's threads waited for at most ``timeout_s``; those left
-        running are counted) and then the DRAM arena. No thread of the store uses them any more."""
+            self.metrics_counters.store.thread_join_timeouts += len(stuck) + bus_stuck
         try:
-            if self._ssd is not None:
-                engine_stuck = close_within(self._ssd, timeout_s)
-                if engine_stuck:
-                    with self._lock:
-                        self.metrics_counters.store.thread_join_timeouts += engine_stuck
-        except Exception:
-            logger.exception("close: closing the SSD tier failed")
+            if self._ssd is not None and not stuck:
+                self._ssd.close()
+            elif self._ssd is not None:
+                logger.warning("close: SSD tier left open for the %s thread(s) still running after %.2f s",
+                               ", ".join(stuck), limit.waited_s())
         finally:
             self._dram.close()
 
@@ -292,6 +233,13 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def subscribe(self, fn: Subscriber, on_gap: Callable[[], None] | None = None) -> Callable[[], None]:
+        """Residency events (:mod:`store_backend.residency`) from now on, delivered in order on the
+        store's "kv-events" thread once ``start()`` ran, with no store lock held; ``on_gap`` when
+        some were dropped (the queue was full: resync from :meth:`keys`). Returns the call that
+        unsubscribes. Thread-safe."""
+        return self._bus.subscribe(fn, on_gap)
 
     def note_stuck_threads(self, count: int) -> None:
         """Count ``count`` threads of this store's users (a connector's I/O pool, lookup service,
@@ -329,8 +277,7 @@ class TieredStore:
         except StoreClosedError:
             raise
         except Exception as e:
-            # Only when close() began during this call (it leaves the tiers open for a call it
-            # gave up on, but the store is closed all the same).
+            # Only when close() gave up waiting for this call: the tiers were closed under it.
             if self._closed:
                 raise StoreClosedError("the store was closed during the call") from e
             raise
@@ -341,9 +288,6 @@ class TieredStore:
                 self._calls -= 1
                 if not self._calls:
                     self._changed.notify_all()
-                last = self._last_user_left()
-            if last:  # close() gave up on this call and left the tiers open for it
-                self._close_tiers(None)
 
     def _live(self, e: Entry) -> bool:
         """Whether ``e`` is still the index's entry for its key (lock held): a removed entry is
@@ -466,6 +410,7 @@ class TieredStore:
                 copied += 1
         finally:
             queued: list[Entry] = []
+            stored: list[ResidencyEvent] = []
             with self._lock:
                 eager = self._ssd is not None and self._started and self.config.offload.policy == "eager"
                 for n, (_i, entry) in enumerate(reserved):
@@ -479,11 +424,14 @@ class TieredStore:
                     self._put_seq += 1
                     entry.put_seq = self._put_seq
                     self._losses.clear(entry.key)
+                    self._known_below.discard(entry.key)
+                    stored.append(ResidencyEvent("stored", entry.key, "dram", entry.size))
                     m.store.puts += 1
                     m.dram.bytes_written += entry.size
                     if eager:
                         entry.offload_queued = True
                         queued.append(entry)
+                self._bus.publish(stored)
                 if queued:
                     refused = self._offloader.submit([e.key for e in queued])
                     m.store.offload_queue_full += refused
@@ -500,48 +448,55 @@ class TieredStore:
         return self._admission.admit(e.key, e.size, uses=policy_uses(self._dram.policy, e.key),
                                      parent_stored=parent_stored)
 
+    def _parent_stored(self, e: Entry) -> bool:
+        """(lock held) Whether ``e``'s parent is believed in the backing tier, from memory only:
+        dropped from DRAM while persisted and not evicted below or removed since (a parent in DRAM
+        is judged by :meth:`_admitted` itself)."""
+        return e.parent is not None and e.parent not in self._dram.entries and e.parent in self._known_below
+
+    def _victim_facts(self, e: Entry, now: float) -> VictimFacts:
+        """(lock held) What a victim decision needs to know of ``e``; admission is asked only for a
+        declined entry (the only one whose verdict depends on it)."""
+        return VictimFacts(key=e.key, size=e.size, evictable=e.evictable(now), persisted=e.persisted,
+                           declined=e.declined, readmit=e.declined and self._admitted(e, self._parent_stored(e)),
+                           offload_failures=e.offload_failures, offload_queued=e.offload_queued)
+
+    def _dropped_from_dram(self, e: Entry, events: list[ResidencyEvent]) -> None:
+        """(lock held) ``e`` is being dropped from DRAM for room: remember it below if it is there,
+        and say so to the bus (``lost`` when no other copy is left)."""
+        if e.persisted:
+            self._known_below.add(e.key)
+        events.append(ResidencyEvent("evicted", e.key, "dram", e.size, lost=not e.clean))
+
     def _reserve(self, key: str, size: int, parent: str | None, *, promotion: bool) -> Entry | None:
-        """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries."""
+        """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries.
+
+        Which entries may go is :func:`victim_verdict`'s decision over in-memory facts; no lower
+        tier is asked anything here (the SSD tier's eviction reports keep ``persisted`` honest)."""
         m = self.metrics_counters
         # Dirty entries met while looking for clean victims that need a write now: their SSD write
-        # failed or was never queued, the SSD tier has since evicted their copy, or admission now
-        # wants one it declined before.
+        # failed or was never queued, or admission now wants one it declined before.
         retry: list[Entry] = []
+        events: list[ResidencyEvent] = []
         entry = None
+        now = time.monotonic()
         for persisted_only in evict_pass_order(self._ssd is not None):
             if promotion and not persisted_only:
                 break
 
             def evict_ok(e: Entry, _p: bool = persisted_only) -> bool:
-                if not _p:
-                    return True
-                if e.declined:  # asked again: its prefix may be stored by now, or it may be reused
-                    assert self._ssd is not None
-                    on_ssd = e.parent is not None and e.parent not in self._dram.entries and \
-                        self._ssd.contains([e.parent])[0]
-                    if not self._admitted(e, on_ssd):
-                        return True
-                    e.declined = False
+                verdict = victim_verdict(self._victim_facts(e, now), persisted_only=_p,
+                                         max_attempts=MAX_OFFLOAD_ATTEMPTS)
+                if verdict is Verdict.WRITE_BACK:
+                    e.declined = False  # admission wants it now (or it was never declined)
                     if not e.offload_queued:
                         e.offload_queued = True
                         retry.append(e)
-                    return False
-                if not e.persisted:
-                    if 0 < e.offload_failures < MAX_OFFLOAD_ATTEMPTS and not e.offload_queued:
-                        e.offload_queued = True
-                        retry.append(e)  # its write failed or was never queued: try again now
-                    return False
-                assert self._ssd is not None
-                if self._ssd.contains([e.key])[0]:
-                    return True
-                e.persisted = False  # dirty again: write it back rather than drop the only copy
-                if not e.offload_queued:
-                    e.offload_queued = True
-                    retry.append(e)
-                return False
+                return verdict is Verdict.EVICT
 
             def on_evict(e: Entry) -> None:
                 m.dram.evictions += 1
+                self._dropped_from_dram(e, events)
                 if self._ssd is not None and not e.clean:
                     m.store.dropped_unpersisted += 1
                     self._losses.record(e.key, e.put_seq, "evicted from DRAM before it reached SSD" + (
@@ -550,17 +505,51 @@ class TieredStore:
             entry = self._dram.reserve(key, size, parent, evict_ok, on_evict)
             if entry is not None:
                 break
-        if retry:
-            refused = len(retry)
-            if self._started:
-                refused = self._offloader.submit([e.key for e in retry])
-                m.store.offload_retries += len(retry) - refused
-                m.store.offload_queue_full += refused
-            for e in retry[len(retry) - refused:]:  # the queue takes a prefix
-                e.offload_queued = False
-                if self._started:
-                    e.offload_failures += 1  # so that the next eviction asks again (see above)
+        self._bus.publish(events)
+        self._write_back(retry)
         return entry
+
+    def _write_back(self, retry: list[Entry]) -> None:
+        """(lock held) Queue the offload of entries just marked ``offload_queued``; those the queue
+        refuses count a failed attempt, so that the next eviction asks again."""
+        if not retry:
+            return
+        m = self.metrics_counters
+        refused = len(retry)
+        if self._started:
+            refused = self._offloader.submit([e.key for e in retry])
+            m.store.offload_retries += len(retry) - refused
+            m.store.offload_queue_full += refused
+        for e in retry[len(retry) - refused:]:  # the queue takes a prefix
+            e.offload_queued = False
+            if self._started:
+                e.offload_failures += 1  # so that the next eviction asks again (see victim_verdict)
+
+    def _on_below_evicted(self, keys: list[str]) -> None:
+        """The SSD tier evicted ``keys`` on its own (called by the backend, in the thread of the put
+        that evicted, with no lock of the backend's held; never under the store lock). Each DRAM
+        copy is dirty again, its eviction is numbered for offloads in flight
+        (:class:`EvictionClock`), and the bus hears of it."""
+        with self._lock:
+            events: list[ResidencyEvent] = []
+            for key in keys:
+                self._evictions.stamp(key)
+                self._known_below.discard(key)
+                e = self._dram.entries.get(key)
+                if e is not None and e.persisted:
+                    self._lost_below(e)
+                live = e is not None and e.state is EntryState.READY
+                events.append(ResidencyEvent("evicted", key, "ssd", e.size if e is not None else 0,
+                                             lost=not live))
+            self._bus.publish(events)
+
+    @staticmethod
+    def _lost_below(e: Entry) -> None:
+        """(lock held) ``e``'s copy below is gone: dirty again. It counts as one failed write (the
+        copy did not stay), so that DRAM eviction writes it back before it may drop it
+        (:func:`victim_verdict`), and watermark demotion and flush write it as any dirty entry."""
+        e.persisted = False
+        e.offload_failures = max(1, e.offload_failures)
 
     # -- reads -------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
@@ -791,6 +780,7 @@ class TieredStore:
         check_batch(keys)
         out = [Status.NOT_FOUND] * len(keys)
         below: list[int] = []
+        sizes = [0] * len(keys)
         with self._call():
             with self._lock:
                 for i, key in enumerate(keys):
@@ -803,11 +793,15 @@ class TieredStore:
                             self._removals.hold(key)  # the offload deletes the copy it lands
                         self._detach(e)
                         out[i] = Status.OK
+                        sizes[i] = e.size
                     self._ssd_hits.pop(key, None)
                     self._losses.clear(key)
+                    self._known_below.discard(key)
                     if self._ssd is not None:
                         self._removals.begin(key)
                         below.append(i)
+                if not below:
+                    self._publish_removed(keys, out, sizes)
             if below:
                 statuses = self._delete_on_ssd([keys[i] for i in below])
                 with self._lock:
@@ -822,7 +816,14 @@ class TieredStore:
                             again.append(keys[i])
                     self._offload_again(again)
                     self._wait_deleted(keys, below, out)
+                    self._publish_removed(keys, out, sizes)
         return out
+
+    def _publish_removed(self, keys: Sequence[str], out: list[Status], sizes: list[int]) -> None:
+        """(lock held) ``removed`` for each key this remove answers OK for, unless a put that raced
+        it has stored the key again meanwhile (its ``stored`` came first and still holds)."""
+        self._bus.publish([ResidencyEvent("removed", k, ALL_TIERS, sizes[i]) for i, k in enumerate(keys)
+                           if out[i] is Status.OK and self._dram.ready(k) is None])
 
     def _wait_deleted(self, keys: Sequence[str], below: list[int], out: list[Status]) -> None:
         """(lock held) Wait, up to ``_REMOVE_LANDED_S``, until no deletion of these keys' SSD
@@ -1188,6 +1189,9 @@ class TieredStore:
                     break  # no room after all: queued again below
                 self._changed.wait(_WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S))
             batch: list[Entry] = []
+            dropped: list[ResidencyEvent] = []
+            # Evictions the SSD tier reports from here on void this batch's OKs (EvictionClock).
+            evicted_at = self._evictions.generation()
             cap, leased = min(self._write_batch_bytes(), half - self._writing_bytes), 0
             for e in todo:
                 if not writable(e):
@@ -1199,6 +1203,7 @@ class TieredStore:
                     e.declined = True  # asked again when DRAM wants to evict it
                     m.store.offload_declined += 1
                     if demote and e.leases == 0 and e.pins == 0:
+                        self._dropped_from_dram(e, dropped)
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                     continue
@@ -1208,6 +1213,7 @@ class TieredStore:
                 batch.append(e)
             self._writing_bytes += leased
             self._queue_again(later, problems)
+            self._bus.publish(dropped)
         if not batch:
             return problems
         arena = self._dram.arena.view
@@ -1219,24 +1225,33 @@ class TieredStore:
         landed_after_remove: list[str] = []
         with self._lock:
             self._writing_bytes -= leased
+            events: list[ResidencyEvent] = []
             for e, st in zip(batch, statuses):
                 del self._offloading[e.key]
                 self._unlease(e)
                 if not self._live(e):  # removed while it was written: delete what may have landed
                     landed_after_remove.append(e.key)
                     continue
-                if st.ok:
+                if st.ok and self._evictions.changed_since(e.key, evicted_at):
+                    # The SSD tier evicted the copy after it landed (and the report came first):
+                    # still dirty, written back before DRAM may drop it.
+                    self._lost_below(e)
+                    problems[e.key] = "its SSD copy was evicted by the SSD tier as it landed"
+                elif st.ok:
                     e.persisted = True
                     e.offload_failures = 0
                     m.dram.offloads += 1
                     m.ssd.bytes_written += e.size if st is Status.OK else 0
+                    events.append(ResidencyEvent("moved", e.key, "ssd", e.size, src_tier="dram"))
                     if demote and e.leases == 0 and e.pins == 0:
+                        self._dropped_from_dram(e, events)
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                 else:
                     e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
                     _count_failure(m.ssd.failures, st)
                     problems[e.key] = f"{_WRITE_FAILED} {st.name}"
+            self._bus.publish(events)
             self._changed.notify_all()
         if landed_after_remove:
             statuses = self._delete_on_ssd(landed_after_remove)
@@ -1260,21 +1275,16 @@ class TieredStore:
             victims = self._dram.policy.victims(
                 need, lambda k: (e := self._dram.entries.get(k)) is not None and e.evictable(now))
             entries = self._dram.entries
-            persisted = [k for k in victims if entries[k].persisted]
-            assert self._ssd is not None
-            for k, on_ssd in zip(persisted, self._ssd.contains(persisted)):
-                if not on_ssd:  # the SSD tier evicted its copy since: write it again below
-                    entries[k].persisted = False
-            for k in victims:  # declined before: asked again, as in _reserve
-                e = entries[k]
-                if e.declined and self._admitted(e, e.parent is not None and e.parent not in entries
-                                                 and self._ssd.contains([e.parent])[0]):
-                    e.declined = False
-            clean = [k for k in victims if entries[k].clean]
-            for k in clean:  # already on SSD: nothing to write, just free DRAM
+            # From memory only: the SSD tier's eviction reports keep ``persisted`` honest.
+            clean, dirty = demotion_split([self._victim_facts(entries[k], now) for k in victims])
+            for k in dirty:  # a declined one that admission now accepts is written, as in _reserve
+                entries[k].declined = False
+            events: list[ResidencyEvent] = []
+            for k in clean:  # already on SSD (or not wanted there): nothing to write, just free DRAM
+                self._dropped_from_dram(entries[k], events)
                 self._dram.drop(k)
                 self.metrics_counters.dram.evictions += 1
-            dirty = [k for k in victims if k not in clean]
+            self._bus.publish(events)
         cap = self._write_batch_bytes()
         chunk: list[str] = []
         weight = 0
@@ -1306,6 +1316,7 @@ class TieredStore:
         with self._lock:
             if self._closed:
                 return
+            evicted_at = self._evictions.generation()
             for key, size in zip(keys, sizes):
                 if size is None or key in self._dram.entries or self._removals.hidden(key) \
                         or self._removals.changed_since(key, generation):
@@ -1326,20 +1337,27 @@ class TieredStore:
             results = [ReadResult(Status.IO_ERROR)] * len(reserved)
             logger.exception("promotion of %d objects failed", len(reserved))
         with self._lock:
+            events: list[ResidencyEvent] = []
             for e, res in zip(reserved, results):
                 if not self._live(e):  # removed while it was read
                     self._release_detached(e)
                     m.store.promotions_skipped += 1
                 elif res.status is Status.OK and res.nbytes == e.size:
+                    # Clean unless the SSD tier evicted the copy since the read was planned.
                     e.persisted = True
+                    if self._evictions.changed_since(e.key, evicted_at):
+                        self._lost_below(e)
                     self._dram.commit(e)
+                    self._known_below.discard(e.key)
                     m.dram.promotions += 1
                     m.dram.bytes_written += e.size
+                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier="ssd"))
                 else:
                     self._dram.drop(e.key)
                     m.store.promotions_skipped += 1
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):
                         _count_failure(m.ssd.failures, res.status)
+            self._bus.publish(events)
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> StoreStats:
@@ -1356,6 +1374,7 @@ class TieredStore:
                     "objects": len(self._dram.entries)}
             queues = QueueGauges(offload=self._offloader.depth, promotion=self._promoter.depth)
             stats = self.metrics_counters.snapshot(dram, {}, queues)
+            stats.store.events_dropped = self._bus.dropped
         if ssd is not None:
             # The SSD tier evicts on its own (capacity): its evictions are the backend's count.
             stats.ssd.used_bytes, stats.ssd.capacity_bytes = ssd.used_bytes, ssd.capacity_bytes

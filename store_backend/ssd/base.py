@@ -6,7 +6,7 @@ Called by the store's offload/promotion engine (its worker threads) and by reade
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -46,6 +46,10 @@ class SsdBackend(Protocol):
     - Opening a backend on a directory that holds data recovers every object reported durable;
       one unreadable file is skipped (``unreadable_files``) and the backend opens.
     - One owner per directory: a second opener is refused (``store_backend.ownership``).
+    - ``set_eviction_listener(fn)``: ``fn(keys)`` is told of every object the backend's own
+      eviction drops, once per object, after the backend's lock is released, in the thread of the
+      ``put`` that evicted and before that ``put`` returns; never for ``remove``. The store keeps
+      its "this DRAM copy is persisted" flags honest with it, without asking under its lock.
     """
 
     name: str
@@ -63,5 +67,7 @@ class SsdBackend(Protocol):
     def keys(self) -> Iterator[str]: ...
 
     def stats(self) -> SsdStats: ...
+
+    def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None: ...
 
     def close(self) -> None: ...

@@ -491,6 +491,7 @@ class BucketBackend(IndexedBackend):
         finally:
             with self._lock:
                 self._pending.difference_update(keys[i] for i in views)
+            self._report_evicted()
         return out
 
     def _group(self, idx: list[int], views: dict[int, memoryview]) -> list[list[int]]:
@@ -658,6 +659,7 @@ class BucketBackend(IndexedBackend):
                 b = order.pop(0)
                 victims.append(b)
                 self._stats.evictions += len(b.live)
+                self._note_evicted(self._bucket_keys(b))
                 self._drop_bucket(b)
                 fs_used -= b.file_bytes
                 evictable -= b.file_bytes
@@ -678,8 +680,13 @@ class BucketBackend(IndexedBackend):
             victims.append(b)
             self._stats.evictions += len(b.live)
             nbytes -= b.file_bytes
+            self._note_evicted(self._bucket_keys(b))
             self._drop_bucket(b)
         return victims
+
+    def _bucket_keys(self, b: _Bucket) -> list[str]:
+        """Under the lock: the keys whose live record is in ``b``."""
+        return [k for k in b.live if (loc := self._index.get(k)) is not None and loc.bucket == b.id]
 
     def _drop_bucket(self, b: _Bucket) -> None:
         """Under the lock: forget a bucket and its keys (the file is deleted by the caller)."""
@@ -841,20 +848,12 @@ class BucketBackend(IndexedBackend):
                 setattr(self, name, -1)
         self._owner.release()
 
-    def close(self, timeout_s: float | None = None) -> int:
-        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then the
-        descriptors and the directory's lock. Idempotent; no call may be in flight. Returns how
-        many engine threads were still in I/O: the descriptors and the lock are then kept for
-        them (closing an fd under a read lets it land in whatever file reuses the number)."""
+    def close(self) -> None:
+        """Close descriptors (and the engine when owned). Idempotent; no call may be in flight."""
         with self._lock:
             if self._closed:
-                return 0
+                return
             self._closed = True
-        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
-        if stuck:
-            logger.warning("bucket backend %s: %d io thread(s) still running at close; its descriptors "
-                           "and directory lock are kept for them", self.cfg.path, stuck)
-            return stuck
-        with self._lock:
             self._release()
-        return 0
+        if self._owns_engine:
+            self._engine.close()

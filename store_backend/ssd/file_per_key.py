@@ -243,6 +243,12 @@ class FilePerKeyBackend(IndexedBackend):
         the file system; a write that still meets a full file system (ENOSPC) evicts as many bytes
         as it needs, in the same order, and is tried again (twice at most)."""
         check_batch(keys, buffers)
+        try:
+            return self._put(keys, buffers)
+        finally:
+            self._report_evicted()
+
+    def _put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
         out, full = self._put_once(keys, buffers)
         for _attempt in range(_ENOSPC_RETRIES):
             if not full:
@@ -330,7 +336,8 @@ class FilePerKeyBackend(IndexedBackend):
         """Under the lock: drop objects in eviction order until ``nbytes`` are freed (or none is left)."""
         victims = []
         while self._index and nbytes > 0:
-            _, e = self._index.popitem(last=False)
+            key, e = self._index.popitem(last=False)
+            self._note_evicted((key,))
             self._used_bytes -= e.nbytes
             self._paths.discard(e.path)
             victims.append(e)
@@ -342,7 +349,8 @@ class FilePerKeyBackend(IndexedBackend):
         """Under the lock: drop the oldest (or least recently read) objects until ``need`` fits."""
         victims = []
         while self._index and self._used_bytes + self._reserved_bytes + need > self.cfg.capacity_bytes:
-            _, e = self._index.popitem(last=False)
+            key, e = self._index.popitem(last=False)
+            self._note_evicted((key,))
             self._used_bytes -= e.nbytes
             self._paths.discard(e.path)
             victims.append(e)
@@ -509,18 +517,12 @@ class FilePerKeyBackend(IndexedBackend):
         self._unlink([e.path for e in victims])
         return gone
 
-    def close(self, timeout_s: float | None = None) -> int:
-        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then give up
-        the directory's lock. Idempotent; no call may be in flight. Returns how many engine
-        threads were still in I/O: the lock is then kept (they may still write in the directory)."""
+    def close(self) -> None:
+        """Mark closed (and close the engine when owned). Idempotent; no call may be in flight."""
         with self._lock:
             if self._closed:
-                return 0
+                return
             self._closed = True
-        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
-        if stuck:
-            logger.warning("file backend %s: %d io thread(s) still running at close; its directory lock "
-                           "is kept for them", self.cfg.path, stuck)
-            return stuck
         self._owner.release()
-        return 0
+        if self._owns_engine:
+            self._engine.close()

@@ -3,18 +3,26 @@
 A backend class derives from :class:`IndexedBackend` and provides ``_lock`` (guarding ``_index``),
 ``_index`` (values with a ``value_len``), ``_stats`` (an :class:`SsdStats`) and ``_closed``; it
 overrides ``_used_bytes_now`` when it does not keep ``_used_bytes``. Thread-safe like the backends.
+
+Eviction reports (``set_eviction_listener``): a backend calls :meth:`_note_evicted` under ``_lock``
+for each object its own eviction drops, and :meth:`_report_evicted` at the end of the ``put`` that
+evicted, with ``_lock`` released: the listener runs in that thread, before that ``put`` returns,
+once per evicted object, and never for ``remove``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from store_backend.ssd.base import SsdStats
 from store_backend.types import check_batch
+
+logger = logging.getLogger(__name__)
 
 
 class IndexedBackend:
@@ -23,6 +31,34 @@ class IndexedBackend:
     _stats: SsdStats
     _closed: bool
     _used_bytes: int
+    _eviction_listener: Callable[[list[str]], None] | None = None
+    _evicted_by: dict[int, list[str]]  # thread id -> keys its put evicted, not reported yet
+
+    def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None:
+        """Call ``fn(keys)`` for the objects this backend's own eviction drops (see the module
+        docstring); None stops the reports. Set it before traffic starts."""
+        with self._lock:
+            self._evicted_by = {}
+            self._eviction_listener = fn
+
+    def _note_evicted(self, keys: Iterable[str]) -> None:
+        """(``_lock`` held) Objects this thread's put just evicted, to report when it ends."""
+        if self._eviction_listener is not None:
+            self._evicted_by.setdefault(threading.get_ident(), []).extend(keys)
+
+    def _report_evicted(self) -> None:
+        """(``_lock`` not held) Tell the listener what this thread's put evicted. A listener that
+        raises is logged; the put's own outcome stands."""
+        fn = self._eviction_listener
+        if fn is None:
+            return
+        with self._lock:
+            keys = self._evicted_by.pop(threading.get_ident(), None)
+        if keys:
+            try:
+                fn(keys)
+            except Exception:
+                logger.exception("eviction listener failed for %d evicted objects", len(keys))
 
     def _used_bytes_now(self) -> int:
         """Bytes on disk (called with ``_lock`` held)."""

@@ -488,6 +488,7 @@ class OffsetBackend(IndexedBackend):
         finally:
             with self._lock:
                 self._pending.difference_update(keys[i] for i in views)
+            self._report_evicted()
         return out
 
     def _put_locked(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status]) -> None:
@@ -529,6 +530,7 @@ class OffsetBackend(IndexedBackend):
         if window is None:
             return None, []
         victims = []
+        self._note_evicted(key for key, _e in window)
         for key, e in window:
             del self._index[key]
             self._alloc.free(e.offset - DATA_START, e.nbytes)
@@ -581,6 +583,7 @@ class OffsetBackend(IndexedBackend):
                     if victim is None:
                         break
                     del self._index[victim[0]]
+                    self._note_evicted((victim[0],))
                     victims.append(victim[1])
                     self._alloc.free(victim[1].offset - DATA_START, victim[1].nbytes)
                     off = self._alloc.allocate(need)
@@ -747,21 +750,13 @@ class OffsetBackend(IndexedBackend):
     def _used_bytes_now(self) -> int:
         return self._alloc.capacity - self._alloc.free_bytes
 
-    def close(self, timeout_s: float | None = None) -> int:
-        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then the
-        file and the directory's lock. Idempotent; no call may be in flight. Returns how many
-        engine threads were still in I/O: the file and the lock are then kept for them (closing
-        the fd under a read lets it land in whatever file reuses the number)."""
+    def close(self) -> None:
+        """Close the file (and the engine when owned). Idempotent; no call may be in flight."""
         with self._wlock, self._lock:
             if self._closed:
-                return 0
+                return
             self._closed = True
-        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
-        if stuck:
-            logger.warning("offset backend %s: %d io thread(s) still running at close; its file and "
-                           "directory lock are kept for them", self.cfg.path, stuck)
-            return stuck
-        with self._wlock, self._lock:
             os.close(self._fd)
             self._owner.release()
-        return 0
+        if self._owns_engine:
+            self._engine.close()

@@ -153,3 +153,24 @@ def _a_dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(60)
     return p.pid
+
+
+def test_its_own_evictions_reach_the_store_and_dirty_the_dram_copy(tmp_path: Path) -> None:
+    """SharedDirectoryBackend forwards the eviction listener to this process's backend: when it
+    evicts for capacity, the store hears of it (the DRAM copy is dirty again, ``evicted`` is
+    published for the SSD tier)."""
+    c = load_config({"dram": {"capacity_bytes": "16MiB"}, "offload": {"policy": "eager"},
+                     "ssd": {"path": str(tmp_path), "backend": "file", "io_engine": "posix",
+                             "capacity_bytes": "4MiB"}})
+    assert c.ssd is not None
+    chunk = 256 * 1024
+    with TieredStore(c, ssd=SharedDirectoryBackend(c.ssd)) as s:
+        events: list = []
+        s.subscribe(events.extend)
+        for i in range(30):
+            assert s.put([f"k{i}"], [np.full(chunk, i, np.uint8)]) == [Status.OK]
+            assert s._offloader.wait_idle(30)  # not flush: it would write evicted copies back
+        assert s._bus.wait_idle(10)
+        assert s._ssd is not None and s._ssd.contains(["k0"]) == [False]
+        assert ("evicted", "k0", "ssd") in [(e.kind, e.key, e.tier) for e in events]
+        assert s._dram.entries["k0"].persisted is False
