@@ -404,6 +404,11 @@ def test_the_unread_field_check_fails_when_a_read_is_removed() -> None:
     for text in ('"self.config.promotion.queue_max_objects"', "4096  # self.config.promotion.queue_max_objects\n"):
         quoted = {p: t.replace("self.config.promotion.queue_max_objects", text) for p, t in source.items()}
         assert _unread(PromotionConfig, quoted, set()) == ["queue_max_objects"], text
+    # The connector's keys the same way: flush_timeout_s is read only through the worker's self.cfg.
+    connector = _source("vllm_plugin", "mooncake_connector")
+    without = {p: t.replace("self.cfg.flush_timeout_s", "120.0") for p, t in connector.items()}
+    assert without != connector
+    assert _unread(ConnectorConfig, without, {"store", "config_file"}) == ["flush_timeout_s"]
 
 
 def test_a_struct_nobody_holds_is_unread() -> None:
