@@ -554,7 +554,8 @@ def test_an_error_from_a_variable_or_a_file_names_it(tmp_path: Path) -> None:
         load_connector_config({}, environ={"MOONCAKE_KV_CHUNK_TOKENS": "many"})
     f = _write(tmp_path, "c.yaml", {"io_workers": 0})
     g = _write(tmp_path, "g.yaml", {"store": {"dram": {"eviction_policy": "mru"}}})
-    with pytest.raises(ConfigError, match=rf"^io_workers: must be > 0, got 0 \(from config file {re.escape(str(f))}\)$"):
+    in_f = re.escape(f"(from config file {f})")
+    with pytest.raises(ConfigError, match=rf"^io_workers: must be > 0, got 0 {in_f}$"):
         load_connector_config({"config_file": str(f)}, environ={})
     with pytest.raises(ConfigError, match=rf"^store\.dram\.eviction_policy: unknown value 'mru'.*{re.escape(str(g))}"):
         load_connector_config({"config_file": str(g)}, environ={})
@@ -727,9 +728,11 @@ def test_sglang_refuses_its_own_keys_in_a_file_where_sglang_does_not_read_them(t
 def test_a_non_text_key_in_a_file_is_refused_as_such(tmp_path: Path) -> None:
     f = tmp_path / "yes.yaml"
     f.write_text("yes: 1\n")  # YAML 1.1 reads the key as True
-    for load in (lambda: load_config(f, environ={}), lambda: load_connector_config({"config_file": str(f)}, environ={})):
-        with pytest.raises(ConfigError, match=rf"^key True is not a field name \(from config file {re.escape(str(f))}\)$"):
-            load()
+    message = rf"^key True is not a field name {re.escape(f'(from config file {f})')}$"
+    with pytest.raises(ConfigError, match=message):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match=message):
+        load_connector_config({"config_file": str(f)}, environ={})
 
 
 def test_a_json_file_is_read_as_json_whatever_the_case_of_its_suffix(tmp_path: Path) -> None:
