@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from store_backend.config import load_config
 from store_backend.engine import BatchWorker
@@ -301,13 +302,17 @@ class SlowPuts:
         return getattr(self.inner, name)
 
 
-def test_close_in_watermark_mode_with_a_hung_ssd_is_bounded_and_the_late_write_lands(tmp_path) -> None:
-    """In watermark mode the flush inside close writes what is dirty itself; on a hung SSD that
-    write must not hold close past its timeout."""
-    cfg = _config(tmp_path, policy="watermark")
+@pytest.mark.parametrize(("policy", "started"), [("watermark", True), ("eager", False)])
+def test_close_in_watermark_mode_with_a_hung_ssd_is_bounded_and_the_late_write_lands(tmp_path, policy,
+                                                                                     started) -> None:
+    """In watermark mode (or when the workers never started) the flush inside close writes what
+    is dirty itself; on a hung SSD that write must not hold close past its timeout."""
+    cfg = _config(tmp_path, policy=policy)
     assert cfg.ssd is not None
     ssd = SlowPuts(open_ssd_backend(cfg.ssd))
-    store = TieredStore(cfg, ssd=ssd).start()
+    store = TieredStore(cfg, ssd=ssd)
+    if started:
+        store.start()
     try:
         for k in ("k1", "k2"):
             assert store.put([k], [payload(k, OBJ)]) == [Status.OK]
