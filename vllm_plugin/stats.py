@@ -144,7 +144,15 @@ class TieredPromMetrics(KVConnectorPromMetrics):
         self._mirror = PrometheusMirror(all_families(), counter_cls=self._counter_cls, gauge_cls=self._gauge_cls,
                                         histogram_cls=self._histogram_cls, labelnames=labelnames,
                                         replace_in=REGISTRY)
+        self._failed = False
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        self._mirror.apply(transfer_stats_data.get(DELTAS, {}), transfer_stats_data.get(GAUGES, {}),
-                           self.per_engine_labelvalues.get(engine_idx, []))
+        """Apply one payload (vLLM's output thread). Never raises into vLLM: a payload that cannot
+        be applied is logged (WARNING once, then DEBUG) and skipped."""
+        try:
+            self._mirror.apply(transfer_stats_data.get(DELTAS, {}), transfer_stats_data.get(GAUGES, {}),
+                               self.per_engine_labelvalues.get(engine_idx, []))
+        except Exception:
+            logger.log(logging.DEBUG if self._failed else logging.WARNING,
+                       "connector metrics payload not applied", exc_info=True)
+            self._failed = True

@@ -109,6 +109,7 @@ class WorkerSide:
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
         self._stats_source: StatsSource | None = None  # made once the rank is known
+        self._stats_failed = False
         self.paged: list[PagedLayer] = []
         self.ratio = 1  # kernel blocks per engine block
         self.digest = ""  # key prefix: this shard's fingerprint at cache epoch ``self.epoch``
@@ -605,7 +606,11 @@ class WorkerSide:
         if self._stats_source is None:
             self._stats_source = StatsSource(f"rank{self.rank}")
         try:
-            store = self.store.stats()
+            return self._stats_source.take(self.store.stats(), self.client.snapshot())
         except StoreClosedError:
             return None
-        return self._stats_source.take(store, self.client.snapshot())
+        except Exception:  # metrics must never fail a step: logged, and this step reports nothing
+            logger.log(logging.DEBUG if self._stats_failed else logging.WARNING, "connector stats not taken",
+                       exc_info=True)
+            self._stats_failed = True
+            return None

@@ -99,3 +99,21 @@ def test_prom_metrics_can_be_built_again_in_one_process() -> None:
         value = REGISTRY.get_sample_value("mooncake_kv_tier_hits_total",
                                           {"model_name": "again", "engine": "0", "tier": "dram"})
         assert value == hits  # the new logger's metrics, starting from zero
+
+
+def test_a_payload_that_cannot_be_applied_never_raises_into_vllm() -> None:
+    reg = CollectorRegistry()
+    types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+
+    class Cfg:
+        kv_transfer_config = None
+
+    prom = TieredPromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["tiny", 0]})  # type: ignore[arg-type]
+    # A histogram delta that is not a list of counts (a payload from another version, say).
+    prom.observe({"deltas": {"mooncake_kv_store_get_seconds": {"": 3}}, "gauges": {}}, 0)
+    good = StatsSource("rank0").take(stats(hits=1), ConnectorStats())
+    assert good is not None
+    prom.observe(good.to_dict(), 0)  # later payloads still apply
+    assert reg.get_sample_value("mooncake_kv_tier_hits_total",
+                                {"model_name": "tiny", "engine": "0", "tier": "dram"}) == 1
