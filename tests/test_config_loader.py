@@ -31,7 +31,7 @@ from store_backend.config import (
     StoreConfig,
     load_config,
 )
-from store_backend.config_loader import ConfigError, parse_size
+from store_backend.config_loader import PROJECT_VARIABLES, ConfigError, parse_size
 from store_backend.policies import registry
 from store_backend.policies.lru import LruPolicy
 from store_backend.ssd.factory import backend_names
@@ -517,6 +517,20 @@ def test_the_projects_own_variables_and_other_configs_keys_are_not_warned(caplog
         assert "MOONCAKE_KV_SHARED_SSD" in connector_env  # close to MOONCAKE_KV_SSD with the prefix counted
         load_config(None, environ={**env, **connector_env})
     assert caplog.text == ""
+
+
+def test_every_project_variable_that_is_no_setting_is_in_the_allowlist() -> None:
+    # The scripts', examples' and tests' own MOONCAKE_KV_* variables must not be warned about.
+    config_tests = {"tests/test_config_loader.py", "tests/store_backend/test_config.py",
+                    "tests/mooncake_connector/test_config.py"}
+    files = [p for pattern in ("*.py", "*.sh") for p in ROOT.rglob(pattern)
+             if ".git" not in p.parts and "egg-info" not in str(p)
+             and str(p.relative_to(ROOT)) not in CONFIG_MODULES | config_tests]
+    used = {m for p in files for m in re.findall(r"MOONCAKE_KV_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace"))}
+    fields = {f for cls in (StoreConfig, ConnectorConfig, SglangOnlySettings) for f in cls.__struct_fields__}
+    others = {n for n in used if n[len("MOONCAKE_KV_"):].split("__")[0].lower() not in fields}
+    assert "MOONCAKE_KV_VENV" in others  # the scan finds the scripts' variables
+    assert others - {"MOONCAKE_KV_CONFIG", "MOONCAKE_KV_CONNECTOR_CONFIG"} <= PROJECT_VARIABLES
 
 
 @pytest.mark.parametrize("field", ["lookup_wait_s", "load_timeout_s", "lease_ttl_s", "remote_prefill_wait_s",
