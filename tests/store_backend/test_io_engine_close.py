@@ -19,7 +19,9 @@ def test_close_with_a_stuck_pool_thread_is_bounded_and_reports_it(tmp_path, monk
     entered, release = threading.Event(), threading.Event()
 
     def stuck_once(req, write, alloc):  # noqa: ANN001, ANN202
-        if req.offset == 0:
+        # The second request: both are submitted by the time it runs, so close() cannot refuse
+        # one of them (the reader would then leave before the stuck read ends).
+        if req.offset == 4096:
             entered.set()
             release.wait(30)
         return real(req, write, alloc)
@@ -47,7 +49,9 @@ def test_close_with_a_stuck_pool_thread_is_bounded_and_reports_it(tmp_path, monk
         release.set()
         reader.join(10)
         os.close(fd)
-    assert bytes(bufs[0]) == b"x" * 4096  # the stuck read finished into memory that stayed valid
+    assert not reader.is_alive()
+    assert bytes(bufs[0]) == b"x" * 4096
+    assert bytes(bufs[1]) == b"x" * 4096  # the stuck read finished into memory that stayed valid
 
 
 def test_a_stuck_pool_thread_keeps_its_staging_for_the_bounces_it_still_needs(tmp_path, monkeypatch) -> None:
@@ -89,6 +93,10 @@ def test_a_stuck_pool_thread_keeps_its_staging_for_the_bounces_it_still_needs(tm
     try:
         for _ in range(2):
             assert in_syscall.acquire(timeout=10), "the pool threads never reached the disk"
+        # All four submitted (two wait in the pool's queue) before close() stops new submissions.
+        deadline = time.monotonic() + 10
+        while eng._pool is not None and eng._pool._work_queue.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert eng.close(timeout_s=0.3) == 2
     finally:
         release.set()
