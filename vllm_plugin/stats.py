@@ -5,7 +5,8 @@ Three places, three processes (or one, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 - Each worker's ``get_kv_connector_stats`` (its forward thread, every step) returns a
   :class:`TieredConnectorStats` with what moved since its last call: counter and histogram deltas
   of its store (:class:`store_backend.metrics.StoreStats`) and its client
-  (:class:`mooncake_connector.metrics.ConnectorStats`), plus its gauges when they changed. The
+  (:class:`mooncake_connector.metrics.ConnectorStats`), plus all its gauges (every step: vLLM
+  hands a step's stats to one API server of several, and each must know every worker's). The
   scheduler's connector adds its own (prompt tokens it planned to load). vLLM aggregates these
   across workers and steps with :meth:`TieredConnectorStats.aggregate`: deltas add, and gauges
   are kept per worker (the newest of each), so a sum over workers never counts one worker twice.
@@ -38,6 +39,7 @@ from store_backend.prometheus import (
     Family,
     PrometheusMirror,
     add_payloads,
+    gauge_payload,
     split_key,
     store_families,
     to_payload,
@@ -115,11 +117,13 @@ class StatsSource:
         self._worker = worker
         self._store_families = store_families()
         self._connector_families = connector_families()
-        self._tracker = DeltaTracker([*self._store_families, *self._connector_families])
+        self._families = [*self._store_families, *self._connector_families]
+        self._tracker = DeltaTracker(self._families)
 
     def take(self, *stats: Any) -> TieredConnectorStats | None:
-        """``stats`` are a StoreStats and/or a ConnectorStats (or a ready payload dict); None when
-        nothing moved."""
+        """``stats`` are a StoreStats and/or a ConnectorStats (or a ready payload dict): their
+        counter and histogram deltas plus all their gauges; None only for a source with no gauges
+        (the scheduler's) when nothing moved."""
         now: dict[str, dict[str, Any]] = {}
         for s in stats:
             if isinstance(s, dict):
@@ -127,10 +131,13 @@ class StatsSource:
             else:
                 families = self._store_families if isinstance(s, StoreStats) else self._connector_families
                 now.update(to_payload(families, s))
-        deltas, gauges = self._tracker.take(now)
-        if not deltas and gauges is None:
+        deltas, _changed = self._tracker.take(now)
+        # Every call carries all of this source's gauges, changed or not: vLLM hands each step's
+        # stats to one API server only, and a server must sum every worker's newest gauges.
+        gauges = gauge_payload(self._families, now)
+        if not deltas and not gauges:
             return None
-        return TieredConnectorStats(data={DELTAS: deltas, GAUGES: {self._worker: gauges} if gauges is not None else {}})
+        return TieredConnectorStats(data={DELTAS: deltas, GAUGES: {self._worker: gauges} if gauges else {}})
 
 
 class TieredPromMetrics(KVConnectorPromMetrics):

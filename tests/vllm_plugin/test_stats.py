@@ -33,10 +33,14 @@ def test_a_source_reports_what_moved_since_its_last_call() -> None:
     assert first is not None
     assert first.data["deltas"]["mooncake_kv_tier_hits"] == {"dram": 2}
     assert first.data["gauges"]["rank0"]["mooncake_kv_tier_used_bytes"]["dram"] == 10
-    assert src.take(stats(hits=2, used=10, gets=1), ConnectorStats()) is None  # nothing moved
+    idle = src.take(stats(hits=2, used=10, gets=1), ConnectorStats())  # nothing moved
+    assert idle is not None and idle.data["deltas"] == {}
+    assert idle.data["gauges"]["rank0"]["mooncake_kv_tier_used_bytes"]["dram"] == 10  # gauges every step
     again = src.take(stats(hits=5, used=10, gets=1), ConnectorStats())
     assert again is not None and again.data["deltas"] == {"mooncake_kv_tier_hits": {"dram": 3}}
-    assert again.data["gauges"] == {}  # unchanged gauges are not sent again
+    assert again.data["gauges"]["rank0"] == first.data["gauges"]["rank0"]
+    sched = StatsSource("scheduler")  # a source with no gauges reports nothing when nothing moved
+    assert sched.take({"mooncake_kv_connector_hit_tokens": {"": 0}}) is None
 
 
 def test_aggregate_adds_deltas_and_keeps_the_newest_gauges_of_each_worker() -> None:
@@ -117,3 +121,33 @@ def test_a_payload_that_cannot_be_applied_never_raises_into_vllm() -> None:
     prom.observe(good.to_dict(), 0)  # later payloads still apply
     assert reg.get_sample_value("mooncake_kv_tier_hits_total",
                                 {"model_name": "tiny", "engine": "0", "tier": "dram"}) == 1
+
+
+def test_every_api_server_sums_the_gauges_of_all_workers() -> None:
+    """vLLM sends each step's stats to one API server only (with --api-server-count > 1, the
+    servers' gauges are combined as "mostrecent"): the server a step lands on must get every
+    worker's gauges, not only those that changed since a step another server received."""
+    def server() -> tuple[CollectorRegistry, TieredPromMetrics]:
+        reg = CollectorRegistry()
+        types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+                 Histogram: functools.partial(Histogram, registry=reg)}
+
+        class Cfg:
+            kv_transfer_config = None
+
+        return reg, TieredPromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["tiny", 0]})  # type: ignore[arg-type]
+
+    servers = [server(), server()]
+    ranks = [StatsSource("rank0"), StatsSource("rank1")]
+    steps = [(100, 200), (150, 200), (150, 250)]  # each rank's DRAM used_bytes at each step
+    for i, used in enumerate(steps):
+        acc: TieredConnectorStats | None = None
+        for src, u in zip(ranks, used):
+            s = src.take(stats(hits=i, used=u), ConnectorStats())
+            if s is not None:
+                acc = s if acc is None else acc.aggregate(s)  # type: ignore[assignment]
+        assert acc is not None
+        reg, prom = servers[i % 2]
+        prom.observe(acc.to_dict(), 0)
+        got = reg.get_sample_value("mooncake_kv_tier_used_bytes", {"model_name": "tiny", "engine": "0", "tier": "dram"})
+        assert got == sum(used), (i, got)
