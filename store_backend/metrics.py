@@ -20,6 +20,8 @@ LATENCY_BOUNDS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Tier names as they appear in stats and metric labels ("pool" is reserved for the pooled tier).
+# Every store reports these (a store without an SSD tier reports zeros for it); a tier below
+# DRAM of another name adds its own entry, keyed by its ``Tier.name``.
 TIERS: tuple[str, ...] = ("dram", "ssd")
 
 
@@ -115,7 +117,11 @@ class StoreCounters(msgspec.Struct):
 
 
 class StoreStats(msgspec.Struct):
-    """A copy of everything the store counts, plus its gauges at the moment of the copy."""
+    """A copy of everything the store counts, plus its gauges at the moment of the copy.
+
+    One field per tier name of :data:`TIERS` (so the encoded shape, and every exporter, stays
+    fixed; the pooled tier adds its field with it); :attr:`tiers` is the same by name, fastest
+    first, for code that iterates tiers."""
 
     dram: TierStats = msgspec.field(default_factory=TierStats)
     ssd: TierStats = msgspec.field(default_factory=TierStats)
@@ -123,27 +129,45 @@ class StoreStats(msgspec.Struct):
     queues: QueueGauges = msgspec.field(default_factory=QueueGauges)
     latency: StoreLatency = msgspec.field(default_factory=StoreLatency)
 
+    @property
+    def tiers(self) -> dict[str, TierStats]:
+        """Each tier's stats by name (the same objects as the fields), fastest first."""
+        return {name: getattr(self, name) for name in TIERS}
+
 
 class StoreMetrics:
-    """The live counters a store updates (under its lock)."""
+    """The live counters a store updates (under its lock): one :class:`TierCounters` per tier
+    name (those of :data:`TIERS` always, others as the store names them)."""
 
-    def __init__(self) -> None:
-        self.dram = TierCounters()
-        self.ssd = TierCounters()
+    def __init__(self, tier_names: tuple[str, ...] = ()) -> None:
+        self.tiers: dict[str, TierCounters] = {name: TierCounters() for name in (*TIERS, *tier_names)}
         self.store = StoreCounters()
         self.latency = StoreLatency()
 
+    @property
+    def dram(self) -> TierCounters:
+        return self.tiers["dram"]
+
+    @property
+    def ssd(self) -> TierCounters:
+        return self.tiers["ssd"]
+
     def tier(self, name: str) -> TierCounters:
-        return self.dram if name == "dram" else self.ssd
+        """The counters of tier ``name`` (made at first use for a tier not named at construction)."""
+        c = self.tiers.get(name)
+        if c is None:
+            c = self.tiers[name] = TierCounters()
+        return c
 
-    def snapshot(self, dram: dict[str, int], ssd: dict[str, int], queues: QueueGauges) -> StoreStats:
+    def snapshot(self, gauges: dict[str, dict[str, int]], queues: QueueGauges) -> StoreStats:
         """A deep copy of the counters with the caller's gauges (``TierStats`` gauge fields by
-        name, per tier); the caller holds the store's lock."""
-        def tier(c: TierCounters, gauges: dict[str, int]) -> TierStats:
+        name, per tier name); the caller holds the store's lock."""
+        def tier(c: TierCounters, g: dict[str, int]) -> TierStats:
             return TierStats(**{k: v for k, v in _fields(c).items() if k != "failures"},
-                             failures=msgspec.structs.replace(c.failures), **gauges)
+                             failures=msgspec.structs.replace(c.failures), **g)
 
-        return StoreStats(dram=tier(self.dram, dram), ssd=tier(self.ssd, ssd),
+        # A tier whose name StoreStats has no field for yet is counted here but not reported.
+        return StoreStats(**{name: tier(self.tiers[name], gauges.get(name, {})) for name in TIERS},
                           store=msgspec.structs.replace(self.store), queues=queues,
                           latency=StoreLatency(get=self.latency.get.copy(), put=self.latency.put.copy()))
 

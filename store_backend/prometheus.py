@@ -157,16 +157,18 @@ def histogram_families(cls: type[msgspec.Struct], prefix: str, get: Callable[[An
 
 
 def _tier_families() -> list[Family]:
+    """One family per :class:`TierStats` field, labelled by tier name: every tier the stats carry
+    (``StoreStats.tiers``, fastest first), so a tier added below DRAM is exported as it comes."""
     gauges = [f for f in fields_of(TierStats) if f not in fields_of(TierCounters)]
     out: list[Family] = []
     for name in fields_of(TierStats):
         full = f"{PREFIX}_tier_{name}"
         if name == "failures":
             out.append(Family(full, COUNTER, ("tier", "kind"), DESCRIPTIONS.get(full, ""), lambda s: [
-                ((t, k), getattr(getattr(s, t).failures, k)) for t in TIERS for k in fields_of(FailureCounters)]))
+                ((t, k), getattr(ts.failures, k)) for t, ts in s.tiers.items() for k in fields_of(FailureCounters)]))
         else:
             out.append(Family(full, GAUGE if name in gauges else COUNTER, ("tier",), DESCRIPTIONS.get(full, ""),
-                              lambda s, n=name: [((t,), getattr(getattr(s, t), n)) for t in TIERS]))
+                              lambda s, n=name: [((t,), getattr(ts, n)) for t, ts in s.tiers.items()]))
     return out
 
 

@@ -1,4 +1,9 @@
-"""TieredStore: the embedded store (host DRAM over an optional SSD tier) that engines call.
+"""TieredStore: the embedded store (host DRAM over an ordered list of lower tiers) that engines call.
+
+The DRAM arena is the store's own (bookkeeping under its lock, copies outside it); the tiers below
+it (the SSD tier today, a pool later) sit behind the :class:`~store_backend.tiers.base.Tier`
+Protocol and are only ever called with no store lock held. The first tier that backs DRAM (the
+SSD tier) is the offload target; reads, lookups and removes go through every tier in order.
 
 Thread-safe; every public method may be called from any thread. One lock guards the index
 (DRAM entries, allocator, policy, counters); byte copies and SSD I/O run outside it, on entries
@@ -20,6 +25,7 @@ an SSD backend's own "closed" error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -48,6 +54,8 @@ from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_adm
 from store_backend.residency import ALL_TIERS, ResidencyBus, ResidencyEvent, Subscriber
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
+from store_backend.tiers.base import Tier
+from store_backend.tiers.ssd import SsdTier
 from store_backend.threads import Deadline
 from store_backend.types import (
     Buffer,
@@ -104,28 +112,33 @@ class TieredStore:
         config: StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
         *,
         ssd: SsdBackend | None = None,
+        tiers: Sequence[Tier] = (),
     ) -> None:
-        """Open the tiers (an SSD directory is recovered here). ``ssd`` injects a backend (tests)."""
+        """Open the tiers (an SSD directory is recovered here). ``ssd`` injects an SSD backend and
+        ``tiers`` more tiers below it, in order (tests; the store owns them from here on)."""
         self.config = load_config(config)
-        self.metrics_counters = StoreMetrics()
         self._lock = threading.Lock()
-        self._ssd: SsdBackend | None = ssd
+        # The tiers below DRAM, fastest first (ssd, then a pool), each behind the Tier Protocol;
+        # ``_backing`` is the first whose copy makes a DRAM copy clean: the offload target.
+        self._below: list[Tier] = [*([SsdTier(ssd)] if ssd is not None else []), *tiers]
         # A failed open releases what it took (the /dev/shm segment, the SSD directory's lock and
-        # an injected backend, which the store owns from here on), so a retry finds nothing held.
+        # injected tiers, which the store owns from here on), so a retry finds nothing held.
         try:
             self._dram = HostDramTier(self.config.dram)
             try:
-                if self._ssd is None and self.config.ssd is not None:
-                    self._ssd = open_ssd_backend(self.config.ssd)
+                if ssd is None and self.config.ssd is not None:
+                    self._below.insert(0, SsdTier(open_ssd_backend(self.config.ssd)))
                 self._admission: AdmissionPolicy = make_admission(
                     self.config.ssd.admission_policy if self.config.ssd is not None else AdmitAll.name)
             except BaseException:
                 self._dram.close()
                 raise
         except BaseException:
-            if self._ssd is not None:
-                self._ssd.close()
+            for t in reversed(self._below):
+                t.close()
             raise
+        self._backing: Tier | None = next((t for t in self._below if t.traits.backs_dram), None)
+        self.metrics_counters = StoreMetrics(tuple(t.name for t in self._below))
         self._ssd_hits: dict[str, int] = {}
         self._closed = False
         self._started = False
@@ -137,11 +150,8 @@ class TieredStore:
         self._evictions = EvictionClock()  # evictions the SSD tier reported, numbered per key
         self._known_below = KnownBelow()  # dropped from DRAM while persisted: believed on SSD
         self._bus = ResidencyBus()
-        if self._ssd is not None:
-            # A backend without the hook (a test's dict-backed fake) is one that never evicts.
-            listen = getattr(self._ssd, "set_eviction_listener", None)
-            if listen is not None:
-                listen(self._on_below_evicted)
+        for t in self._below:
+            t.set_eviction_listener(functools.partial(self._on_below_evicted, t))
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
@@ -171,7 +181,7 @@ class TieredStore:
         self._check_open()
         if not self._started:
             self._bus.start()
-        if not self._started and self._ssd is not None:
+        if not self._started and self._below:
             self._offloader.start()
             self._promoter.start()
         self._started = True
@@ -289,6 +299,12 @@ class TieredStore:
                 if not self._calls:
                     self._changed.notify_all()
 
+    @property
+    def _ssd(self) -> Any:
+        """The SSD tier's backend, or None (for closing it, and for tools and tests that look
+        underneath the store)."""
+        return next((t.backend for t in self._below if isinstance(t, SsdTier)), None)
+
     def _live(self, e: Entry) -> bool:
         """Whether ``e`` is still the index's entry for its key (lock held): a removed entry is
         not, though readers or an offload may still hold its bytes."""
@@ -345,16 +361,24 @@ class TieredStore:
         # hidden, so a put racing the removal of an older copy stores its bytes; a hit whose key
         # changed visibility since the lookup (an old copy landed after a remove and was deleted
         # just after the lookup saw it) is asked again, and after a few tries taken as a miss.
+        # Only tiers that answer from memory are asked (a pool's lookup is a network round trip).
+        local = [t for t in self._below if t.traits.local_index]
         on_ssd = [False] * len(keys)
         asked_at = [0] * len(keys)
-        ask = [i for i, ok in enumerate(valid) if ok] if self._ssd is not None else []
+        ask = [i for i, ok in enumerate(valid) if ok] if local else []
         tries = 0
         while True:
             if ask:
-                assert self._ssd is not None
                 with self._lock:
                     generation = self._removals.generation()
-                for i, hit in zip(ask, self._ssd.contains([keys[i] for i in ask])):
+                found = [False] * len(ask)
+                for t in local:
+                    rest = [j for j, hit in enumerate(found) if not hit]
+                    if not rest:
+                        break
+                    for j, hit in zip(rest, t.contains([keys[ask[j]] for j in rest])):
+                        found[j] = hit
+                for i, hit in zip(ask, found):
                     on_ssd[i], asked_at[i] = hit, generation
             with self._lock:
                 stale = [i for i in ask if on_ssd[i] and not self._removals.hidden(keys[i])
@@ -368,7 +392,7 @@ class TieredStore:
                 reserved = self._reserve_puts(keys, views, parents, valid, on_ssd, out)
                 break
         self._finish_put(views, reserved)
-        if self._ssd is not None and self._started and self.config.offload.policy == "watermark" \
+        if self._backing is not None and self._started and self.config.offload.policy == "watermark" \
                 and self._over_high_watermark():
             self._offloader.kick()
         return out
@@ -412,7 +436,7 @@ class TieredStore:
             queued: list[Entry] = []
             stored: list[ResidencyEvent] = []
             with self._lock:
-                eager = self._ssd is not None and self._started and self.config.offload.policy == "eager"
+                eager = self._backing is not None and self._started and self.config.offload.policy == "eager"
                 for n, (_i, entry) in enumerate(reserved):
                     if not self._live(entry):  # removed while its bytes were copied in
                         self._release_detached(entry)
@@ -480,7 +504,7 @@ class TieredStore:
         events: list[ResidencyEvent] = []
         entry = None
         now = time.monotonic()
-        for persisted_only in evict_pass_order(self._ssd is not None):
+        for persisted_only in evict_pass_order(self._backing is not None):
             if promotion and not persisted_only:
                 break
 
@@ -497,7 +521,7 @@ class TieredStore:
             def on_evict(e: Entry) -> None:
                 m.dram.evictions += 1
                 self._dropped_from_dram(e, events)
-                if self._ssd is not None and not e.clean:
+                if self._backing is not None and not e.clean:
                     m.store.dropped_unpersisted += 1
                     self._losses.record(e.key, e.put_seq, "evicted from DRAM before it reached SSD" + (
                         f" ({e.offload_failures} failed or refused writes)" if e.offload_failures else ""))
@@ -525,21 +549,23 @@ class TieredStore:
             if self._started:
                 e.offload_failures += 1  # so that the next eviction asks again (see victim_verdict)
 
-    def _on_below_evicted(self, keys: list[str]) -> None:
-        """The SSD tier evicted ``keys`` on its own (called by the backend, in the thread of the put
-        that evicted, with no lock of the backend's held; never under the store lock). Each DRAM
-        copy is dirty again, its eviction is numbered for offloads in flight
-        (:class:`EvictionClock`), and the bus hears of it."""
+    def _on_below_evicted(self, tier: Tier, keys: list[str]) -> None:
+        """``tier`` evicted ``keys`` on its own (called by it, in the thread of the put that
+        evicted, with no lock of the tier's held; never under the store lock). When it is the
+        backing tier, each DRAM copy is dirty again and the eviction is numbered for offloads in
+        flight (:class:`EvictionClock`); the bus hears of it in any case."""
+        backing = tier is self._backing
         with self._lock:
             events: list[ResidencyEvent] = []
             for key in keys:
-                self._evictions.stamp(key)
-                self._known_below.discard(key)
                 e = self._dram.entries.get(key)
-                if e is not None and e.persisted:
-                    self._lost_below(e)
+                if backing:
+                    self._evictions.stamp(key)
+                    self._known_below.discard(key)
+                    if e is not None and e.persisted:
+                        self._lost_below(e)
                 live = e is not None and e.state is EntryState.READY
-                events.append(ResidencyEvent("evicted", key, "ssd", e.size if e is not None else 0,
+                events.append(ResidencyEvent("evicted", key, tier.name, e.size if e is not None else 0,
                                              lost=not live))
             self._bus.publish(events)
 
@@ -605,7 +631,7 @@ class TieredStore:
                     m.dram.hits += 1
                     m.dram.bytes_read += entry.size
                 m.dram.misses += len(below)
-        if below and self._ssd is not None:
+        if below and self._below:
             self._read_below(keys, buffers, below, out)
         elif below:
             with self._lock:
@@ -614,42 +640,51 @@ class TieredStore:
 
     def _read_below(self, keys: Sequence[str], buffers: Sequence[Buffer], idx: list[int],
                     out: list[ReadResult]) -> None:
-        assert self._ssd is not None
+        """Read the keys at ``idx`` from the tiers below, in order, each tier asked for what the
+        ones before it did not serve (no store lock held while a tier reads). A failed read
+        (CORRUPT, IO_ERROR) is that tier's miss and the next tier is asked; the answer is the
+        first failure when no tier had the object."""
         m = self.metrics_counters
-        with self._lock:  # a key being removed is absent, though its SSD copy may still be there
+        with self._lock:  # a key being removed is absent, though its copies below may still be there
             hidden = [i for i in idx if self._removals.hidden(keys[i])]
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
-            m.ssd.misses += len(hidden)
-        if not idx:
-            return
-        results = self._ssd.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
-        short = [i for i, res in zip(idx, results) if res.status is Status.BUFFER_TOO_SMALL]
-        sizes = dict(zip(short, self._ssd.size_of([keys[i] for i in short]))) if short else {}
+            m.tier(self._below[0].name).misses += len(hidden)
         promote: list[str] = []
-        with self._lock:
-            for i, res in zip(idx, results):
-                if res.status is Status.BUFFER_TOO_SMALL:  # the backends do not say the size: we do
-                    size = sizes.get(i)
-                    res = ReadResult(Status.NOT_FOUND) if size is None or self._removals.hidden(keys[i]) \
-                        else ReadResult(Status.BUFFER_TOO_SMALL, size)
-                out[i] = res
-                if res.status is Status.OK:
-                    m.ssd.hits += 1
-                    m.ssd.bytes_read += res.nbytes
-                    hits = self._ssd_hits.get(keys[i], 0) + 1
-                    if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
-                                      policy_uses(self._dram.policy, keys[i])):
-                        self._ssd_hits.pop(keys[i], None)
-                        promote.append(keys[i])
-                    else:
-                        if len(self._ssd_hits) >= _HIT_TABLE_MAX:
-                            self._ssd_hits.pop(next(iter(self._ssd_hits)))
-                        self._ssd_hits[keys[i]] = hits
-                elif res.status in (Status.CORRUPT, Status.IO_ERROR):
-                    _count_failure(m.ssd.failures, res.status)
-                    m.ssd.misses += 1
-                else:
-                    m.ssd.misses += 1
+        for tier in self._below:
+            if not idx:
+                break
+            tm = m.tier(tier.name)
+            results = tier.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+            short = [i for i, res in zip(idx, results) if res.status is Status.BUFFER_TOO_SMALL]
+            sizes = dict(zip(short, tier.size_of([keys[i] for i in short]))) if short else {}
+            missed: list[int] = []
+            with self._lock:
+                for i, res in zip(idx, results):
+                    if res.status is Status.BUFFER_TOO_SMALL:  # the backends do not say the size: we do
+                        size = sizes.get(i)
+                        res = ReadResult(Status.NOT_FOUND) if size is None or self._removals.hidden(keys[i]) \
+                            else ReadResult(Status.BUFFER_TOO_SMALL, size)
+                    if res.status is not Status.NOT_FOUND or out[i].status is Status.NOT_FOUND:
+                        out[i] = res  # a failure in a faster tier is kept over a later miss
+                    if res.status is Status.OK:
+                        tm.hits += 1
+                        tm.bytes_read += res.nbytes
+                        hits = self._ssd_hits.get(keys[i], 0) + 1
+                        if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
+                                          policy_uses(self._dram.policy, keys[i])):
+                            self._ssd_hits.pop(keys[i], None)
+                            promote.append(keys[i])
+                        else:
+                            if len(self._ssd_hits) >= _HIT_TABLE_MAX:
+                                self._ssd_hits.pop(next(iter(self._ssd_hits)))
+                            self._ssd_hits[keys[i]] = hits
+                        continue
+                    if res.status in (Status.CORRUPT, Status.IO_ERROR):
+                        _count_failure(tm.failures, res.status)
+                    tm.misses += 1
+                    if res.status in (Status.NOT_FOUND, Status.CORRUPT, Status.IO_ERROR):
+                        missed.append(i)
+            idx = missed
         if promote and self._started:
             refused = self._promoter.submit(promote)
             if refused:
@@ -657,11 +692,11 @@ class TieredStore:
                     m.store.promotion_queue_full += refused
 
     # -- queries -----------------------------------------------------------------------------------
-    def _ask_ssd(self, ask: Any, keys: Sequence[str], absent: Any) -> list[Any]:
-        """Ask the SSD index about ``keys`` outside the store lock (``ask(keys)`` answers per key);
-        a key being removed answers ``absent``. An answer for a key whose visibility changed while
-        it was asked (an old copy that an offload landed after a remove, seen just before it was
-        deleted) is asked again, and after a few tries taken as ``absent``."""
+    def _ask_tier(self, ask: Any, keys: Sequence[str], absent: Any) -> list[Any]:
+        """Ask one tier's index about ``keys`` outside the store lock (``ask(keys)`` answers per
+        key); a key being removed answers ``absent``. An answer for a key whose visibility changed
+        while it was asked (an old copy that an offload landed after a remove, seen just before it
+        was deleted) is asked again, and after a few tries taken as ``absent``."""
         out = [absent] * len(keys)
         todo = list(range(len(keys)))
         for attempt in range(_LOOKUP_TRIES):
@@ -683,10 +718,31 @@ class TieredStore:
             todo = again
         return out
 
-    def _on_ssd(self, keys: Sequence[str]) -> list[bool]:
-        """SSD presence, outside the store lock; a key being removed is absent."""
-        assert self._ssd is not None
-        return self._ask_ssd(self._ssd.contains, keys, False) if keys else []
+    def _ask_below(self, method: str, keys: Sequence[str], absent: Any,
+                   tiers: Sequence[Tier] | None = None) -> list[tuple[Any, Tier | None]]:
+        """(answer, tier that gave it) per key: ``method`` asked of each tier in order (all of
+        ``_below`` unless ``tiers``), each for the keys the ones before it answered ``absent``
+        for (see :meth:`_ask_tier`); (``absent``, None) when no tier had the key."""
+        out: list[tuple[Any, Tier | None]] = [(absent, None)] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._below if tiers is None else tiers:
+            if not todo:
+                break
+            answers = self._ask_tier(getattr(tier, method), [keys[i] for i in todo], absent)
+            for i, a in zip(todo, answers):
+                if a != absent:
+                    out[i] = (a, tier)
+            todo = [i for i in todo if out[i][1] is None]
+        return out
+
+    def _on_below(self, keys: Sequence[str], tiers: Sequence[Tier] | None = None) -> list[bool]:
+        """Presence in any tier below (or in ``tiers``), outside the store lock; a key being
+        removed is absent."""
+        return [t is not None for _a, t in self._ask_below("contains", keys, False, tiers)] if keys else []
+
+    def _on_backing(self, keys: Sequence[str]) -> list[bool]:
+        """Presence in the backing tier (the offload target), outside the store lock."""
+        return self._on_below(keys, [self._backing]) if self._backing is not None else [False] * len(keys)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present in any tier (an object still being written is not)."""
@@ -695,8 +751,8 @@ class TieredStore:
             with self._lock:
                 out = [check_key(k) is None and self._dram.ready(k) is not None for k in keys]
             rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
-            if rest and self._ssd is not None:
-                for i, hit in zip(rest, self._on_ssd([keys[i] for i in rest])):
+            if rest and self._below:
+                for i, hit in zip(rest, self._on_below([keys[i] for i in rest])):
                     out[i] = hit
             return out
 
@@ -710,7 +766,7 @@ class TieredStore:
         return n
 
     def tier_of(self, keys: Sequence[str]) -> list[str | None]:
-        """"dram", "ssd" or None for each key (the fastest tier holding it)."""
+        """"dram", a lower tier's name ("ssd") or None for each key (the fastest tier holding it)."""
         check_batch(keys)
         with self._call():
             with self._lock:
@@ -718,29 +774,31 @@ class TieredStore:
                     "dram" if check_key(k) is None and self._dram.ready(k) is not None else None for k in keys
                 ]
             rest = [i for i, t in enumerate(out) if t is None and check_key(keys[i]) is None]
-            if rest and self._ssd is not None:
-                for i, hit in zip(rest, self._on_ssd([keys[i] for i in rest])):
-                    out[i] = "ssd" if hit else None
+            if rest and self._below:
+                for i, (_hit, tier) in zip(rest, self._ask_below("contains", [keys[i] for i in rest], False)):
+                    out[i] = None if tier is None else tier.name
             return out
 
     def keys(self, prefix: str = "") -> list[str]:
-        """Every stored key starting with ``prefix`` (DRAM and SSD, each once). A snapshot: O(objects)."""
+        """Every stored key starting with ``prefix`` (in any tier, each once). A snapshot: O(objects)."""
         with self._call():
             with self._lock:
                 out = [k for k, e in self._dram.entries.items()
                        if e.state is EntryState.READY and k.startswith(prefix)]
-            if self._ssd is not None:
-                seen = set(out)
+            seen = set(out)
+            for tier in self._below:
                 with self._lock:
                     generation = self._removals.generation()
-                below = [k for k in self._ssd.keys() if k.startswith(prefix) and k not in seen]
+                below = [k for k in tier.keys() if k.startswith(prefix) and k not in seen]
                 with self._lock:
                     changed = [k for k in below if not self._removals.hidden(k)
                                and self._removals.changed_since(k, generation)]
-                    out.extend(k for k in below if not self._removals.hidden(k)
-                               and not self._removals.changed_since(k, generation))
+                    found = [k for k in below if not self._removals.hidden(k)
+                             and not self._removals.changed_since(k, generation)]
                 if changed:  # seen while a removal of them ended: asked again
-                    out.extend(k for k, hit in zip(changed, self._on_ssd(changed)) if hit)
+                    found.extend(k for k, hit in zip(changed, self._on_below(changed, [tier])) if hit)
+                out.extend(found)
+                seen.update(found)
             return out
 
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
@@ -753,8 +811,8 @@ class TieredStore:
                     e = self._dram.ready(k) if check_key(k) is None else None
                     out.append(None if e is None else e.size)
             rest = [i for i, s in enumerate(out) if s is None and check_key(keys[i]) is None]
-            if rest and self._ssd is not None:
-                for i, size in zip(rest, self._ask_ssd(self._ssd.size_of, [keys[i] for i in rest], None)):
+            if rest and self._below:
+                for i, (size, _tier) in zip(rest, self._ask_below("size_of", [keys[i] for i in rest], None)):
                     out[i] = size
             return out
 
@@ -797,13 +855,13 @@ class TieredStore:
                     self._ssd_hits.pop(key, None)
                     self._losses.clear(key)
                     self._known_below.discard(key)
-                    if self._ssd is not None:
+                    if self._below:
                         self._removals.begin(key)
                         below.append(i)
                 if not below:
                     self._publish_removed(keys, out, sizes)
             if below:
-                statuses = self._delete_on_ssd([keys[i] for i in below])
+                statuses = self._delete_below([keys[i] for i in below])
                 with self._lock:
                     again: list[str] = []
                     for i, st in zip(below, statuses):
@@ -853,21 +911,33 @@ class TieredStore:
         self._changed.notify_all()
         return visible
 
-    def _delete_on_ssd(self, keys: list[str]) -> list[Status]:
-        """Delete SSD copies (store lock not held). A copy a reader holds (BUSY) is retried for
-        up to ``_REMOVE_BUSY_S``; an exception answers IO_ERROR for the keys left."""
-        assert self._ssd is not None
+    def _delete_below(self, keys: list[str], tiers: Sequence[Tier] | None = None) -> list[Status]:
+        """Delete the copies of ``keys`` in every tier below (or in ``tiers``), store lock not
+        held. Per key: OK when some tier deleted a copy and none failed, NOT_FOUND when no tier
+        had one, else the first tier's failure (so OK or NOT_FOUND means no copy is left below)."""
+        out = [Status.NOT_FOUND] * len(keys)
+        for tier in self._below if tiers is None else tiers:
+            for i, st in enumerate(self._delete_in(tier, keys)):
+                if st is Status.OK and out[i] is Status.NOT_FOUND:
+                    out[i] = Status.OK
+                elif st not in (Status.OK, Status.NOT_FOUND) and out[i] in (Status.OK, Status.NOT_FOUND):
+                    out[i] = st
+        return out
+
+    def _delete_in(self, tier: Tier, keys: list[str]) -> list[Status]:
+        """Delete copies in ``tier`` (store lock not held). A copy a reader holds (BUSY) is retried
+        for up to ``_REMOVE_BUSY_S``; an exception answers IO_ERROR for the keys left."""
         out = [Status.IO_ERROR] * len(keys)
         todo = list(range(len(keys)))
         deadline = time.monotonic() + _REMOVE_BUSY_S
         pause_s = 0.0005
         while todo:
             try:
-                statuses = self._ssd.remove([keys[i] for i in todo])
+                statuses = tier.remove([keys[i] for i in todo])
             except Exception:
                 if self._closed:
                     raise StoreClosedError("the store was closed during the call") from None
-                logger.exception("deleting %d SSD copies failed", len(todo))
+                logger.exception("deleting %d copies in the %s tier failed", len(todo), tier.name)
                 break
             for i, st in zip(todo, statuses):
                 out[i] = st
@@ -877,8 +947,8 @@ class TieredStore:
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, 0.02)
         for i in todo:
-            logger.error("SSD copy of %r still busy after %.0f s: hidden until a later remove deletes it",
-                         keys[i], _REMOVE_BUSY_S)
+            logger.error("%s copy of %r still busy after %.0f s: hidden until a later remove deletes it",
+                         tier.name, keys[i], _REMOVE_BUSY_S)
         return out
 
     def _queue_again(self, entries: list[Entry], problems: dict[str, str]) -> None:
@@ -997,7 +1067,7 @@ class TieredStore:
             return self._flush(timeout_s)
 
     def _flush(self, timeout_s: float | None) -> FlushReport:
-        if self._ssd is None:
+        if self._backing is None:
             return FlushReport()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -1061,8 +1131,8 @@ class TieredStore:
             persisted = [e.key for e in live if e.persisted]
             parents = sorted({e.parent for e in live if e.declined and e.parent is not None
                               and e.parent not in self._dram.entries})
-        present = {k for k, hit in zip(persisted, self._on_ssd(persisted)) if hit} if persisted else set()
-        parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(parents)) if hit} if parents else set()
+        present = {k for k, hit in zip(persisted, self._on_backing(persisted)) if hit} if persisted else set()
+        parents_on_ssd = {p for p, hit in zip(parents, self._on_backing(parents)) if hit} if parents else set()
         with self._lock:
             for e in live:
                 if not self._live(e) or e.key in self._offloading:
@@ -1133,7 +1203,8 @@ class TieredStore:
         with ``demote``, free them from DRAM afterwards (watermark mode). Waits (until
         ``deadline``) while other SSD writes hold all the room they may lease. Returns why each
         object that is still not on SSD was not written."""
-        assert self._ssd is not None
+        backing = self._backing
+        assert backing is not None
         m = self.metrics_counters
         problems: dict[str, str] = {}
         with self._lock:
@@ -1156,7 +1227,7 @@ class TieredStore:
                 else:
                     todo.append(e)
         if stuck:
-            statuses = self._delete_on_ssd([e.key for e in stuck])
+            statuses = self._delete_below([e.key for e in stuck])
             with self._lock:
                 for e, st in zip(stuck, statuses):
                     deleted = st in (Status.OK, Status.NOT_FOUND)
@@ -1170,7 +1241,7 @@ class TieredStore:
             parents = {e.parent for e in todo if e.parent is not None and e.parent not in self._dram.entries}
         # Asked outside the store lock (the SSD index has its own); a parent that leaves SSD meanwhile
         # only costs one write that admission would have skipped.
-        parents_on_ssd = {p for p, hit in zip(parents, self._on_ssd(list(parents))) if hit} if parents else set()
+        parents_on_ssd = {p for p, hit in zip(parents, self._on_backing(list(parents))) if hit} if parents else set()
         later: list[Entry] = []  # past the batch's byte cap: queued again
         with self._lock:
             def writable(e: Entry) -> bool:
@@ -1218,7 +1289,7 @@ class TieredStore:
             return problems
         arena = self._dram.arena.view
         try:
-            statuses = self._ssd.put([e.key for e in batch], [arena[e.offset:e.offset + e.size] for e in batch])
+            statuses = backing.put([e.key for e in batch], [arena[e.offset:e.offset + e.size] for e in batch])
         except Exception:
             statuses = [Status.IO_ERROR] * len(batch)
             logger.exception("offload of %d objects failed", len(batch))
@@ -1241,20 +1312,20 @@ class TieredStore:
                     e.persisted = True
                     e.offload_failures = 0
                     m.dram.offloads += 1
-                    m.ssd.bytes_written += e.size if st is Status.OK else 0
-                    events.append(ResidencyEvent("moved", e.key, "ssd", e.size, src_tier="dram"))
+                    m.tier(backing.name).bytes_written += e.size if st is Status.OK else 0
+                    events.append(ResidencyEvent("moved", e.key, backing.name, e.size, src_tier="dram"))
                     if demote and e.leases == 0 and e.pins == 0:
                         self._dropped_from_dram(e, events)
                         self._dram.drop(e.key)
                         m.dram.evictions += 1
                 else:
                     e.offload_failures += 1  # retried when DRAM needs the room (see _reserve)
-                    _count_failure(m.ssd.failures, st)
+                    _count_failure(m.tier(backing.name).failures, st)
                     problems[e.key] = f"{_WRITE_FAILED} {st.name}"
             self._bus.publish(events)
             self._changed.notify_all()
         if landed_after_remove:
-            statuses = self._delete_on_ssd(landed_after_remove)
+            statuses = self._delete_below(landed_after_remove, [backing])
             with self._lock:
                 again = [k for k, st in zip(landed_after_remove, statuses)
                          if self._end_removal(k, st in (Status.OK, Status.NOT_FOUND))]
@@ -1303,22 +1374,32 @@ class TieredStore:
 
         The SSD lookup and the read run outside the lock, so each key is checked again at each
         step: skipped when a remove of it came after the lookup, dropped when a remove took its
-        reservation during the read (a removed object never comes back this way)."""
-        assert self._ssd is not None
+        reservation during the read (a removed object never comes back this way). Each object is
+        read from the fastest tier below that answered its size; it is clean in DRAM only when
+        that is the backing tier."""
         m = self.metrics_counters
         with self._lock:
             if self._closed:
                 return
             generation = self._removals.generation()
             keys = [k for k in keys if not self._removals.hidden(k) and k not in self._dram.entries]
-        sizes = self._ssd.size_of(keys) if keys else []
-        reserved: list[Entry] = []
+        sizes: list[int | None] = [None] * len(keys)
+        source: list[Tier | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._below:
+            if not todo:
+                break
+            for i, size in zip(todo, tier.size_of([keys[i] for i in todo])):
+                if size is not None:
+                    sizes[i], source[i] = size, tier
+            todo = [i for i in todo if source[i] is None]
+        reserved: list[tuple[Entry, Tier]] = []
         with self._lock:
             if self._closed:
                 return
             evicted_at = self._evictions.generation()
-            for key, size in zip(keys, sizes):
-                if size is None or key in self._dram.entries or self._removals.hidden(key) \
+            for key, size, tier in zip(keys, sizes, source):
+                if size is None or tier is None or key in self._dram.entries or self._removals.hidden(key) \
                         or self._removals.changed_since(key, generation):
                     continue
                 e = self._reserve(key, size, None, promotion=True)
@@ -1326,67 +1407,79 @@ class TieredStore:
                     m.store.promotions_skipped += 1
                     m.dram.failures.capacity += 1
                     continue
-                reserved.append(e)
+                reserved.append((e, tier))
         if not reserved:
             return
         arena = self._dram.arena.view
-        try:
-            results = self._ssd.get_into([e.key for e in reserved],
-                                         [arena[e.offset:e.offset + e.size] for e in reserved])
-        except Exception:
-            results = [ReadResult(Status.IO_ERROR)] * len(reserved)
-            logger.exception("promotion of %d objects failed", len(reserved))
+        results: list[ReadResult] = []
+        for tier in dict.fromkeys(t for _e, t in reserved):  # one read per tier, in tier order
+            batch = [e for e, t in reserved if t is tier]
+            try:
+                got = tier.get_into([e.key for e in batch], [arena[e.offset:e.offset + e.size] for e in batch])
+            except Exception:
+                got = [ReadResult(Status.IO_ERROR)] * len(batch)
+                logger.exception("promotion of %d objects from the %s tier failed", len(batch), tier.name)
+            results.extend(got)
+        reserved = [(e, t) for tier in dict.fromkeys(t for _e, t in reserved) for e, t in reserved if t is tier]
         with self._lock:
             events: list[ResidencyEvent] = []
-            for e, res in zip(reserved, results):
+            for (e, tier), res in zip(reserved, results):
                 if not self._live(e):  # removed while it was read
                     self._release_detached(e)
                     m.store.promotions_skipped += 1
                 elif res.status is Status.OK and res.nbytes == e.size:
-                    # Clean unless the SSD tier evicted the copy since the read was planned.
-                    e.persisted = True
-                    if self._evictions.changed_since(e.key, evicted_at):
+                    # Clean when read from the backing tier, unless it evicted the copy since the
+                    # read was planned.
+                    e.persisted = tier is self._backing
+                    if e.persisted and self._evictions.changed_since(e.key, evicted_at):
                         self._lost_below(e)
                     self._dram.commit(e)
                     self._known_below.discard(e.key)
                     m.dram.promotions += 1
                     m.dram.bytes_written += e.size
-                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier="ssd"))
+                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier=tier.name))
                 else:
                     self._dram.drop(e.key)
                     m.store.promotions_skipped += 1
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):
-                        _count_failure(m.ssd.failures, res.status)
+                        _count_failure(m.tier(tier.name).failures, res.status)
             self._bus.publish(events)
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         """A typed copy of every counter, with the gauges as they are now (capacity, usage and
-        objects per tier, queue depths). Thread-safe; takes the store lock briefly, and asks the
-        SSD backend for its gauges outside it."""
+        objects per tier, queue depths), per tier by name. Thread-safe; takes the store lock
+        briefly, and asks the tiers below for their gauges outside it."""
         with self._call():
-            return self._stats()[0]
+            return self._stats()
 
-    def _stats(self) -> tuple[StoreStats, Any]:
-        ssd = self._ssd.stats() if self._ssd is not None else None
+    def _stats(self) -> StoreStats:
+        below = {t.name: t.gauges() for t in self._below}
         with self._lock:
-            dram = {"used_bytes": self._dram.used_bytes, "capacity_bytes": self._dram.capacity_bytes,
-                    "objects": len(self._dram.entries)}
+            gauges = {"dram": {"used_bytes": self._dram.used_bytes, "capacity_bytes": self._dram.capacity_bytes,
+                               "objects": len(self._dram.entries)}}
             queues = QueueGauges(offload=self._offloader.depth, promotion=self._promoter.depth)
-            stats = self.metrics_counters.snapshot(dram, {}, queues)
+            stats = self.metrics_counters.snapshot(gauges, queues)
             stats.store.events_dropped = self._bus.dropped
-        if ssd is not None:
-            # The SSD tier evicts on its own (capacity): its evictions are the backend's count.
-            stats.ssd.used_bytes, stats.ssd.capacity_bytes = ssd.used_bytes, ssd.capacity_bytes
-            stats.ssd.objects, stats.ssd.evictions = ssd.objects, ssd.evictions
-        return stats, ssd
+        reported = stats.tiers
+        for name, g in below.items():
+            # A tier below evicts on its own (capacity): its evictions are the tier's own count.
+            ts = reported.get(name)
+            if ts is None:  # a tier StoreStats has no field for yet (see StoreStats)
+                continue
+            ts.used_bytes, ts.capacity_bytes, ts.objects, ts.evictions = (
+                g.used_bytes, g.capacity_bytes, g.objects, g.evictions)
+        return stats
 
     def metrics(self) -> dict[str, Any]:
-        """:meth:`stats` as a plain nested dict (a copy), plus the SSD backend's recovery counts
-        (``ssd.corrupt_reads``, ``ssd.recovered_objects``) for logs and tests."""
+        """:meth:`stats` as a plain nested dict (a copy): one entry per tier name ("dram", "ssd",
+        ...) beside "store", "queues" and "latency", plus each lower tier's extra counts (the SSD
+        backend's ``corrupt_reads``, ``recovered_objects``) for logs and tests."""
         with self._call():
-            stats, ssd = self._stats()
+            stats = self._stats()
+            extras = {t.name: t.extra_stats() for t in self._below}
         snap: dict[str, Any] = msgspec.to_builtins(stats)
-        if ssd is not None:
-            snap["ssd"].update(corrupt_reads=ssd.corrupt_reads, recovered_objects=ssd.recovered_objects)
+        for name, extra in extras.items():
+            if name in snap:
+                snap[name].update(extra)
         return snap

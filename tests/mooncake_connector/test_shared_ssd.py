@@ -17,6 +17,7 @@ from store_backend.config import ConfigError, SsdConfig, load_config
 from store_backend.ownership import OwnershipError
 from store_backend.ssd.record import HEADER_BLOCK
 from store_backend.store import TieredStore
+from store_backend.tiers.ssd import SsdTier
 from store_backend.types import Status
 
 SIZE = 20_000
@@ -174,3 +175,15 @@ def test_its_own_evictions_reach_the_store_and_dirty_the_dram_copy(tmp_path: Pat
         assert s._ssd is not None and s._ssd.contains(["k0"]) == [False]
         assert ("evicted", "k0", "ssd") in [(e.kind, e.key, e.tier) for e in events]
         assert s._dram.entries["k0"].persisted is False
+
+
+def test_as_a_tier_it_is_not_exclusive(tmp_path: Path) -> None:
+    """Other processes change the directory: the SSD tier over it says its eviction reports are
+    not complete (``exclusive`` False), while still backing DRAM."""
+    c = load_config(cfg(tmp_path))
+    assert c.ssd is not None
+    tier = SsdTier(SharedDirectoryBackend(c.ssd))
+    try:
+        assert tier.traits.exclusive is False and tier.traits.backs_dram is True
+    finally:
+        tier.close()

@@ -1,0 +1,166 @@
+"""The Tier seam below DRAM: SsdTier over every backend, and a store over two tiers (SSD, then a
+dict-backed tier standing in for a pool) that reads in order, removes from both and hides a key
+across both."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from store_backend.config import SsdConfig, load_config
+from store_backend.ssd.factory import open_ssd_backend
+from store_backend.store import TieredStore
+from store_backend.tiers.base import Tier, TierGauges, TierTraits
+from store_backend.tiers.ssd import SsdTier
+from store_backend.types import Buffer, ReadResult, Status, byte_view
+from tests.store_backend.conftest import payload
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+CHUNK = 64 * 1024
+
+
+@pytest.mark.parametrize("backend", ["bucket", "offset", "file"])
+def test_ssd_tier_adapts_every_backend(tmp_path, backend) -> None:
+    b = open_ssd_backend(SsdConfig(path=str(tmp_path / "ssd"), backend=backend, capacity_bytes=8 * MiB))
+    t = SsdTier(b)
+    try:
+        assert isinstance(t, Tier) and t.name == "ssd"
+        assert t.traits == TierTraits(backs_dram=True, durable=True, exclusive=True, local_index=True)
+        assert t.put(["a"], [payload("a", 1000)]) == [Status.OK]
+        assert t.contains(["a", "b"]) == [True, False] and t.size_of(["a"]) == [1000]
+        buf = bytearray(1000)
+        assert t.get_into(["a"], [buf])[0].status is Status.OK and bytes(buf) == payload("a", 1000).tobytes()
+        assert list(t.keys()) == ["a"]
+        st = b.stats()
+        assert t.gauges() == TierGauges(objects=1, used_bytes=st.used_bytes, capacity_bytes=st.capacity_bytes,
+                                        evictions=0)
+        assert t.extra_stats() == {"corrupt_reads": 0, "recovered_objects": 0}
+        assert t.remove(["a"]) == [Status.OK] and t.contains(["a"]) == [False]
+    finally:
+        t.close()
+
+
+class DictTier:
+    """A tier that does not back DRAM and answers lookups remotely (a pool's traits), in a dict."""
+
+    name = "pool"
+    traits = TierTraits(backs_dram=False, durable=False, exclusive=False, local_index=False)
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.fail_removes = False
+        self.calls: list[str] = []
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
+        with self.lock:
+            self.calls.append("put")
+            for k, b in zip(keys, buffers):
+                self.data[k] = bytes(byte_view(b))
+        return [Status.OK] * len(keys)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        out = []
+        with self.lock:
+            self.calls.append("get_into")
+            for k, b in zip(keys, buffers):
+                v = self.data.get(k)
+                dst = byte_view(b)
+                if v is None:
+                    out.append(ReadResult(Status.NOT_FOUND))
+                elif dst.nbytes < len(v):
+                    out.append(ReadResult(Status.BUFFER_TOO_SMALL))
+                else:
+                    dst[:len(v)] = v
+                    out.append(ReadResult(Status.OK, len(v)))
+        return out
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self.lock:
+            self.calls.append("contains")
+            return [k in self.data for k in keys]
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        with self.lock:
+            return [len(self.data[k]) if k in self.data else None for k in keys]
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        with self.lock:
+            if self.fail_removes:
+                return [Status.IO_ERROR] * len(keys)
+            return [Status.OK if self.data.pop(k, None) is not None else Status.NOT_FOUND for k in keys]
+
+    def keys(self) -> Iterator[str]:
+        with self.lock:
+            return iter(list(self.data))
+
+    def gauges(self) -> TierGauges:
+        return TierGauges(objects=len(self.data))
+
+    def extra_stats(self) -> dict[str, int]:
+        return {}
+
+    def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def two_tiers(tmp_path) -> tuple[TieredStore, DictTier]:
+    cfg = load_config({"dram": {"capacity_bytes": 1 * MiB}, "offload": {"policy": "eager"},
+                       "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 16 * MiB,
+                               "admission_policy": "all"},
+                       "promotion": {"admission_hits": 1}})
+    assert cfg.ssd is not None
+    pool = DictTier()
+    store = TieredStore(cfg, ssd=open_ssd_backend(cfg.ssd), tiers=[pool])
+    return store.start(), pool
+
+
+def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
+    s, pool = two_tiers(tmp_path)
+    with s:
+        assert s._backing is not None and s._backing.name == "ssd"  # the pool never backs DRAM
+        pool.data["p"] = payload("p", CHUNK).tobytes()
+        assert s.put(["d"], [payload("d", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
+        assert s.tier_of(["d", "p", "nope"]) == ["dram", "pool", None]
+        assert s.contains(["p"]) == [True] and s.size_of(["p"]) == [CHUNK] and s.exists(["d", "p"]) == 2
+        assert sorted(s.keys()) == ["d", "p"]
+        buf = bytearray(CHUNK)
+        assert s.get_into(["p"], [buf])[0].status is Status.OK and bytes(buf) == payload("p", CHUNK).tobytes()
+        m = s.metrics_counters
+        assert m.tier("pool").hits == 1 and m.ssd.misses >= 1  # SSD asked first, then the pool
+        # Promoted from the pool: in DRAM now, but dirty (a pool copy does not make it clean).
+        assert s._promoter.wait_idle(10)
+        e = s._dram.ready("p")
+        assert e is not None and not e.persisted
+        # put's EXISTS check skips a tier without a local index: a key only in the pool is stored.
+        pool.data["q"] = b"x"
+        assert s.put(["q"], [payload("q", CHUNK)]) == [Status.OK]
+        # Stats keep their fixed shape: a tier StoreStats has no field for yet is counted, not reported.
+        assert set(s.metrics()) == {"dram", "ssd", "store", "queues", "latency"}
+
+
+def test_remove_is_ok_only_when_every_tier_deleted_and_hides_the_key_across_both(tmp_path) -> None:
+    s, pool = two_tiers(tmp_path)
+    with s:
+        assert s.put(["k"], [payload("k", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
+        pool.data["k"] = payload("k", CHUNK).tobytes()
+        assert s.remove(["k"]) == [Status.OK]
+        assert "k" not in pool.data and s._ssd.contains(["k"]) == [False] and s.contains(["k"]) == [False]
+        # A tier that cannot delete: IO_ERROR, and the key is hidden in every tier from then on.
+        assert s.put(["j"], [payload("j", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
+        pool.data["j"] = payload("j", CHUNK).tobytes()
+        pool.fail_removes = True
+        assert s.remove(["j"]) == [Status.IO_ERROR]
+        assert s._ssd.contains(["j"]) == [False] and "j" in pool.data  # the SSD copy went, the pool's stayed
+        assert s.contains(["j"]) == [False] and s.tier_of(["j"]) == [None] and s.keys() == []
+        assert s.get_into(["j"], [bytearray(CHUNK)])[0].status is Status.NOT_FOUND
+        # Once the pool can delete again, the next remove clears it.
+        pool.fail_removes = False
+        assert s.remove(["j"]) == [Status.OK] and "j" not in pool.data
