@@ -32,15 +32,17 @@ def test_a_decode_chunk_completed_as_the_request_finishes_is_saved(tiny_model: P
     engine = {"speculative_config": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}}
     extra = {"chunk_tokens": CHUNK_TOKENS, "store": store_section(work / "ssd")}
     spec = {"model_dir": str(tiny_model), "engine": engine, "connector": {"extra": extra}}
-    # An offline LLM steps only inside generate: the second round delivers the finished request's
-    # save (an online server keeps stepping while the connector has pending work).
-    a = run_engine({**spec, "rounds": [{"prompts": [P_TURN1], "max_tokens": TURN1_TOKENS},
-                                       {"prompts": [prompt(42, 100)], "max_tokens": 2}]},
+    # An offline LLM steps only inside generate: the later rounds (one chunk each) deliver the
+    # finished request's save and its release (an online server keeps stepping while the connector
+    # has pending work).
+    later = [{"prompts": [prompt(42 + i, 100)], "max_tokens": 2} for i in range(3)]
+    a = run_engine({**spec, "rounds": [{"prompts": [P_TURN1], "max_tokens": TURN1_TOKENS}, *later]},
                    work, "engine-a")
     turn1_out = a["rounds"][0][0]["tokens"]
     assert len(turn1_out) == TURN1_TOKENS
     sched = a["stats"]["scheduler"]
-    assert sched["save_chunks_landed"] == sched["save_chunks"] == 3 + 1, sched  # turn 1: chunks 0-2; then 1
-    b = run_engine({**spec, "rounds": [{"prompts": [P_TURN1 + turn1_out + prompt(43, 20)], "max_tokens": 2}]},
+    assert sched["save_chunks_landed"] == sched["save_chunks"] == 3 + 3, sched  # turn 1: chunks 0-2
+    assert sched["finishing_requests"] == 0, sched  # its blocks were released once the save landed
+    b = run_engine({**spec, "rounds": [{"prompts": [P_TURN1 + turn1_out + prompt(49, 20)], "max_tokens": 2}]},
                    work, "engine-b")
     assert b["rounds"][0][0]["num_cached_tokens"] == 3 * CHUNK_TOKENS
