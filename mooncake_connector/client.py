@@ -39,6 +39,20 @@ class ClientClosedError(RuntimeError):
     """A save or load submitted to a client that is not started, or already closed."""
 
 
+class _LoadTally:
+    """How one submitted load is counted: by its I/O thread as it finishes, or as timed out by a
+    caller that gave up on it first (:meth:`KVClient.abandon_load`); guarded by the client's lock."""
+
+    __slots__ = ("abandoned", "counted")
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.counted = False
+
+
+_TALLY = "_mooncake_load_tally"  # the attribute of a load's Future holding its _LoadTally
+
+
 def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -241,7 +255,8 @@ class KVClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.wait_for_saves(keys, wait_saves_s if timeout_s is None else min(wait_saves_s, timeout_s))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, time.perf_counter(),
+        tally = _LoadTally()
+        fut = self._submit(self._load, keys, list(buffers), sizes, unpin_after, time.perf_counter(), tally,
                            block=True, timeout_s=left)
         if fut is None:
             logger.warning("load of %d objects not started: no I/O slot free within %.1f s", len(keys), timeout_s)
@@ -251,7 +266,21 @@ class KVClient:
                 self.counters.load_failed += len(keys)
                 self.counters.failures.timeout += len(keys)
             return _done([ReadResult(Status.IO_ERROR)] * len(keys))
+        setattr(fut, _TALLY, tally)
         return fut
+
+    def abandon_load(self, fut: Future, count: int) -> None:
+        """The caller stopped waiting for ``fut`` (a :meth:`load` of ``count`` objects) and will not
+        use its bytes: they count as failed loads of kind ``timeout``, never as loaded, however the
+        load ends. A load that had already finished (it raced the caller's timeout), or that never
+        started (already counted as timed out), keeps its counts. Thread-safe; never blocks."""
+        tally = getattr(fut, _TALLY, None)
+        with self._lock:
+            if tally is None or tally.counted:
+                return
+            tally.abandoned = True
+            self.counters.load_failed += count
+            self.counters.failures.timeout += count
 
     def wait_for_saves(self, keys: Sequence[str], timeout_s: float) -> bool:
         """Block until no save of ``keys`` is in flight (False if ``timeout_s`` passed first)."""
@@ -267,7 +296,7 @@ class KVClient:
         return True
 
     def _load(self, keys: list[str], buffers: list[Buffer], sizes: Sequence[int] | None,
-              unpin_after: bool, submitted: float) -> list[ReadResult]:
+              unpin_after: bool, submitted: float, tally: _LoadTally) -> list[ReadResult]:
         try:
             results = self.store.get_into(keys, buffers)
         except Exception:
@@ -282,7 +311,8 @@ class KVClient:
         with self._lock:
             c = self.counters
             c.load_batches += 1
-            for r in results:
+            tally.counted = True
+            for r in results if not tally.abandoned else ():  # abandoned: counted as timed out
                 if r.ok:
                     c.loaded_objects += 1
                     c.loaded_bytes += r.nbytes

@@ -331,7 +331,7 @@ class WorkerSide:
             logger.warning("load of %d chunks timed out after %.1f s; recomputing them",
                            len(self._loads), self.cfg.load_timeout_s)
             results = [ReadResult(Status.IO_ERROR)] * len(self._loads)
-            self.client.count(timeouts=len(self._loads))
+            self.client.abandon_load(self._load_future, len(self._loads))
         self.counters["load_wait_s"] += time.perf_counter() - t0
         damaged: list[str] = []
         for job, res in zip(self._loads, results):

@@ -74,3 +74,40 @@ def test_dropped_saves_and_loads_that_cannot_start_are_counted() -> None:
             client.close()
     assert snap.counters.failures.capacity == 1 and snap.counters.saves_dropped == 1
     assert snap.counters.failures.timeout == 1
+
+
+class _GatedGets:
+    """A store whose reads wait for a gate (fault injection: a load slower than the engine waits)."""
+
+    def __init__(self, inner: TieredStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        self.gate.wait(10)
+        return self.inner.get_into(keys, buffers)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_a_load_the_engine_gave_up_on_counts_as_timed_out_not_loaded() -> None:
+    """The engine stops waiting (load_timeout_s) and recomputes the chunks; the load finishing
+    later must not count them as loaded (nor their bytes), and each counts once, as a timeout."""
+    with TieredStore({"dram": {"capacity_bytes": 1 << 20}}) as store:
+        assert store.put(["a", "b"], [np.ones(SIZE, np.uint8)] * 2) == [Status.OK, Status.OK]
+        slow = _GatedGets(store)
+        client = KVClient(slow).start()  # type: ignore[arg-type]
+        try:
+            fut = client.load(["a", "b"], [np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)])
+            client.abandon_load(fut, 2)  # what the worker does when its wait timed out
+            slow.gate.set()
+            assert [r.status for r in fut.result(10)] == [Status.OK, Status.OK]
+            snap = client.snapshot()
+        finally:
+            slow.gate.set()
+            client.close()
+    c = snap.counters
+    assert (c.loaded_objects, c.loaded_bytes) == (0, 0)
+    assert c.load_failed == 2 and c.failures.timeout == 2
+    assert sum(getattr(c.failures, k) for k in c.failures.__struct_fields__) == 2
