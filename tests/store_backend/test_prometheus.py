@@ -17,6 +17,7 @@ from store_backend.prometheus import (
     LABEL_VALUES,
     StoreCollector,
     add_payloads,
+    cumulative_buckets,
     label_structs,
     payload_delta,
     store_families,
@@ -157,6 +158,10 @@ def test_histogram_buckets_hold_each_observation_once() -> None:
     assert h.count == 5 and h.counts[-1] == 1  # above the last bound
     assert h.counts[h.bounds_s.index(0.001)] == 2  # a bound is inclusive (Prometheus "le")
     assert abs(h.sum_s - 102.00205) < 1e-9
+    # Exported cumulatively: an observation above the last bound is in +Inf (and so in _count) only.
+    buckets = dict(cumulative_buckets(h))
+    assert buckets["10.0"] == 4 and buckets["+Inf"] == 5
+    assert buckets["0.001"] == 3 and buckets["0.0001"] == 1
 
 
 def test_payload_deltas_add_and_skip_what_did_not_move() -> None:
