@@ -198,6 +198,13 @@ class BatchWorker(Generic[T]):
         """Started, and its loop has not ended yet (it may still be in a batch after close())."""
         return self._running
 
+    @property
+    def busy(self) -> bool:
+        """Its thread is inside a batch or an idle-hook pass now. After :meth:`stop`, a worker that
+        is not busy never calls its handler again, even while its thread is still winding down."""
+        with self._cond:
+            return self._running and self._in_flight > 0
+
     def _run(self) -> None:
         try:
             self._run_loop()
