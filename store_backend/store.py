@@ -56,7 +56,7 @@ from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.tiers.base import Tier
 from store_backend.tiers.ssd import SsdTier
-from store_backend.threads import Deadline
+from store_backend.threads import JOIN_GRACE_S, Deadline, close_within
 from store_backend.types import (
     Buffer,
     FlushReport,
@@ -144,6 +144,9 @@ class TieredStore:
         self._started = False
         self._closing = False  # close() has begun: new calls are refused
         self._calls = 0  # public calls in flight; close() waits for them
+        # close() gave up on threads still using the tiers (a call, a worker, its own flush): the
+        # last of them to leave closes the tiers (_last_user_left); until then they stay open.
+        self._tiers_owed = False
         self._changed = threading.Condition(self._lock)  # notified when a call or an SSD write ends
         self._removals = RemovalTracker()
         self._losses = LossLedger()
@@ -169,10 +172,11 @@ class TieredStore:
             batch_weight_max=off.batch_bytes,
             idle_hook=self._watermark_tick if off.policy == "watermark" else None,
             on_error=self._worker_error,
+            on_exit=self._worker_exited,
         )
         self._promoter: BatchWorker[str] = BatchWorker(
             "kv-promote", self._promote_batch, queue_max=self.config.promotion.queue_max_objects, batch_max=32,
-            on_error=self._worker_error,
+            on_error=self._worker_error, on_exit=self._worker_exited,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -196,12 +200,17 @@ class TieredStore:
         stop (objects that could not be are logged); without it, queued offloads are dropped.
         Then the SSD tier and the arena are closed.
 
-        All of it is bounded by ``timeout_s`` together (one deadline: the wait for calls, the flush
-        and the joins of both workers each get what is left of it). A worker still running at the
-        deadline (an SSD write that hangs) is logged at WARNING by name, counted in
-        ``store.thread_join_timeouts`` and left behind; the SSD tier is then left open for it
-        (closing files under its I/O could send its writes to a reused descriptor) and released
-        with the process.
+        All of it is bounded by ``timeout_s`` together (one deadline: the wait for calls, the flush,
+        the joins of the workers and the SSD tier's own close each get what is left of it). The
+        flush runs on a thread of its own ("kv-close-flush") so that a hung SSD cannot hold close
+        past the deadline. Every thread still using the tiers at the deadline is logged at WARNING
+        and counted in ``store.thread_join_timeouts``: a worker or the close's flush in an SSD
+        write that hangs, a public call still running (``get_into``, ``remove``, ``flush`` ...),
+        and the SSD engine's own I/O threads. The tiers (SSD and DRAM) are then left open for
+        them, never closed under their I/O (a descriptor closed under a read lets it read whatever
+        file reuses the number), and the last of them to finish closes the tiers and releases the
+        SSD directory's lock, so the directory can be opened again in this process. What such a
+        late write lands stays on SSD.
         """
         with self._lock:
             if self._closing:
@@ -212,14 +221,11 @@ class TieredStore:
             while self._calls:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    logger.warning("close: %d calls still running after %.1f s; closing under them",
-                                   self._calls, timeout_s)
+                    logger.warning("close: %d calls still running after %.1f s; the tiers stay open "
+                                   "until they end", self._calls, timeout_s)
                     break
                 self._changed.wait(left)
-        if flush and self._ssd is not None:
-            report = self._flush(max(0.0, deadline - time.monotonic()))
-            if not report.ok:
-                logger.warning("close: %s", report.summary())
+        flusher = self._flush_for_close(limit) if flush and self._ssd is not None else None
         workers = (self._offloader, self._promoter)
         for w in workers:
             w.stop()
@@ -228,13 +234,88 @@ class TieredStore:
         bus_stuck = 0 if self._bus.close(limit) else 1  # it never touches a tier: no reason to keep one open
         with self._lock:
             self._closed = True
-            self.metrics_counters.store.thread_join_timeouts += len(stuck) + bus_stuck
+            calls = self._calls  # public calls still running, and the close's flush if it hangs
+            self.metrics_counters.store.thread_join_timeouts += len(stuck) + bus_stuck + calls
+            # A worker merely slow to wake from stop() (counted above) no longer touches a tier.
+            running = [w.name for w in workers if w.busy]
+            if flusher is not None and flusher.is_alive():
+                running.append(flusher.name)  # (it is one of the calls)
+            self._tiers_owed = bool(calls or running)
+        if calls or running:
+            logger.warning("close: the tiers stay open for %d thread(s) still using them after %.2f s "
+                           "(calls in flight: %d; %s); the last to finish closes them",
+                           calls + len([w for w in workers if w.name in running]), limit.waited_s(), calls,
+                           ", ".join(running) or "no worker")
+            return
+        self._close_tiers(limit.left())
+
+    def _flush_for_close(self, limit: Deadline) -> threading.Thread:
+        """close()'s flush, on a thread of its own counted as a call in flight: waited for until
+        ``limit`` (and a short grace); one still writing then is left to finish (close logs and
+        counts it). Returns the thread."""
+        done: list[FlushReport] = []
+        # The flush's own bound ends a little before close's (a tenth of it, at most 1 s), so a
+        # flush that merely timed out has returned by the time it is counted as left running.
+        left = limit.left()
+        total_s = None if limit.at is None else limit.at - limit.start
+        budget = None if left is None or total_s is None else max(0.0, left - min(1.0, 0.1 * total_s))
+
+        def run() -> None:
+            try:
+                done.append(self._flush(budget))
+            except Exception:
+                logger.exception("close: the flush failed")
+            finally:
+                self._leave_call()
+
+        with self._lock:
+            self._calls += 1
+        t = threading.Thread(target=run, name="kv-close-flush", daemon=True)
+        t.start()
+        left = limit.left()
+        t.join(None if left is None else max(left, JOIN_GRACE_S))
+        if done and not done[0].ok:
+            logger.warning("close: %s", done[0].summary())
+        return t
+
+    def _leave_call(self) -> None:
+        """A call (or close's flush) ends: wake close(), and close the tiers if close() left them
+        open for it and it is the last user."""
+        with self._lock:
+            self._calls -= 1
+            if not self._calls:
+                self._changed.notify_all()
+            last = self._last_user_left()
+        if last:
+            self._close_tiers(None)
+
+    def _worker_exited(self) -> None:
+        """A worker's thread ends (on_exit, in that thread): the last user of tiers that close()
+        left open closes them."""
+        with self._lock:
+            last = self._last_user_left()
+        if last:
+            self._close_tiers(None)
+
+    def _last_user_left(self) -> bool:
+        """(lock held) True, once, when close() left the tiers open and nothing uses them any more:
+        the caller closes them."""
+        if not self._tiers_owed or self._calls or self._offloader.busy or self._promoter.busy:
+            return False
+        self._tiers_owed = False
+        return True
+
+    def _close_tiers(self, timeout_s: float | None) -> None:
+        """Close the SSD tier (its engine's threads waited for at most ``timeout_s``; those left
+        running are counted) and then the DRAM arena. No thread of the store uses them any more."""
         try:
-            if self._ssd is not None and not stuck:
-                self._ssd.close()
-            elif self._ssd is not None:
-                logger.warning("close: SSD tier left open for the %s thread(s) still running after %.2f s",
-                               ", ".join(stuck), limit.waited_s())
+            if self._ssd is not None:
+                engine_stuck = close_within(self._ssd, timeout_s)
+                if engine_stuck:
+                    with self._lock:
+                        self.metrics_counters.store.thread_join_timeouts += engine_stuck
+        except Exception:
+            logger.exception("close: closing the SSD tier failed")
         finally:
             self._dram.close()
 
@@ -287,7 +368,8 @@ class TieredStore:
         except StoreClosedError:
             raise
         except Exception as e:
-            # Only when close() gave up waiting for this call: the tiers were closed under it.
+            # Only when close() began during this call (it leaves the tiers open for a call it
+            # gave up on, but the store is closed all the same).
             if self._closed:
                 raise StoreClosedError("the store was closed during the call") from e
             raise
@@ -298,6 +380,9 @@ class TieredStore:
                 self._calls -= 1
                 if not self._calls:
                     self._changed.notify_all()
+                last = self._last_user_left()
+            if last:  # close() gave up on this call and left the tiers open for it
+                self._close_tiers(None)
 
     @property
     def _ssd(self) -> Any:

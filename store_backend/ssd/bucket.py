@@ -848,12 +848,20 @@ class BucketBackend(IndexedBackend):
                 setattr(self, name, -1)
         self._owner.release()
 
-    def close(self) -> None:
-        """Close descriptors (and the engine when owned). Idempotent; no call may be in flight."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then the
+        descriptors and the directory's lock. Idempotent; no call may be in flight. Returns how
+        many engine threads were still in I/O: the descriptors and the lock are then kept for
+        them (closing an fd under a read lets it land in whatever file reuses the number)."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
+        if stuck:
+            logger.warning("bucket backend %s: %d io thread(s) still running at close; its descriptors "
+                           "and directory lock are kept for them", self.cfg.path, stuck)
+            return stuck
+        with self._lock:
             self._release()
-        if self._owns_engine:
-            self._engine.close()
+        return 0

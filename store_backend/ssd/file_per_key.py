@@ -517,12 +517,18 @@ class FilePerKeyBackend(IndexedBackend):
         self._unlink([e.path for e in victims])
         return gone
 
-    def close(self) -> None:
-        """Mark closed (and close the engine when owned). Idempotent; no call may be in flight."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then give up
+        the directory's lock. Idempotent; no call may be in flight. Returns how many engine
+        threads were still in I/O: the lock is then kept (they may still write in the directory)."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
+        if stuck:
+            logger.warning("file backend %s: %d io thread(s) still running at close; its directory lock "
+                           "is kept for them", self.cfg.path, stuck)
+            return stuck
         self._owner.release()
-        if self._owns_engine:
-            self._engine.close()
+        return 0

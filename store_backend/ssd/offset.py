@@ -750,13 +750,21 @@ class OffsetBackend(IndexedBackend):
     def _used_bytes_now(self) -> int:
         return self._alloc.capacity - self._alloc.free_bytes
 
-    def close(self) -> None:
-        """Close the file (and the engine when owned). Idempotent; no call may be in flight."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Close the engine when owned (waiting at most ``timeout_s`` for its threads), then the
+        file and the directory's lock. Idempotent; no call may be in flight. Returns how many
+        engine threads were still in I/O: the file and the lock are then kept for them (closing
+        the fd under a read lets it land in whatever file reuses the number)."""
         with self._wlock, self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+        stuck = int(self._engine.close(timeout_s) or 0) if self._owns_engine else 0
+        if stuck:
+            logger.warning("offset backend %s: %d io thread(s) still running at close; its file and "
+                           "directory lock are kept for them", self.cfg.path, stuck)
+            return stuck
+        with self._wlock, self._lock:
             os.close(self._fd)
             self._owner.release()
-        if self._owns_engine:
-            self._engine.close()
+        return 0
