@@ -110,7 +110,8 @@ class StoreCounters(msgspec.Struct):
     promotions_skipped: int = 0
     # Exceptions that escaped a background worker's batch, idle pass or loop (each logged with its traceback).
     worker_errors: int = 0
-    # Background threads still running when close() reached its deadline (each logged by name; left behind).
+    # Threads still running when a close() reached its deadline (each logged; left behind): background
+    # workers, public calls still in flight in the store (the tiers stay open for them), SSD I/O threads.
     thread_join_timeouts: int = 0
     # Residency events dropped because the event queue was full (subscribers were told of the gap).
     events_dropped: int = 0

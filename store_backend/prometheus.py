@@ -73,8 +73,9 @@ DESCRIPTIONS: dict[str, str] = {
     "mooncake_kv_store_promotions_skipped": ("Promotions not done (no clean DRAM to evict, the read failed, or the key "
                                              "was removed)."),
     "mooncake_kv_store_worker_errors": "Exceptions that escaped a background worker (each logged with its traceback).",
-    "mooncake_kv_store_thread_join_timeouts": ("Background threads still running when close() reached its deadline "
-                                               "(each logged by name)."),
+    "mooncake_kv_store_thread_join_timeouts": ("Threads still running when a close() reached its deadline (each "
+                                               "logged): background workers, calls into the store still in "
+                                               "flight, SSD I/O threads."),
     "mooncake_kv_store_events_dropped": ("Residency events (stored, moved, evicted, removed) dropped because the "
                                          "event queue was full; subscribers are told of the gap and resync."),
     # gauges and histograms
