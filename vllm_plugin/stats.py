@@ -105,7 +105,9 @@ class TieredConnectorStats(KVConnectorStats):
             "SSD hits": total("mooncake_kv_tier_hits", tier="ssd"),
             "chunks saved": total("mooncake_kv_connector_saved_objects"),
             "chunks loaded": total("mooncake_kv_connector_loaded_objects"),
-            "failures": total("mooncake_kv_connector_failures") + total("mooncake_kv_tier_failures"),
+            # A damaged chunk fails a tier's read and the connector's load: counted once in each.
+            "failures": total("mooncake_kv_connector_failures"),
+            "tier failures": total("mooncake_kv_tier_failures"),
         }
 
 

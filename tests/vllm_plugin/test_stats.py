@@ -151,3 +151,18 @@ def test_every_api_server_sums_the_gauges_of_all_workers() -> None:
         prom.observe(acc.to_dict(), 0)
         got = reg.get_sample_value("mooncake_kv_tier_used_bytes", {"model_name": "tiny", "engine": "0", "tier": "dram"})
         assert got == sum(used), (i, got)
+
+
+def test_the_log_line_counts_a_damaged_chunk_once() -> None:
+    """A chunk whose SSD record fails its checksum is a failure of the SSD tier and of the
+    connector's load at once; vLLM's log line counts the chunks the connector failed on once,
+    and the tiers' own failures (reads and offload writes) apart."""
+    store, conn = StoreStats(), ConnectorStats()
+    store.ssd.failures.checksum = 1
+    conn.counters.load_failed = 1
+    conn.counters.failures.checksum = 1
+    s = StatsSource("rank0").take(store, conn)
+    assert s is not None
+    reduced = s.reduce()
+    assert reduced["failures"] == 1
+    assert reduced["tier failures"] == 1
