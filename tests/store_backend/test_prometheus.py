@@ -124,6 +124,8 @@ def test_collector_output_parses_and_counters_move_with_the_workload(tmp_path) -
     assert value(after, "mooncake_kv_tier_hits_total", tier="ssd") == 1
     assert value(after, "mooncake_kv_tier_bytes_read_total", tier="ssd") == CHUNK
     assert value(after, "mooncake_kv_tier_misses_total", tier="ssd") == 2  # "absent" and the damaged one
+    assert value(after, "mooncake_kv_tier_misses_total", tier="dram") == 3  # all but the DRAM hit
+    assert value(after, "mooncake_kv_store_gets_total") == 4
     assert value(after, "mooncake_kv_tier_failures_total", tier="ssd", kind="checksum") == 1
     assert value(after, "mooncake_kv_tier_failures_total", tier="ssd", kind="io_error") == 0
     assert value(after, "mooncake_kv_tier_objects", tier="ssd") >= 7
