@@ -427,3 +427,26 @@ def test_a_promotion_left_running_by_close_finishes_harmlessly_and_closes_the_ti
         buf = np.empty(OBJ, dtype=np.uint8)
         assert again.get_into(["k"], [buf])[0].status is Status.OK
         np.testing.assert_array_equal(buf, payload("k", OBJ))
+
+
+def test_close_closes_every_tier_below_dram(tmp_path) -> None:
+    """A tier after the SSD one (a pool) is owned by the store too: its close() closes it."""
+    from tests.store_backend.test_tiers import DictTier
+
+    class ClosingTier(DictTier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.closes = 0
+
+        def close(self) -> None:
+            self.closes += 1
+
+    cfg = _config(tmp_path)
+    assert cfg.ssd is not None
+    pool = ClosingTier()
+    store = TieredStore(cfg, ssd=open_ssd_backend(cfg.ssd), tiers=[pool]).start()
+    assert store.put(["k"], [payload("k", OBJ)]) == [Status.OK]
+    store.close(timeout_s=10)
+    assert pool.closes == 1
+    with TieredStore(cfg) as again:  # and the SSD tier's directory lock was released
+        assert again.contains(["k"]) == [True]
