@@ -159,6 +159,7 @@ def test_the_log_line_counts_a_damaged_chunk_once() -> None:
     and the tiers' own failures (reads and offload writes) apart."""
     store, conn = StoreStats(), ConnectorStats()
     store.ssd.failures.checksum = 1
+    store.ssd.hits = 2  # the chunk's neighbours, read from SSD
     conn.counters.load_failed = 1
     conn.counters.failures.checksum = 1
     s = StatsSource("rank0").take(store, conn)
@@ -166,3 +167,4 @@ def test_the_log_line_counts_a_damaged_chunk_once() -> None:
     reduced = s.reduce()
     assert reduced["failures"] == 1
     assert reduced["tier failures"] == 1
+    assert (reduced["SSD hits"], reduced["DRAM hits"]) == (2, 0)
