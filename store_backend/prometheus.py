@@ -46,8 +46,8 @@ DESCRIPTIONS: dict[str, str] = {
     "mooncake_kv_tier_hits": "Objects a get served from this tier.",
     "mooncake_kv_tier_misses": ("Objects a get looked for in this tier and did not find there (a failed read counts "
                                 "too)."),
-    "mooncake_kv_tier_bytes_read": "Bytes copied out of this tier to callers.",
-    "mooncake_kv_tier_bytes_written": "Bytes written into this tier (puts and promotions into DRAM, offloads to SSD).",
+    "mooncake_kv_tier_read_bytes": "Bytes copied out of this tier to callers.",
+    "mooncake_kv_tier_written_bytes": "Bytes written into this tier (puts and promotions into DRAM, offloads to SSD).",
     "mooncake_kv_tier_evictions": "Objects removed from this tier to make room (on SSD: by the SSD backend itself).",
     "mooncake_kv_tier_offloads": "Objects copied from this tier to the tier below (DRAM to SSD).",
     "mooncake_kv_tier_promotions": "Objects copied into this tier from the tier below (SSD to DRAM).",
@@ -157,13 +157,17 @@ def histogram_families(cls: type[msgspec.Struct], prefix: str, get: Callable[[An
             for op in fields_of(cls)]
 
 
+# Field names whose exported name puts the unit last, as Prometheus names do (``..._read_bytes_total``).
+_TIER_EXPORTED = {"bytes_read": "read_bytes", "bytes_written": "written_bytes"}
+
+
 def _tier_families() -> list[Family]:
     """One family per :class:`TierStats` field, labelled by tier name: every tier the stats carry
     (``StoreStats.tiers``, fastest first), so a tier added below DRAM is exported as it comes."""
     gauges = [f for f in fields_of(TierStats) if f not in fields_of(TierCounters)]
     out: list[Family] = []
     for name in fields_of(TierStats):
-        full = f"{PREFIX}_tier_{name}"
+        full = f"{PREFIX}_tier_{_TIER_EXPORTED.get(name, name)}"
         if name == "failures":
             out.append(Family(full, COUNTER, ("tier", "kind"), DESCRIPTIONS.get(full, ""), lambda s: [
                 ((t, k), getattr(ts.failures, k)) for t, ts in s.tiers.items() for k in fields_of(FailureCounters)]))

@@ -722,9 +722,6 @@ class TieredStore:
                 m.dram.misses += len(below)
         if below and self._below:
             self._read_below(keys, buffers, below, out)
-        elif below:
-            with self._lock:
-                m.ssd.misses += len(below)
         return out
 
     def _read_below(self, keys: Sequence[str], buffers: Sequence[Buffer], idx: list[int],

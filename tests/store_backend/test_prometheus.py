@@ -66,11 +66,12 @@ def test_every_stats_field_becomes_a_family() -> None:
         return out
 
     names = {f.name for f in store_families()}
+    exported = {"bytes_read": "read_bytes", "bytes_written": "written_bytes"}  # unit last
     for leaf in leaves(StoreStats()):
         section, _, name = leaf.rpartition(".")
         section = section.split(".")[0] if section else ""
         want = {
-            "dram": f"mooncake_kv_tier_{name}", "ssd": f"mooncake_kv_tier_{name}",
+            "dram": f"mooncake_kv_tier_{exported.get(name, name)}", "ssd": f"mooncake_kv_tier_{exported.get(name, name)}",
             "store": f"mooncake_kv_store_{name}", "queues": "mooncake_kv_queue_depth",
             "latency": f"mooncake_kv_store_{name}_seconds",
         }[section]
@@ -116,13 +117,13 @@ def test_collector_output_parses_and_counters_move_with_the_workload(tmp_path) -
 
         after = scrape(s)
     assert value(after, "mooncake_kv_store_puts_total") == 8
-    assert value(after, "mooncake_kv_tier_bytes_written_total", tier="dram") == 8 * CHUNK
-    assert value(after, "mooncake_kv_tier_bytes_written_total", tier="ssd") == 8 * CHUNK
+    assert value(after, "mooncake_kv_tier_written_bytes_total", tier="dram") == 8 * CHUNK
+    assert value(after, "mooncake_kv_tier_written_bytes_total", tier="ssd") == 8 * CHUNK
     assert value(after, "mooncake_kv_tier_offloads_total", tier="dram") == 8
     assert value(after, "mooncake_kv_tier_evictions_total", tier="dram") >= 4
     assert value(after, "mooncake_kv_tier_hits_total", tier="dram") == 1
     assert value(after, "mooncake_kv_tier_hits_total", tier="ssd") == 1
-    assert value(after, "mooncake_kv_tier_bytes_read_total", tier="ssd") == CHUNK
+    assert value(after, "mooncake_kv_tier_read_bytes_total", tier="ssd") == CHUNK
     assert value(after, "mooncake_kv_tier_misses_total", tier="ssd") == 2  # "absent" and the damaged one
     assert value(after, "mooncake_kv_tier_misses_total", tier="dram") == 3  # all but the DRAM hit
     assert value(after, "mooncake_kv_store_gets_total") == 4
@@ -181,3 +182,22 @@ def test_payload_deltas_add_and_skip_what_did_not_move() -> None:
     both = add_payloads(d, d)
     assert both["mooncake_kv_tier_hits"] == {"dram": 6}
     assert sum(both["mooncake_kv_store_get_seconds"][""][:-1]) == 2
+
+
+def test_every_name_puts_its_unit_last() -> None:
+    """Prometheus naming: the base unit is the last word before ``_total`` (``..._read_bytes_total``,
+    not ``..._bytes_read_total``)."""
+    units = ("bytes", "seconds", "tokens")
+    for family in [*store_families(), *connector_families()]:
+        words = family.name.removeprefix("mooncake_kv_").split("_")
+        inner = [w for w in words[:-1] if w in units]
+        assert not inner, f"{family.exposed_name}: unit {inner[0]!r} is not the last word"
+
+
+def test_a_store_without_an_ssd_tier_counts_no_ssd_misses() -> None:
+    with TieredStore({"dram": {"capacity_bytes": "1MiB"}}) as store:
+        out = bytearray(16)
+        assert store.get_into(["absent"], [out])[0].status is Status.NOT_FOUND
+        m = store.metrics()
+    assert m["dram"]["misses"] == 1
+    assert m["ssd"]["misses"] == 0

@@ -85,9 +85,9 @@ def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_
         one = wait_for(port, lambda s: total(s, "mooncake_kv_connector_saved_objects_total") >= SAVED_CHUNKS)
         assert total(one, "mooncake_kv_connector_saved_objects_total") == SAVED_CHUNKS, log.read_text()[-3000:]
         assert total(one, "mooncake_kv_store_puts_total") == SAVED_CHUNKS
-        assert total(one, "mooncake_kv_tier_bytes_written_total", tier="dram") > 0
+        assert total(one, "mooncake_kv_tier_written_bytes_total", tier="dram") > 0
         assert total(one, "mooncake_kv_connector_saved_bytes_total") == \
-            total(one, "mooncake_kv_tier_bytes_written_total", tier="dram")
+            total(one, "mooncake_kv_tier_written_bytes_total", tier="dram")
         assert total(one, "mooncake_kv_store_put_seconds_count") >= 1
         assert total(one, "mooncake_kv_connector_save_seconds_count") >= 1
         assert total(one, "mooncake_kv_connector_hit_tokens_total") == 0
@@ -100,12 +100,12 @@ def test_vllm_metrics_endpoint_shows_saves_then_dram_hits(tiny_model: Path, tmp_
         two = wait_for(port, lambda s: total(s, "mooncake_kv_tier_hits_total", tier="dram") >= HIT_CHUNKS)
     finally:
         stop([proc])
-    chunk_bytes = total(one, "mooncake_kv_tier_bytes_written_total", tier="dram") / SAVED_CHUNKS
+    chunk_bytes = total(one, "mooncake_kv_tier_written_bytes_total", tier="dram") / SAVED_CHUNKS
     assert total(two, "mooncake_kv_connector_hit_tokens_total") == HIT_CHUNKS * CHUNK_TOKENS, log.read_text()[-3000:]
     assert total(two, "mooncake_kv_tier_hits_total", tier="dram") == HIT_CHUNKS
     assert total(two, "mooncake_kv_tier_hits_total", tier="ssd") == 0
     assert total(two, "mooncake_kv_connector_loaded_objects_total") == HIT_CHUNKS
-    assert total(two, "mooncake_kv_tier_bytes_read_total", tier="dram") == HIT_CHUNKS * chunk_bytes
+    assert total(two, "mooncake_kv_tier_read_bytes_total", tier="dram") == HIT_CHUNKS * chunk_bytes
     assert total(two, "mooncake_kv_store_puts_total") == SAVED_CHUNKS  # the second request's saves: EXISTS
     assert total(two, "mooncake_kv_store_get_seconds_count") >= 1
     assert total(two, "mooncake_kv_connector_load_seconds_count") >= 1
