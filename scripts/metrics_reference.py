@@ -55,6 +55,17 @@ In vLLM, the tier each hit came from is also in vLLM's own `vllm:prompt_tokens_c
 different tiers by different ranks counts under the slower one; a chunk gone by then under
 `external_unspecified`).
 
+Limits, as the numbers are counted today:
+
+- With TP > 1 every rank has its own store, so store-side counts (lookups asked, objects stored)
+  are summed over ranks: an engine with TP=2 shows twice the lookups it made. `hit_tokens` comes
+  from the scheduler and counts each token once.
+- With `shared_ssd` the ranks' SSD gauges (capacity, usage, objects) describe one shared directory
+  and are summed all the same: divide by the number of ranks.
+- `thread_join_timeouts` is counted when a store closes, after which nothing scrapes it; a stuck
+  thread is therefore seen in the WARNING log line naming it. `worker_errors` moves while the store
+  runs.
+
 """
 
 
