@@ -12,7 +12,6 @@ differs from what this script prints.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import sys
@@ -23,8 +22,11 @@ from pathlib import Path
 import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import generated_docs  # noqa: E402
 
 from mooncake_connector.config import ConnectorConfig  # noqa: E402
 from sglang_hicache.config import SglangOnlySettings  # noqa: E402
@@ -157,18 +159,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated text")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if Path(args.check).read_text() != text:
-            print(f"{args.check} is out of date: run python scripts/config_reference.py > {args.check}",
-                  file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generated_docs.main(render, "config_reference.py", argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

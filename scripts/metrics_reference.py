@@ -11,13 +11,15 @@ Every name, type, unit, label and meaning comes from the typed stats (``store_ba
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import generated_docs  # noqa: E402
 
 from mooncake_connector.metrics import LABEL_VALUES as CONNECTOR_LABEL_VALUES  # noqa: E402
 from mooncake_connector.metrics import connector_families  # noqa: E402
@@ -82,18 +84,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated text")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if Path(args.check).read_text() != text:
-            print(f"{args.check} is out of date: run python scripts/metrics_reference.py > {args.check}",
-                  file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generated_docs.main(render, "metrics_reference.py", argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.generated_docs import ROOT, assert_current, generator
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return generator("config_reference")
 
 
 def test_reference_is_current() -> None:
-    text = _generator().render()
-    assert (ROOT / "docs" / "CONFIG.md").read_text() == text, (
-        "docs/CONFIG.md is out of date: run python scripts/config_reference.py > docs/CONFIG.md")
+    assert_current("config_reference", "CONFIG.md")
 
 
 def test_every_key_has_a_meaning() -> None:

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _generator():
-    spec = importlib.util.spec_from_file_location("metrics_reference", ROOT / "scripts" / "metrics_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.generated_docs import ROOT, assert_current
 
 
 def test_reference_is_current() -> None:
-    text = _generator().render()
-    assert (ROOT / "docs" / "METRICS.md").read_text() == text, (
-        "docs/METRICS.md is out of date: run python scripts/metrics_reference.py > docs/METRICS.md")
+    assert_current("metrics_reference", "METRICS.md")
 
 
 def test_reference_names_every_family() -> None:
