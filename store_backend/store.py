@@ -640,7 +640,9 @@ class TieredStore:
 
     def _on_below_evicted(self, tier: Tier, keys: list[str]) -> None:
         """``tier`` evicted ``keys`` on its own (called by it, in the thread of the put that
-        evicted, with no lock of the tier's held; never under the store lock). When it is the
+        evicted, as the keys leave its index, possibly under the tier's lock; never under the store
+        lock, which is taken here after the tier's). In-memory work only: never calls a tier, and
+        the bus's publish never blocks. When it is the
         backing tier, each DRAM copy is dirty again and the eviction is numbered for offloads in
         flight (:class:`EvictionClock`); the bus hears of it in any case."""
         backing = tier is self._backing

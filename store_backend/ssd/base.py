@@ -47,9 +47,12 @@ class SsdBackend(Protocol):
       one unreadable file is skipped (``unreadable_files``) and the backend opens.
     - One owner per directory: a second opener is refused (``store_backend.ownership``).
     - ``set_eviction_listener(fn)``: ``fn(keys)`` is told of every object the backend's own
-      eviction drops, once per object, after the backend's lock is released, in the thread of the
-      ``put`` that evicted and before that ``put`` returns; never for ``remove``. The store keeps
-      its "this DRAM copy is persisted" flags honest with it, without asking under its lock.
+      eviction drops, once per object, never for ``remove``: synchronously, in the thread of the
+      ``put`` that evicted, at the moment the object leaves the backend's index (its lock held),
+      so before any reader of the index can miss it and before that ``put`` returns. ``fn`` must
+      only do in-memory work that never blocks on I/O and never call back into the backend. The
+      store keeps its "this DRAM copy is persisted" flags honest with it, without asking under
+      its lock (lock order: backend lock, then store lock; the store calls no tier under its own).
     """
 
     name: str

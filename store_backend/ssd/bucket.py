@@ -491,7 +491,6 @@ class BucketBackend(IndexedBackend):
         finally:
             with self._lock:
                 self._pending.difference_update(keys[i] for i in views)
-            self._report_evicted()
         return out
 
     def _group(self, idx: list[int], views: dict[int, memoryview]) -> list[list[int]]:

@@ -243,10 +243,7 @@ class FilePerKeyBackend(IndexedBackend):
         the file system; a write that still meets a full file system (ENOSPC) evicts as many bytes
         as it needs, in the same order, and is tried again (twice at most)."""
         check_batch(keys, buffers)
-        try:
-            return self._put(keys, buffers)
-        finally:
-            self._report_evicted()
+        return self._put(keys, buffers)
 
     def _put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
         out, full = self._put_once(keys, buffers)

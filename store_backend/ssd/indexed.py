@@ -5,9 +5,11 @@ A backend class derives from :class:`IndexedBackend` and provides ``_lock`` (gua
 overrides ``_used_bytes_now`` when it does not keep ``_used_bytes``. Thread-safe like the backends.
 
 Eviction reports (``set_eviction_listener``): a backend calls :meth:`_note_evicted` under ``_lock``
-for each object its own eviction drops, and :meth:`_report_evicted` at the end of the ``put`` that
-evicted, with ``_lock`` released: the listener runs in that thread, before that ``put`` returns,
-once per evicted object, and never for ``remove``.
+for each object its own eviction drops, at the moment it takes the object out of ``_index``; the
+listener runs there, synchronously, in the evicting thread with ``_lock`` held, once per evicted
+object, and never for ``remove``. So no reader of the index can miss an object before its owner
+has heard that it is gone (a DRAM copy that still read "persisted" then could drop the last copy).
+The listener therefore must only do in-memory work and never call back into the backend.
 """
 
 from __future__ import annotations
@@ -32,28 +34,22 @@ class IndexedBackend:
     _closed: bool
     _used_bytes: int
     _eviction_listener: Callable[[list[str]], None] | None = None
-    _evicted_by: dict[int, list[str]]  # thread id -> keys its put evicted, not reported yet
 
     def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None:
         """Call ``fn(keys)`` for the objects this backend's own eviction drops (see the module
-        docstring); None stops the reports. Set it before traffic starts."""
+        docstring: under ``_lock``, so ``fn`` must not block nor call this backend); None stops
+        the reports. Set it before traffic starts."""
         with self._lock:
-            self._evicted_by = {}
             self._eviction_listener = fn
 
     def _note_evicted(self, keys: Iterable[str]) -> None:
-        """(``_lock`` held) Objects this thread's put just evicted, to report when it ends."""
-        if self._eviction_listener is not None:
-            self._evicted_by.setdefault(threading.get_ident(), []).extend(keys)
-
-    def _report_evicted(self) -> None:
-        """(``_lock`` not held) Tell the listener what this thread's put evicted. A listener that
-        raises is logged; the put's own outcome stands."""
+        """(``_lock`` held) Tell the listener, now, of objects this thread's eviction takes out of
+        ``_index`` (called in the same critical section as the removal). A listener that raises is
+        logged; the eviction and the put's own outcome stand."""
         fn = self._eviction_listener
         if fn is None:
             return
-        with self._lock:
-            keys = self._evicted_by.pop(threading.get_ident(), None)
+        keys = list(keys)
         if keys:
             try:
                 fn(keys)

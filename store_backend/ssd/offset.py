@@ -488,7 +488,6 @@ class OffsetBackend(IndexedBackend):
         finally:
             with self._lock:
                 self._pending.difference_update(keys[i] for i in views)
-            self._report_evicted()
         return out
 
     def _put_locked(self, keys: Sequence[str], views: dict[int, memoryview], out: list[Status]) -> None:

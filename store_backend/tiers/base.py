@@ -11,8 +11,10 @@ the store calls it with **no store lock held**. Outcomes are per key, as data (s
 results, ``None``); exceptions are for misuse and a broken tier. Buffers are the caller's: a tier
 copies from them (``put``) or into them (``get_into``) before it returns and keeps no reference.
 Evictions a tier makes on its own are reported through ``set_eviction_listener`` as
-:class:`store_backend.ssd.base.SsdBackend` describes (once per object, no lock of the tier's held,
-before the ``put`` that evicted returns; never for ``remove``).
+:class:`store_backend.ssd.base.SsdBackend` describes (once per object, synchronously when the
+object leaves the tier's index, possibly with the tier's lock held, before the ``put`` that
+evicted returns; never for ``remove``). The listener only does in-memory work and never calls
+back into the tier.
 """
 
 from __future__ import annotations

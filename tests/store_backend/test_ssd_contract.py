@@ -169,40 +169,56 @@ def test_eviction_under_capacity(tmp_path, spec):
         b.close()
 
 
-def test_evictions_are_reported_once_after_the_lock_before_put_returns(tmp_path, spec):
+def test_evictions_are_reported_once_before_a_reader_can_miss_them(tmp_path, spec):
     """``set_eviction_listener``: every object the backend's own eviction drops is reported once,
-    in the thread of the put that evicted, with the backend's lock released, before that put
-    returns; a remove is never reported."""
+    in the thread of the put that evicted, as it leaves the index (the backend's lock held), so
+    before any reader of the index can miss it and before that put returns; a remove is never
+    reported."""
     cfg = make_cfg(tmp_path / "small", spec.backend, spec.io_engine, capacity_bytes=2 << 20,
                    bucket_size_bytes=256 << 10, bucket_max_keys=4)
     b = open_ssd_backend(cfg)
-    reported: list[str] = []
+    reported: set[str] = set()
+    reported_list: list[str] = []
     misuse: list[str] = []
     in_put = threading.local()
+    written: list[str] = []
+    done = threading.Event()
 
     def listener(keys: list[str]) -> None:
-        if b._lock.locked():
-            misuse.append("called with the backend lock held")
+        if not b._lock.locked():
+            misuse.append("called after the backend lock was released: a reader could miss the key first")
         if not getattr(in_put, "active", False):
             misuse.append("called outside the put that evicted (or after it returned)")
-        reported.extend(keys)
+        reported_list.extend(keys)
+        reported.update(keys)
+
+    def reader() -> None:  # a reader of the index: whatever it finds missing was reported already
+        while not done.is_set():
+            for k in list(written):
+                if not b.contains([k])[0] and k not in reported:
+                    misuse.append(f"{k} missed by a reader before it was reported")
+                    return
 
     b.set_eviction_listener(listener)
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
     try:
-        written: list[str] = []
         for r in range(20):
             keys = [f"ev/{r}/{i}" for i in range(4)]
             in_put.active = True
             assert b.put(keys, [payload(k, 60_000) for k in keys]) == [Status.OK] * 4
             in_put.active = False
             written += keys
+        done.set()
+        t.join(10)
         gone = {k for k in written if not b.contains([k])[0]}
         assert gone and not misuse, misuse
-        assert sorted(reported) == sorted(gone)  # each once, and only what is gone
+        assert sorted(reported_list) == sorted(gone)  # each once, and only what is gone
         survivor = next(k for k in written if k not in gone)
         assert b.remove([survivor]) == [Status.OK]
         assert survivor not in reported  # a remove is not an eviction
     finally:
+        done.set()
         b.close()
 
 
