@@ -19,7 +19,8 @@ write, a promotion read) may have begun before the remove did. So:
 Evictions below. An SSD backend evicts on its own and reports it (``set_eviction_listener``); the
 store numbers each report per key (:class:`EvictionClock`), so an offload that wrote a key outside
 the lock marks it persisted only when no eviction of it was reported meanwhile, and remembers
-what DRAM dropped while persisted (:class:`KnownBelow`) so that admission's "is the parent
+what is believed stored below (:class:`KnownBelow`: dropped from DRAM while persisted, found there
+at open, by a put or by a read) so that admission's "is the parent
 stored?" is answered from memory, never by asking the SSD tier under the lock.
 
 Loss. Objects dropped from DRAM before they reached SSD are remembered (bounded, oldest forgotten
@@ -29,6 +30,8 @@ before it are not persisted, without reporting losses of objects put after it be
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterable
 from itertools import islice
 
 _REMEMBERED_MAX = 1 << 16
@@ -178,9 +181,11 @@ class EvictionClock:
 
 
 class KnownBelow:
-    """Keys DRAM dropped while they were persisted: the store's in-memory belief that a copy is in
-    the backing tier, for admission's "is the parent stored?" without asking that tier under the
-    lock. A bounded FIFO: keys evicted below or removed leave it, the oldest are forgotten past
+    """Keys believed to have a copy in the backing tier, for admission's "is the parent stored?"
+    without asking that tier under the lock: those DRAM dropped while they were persisted, those
+    the backing tier held when the store opened (:meth:`seed`), those a put found there (EXISTS)
+    and those a read was served from there. A bounded FIFO: keys evicted below or removed leave it,
+    the oldest are forgotten past
     ``max_keys`` (a forgotten parent counts as not stored: its child stays declined, as admission
     wanted for an unknown prefix)."""
 
@@ -193,6 +198,12 @@ class KnownBelow:
         self._keys[key] = None
         if len(self._keys) > self._max:
             del self._keys[next(iter(self._keys))]
+
+    def seed(self, keys: Iterable[str]) -> None:
+        """Add ``keys`` (a tier's snapshot, oldest first); only the newest ``max_keys`` are kept,
+        without holding more than that many at once."""
+        for key in collections.deque(keys, maxlen=self._max):
+            self.add(key)
 
     def discard(self, key: str) -> None:
         self._keys.pop(key, None)

@@ -155,6 +155,8 @@ class TieredStore:
         self._bus = ResidencyBus()
         for t in self._below:
             t.set_eviction_listener(functools.partial(self._on_below_evicted, t))
+        if self._backing is not None:  # what an earlier run left below counts as stored for admission
+            self._known_below.seed(self._backing.keys())
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
@@ -453,9 +455,12 @@ class TieredStore:
         # Only tiers that answer from memory are asked (a pool's lookup is a network round trip).
         local = [t for t in self._below if t.traits.local_index]
         on_ssd = [False] * len(keys)
+        on_backing = [False] * len(keys)  # the hit was in the backing tier
         asked_at = [0] * len(keys)
         ask = [i for i, ok in enumerate(valid) if ok] if local else []
         tries = 0
+        with self._lock:
+            evicted_at = self._evictions.generation()
         while True:
             if ask:
                 with self._lock:
@@ -467,6 +472,7 @@ class TieredStore:
                         break
                     for j, hit in zip(rest, t.contains([keys[ask[j]] for j in rest])):
                         found[j] = hit
+                        on_backing[ask[j]] = hit and t is self._backing
                 for i, hit in zip(ask, found):
                     on_ssd[i], asked_at[i] = hit, generation
             with self._lock:
@@ -479,6 +485,10 @@ class TieredStore:
                 for i in stale:
                     on_ssd[i] = False
                 reserved = self._reserve_puts(keys, views, parents, valid, on_ssd, out)
+                for i, st in enumerate(out):  # EXISTS because it is below: a parent admission may ask of
+                    if st is Status.EXISTS and on_ssd[i] and on_backing[i] and keys[i] not in self._dram.entries \
+                            and not self._evictions.changed_since(keys[i], evicted_at):
+                        self._known_below.add(keys[i])
                 break
         self._finish_put(views, reserved)
         if self._backing is not None and self._started and self.config.offload.policy == "watermark" \
@@ -737,6 +747,7 @@ class TieredStore:
             hidden = [i for i in idx if self._removals.hidden(keys[i])]
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
             m.tier(self._below[0].name).misses += len(hidden)
+            evicted_at = self._evictions.generation()
         promote: list[str] = []
         for tier in self._below:
             if not idx:
@@ -757,6 +768,9 @@ class TieredStore:
                     if res.status is Status.OK:
                         tm.hits += 1
                         tm.bytes_read += res.nbytes
+                        if tier is self._backing and keys[i] not in self._dram.entries \
+                                and not self._evictions.changed_since(keys[i], evicted_at):
+                            self._known_below.add(keys[i])  # seen stored: a parent admission may ask of
                         hits = self._ssd_hits.get(keys[i], 0) + 1
                         if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
                                           policy_uses(self._dram.policy, keys[i])):

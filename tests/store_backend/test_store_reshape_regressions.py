@@ -4,12 +4,14 @@ trust ``entry.persisted``): each case once lost a DRAM copy, a hit, or a served 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from store_backend.config import load_config
+from store_backend.plans import Verdict, victim_verdict
 from store_backend.ssd.factory import open_ssd_backend
-from store_backend.store import TieredStore
+from store_backend.store import MAX_OFFLOAD_ATTEMPTS, TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
 
@@ -126,3 +128,58 @@ def test_offload_commit_sees_an_eviction_not_yet_finished(tmp_path):
         assert s._offloader.wait_idle(30)
         assert s.get_into(["k"], [bytearray(CHUNK)])[0].status is Status.OK
         assert s.metrics()["store"]["dropped_unpersisted"] == 0
+
+
+def _known_below_cfg(tmp_path):
+    return {"dram": {"capacity_bytes": 2 * MiB},
+            "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "admission_policy": "reused"},
+            "offload": {"policy": "eager"}, "promotion": {"enabled": False}}
+
+
+def _declined_child_is_written_back(s) -> None:
+    """Put child C of parent P (P below, not in DRAM) and reuse C so that admission wants it: DRAM
+    eviction's verdict on C is to write it back, not to drop it (a parent wrongly taken as not
+    stored made it EVICT: the reused child was dropped, never written)."""
+    assert "P" not in s._dram.entries
+    assert s.put(["C"], [payload("C", CHUNK)], parents=["P"]) == [Status.OK]
+    assert s._offloader.wait_idle(10)
+    assert s._dram.entries["C"].declined  # used once so far: admission declined its first write
+    for _ in range(3):  # C is reused: admission would write it now
+        assert s.get_into(["C"], [bytearray(CHUNK)])[0].status is Status.OK
+    with s._lock:
+        facts = s._victim_facts(s._dram.entries["C"], time.monotonic())
+    assert victim_verdict(facts, persisted_only=True, max_attempts=MAX_OFFLOAD_ATTEMPTS) is Verdict.WRITE_BACK, \
+        "reused child of a stored parent would be dropped, never written"
+
+
+def _parent_on_ssd(tmp_path) -> None:
+    with TieredStore(_known_below_cfg(tmp_path)) as s:  # P used twice so that 'reused' admits it
+        assert s.put(["P"], [payload("P", CHUNK)]) == [Status.OK]
+        s.get_into(["P"], [bytearray(CHUNK)])
+        s.get_into(["P"], [bytearray(CHUNK)])
+        assert s.flush(timeout_s=30)
+        assert s._ssd.contains(["P"]) == [True]
+
+
+@pytest.mark.timeout(60)
+def test_declined_child_of_recovered_parent_is_written_back(tmp_path):
+    """A parent recovered from an earlier run counts as stored (KnownBelow is seeded at open)."""
+    _parent_on_ssd(tmp_path)
+    with TieredStore(_known_below_cfg(tmp_path)) as s:
+        assert s.tier_of(["P"]) == ["ssd"]
+        _declined_child_is_written_back(s)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["put_exists", "read"])
+def test_parent_seen_below_counts_as_stored(tmp_path, how):
+    """A parent a put found below (EXISTS) or a read was served from below counts as stored,
+    though KnownBelow was not seeded with it."""
+    _parent_on_ssd(tmp_path)
+    with TieredStore(_known_below_cfg(tmp_path)) as s:
+        s._known_below.discard("P")  # as if the seed had forgotten it (bounded)
+        if how == "put_exists":
+            assert s.put(["P"], [payload("P", CHUNK)]) == [Status.EXISTS]
+        else:
+            assert s.get_into(["P"], [bytearray(CHUNK)])[0].status is Status.OK
+        _declined_child_is_written_back(s)
