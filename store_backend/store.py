@@ -140,6 +140,7 @@ class TieredStore:
         self._backing: Tier | None = next((t for t in self._below if t.traits.backs_dram), None)
         self.metrics_counters = StoreMetrics(tuple(t.name for t in self._below))
         self._ssd_hits: dict[str, int] = {}
+        self._tiers_raised: set[str] = set()  # names of tiers whose read raised (logged once each)
         self._closed = False
         self._started = False
         self._closing = False  # close() has begun: new calls are refused
@@ -741,7 +742,8 @@ class TieredStore:
         """Read the keys at ``idx`` from the tiers below, in order, each tier asked for what the
         ones before it did not serve (no store lock held while a tier reads). A failed read
         (CORRUPT, IO_ERROR) is that tier's miss and the next tier is asked; the answer is the
-        first failure when no tier had the object."""
+        first failure when no tier had the object. A tier whose get_into or size_of raises fails
+        only the keys it was asked then (IO_ERROR, its failures; see :meth:`_tier_raised`)."""
         m = self.metrics_counters
         with self._lock:  # a key being removed is absent, though its copies below may still be there
             hidden = [i for i in idx if self._removals.hidden(keys[i])]
@@ -753,13 +755,26 @@ class TieredStore:
             if not idx:
                 break
             tm = m.tier(tier.name)
-            results = tier.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+            try:
+                results = tier.get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+            except Exception:  # a broken tier: its keys failed, the hits served so far stand
+                self._tier_raised(tier, "get_into", len(idx))
+                results = [ReadResult(Status.IO_ERROR)] * len(idx)
             short = [i for i, res in zip(idx, results) if res.status is Status.BUFFER_TOO_SMALL]
-            sizes = dict(zip(short, tier.size_of([keys[i] for i in short]))) if short else {}
+            sizes: dict[int, int | None] = {}
+            sizes_failed = False
+            if short:
+                try:
+                    sizes = dict(zip(short, tier.size_of([keys[i] for i in short])))
+                except Exception:
+                    self._tier_raised(tier, "size_of", len(short))
+                    sizes_failed = True
             missed: list[int] = []
             with self._lock:
                 for i, res in zip(idx, results):
-                    if res.status is Status.BUFFER_TOO_SMALL:  # the backends do not say the size: we do
+                    if res.status is Status.BUFFER_TOO_SMALL and sizes_failed:
+                        res = ReadResult(Status.IO_ERROR)
+                    elif res.status is Status.BUFFER_TOO_SMALL:  # the backends do not say the size: we do
                         size = sizes.get(i)
                         res = ReadResult(Status.NOT_FOUND) if size is None or self._removals.hidden(keys[i]) \
                             else ReadResult(Status.BUFFER_TOO_SMALL, size)
@@ -792,6 +807,19 @@ class TieredStore:
             if refused:
                 with self._lock:
                     m.store.promotion_queue_full += refused
+
+    def _tier_raised(self, tier: Tier, method: str, nkeys: int) -> None:
+        """(no lock held; called from an ``except`` block) ``tier.method`` raised for ``nkeys``
+        keys, which then answer IO_ERROR (counted by the caller as that tier's failures). Logged
+        with its traceback the first time per tier, at debug level after that, so that a tier that
+        stays broken does not flood the log."""
+        first = tier.name not in self._tiers_raised
+        self._tiers_raised.add(tier.name)
+        if first:
+            logger.exception("tier %s: %s raised for %d keys; they answer IO_ERROR (later failures of "
+                             "this tier are logged at debug level)", tier.name, method, nkeys)
+        else:
+            logger.debug("tier %s: %s raised for %d keys", tier.name, method, nkeys, exc_info=True)
 
     # -- queries -----------------------------------------------------------------------------------
     def _ask_tier(self, ask: Any, keys: Sequence[str], absent: Any) -> list[Any]:

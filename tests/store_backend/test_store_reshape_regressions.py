@@ -183,3 +183,31 @@ def test_parent_seen_below_counts_as_stored(tmp_path, how):
         else:
             assert s.get_into(["P"], [bytearray(CHUNK)])[0].status is Status.OK
         _declined_child_is_written_back(s)
+
+
+@pytest.mark.timeout(60)
+def test_a_tier_that_raises_fails_only_its_own_keys(tmp_path):
+    """A lower tier whose get_into raises (a broken pool) answers IO_ERROR for the keys it was
+    asked, counted as its failures; hits already served (DRAM) stand, and a tier below a broken one
+    is still asked."""
+    from tests.store_backend.test_tiers import two_tiers
+
+    s, pool = two_tiers(tmp_path)
+    with s:
+        assert s.put(["d"], [payload("d", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
+
+        def boom(keys, buffers=None):
+            raise ConnectionError("pool down")
+        pool.get_into = boom
+        bufs = [bytearray(CHUNK), bytearray(CHUNK)]
+        res = s.get_into(["d", "missing"], bufs)
+        assert [r.status for r in res] == [Status.OK, Status.IO_ERROR]
+        assert bytes(bufs[0]) == payload("d", CHUNK).tobytes()
+        assert s.metrics_counters.tier("pool").failures.io_error == 1
+        # The SSD tier broken, the pool below it serves.
+        del pool.get_into
+        pool.data["p"] = payload("p", CHUNK).tobytes()
+        s._backing.get_into = boom
+        buf = bytearray(CHUNK)
+        assert s.get_into(["p"], [buf])[0].status is Status.OK and bytes(buf) == payload("p", CHUNK).tobytes()
+        assert s.metrics_counters.tier("ssd").failures.io_error == 1
