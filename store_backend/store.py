@@ -228,7 +228,7 @@ class TieredStore:
                                    "until they end", self._calls, timeout_s)
                     break
                 self._changed.wait(left)
-        flusher = self._flush_for_close(limit) if flush and self._ssd is not None else None
+        flusher = self._flush_for_close(limit) if flush and self._backing is not None else None
         workers = (self._offloader, self._promoter)
         for w in workers:
             w.stop()

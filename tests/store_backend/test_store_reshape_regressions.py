@@ -211,3 +211,23 @@ def test_a_tier_that_raises_fails_only_its_own_keys(tmp_path):
         buf = bytearray(CHUNK)
         assert s.get_into(["p"], [buf])[0].status is Status.OK and bytes(buf) == payload("p", CHUNK).tobytes()
         assert s.metrics_counters.tier("ssd").failures.io_error == 1
+
+
+@pytest.mark.timeout(60)
+def test_close_flushes_to_a_backing_tier_that_is_not_an_ssd_backend(tmp_path):
+    """close(flush=True) writes dirty objects to the backing tier, whatever tier that is (it once
+    flushed only when an SSD backend was underneath)."""
+    from store_backend.tiers.base import TierTraits
+    from tests.store_backend.test_tiers import DictTier
+
+    class BackingDict(DictTier):
+        name = "backing"
+        traits = TierTraits(backs_dram=True, durable=True, exclusive=True, local_index=True)
+
+    tier = BackingDict()
+    c = load_config({"dram": {"capacity_bytes": 4 * MiB}, "offload": {"policy": "watermark"}})
+    s = TieredStore(c, tiers=[tier]).start()
+    assert s._backing is tier and s._ssd is None
+    assert s.put(["w"], [payload("w", CHUNK)]) == [Status.OK]  # far below the high watermark: dirty
+    s.close(flush=True, timeout_s=30)
+    assert tier.data.get("w") == payload("w", CHUNK).tobytes(), "close did not flush to the backing tier"
