@@ -11,6 +11,8 @@ Engines keep KV in paged per-layer tensors whose block interiors differ by atten
 :class:`PagedLayer` wraps one layer's tensor as a ``[plane, block, token_in_block, head, dim]`` view
 (no copy) and copies whole blocks between that view and a canonical layer region; the conversion
 happens inside the one copy that moves the bytes anyway (gather on save, scatter on load).
+``gather_into`` / ``scatter_from`` do that copy straight between the pages and a layer's byte range
+of a store slot (a reserved or leased object), with no staging buffer and no temporary in between.
 
 Who calls it: the engine connectors' worker side (vLLM's forward thread, SGLang's cache thread).
 Not thread-safe per :class:`PagedLayer` instance; distinct layers may be used from distinct threads.
@@ -18,8 +20,11 @@ Not thread-safe per :class:`PagedLayer` instance; distinct layers may be used fr
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -118,6 +123,8 @@ class PagedLayer:
         # OpenMP threads (bound to cores that are busy with the forward).
         self._int = _INT_OF_SIZE[kv.element_size()]
         self._kv_np = kv.view(self._int).numpy() if kv.device.type == "cpu" else None
+        # The whole layer as a strided numpy [P, B, N, H, D] view: a run of blocks is a slice of it.
+        self._planes_all = self._planes_np(kv) if self._kv_np is not None else None
 
     def _planes(self, kv: torch.Tensor) -> torch.Tensor:
         """``[B, H, N, C]`` pages -> ``[P, B, N, H, D]`` view of the same memory."""
@@ -130,12 +137,124 @@ class PagedLayer:
         return kv.unflatten(-1, (2, self.head_size)).permute(3, 0, 2, 1, 4)
 
     def _planes_np(self, pages: torch.Tensor) -> np.ndarray:
-        """numpy twin of ``_planes`` over the contiguous CPU tensor ``pages``."""
+        """numpy twin of ``_planes`` over the CPU tensor ``pages`` (any strides; no copy)."""
         view = self._planes(pages)
+        assert view.data_ptr() == pages.data_ptr()  # the strides below are relative to pages' first value
         base = pages.view(self._int).numpy()
         item = base.itemsize
         return np.lib.stride_tricks.as_strided(base, shape=tuple(view.shape),
                                                strides=tuple(st * item for st in view.stride()))
+
+    def _runs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``block_ids`` as runs of consecutive ids: ``(position, first id, length)`` each.
+
+        Raises IndexError for an id outside ``[0, num_blocks)`` (a slice past the end would be
+        shorter than its run and numpy would broadcast one block into several)."""
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        n = len(block_ids)
+        for i in range(n):
+            b = int(block_ids[i])
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"block id {b} (position {i}) not in [0, {self.num_blocks})")
+            if i + 1 == n or int(block_ids[i + 1]) != b + 1:
+                runs.append((start, int(block_ids[start]), i + 1 - start))
+                start = i + 1
+        return runs
+
+    def _canonical_np(self, buf: Any, n: int, *, first_block: int, what: str) -> np.ndarray:
+        """``buf`` (flat bytes: a numpy array or a buffer) as ``[P, blocks, N, H, D]`` in the
+        same-size integer type; ValueError unless it holds whole blocks, ``first_block + n`` or more."""
+        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+        if arr.ndim != 1 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
+            raise ValueError(f"{what} must be flat contiguous uint8 bytes, got {arr.dtype} of shape {arr.shape}")
+        p, _, _, h, d = self.planes.shape
+        block_bytes = p * self.block_tokens * h * d * self.kv.element_size()
+        if arr.nbytes % block_bytes or arr.nbytes // block_bytes < first_block + n:
+            raise ValueError(f"{what} of {arr.nbytes} bytes does not hold {first_block + n} whole blocks of "
+                             f"{block_bytes} bytes")
+        word = np.dtype(f"i{self.kv.element_size()}") if self.kv.element_size() > 1 else np.dtype(np.uint8)
+        return arr.view(word).reshape(p, -1, self.block_tokens, h, d)
+
+    def gather_into(self, block_ids: Sequence[int], dest: Any, *, non_blocking: bool = False,
+                    stream: torch.cuda.Stream | None = None) -> None:
+        """Copy blocks ``block_ids`` (in order) into ``dest``, the canonical byte range of one layer
+        (``ChunkLayout.layer_range``: flat uint8, a numpy array or a writable buffer such as a
+        reserved slot's memoryview), blocks ``0 .. len(block_ids) - 1`` of it.
+
+        One copy and no temporary on the host: on the CPU one ``np.copyto`` per run of consecutive
+        block ids straight from the engine's pages (strided) into ``dest``. On a GPU the blocks are
+        selected and put in canonical order on the device (``stream``, else the current stream),
+        then copied D2H into ``dest`` in one transfer (per plane when ``dest`` holds more blocks).
+        With ``non_blocking`` the call returns once the copy is queued: ``dest`` is written when
+        the stream gets there, and must stay alive (and be pinned for a real async DMA) until then.
+        Raises IndexError for a block id out of range, ValueError for a ``dest`` of the wrong size."""
+        n = len(block_ids)
+        region = self._canonical_np(dest, n, first_block=0, what="dest")
+        if n == 0:
+            return
+        runs = self._runs(block_ids)
+        if self._planes_all is not None:
+            for pos, b0, length in runs:
+                np.copyto(region[:, pos:pos + length], self._planes_all[:, b0:b0 + length])
+            return
+        with _on_stream(stream):
+            pages = self.kv.index_select(0, self._ids(block_ids))
+            staged = self._planes(pages).contiguous()  # [P, n, N, H, D] in canonical order, on the device
+            host = _host_tensor(region)
+            if host.shape[1] == n:
+                host.view(self._int).copy_(staged.view(self._int), non_blocking=non_blocking)
+            else:
+                for plane in range(host.shape[0]):
+                    host[plane, :n].view(self._int).copy_(staged[plane].view(self._int), non_blocking=non_blocking)
+
+    def scatter_from(self, block_ids: Sequence[int], src: Any, *, first_block: int = 0,
+                     non_blocking: bool = False, stream: torch.cuda.Stream | None = None,
+                     scratch: torch.Tensor | None = None) -> None:
+        """Write blocks ``first_block, first_block + 1, ...`` of ``src`` (one layer's canonical byte
+        range, flat uint8: a numpy array or a buffer such as a leased slot's memoryview, read only
+        is fine) into the engine's blocks ``block_ids`` in order.
+
+        On the CPU one ``np.copyto`` per run of consecutive block ids straight from ``src`` into
+        the pages, no temporary. On a GPU one H2D copy of the blocks' bytes into a device scratch
+        (``scratch``: a uint8 device tensor of at least that many bytes, else one is allocated),
+        then permute + ``index_copy_`` into the pages, all on ``stream`` (else the current stream).
+        With ``non_blocking`` the call returns once queued; ``src`` must stay alive and unchanged
+        until the stream has run the copy. Raises IndexError / ValueError as ``gather_into``."""
+        n = len(block_ids)
+        if first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {first_block}")
+        region = self._canonical_np(src, n, first_block=first_block, what="src")
+        if n == 0:
+            return
+        runs = self._runs(block_ids)
+        if self._planes_all is not None:
+            for pos, b0, length in runs:
+                at = first_block + pos
+                np.copyto(self._planes_all[:, b0:b0 + length], region[:, at:at + length])
+            return
+        p, _, _, h, d = self.planes.shape
+        with _on_stream(stream):
+            host = _host_tensor(region)
+            shape = (p, n, self.block_tokens, h, d)
+            nbytes = p * n * self.block_tokens * h * d * self.kv.element_size()
+            if scratch is None:
+                dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            elif scratch.device != self.device or scratch.dtype != torch.uint8 or scratch.numel() < nbytes:
+                raise ValueError(f"scratch must be a uint8 tensor of >= {nbytes} bytes on {self.device}, got "
+                                 f"{scratch.dtype} of {scratch.numel()} on {scratch.device}")
+            else:
+                dev = scratch.view(-1)[:nbytes]
+            staged = dev.view(self._int).view(shape)
+            if first_block == 0 and host.shape[1] == n:
+                staged.copy_(host.view(self._int), non_blocking=non_blocking)
+            else:
+                for plane in range(p):
+                    staged[plane].copy_(host[plane, first_block:first_block + n].view(self._int),
+                                        non_blocking=non_blocking)
+            pages = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
+            self._planes(pages).copy_(staged.view(self.dtype))
+            self.kv.index_copy_(0, self._ids(block_ids), pages)
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
@@ -176,6 +295,23 @@ class PagedLayer:
         pages = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
         self._planes(pages).copy_(region, non_blocking=non_blocking)
         self.kv.index_copy_(0, self._ids(block_ids), pages)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def _host_tensor(region: np.ndarray) -> torch.Tensor:
+    """A torch view of a host numpy region (no copy); read-only sources are fine (only read)."""
+    with warnings.catch_warnings():
+        # torch warns that writes to a non-writable array are undefined; a source is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(region)
 
 
 def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
