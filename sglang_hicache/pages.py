@@ -191,6 +191,24 @@ class HostPages:
         for i in range(len(starts)) if which is None else which:
             np.copyto(self.page_view(starts[i]), self._region(src, i))
 
+    def gather_into(self, start: int, dest: Any) -> None:
+        """Copy the page at host index ``start`` into ``dest``, one page of canonical bytes (a
+        reserved slot's writable memoryview, or a flat uint8 array of ``page_bytes``): one
+        ``np.copyto``, a plain memcpy for ``direct`` pools, one strided copy otherwise."""
+        np.copyto(self._page_bytes(dest, "dest"), self.page_view(start))
+
+    def scatter_from(self, start: int, src: Any) -> None:
+        """Write one page of canonical bytes ``src`` (a leased slot's memoryview, read-only is
+        fine, or a flat uint8 array of ``page_bytes``) into the host pool at ``start``: one copy."""
+        np.copyto(self.page_view(start), self._page_bytes(src, "src"))
+
+    def _page_bytes(self, buf: Any, what: str) -> np.ndarray:
+        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+        if arr.dtype != np.uint8 or arr.ndim != 1 or arr.size != self.page_bytes:
+            raise ValueError(f"{what}: expected {self.page_bytes} flat bytes (one page), got {arr.dtype} "
+                             f"of shape {arr.shape}")
+        return arr.view(self._word).reshape(self._shape)
+
     # -- SGLang's flat data pages (legacy get/set) --------------------------------------------------
     def flat_to_canonical(self, flat: torch.Tensor, dest: np.ndarray) -> None:
         """Copy a flat data page (native order, any dtype) into canonical bytes ``dest``."""
