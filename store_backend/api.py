@@ -26,11 +26,21 @@ Contract shared by every method unless it says otherwise:
   object, and never sees a removed one after ``remove`` returned.
 - **Closed**: once ``close()`` has begun, every method but ``close()``, ``note_stuck_threads`` and
   ``note_worker_error`` raises :class:`StoreClosedError`.
-
-Next (not part of the Protocol yet, added with the slot API and the node service): ``exists_all``
-(the shortest leading run over several key lists, one round trip for all TP ranks),
-``exists(..., count_reserved=..., wait_s=...)``, and the slot methods ``reserve``/``commit``/``abort``/
-``lease``/``release``/``reclaim``.
+- **Slots** (``reserve``/``commit``/``abort``, ``lease``/``release``, ``reclaim``): a caller may copy
+  bytes into or out of the store's DRAM arena itself (one copy between the arena and an engine's
+  pages; across processes through the node service's shared segment). A reserved key is invisible
+  to every reader (``get_into``, ``lease``, ``contains``, ``exists``) until ``commit`` returns OK;
+  a second ``reserve`` or ``put`` of it answers EXISTS. A lease keeps the object's bytes from
+  eviction and overwrite until ``release``; a ``remove`` meanwhile takes the key at once and the
+  last releaser frees the bytes. Every token has an owner (``owner``, default 0; the node service
+  passes its connection) and a TTL that bounds its *result*: a commit after it answers IO_ERROR, a
+  release after it answers False (the read is void); the bytes stay held until the owner commits,
+  aborts, releases, or ``reclaim(owner)`` runs, so a slot is never reused while a live process may
+  still touch it. A token unknown, used, or another owner's answers IO_ERROR/False with no effect.
+  Per owner at most ``max_held_fraction`` (0.5) of the arena and 65536 tokens (beyond: NO_SPACE).
+- **Lookups across shards**: ``exists_all`` answers the shortest leading run over several key lists
+  (one round trip for all TP ranks); ``exists(..., count_reserved=True)`` counts saves in flight,
+  ``exists(..., wait_s=S)`` waits up to S seconds for the keys to be committed.
 """
 
 from __future__ import annotations
@@ -39,7 +49,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from store_backend.metrics import StoreStats
+from store_backend.slots import Reservation, SegmentInfo, SlotLease
 from store_backend.types import Buffer, FlushReport, ReadResult, Status
+
+__all__ = ["KVStore", "Reservation", "SegmentInfo", "SlotLease", "StoreClosedError"]
 
 
 class StoreClosedError(RuntimeError):
@@ -71,8 +84,15 @@ class KVStore(Protocol):
         """Whether each key is stored in some tier (an object still being written is not)."""
         ...
 
-    def exists(self, keys: Sequence[str]) -> int:
-        """How many leading keys are stored (for prefix-chained keys: the reusable prefix length)."""
+    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
+        """How many leading keys are stored (for prefix-chained keys: the reusable prefix length).
+        ``count_reserved``: keys reserved and not committed yet count too. ``wait_s`` > 0: when not
+        all are stored, block up to ``wait_s`` for commits until they are; the answer is what is
+        stored then. ``wait_s`` outside [0, ``MAX_PIN_TTL_S``]: ``ValueError``."""
+        ...
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
+        """The shortest leading run of stored keys over ``key_lists`` (0 for no lists), in one call."""
         ...
 
     def tier_of(self, keys: Sequence[str]) -> list[str | None]:
@@ -103,6 +123,46 @@ class KVStore(Protocol):
     def unpin(self, keys: Sequence[str]) -> None:
         """Release one pin per key taken by ``pin`` (a pin on an object removed since releases
         nothing, even when the key was stored again)."""
+        ...
+
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
+                *, ttl_s: float = 60.0, owner: int = 0) -> list[Reservation]:
+        """A writable arena slot of ``sizes[i]`` bytes per key (``Reservation.view``, at
+        ``offset`` in the segment), to fill and then ``commit``; per key OK, EXISTS (stored or
+        reserved already), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing evictable, or the owner's
+        share is held). Invisible to readers until committed. Never blocks on I/O."""
+        ...
+
+    def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
+        """Make reserved objects visible; per reservation OK (also when a remove came in between:
+        the bytes are dropped, as a put answers), IO_ERROR (TTL passed: nothing stored; or a
+        token unknown/used/another owner's: no effect), or the reservation's own failed status.
+        A committed object is covered by a later ``flush`` and offloaded as a put is."""
+        ...
+
+    def abort(self, reservations: Sequence[Reservation], *, owner: int = 0) -> None:
+        """Give reserved slots back unstored (a foreign or used token: no effect)."""
+        ...
+
+    def lease(self, keys: Sequence[str], *, ttl_s: float = 60.0, stage_in: bool = True,
+              wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
+        """A read-only view of each stored object's bytes (``SlotLease.view``), stable until
+        ``release``; per key OK, NOT_FOUND (absent, still being written, removed during a
+        stage-in), INVALID_KEY, NO_SPACE (no clean room to stage it in; the owner's share held),
+        CORRUPT/IO_ERROR (a stage-in read failed). ``stage_in``: an object only in a lower tier
+        is read into a slot first (blocks on that read). ``wait_pending_s`` > 0: a key being
+        written is waited for (abort or expiry meanwhile: NOT_FOUND)."""
+        ...
+
+    def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:
+        """Give leases back; True per lease when its bytes were stable for the whole lease (what
+        was read may be used), False when its TTL had passed or the token is not this owner's
+        live lease (the read is void)."""
+        ...
+
+    def reclaim(self, owner: int) -> tuple[int, int]:
+        """End every token ``owner`` holds (its connection or process ended): (reservations
+        aborted, leases released)."""
         ...
 
     def flush(self, timeout_s: float | None = None) -> bool:

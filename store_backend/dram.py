@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import time
@@ -19,6 +21,8 @@ from store_backend.config import ConfigError, DramConfig
 from store_backend.ownership import HeldLock, flock_or_raise
 from store_backend.policies.base import EvictionPolicy
 from store_backend.policies.registry import make_policy
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 
@@ -71,8 +75,14 @@ class Arena:
     private arena is anonymous memory, mapped lazily as before.
     """
 
-    def __init__(self, capacity_bytes: int, shm_name: str | None) -> None:
+    def __init__(self, capacity_bytes: int, shm_name: str | None, *, fresh: bool = False) -> None:
+        """``fresh``: a new segment every open, ``<shm_name>-<start_ns>`` (see :meth:`_fresh_name`),
+        never a crashed owner's leftover, which a client of that owner may still map and write."""
         self.capacity_bytes = capacity_bytes
+        if fresh and shm_name is None:
+            raise ConfigError("dram.shm_name: a fresh shared segment needs a name; got None (a private arena)")
+        if fresh and shm_name is not None:
+            shm_name = self._fresh_name(shm_name)
         self.shm_path = None if shm_name is None else os.path.join(SHM_DIR, shm_name)
         self._lock: HeldLock | None = None
         if self.shm_path is None:
@@ -84,6 +94,42 @@ class Arena:
         else:
             self._mmap = self._map_segment(capacity_bytes, shm_name or "")
         self.view = memoryview(self._mmap)
+
+    @staticmethod
+    def _fresh_name(shm_name: str) -> str:
+        """``<shm_name>-<start_ns>``, after unlinking every leftover ``<shm_name>-<digits>`` whose
+        lock is free (its owner died; a live owner's lock is held and its segment left alone).
+
+        A killed owner's client may still map its segment: a fresh inode keeps that client's late
+        writes out of the new owner's objects, and the unlink gives the leftover's pages back once
+        the last such mapping closes."""
+        prefix = shm_name + "-"
+        try:
+            names = os.listdir(SHM_DIR)
+        except OSError:
+            names = []
+        for name in names:
+            if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+                continue
+            path = os.path.join(SHM_DIR, name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile, or not ours to open
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a live owner holds it
+                try:
+                    if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                        os.unlink(path)
+                        logger.info("unlinked %s, a segment left by an owner that exited", path)
+                except OSError:
+                    pass
+            finally:
+                os.close(fd)
+        return f"{prefix}{time.time_ns()}"
 
     def _map_segment(self, capacity_bytes: int, shm_name: str) -> mmap.mmap:
         assert self.shm_path is not None
@@ -175,6 +221,22 @@ class Arena:
                 pass
             self._lock.close()
 
+    def identity(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the segment, or None for a private arena (or after close)."""
+        if self._lock is None or self._lock.fd < 0:
+            return None
+        st = os.fstat(self._lock.fd)
+        return st.st_dev, st.st_ino
+
+    def open_segment_fd(self) -> int:
+        """A new read-write descriptor of the segment (O_CLOEXEC), for passing to another process;
+        the caller owns and closes it. It is a separate open file description, never the one that
+        holds the lock (a receiver holding that would hold the lock). OSError when the arena is
+        private or closed."""
+        if self._lock is None or self._lock.fd < 0:
+            raise OSError(errno.EBADF, "the arena is not a shared segment (or is closed)")
+        return os.open(f"/proc/self/fd/{self._lock.fd}", os.O_RDWR | os.O_CLOEXEC)
+
     def close(self) -> None:
         self.view.release()
         try:
@@ -188,7 +250,7 @@ class Arena:
 class HostDramTier:
     """Index + allocator + eviction policy over one arena."""
 
-    def __init__(self, cfg: DramConfig, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, cfg: DramConfig, policy: EvictionPolicy | None = None, *, fresh_segment: bool = False) -> None:
         self.cfg = cfg
         if policy is None:
             try:
@@ -196,7 +258,7 @@ class HostDramTier:
             except ValueError as e:
                 raise ConfigError(f"dram.eviction_policy: {e}") from None
         self.policy = policy
-        self.arena = Arena(cfg.capacity_bytes, cfg.shm_name)
+        self.arena = Arena(cfg.capacity_bytes, cfg.shm_name, fresh=fresh_segment)
         try:
             self.allocator = OffsetAllocator(cfg.capacity_bytes, cfg.alignment_bytes)
         except BaseException:

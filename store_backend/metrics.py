@@ -115,6 +115,33 @@ class StoreCounters(msgspec.Struct):
     thread_join_timeouts: int = 0
     # Residency events dropped because the event queue was full (subscribers were told of the gap).
     events_dropped: int = 0
+    # Slot API (reserve/commit/abort, lease/release): tokens handed out and taken back, by how.
+    slot_reserves: int = 0
+    slot_commits: int = 0
+    slot_aborts: int = 0
+    slot_leases: int = 0
+    slot_releases: int = 0
+    # Leases served by reading an object from a tier below into a slot first.
+    slot_stage_ins: int = 0
+    # Tokens whose TTL passed before they were committed or released (the result is void).
+    slot_expired: int = 0
+    # Tokens ended by reclaim(owner) (their owner's connection or process ended).
+    slot_reclaimed: int = 0
+    # Reservations and leases refused (NO_SPACE) because their owner holds its share of the arena.
+    slot_refused: int = 0
+    # Tokens given to commit/abort/release that are unknown, used already, or another owner's.
+    slot_foreign: int = 0
+
+
+class SlotGauges(msgspec.Struct):
+    """Slot tokens held now (``TieredStore.reserve``/``lease``) and the arena bytes they hold."""
+
+    reservations: int = 0
+    leases: int = 0
+    owners: int = 0
+    held_bytes: int = 0
+    # Bytes of tokens whose TTL passed and that their owner has not given back (a stuck client).
+    expired_held_bytes: int = 0
 
 
 class StoreStats(msgspec.Struct):
@@ -129,6 +156,7 @@ class StoreStats(msgspec.Struct):
     store: StoreCounters = msgspec.field(default_factory=StoreCounters)
     queues: QueueGauges = msgspec.field(default_factory=QueueGauges)
     latency: StoreLatency = msgspec.field(default_factory=StoreLatency)
+    slots: SlotGauges = msgspec.field(default_factory=SlotGauges)
 
     @property
     def tiers(self) -> dict[str, TierStats]:

@@ -29,6 +29,7 @@ from store_backend.metrics import (
     FailureCounters,
     LatencyHistogram,
     QueueGauges,
+    SlotGauges,
     StoreCounters,
     StoreLatency,
     StoreStats,
@@ -78,6 +79,27 @@ DESCRIPTIONS: dict[str, str] = {
                                                "flight, SSD I/O threads."),
     "mooncake_kv_store_events_dropped": ("Residency events (stored, moved, evicted, removed) dropped because the "
                                          "event queue was full; subscribers are told of the gap and resync."),
+    # slot API counters
+    "mooncake_kv_store_slot_reserves": "Slots reserved for a caller to write an object into (reserve).",
+    "mooncake_kv_store_slot_commits": "Reserved slots committed: their objects became visible.",
+    "mooncake_kv_store_slot_aborts": "Reserved slots given back unstored (abort).",
+    "mooncake_kv_store_slot_leases": "Objects leased for a caller to read out of their slot (lease).",
+    "mooncake_kv_store_slot_releases": "Leases given back (release).",
+    "mooncake_kv_store_slot_stage_ins": "Leases served by reading an object from a tier below into a slot first.",
+    "mooncake_kv_store_slot_expired": ("Slot tokens whose TTL passed before commit or release (the commit or the "
+                                       "read failed; the bytes stay held until the owner lets go)."),
+    "mooncake_kv_store_slot_reclaimed": "Slot tokens ended by reclaim (their owner's connection or process ended).",
+    "mooncake_kv_store_slot_refused": ("Reservations and leases refused because their owner holds its share of the "
+                                       "arena or of tokens."),
+    "mooncake_kv_store_slot_foreign": ("Tokens given to commit, abort or release that were unknown, already used, or "
+                                       "another owner's (nothing changed)."),
+    # slot API gauges
+    "mooncake_kv_slot_reservations": "Slots reserved now and not yet committed or aborted.",
+    "mooncake_kv_slot_leases": "Leases held now and not yet released.",
+    "mooncake_kv_slot_owners": "Owners (node service connections, or the embedding process) holding slot tokens now.",
+    "mooncake_kv_slot_held_bytes": "Arena bytes held by slot tokens now (reserved or leased).",
+    "mooncake_kv_slot_expired_held_bytes": ("Arena bytes still held by slot tokens whose TTL passed (a stuck or slow "
+                                            "client; freed when it lets go or is reclaimed)."),
     # gauges and histograms
     "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
     "mooncake_kv_store_get_seconds": "Time a store get_into call took (DRAM copies and blocking SSD reads).",
@@ -184,6 +206,7 @@ def store_families() -> list[Family]:
         *struct_families(StoreCounters, f"{PREFIX}_store", COUNTER, lambda s: s.store, DESCRIPTIONS),
         labelled_family(QueueGauges, f"{PREFIX}_queue_depth", GAUGE, "queue", lambda s: s.queues, DESCRIPTIONS),
         *histogram_families(StoreLatency, f"{PREFIX}_store", lambda s: s.latency, DESCRIPTIONS),
+        *struct_families(SlotGauges, f"{PREFIX}_slot", GAUGE, lambda s: s.slots, DESCRIPTIONS),
     ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -40,7 +41,14 @@ from store_backend.coherence import EvictionClock, KnownBelow, LossLedger, Remov
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
-from store_backend.metrics import FailureCounters, LatencyHistogram, QueueGauges, StoreMetrics, StoreStats
+from store_backend.metrics import (
+    FailureCounters,
+    LatencyHistogram,
+    QueueGauges,
+    SlotGauges,
+    StoreMetrics,
+    StoreStats,
+)
 from store_backend.plans import (
     Verdict,
     VictimFacts,
@@ -52,6 +60,7 @@ from store_backend.plans import (
 )
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.residency import ALL_TIERS, ResidencyBus, ResidencyEvent, Subscriber
+from store_backend.slots import MAX_HELD_FRACTION, Reservation, SegmentInfo, SlotKind, SlotLease, SlotRow, SlotTable
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.tiers.base import Tier
@@ -65,6 +74,7 @@ from store_backend.types import (
     byte_view,
     check_batch,
     check_key,
+    MAX_PIN_TTL_S,
     check_ttl_s,
     copy_bytes,
     nbytes_of,
@@ -113,10 +123,20 @@ class TieredStore:
         *,
         ssd: SsdBackend | None = None,
         tiers: Sequence[Tier] = (),
+        fresh_segment: bool = False,
+        max_held_fraction: float = MAX_HELD_FRACTION,
     ) -> None:
         """Open the tiers (an SSD directory is recovered here). ``ssd`` injects an SSD backend and
-        ``tiers`` more tiers below it, in order (tests; the store owns them from here on)."""
+        ``tiers`` more tiers below it, in order (tests; the store owns them from here on).
+
+        ``fresh_segment``: the DRAM arena is a new /dev/shm segment ``<dram.shm_name>-<start_ns>``
+        (leftovers of owners that exited are unlinked first), never a reused one: what the node
+        service passes to its clients (see :meth:`segment`). ``dram.shm_name`` must be set.
+        ``max_held_fraction``: the share of the arena one slot owner may hold (see :meth:`reserve`)."""
         self.config = load_config(config)
+        dram = self.config.dram
+        # Tokens of reserve/lease (before anything is opened: a bad fraction opens nothing).
+        self._slots = SlotTable(dram.capacity_bytes - dram.capacity_bytes % dram.alignment_bytes, max_held_fraction)
         self._lock = threading.Lock()
         # The tiers below DRAM, fastest first (ssd, then a pool), each behind the Tier Protocol;
         # ``_backing`` is the first whose copy makes a DRAM copy clean: the offload target.
@@ -124,7 +144,7 @@ class TieredStore:
         # A failed open releases what it took (the /dev/shm segment, the SSD directory's lock and
         # injected tiers, which the store owns from here on), so a retry finds nothing held.
         try:
-            self._dram = HostDramTier(self.config.dram)
+            self._dram = HostDramTier(self.config.dram, fresh_segment=fresh_segment)
             try:
                 if ssd is None and self.config.ssd is not None:
                     self._below.insert(0, SsdTier(open_ssd_backend(self.config.ssd)))
@@ -161,6 +181,7 @@ class TieredStore:
         self._offloading: dict[str, Entry] = {}  # SSD writes in flight, by key
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
+        self._commits = 0  # commit rounds that stored something (exists(wait_s) waits for it to move)
         # Unpins owed to no live entry, by key: pins on an entry that a remove took away, and pins
         # of an object that was only on SSD (nothing pinned). The next unpins of the key pay them
         # off, so they never release a pin someone took on the key's newer entry. (count, expiry)
@@ -219,6 +240,7 @@ class TieredStore:
             if self._closing:
                 return
             self._closing = True
+            self._changed.notify_all()  # waits in exists(wait_s) and lease(wait_pending_s) end now
             limit = Deadline(timeout_s)
             deadline = limit.start + timeout_s
             while self._calls:
@@ -447,6 +469,24 @@ class TieredStore:
     def _put(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
              ) -> list[Status]:
         out = [Status.OK] * len(keys)
+        reserved = self._reserve_batch(keys, [v.nbytes for v in views], parents, out)
+        self._finish_put(views, reserved)
+        self._kick_watermark()
+        return out
+
+    def _kick_watermark(self) -> None:
+        if self._backing is not None and self._started and self.config.offload.policy == "watermark" \
+                and self._over_high_watermark():
+            self._offloader.kick()
+
+    def _reserve_batch(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
+                       out: list[Status], slot: tuple[int, float, dict[int, int]] | None = None,
+                       ) -> list[tuple[int, Entry]]:
+        """put's first half, shared with :meth:`reserve`: a WRITING entry for each key to be stored
+        (an answer in ``out`` for the others), after asking the tiers below that answer from memory
+        whether the key is already stored (no store lock held while they are asked). ``slot``
+        (owner, deadline, tokens): record each reservation in the slot table, under the owner's
+        limits, its token in ``tokens`` by key index."""
         valid = [check_key(k) is None for k in keys]
         # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
         # only costs a redundant DRAM copy of the same immutable bytes. A key being removed is
@@ -485,28 +525,28 @@ class TieredStore:
                     continue
                 for i in stale:
                     on_ssd[i] = False
-                reserved = self._reserve_puts(keys, views, parents, valid, on_ssd, out)
+                reserved = self._reserve_puts(keys, sizes, parents, valid, on_ssd, out, slot)
                 for i, st in enumerate(out):  # EXISTS because it is below: a parent admission may ask of
                     if st is Status.EXISTS and on_ssd[i] and on_backing[i] and keys[i] not in self._dram.entries \
                             and not self._evictions.changed_since(keys[i], evicted_at):
                         self._known_below.add(keys[i])
                 break
-        self._finish_put(views, reserved)
-        if self._backing is not None and self._started and self.config.offload.policy == "watermark" \
-                and self._over_high_watermark():
-            self._offloader.kick()
-        return out
+        return reserved
 
-    def _reserve_puts(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
-                      valid: list[bool], on_ssd: list[bool], out: list[Status]) -> list[tuple[int, Entry]]:
-        """(lock held) A WRITING entry for each key that is to be stored; the others' answers in ``out``."""
+    def _reserve_puts(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
+                      valid: list[bool], on_ssd: list[bool], out: list[Status],
+                      slot: tuple[int, float, dict[int, int]] | None = None) -> list[tuple[int, Entry]]:
+        """(lock held) A WRITING entry for each key that is to be stored; the others' answers in ``out``.
+        With ``slot``, each is recorded in the slot table (see :meth:`_reserve_batch`)."""
         m = self.metrics_counters
         reserved: list[tuple[int, Entry]] = []
+        if slot is not None:
+            self._expire_slots()
         for i, key in enumerate(keys):
             if not valid[i]:
                 out[i] = Status.INVALID_KEY
                 continue
-            size = views[i].nbytes
+            size = sizes[i]
             if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
                 out[i] = Status.TOO_LARGE
                 continue
@@ -514,18 +554,24 @@ class TieredStore:
                 out[i] = Status.EXISTS
                 m.store.put_exists += 1
                 continue
+            if slot is not None and not self._slots.admits(slot[0], size):
+                out[i] = Status.NO_SPACE  # this owner holds its share of the arena (or of tokens)
+                m.store.slot_refused += 1
+                continue
             entry = self._reserve(key, size, None if parents is None else parents[i], promotion=False)
             if entry is None:
                 out[i] = Status.NO_SPACE
                 m.store.put_no_space += 1
                 m.dram.failures.capacity += 1
                 continue
+            if slot is not None:
+                slot[2][i] = self._slots.add(SlotKind.RESERVATION, entry, slot[0], slot[1], size)
+                m.store.slot_reserves += 1
             reserved.append((i, entry))
         return reserved
 
     def _finish_put(self, views: list[memoryview], reserved: list[tuple[int, Entry]]) -> None:
         """Copy the bytes in (no lock held), then commit each entry and queue its offload."""
-        m = self.metrics_counters
         arena = self._dram.arena.view
         copied = 0
         try:
@@ -533,35 +579,48 @@ class TieredStore:
                 copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
                 copied += 1
         finally:
-            queued: list[Entry] = []
-            stored: list[ResidencyEvent] = []
             with self._lock:
-                eager = self._backing is not None and self._started and self.config.offload.policy == "eager"
-                for n, (_i, entry) in enumerate(reserved):
-                    if not self._live(entry):  # removed while its bytes were copied in
-                        self._release_detached(entry)
-                        continue
-                    if n >= copied:  # the copy failed: forget the half-written entry
+                for _i, entry in reserved[copied:]:  # the copy failed: forget the half-written entries
+                    if self._live(entry):
                         self._dram.drop(entry.key)
-                        continue
-                    self._dram.commit(entry)
-                    self._put_seq += 1
-                    entry.put_seq = self._put_seq
-                    self._losses.clear(entry.key)
-                    self._known_below.discard(entry.key)
-                    stored.append(ResidencyEvent("stored", entry.key, "dram", entry.size))
-                    m.store.puts += 1
-                    m.dram.bytes_written += entry.size
-                    if eager:
-                        entry.offload_queued = True
-                        queued.append(entry)
-                self._bus.publish(stored)
-                if queued:
-                    refused = self._offloader.submit([e.key for e in queued])
-                    m.store.offload_queue_full += refused
-                    for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
-                        entry.offload_queued = False
-                        entry.offload_failures += 1
+                    else:
+                        self._release_detached(entry)
+                self._commit_entries([e for _i, e in reserved[:copied]])
+
+    def _commit_entries(self, entries: list[Entry]) -> None:
+        """(lock held) Make WRITING entries whose bytes are in READY, as put and slot commits do:
+        each takes a put number (so a flush covers it), publishes ``stored`` and, in eager mode, is
+        queued for offload. An entry a remove (or its reservation's expiry) took out of the index
+        meanwhile is freed instead."""
+        m = self.metrics_counters
+        queued: list[Entry] = []
+        stored: list[ResidencyEvent] = []
+        eager = self._backing is not None and self._started and self.config.offload.policy == "eager"
+        for entry in entries:
+            if not self._live(entry):  # removed while its bytes were copied in
+                self._release_detached(entry)
+                continue
+            self._dram.commit(entry)
+            self._put_seq += 1
+            entry.put_seq = self._put_seq
+            self._losses.clear(entry.key)
+            self._known_below.discard(entry.key)
+            stored.append(ResidencyEvent("stored", entry.key, "dram", entry.size))
+            m.store.puts += 1
+            m.dram.bytes_written += entry.size
+            if eager:
+                entry.offload_queued = True
+                queued.append(entry)
+        self._bus.publish(stored)
+        if queued:
+            refused = self._offloader.submit([e.key for e in queued])
+            m.store.offload_queue_full += refused
+            for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
+                entry.offload_queued = False
+                entry.offload_failures += 1
+        if stored:
+            self._commits += 1
+            self._changed.notify_all()  # exists(wait_s) and lease(wait_pending_s) waiters
 
     def _admitted(self, e: Entry, parent_on_ssd: bool) -> bool:
         """Whether the SSD admission policy wants ``e`` written, on the facts as they are now (lock
@@ -678,6 +737,379 @@ class TieredStore:
         (:func:`victim_verdict`), and watermark demotion and flush write it as any dirty entry."""
         e.persisted = False
         e.offload_failures = max(1, e.offload_failures)
+
+    # -- slots: reserve -> write -> commit/abort, lease -> read -> release ------------------------
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
+                *, ttl_s: float = 60.0, owner: int = 0) -> list[Reservation]:
+        """Reserve an arena slot of ``sizes[i]`` bytes for each key, for the caller to fill
+        through ``Reservation.view`` and then :meth:`commit` (or :meth:`abort`). Never blocks on
+        I/O; thread-safe.
+
+        Per key: OK (with token, offset into the arena/segment, writable view), EXISTS (stored
+        already, or reserved by another writer), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing
+        evictable, or ``owner`` holds ``max_held_fraction`` of the arena or 65536 tokens). A
+        reserved key is invisible to readers (``get_into``, ``lease``, ``contains``, ``exists``)
+        until it is committed. ``ttl_s`` bounds the result, not the memory: a commit after it
+        answers IO_ERROR and the key is free for another writer at once, but the slot's bytes stay
+        allocated (the caller may still be writing them) until the owner commits, aborts, or
+        :meth:`reclaim` runs for it. ``owner`` names the holder (the node service: its connection).
+        Misuse (mismatched lengths, a negative or non-integer size, ``ttl_s`` outside (0,
+        ``MAX_PIN_TTL_S``]) raises ValueError/TypeError naming the argument."""
+        check_batch(keys, sizes)
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
+        for i, n in enumerate(sizes):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"sizes[{i}] (for key {keys[i]!r}) must be a byte count >= 0, got {n!r}")
+        ttl_s = check_ttl_s(ttl_s)
+        out = [Status.OK] * len(keys)
+        tokens: dict[int, int] = {}
+        with self._call(self.metrics_counters.latency.put):
+            reserved = self._reserve_batch(keys, list(sizes), parents, out,
+                                           (owner, time.monotonic() + ttl_s, tokens))
+        arena = self._dram.arena.view
+        res = [Reservation(st, k) for k, st in zip(keys, out)]
+        for i, e in reserved:
+            res[i] = Reservation(Status.OK, e.key, e.size, tokens[i], e.offset, arena[e.offset:e.offset + e.size])
+        return res
+
+    def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
+        """Make reserved objects visible, their bytes as the caller wrote them; per reservation:
+        OK (stored; also when a ``remove`` of the key came in between, as a put answers: the bytes
+        are dropped), IO_ERROR (its TTL had passed: nothing stored, the slot freed; or the token is
+        unknown, already used, or held by another owner: nothing changes), or the reservation's
+        own status when it was not OK. Each commit takes a put number (a later ``flush`` covers
+        it), publishes ``stored``, and is queued for offload as a put is. Thread-safe; no I/O."""
+        out: list[Status] = []
+        with self._call(), self._lock:
+            self._expire_slots()
+            m = self.metrics_counters
+            live: list[Entry] = []
+            for r in reservations:
+                if r.status is not Status.OK:
+                    out.append(r.status)
+                    continue
+                row = self._slots.get(r.token, owner, SlotKind.RESERVATION)
+                if row is None:
+                    out.append(Status.IO_ERROR)
+                    m.store.slot_foreign += 1
+                    continue
+                self._slots.take(r.token)
+                if row.expired:
+                    self._end_reservation(row.entry)
+                    out.append(Status.IO_ERROR)
+                    continue
+                live.append(row.entry)
+                out.append(Status.OK)
+                m.store.slot_commits += 1
+            self._commit_entries(live)
+        self._kick_watermark()
+        return out
+
+    def abort(self, reservations: Sequence[Reservation], *, owner: int = 0) -> None:
+        """Give reserved slots back unstored (the key stays absent; another writer may store it).
+        A token that is unknown, used, or another owner's is left alone. Thread-safe; no I/O."""
+        with self._call(), self._lock:
+            self._expire_slots()
+            for r in reservations:
+                row = self._slots.get(r.token, owner, SlotKind.RESERVATION) if r.status is Status.OK else None
+                if row is None:
+                    if r.status is Status.OK:
+                        self.metrics_counters.store.slot_foreign += 1
+                    continue
+                self._slots.take(r.token)
+                self._end_reservation(row.entry)
+                self.metrics_counters.store.slot_aborts += 1
+            self._changed.notify_all()  # lease(wait_pending_s) waiters: the key is not coming
+
+    def _end_reservation(self, e: Entry) -> None:
+        """(lock held) Free a reservation's slot unstored: drop the entry if it is still the
+        index's, else (removed, or detached at expiry) just its bytes."""
+        if self._live(e):
+            self._dram.drop(e.key)
+        else:
+            self._release_detached(e)
+
+    def lease(self, keys: Sequence[str], *, ttl_s: float = 60.0, stage_in: bool = True,
+              wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
+        """Hold objects' bytes in the arena for the caller to read through ``SlotLease.view``,
+        until :meth:`release`: neither evicted nor overwritten meanwhile (a ``remove`` takes the
+        key at once; the bytes are freed by the last releaser). Thread-safe.
+
+        Per key: OK (token, offset, read-only view of the object's bytes), NOT_FOUND (absent,
+        still being written, or removed during a stage-in), INVALID_KEY, NO_SPACE (no clean room
+        to stage it in, or ``owner`` holds its share: see :meth:`reserve`), CORRUPT/IO_ERROR (the
+        stage-in read failed). An object only in a lower tier is, with ``stage_in``, read into a
+        slot first (blocks on that read; it evicts clean objects only): the slot becomes the
+        object's DRAM copy when the promotion rule says so, else a transient slot freed at
+        release. ``wait_pending_s`` > 0: a key being written (reserved, not committed) is waited
+        for up to that long (an abort or expiry meanwhile: NOT_FOUND). ``ttl_s`` bounds the result:
+        a release after it answers False, but the bytes stay held until the release or
+        :meth:`reclaim`."""
+        check_batch(keys)
+        ttl_s = check_ttl_s(ttl_s)
+        if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
+                or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
+            raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
+                             f"got {wait_pending_s!r}")
+        out = [SlotLease(Status.NOT_FOUND, k) for k in keys]
+        deadline = time.monotonic() + ttl_s
+        m = self.metrics_counters
+        arena = self._dram.arena.view
+        below: list[int] = []
+        with self._call(self.metrics_counters.latency.get):
+            with self._lock:
+                self._expire_slots()
+                m.store.gets += len(keys)
+                valid = [check_key(k) is None for k in keys]
+                if wait_pending_s > 0:
+                    self._wait_pending([k for k, ok in zip(keys, valid) if ok], time.monotonic() + wait_pending_s)
+                for i, key in enumerate(keys):
+                    if not valid[i]:
+                        out[i] = SlotLease(Status.INVALID_KEY, key)
+                        continue
+                    e = self._dram.entries.get(key)
+                    if e is None or e.state is not EntryState.READY:
+                        m.dram.misses += 1
+                        if e is None and stage_in and self._below:
+                            below.append(i)
+                        continue
+                    out[i] = self._lease_entry(e, owner, deadline, "dram", arena)
+            if below:
+                self._stage_in(keys, below, owner, deadline, out)
+        return out
+
+    def _lease_entry(self, e: Entry, owner: int, deadline: float, source: str, arena: memoryview) -> SlotLease:
+        """(lock held) One more lease on ``e`` with a token, or NO_SPACE past the owner's limits."""
+        if not self._slots.admits(owner, e.size):
+            self.metrics_counters.store.slot_refused += 1
+            return SlotLease(Status.NO_SPACE, e.key)
+        e.leases += 1
+        token = self._slots.add(SlotKind.LEASE, e, owner, deadline, e.size, source)
+        self.metrics_counters.store.slot_leases += 1
+        return SlotLease(Status.OK, e.key, e.size, token, e.offset,
+                         arena[e.offset:e.offset + e.size].toreadonly())
+
+    def _wait_pending(self, keys: list[str], until: float) -> None:
+        """(lock held) Wait until none of ``keys`` is being written (committed, aborted, expired or
+        removed), or ``until``, or close began."""
+        def pending() -> bool:
+            return any((e := self._dram.entries.get(k)) is not None and e.state is EntryState.WRITING for k in keys)
+
+        while not self._closing and pending():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self._changed.wait(min(left, _WAIT_SLICE_S))
+            self._expire_slots()
+
+    def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, deadline: float,
+                  out: list[SlotLease]) -> None:
+        """Lease objects found only below DRAM by reading each into a slot (no store lock held
+        while a tier is asked or reads). The slot is reserved as a WRITING entry under the key
+        (evicting clean entries only, as a promotion does), so it stays invisible and a put of the
+        key answers EXISTS; a remove meanwhile takes it, and so does a removal that began after the
+        size lookup (``changed_since``): either way NOT_FOUND, never the removed bytes."""
+        m = self.metrics_counters
+        with self._lock:
+            generation = self._removals.generation()
+            evicted_at = self._evictions.generation()
+            idx = [i for i in idx if not self._removals.hidden(keys[i])]
+        sizes: dict[int, tuple[int, Tier]] = {}
+        todo = list(idx)
+        for tier in self._below:
+            if not todo:
+                break
+            try:
+                got = tier.size_of([keys[i] for i in todo])
+            except Exception:
+                self._tier_raised(tier, "size_of", len(todo))
+                for i in todo:
+                    out[i] = SlotLease(Status.IO_ERROR, keys[i])
+                break
+            for i, size in zip(todo, got):
+                if size is not None:
+                    sizes[i] = (size, tier)
+            todo = [i for i in todo if i not in sizes]
+        staged: list[tuple[int, Entry, Tier]] = []
+        arena = self._dram.arena.view
+        with self._lock:
+            self._check_open()
+            for i, (size, tier) in sizes.items():
+                key = keys[i]
+                e = self._dram.entries.get(key)
+                if e is not None:  # stored (or being written) meanwhile
+                    if e.state is EntryState.READY:
+                        out[i] = self._lease_entry(e, owner, deadline, "dram", arena)
+                    continue
+                if self._removals.hidden(key) or self._removals.changed_since(key, generation):
+                    continue  # removed since its size was asked: NOT_FOUND
+                if not self._slots.admits(owner, size):
+                    out[i] = SlotLease(Status.NO_SPACE, key)
+                    m.store.slot_refused += 1
+                    continue
+                e = self._reserve(key, size, None, promotion=True)
+                if e is None:
+                    out[i] = SlotLease(Status.NO_SPACE, key)
+                    m.dram.failures.capacity += 1
+                    continue
+                staged.append((i, e, tier))
+        if not staged:
+            return
+        results: dict[int, ReadResult] = {}
+        for tier in dict.fromkeys(t for _i, _e, t in staged):  # one read per tier, in tier order
+            batch = [(i, e) for i, e, t in staged if t is tier]
+            try:
+                got = tier.get_into([e.key for _i, e in batch], [arena[e.offset:e.offset + e.size] for _i, e in batch])
+            except Exception:
+                self._tier_raised(tier, "get_into", len(batch))
+                got = [ReadResult(Status.IO_ERROR)] * len(batch)
+            results.update((i, r) for (i, _e), r in zip(batch, got))
+        with self._lock:
+            events: list[ResidencyEvent] = []
+            for i, e, tier in staged:
+                res = results[i]
+                tm = m.tier(tier.name)
+                if not self._live(e) or self._removals.changed_since(e.key, generation):
+                    # Removed while it was read (or between the size lookup and the reservation).
+                    self._end_reservation(e)
+                    out[i] = SlotLease(Status.NOT_FOUND, e.key)
+                    continue
+                if res.status is not Status.OK or res.nbytes != e.size:
+                    self._dram.drop(e.key)
+                    st = res.status if res.status in (Status.CORRUPT, Status.IO_ERROR) else Status.NOT_FOUND
+                    if st is not Status.NOT_FOUND:
+                        _count_failure(tm.failures, st)
+                    tm.misses += 1
+                    out[i] = SlotLease(st, e.key)
+                    continue
+                tm.hits += 1
+                tm.bytes_read += e.size
+                m.store.slot_stage_ins += 1
+                hits = self._ssd_hits.get(e.key, 0) + 1
+                if self._closing:
+                    promote = False
+                else:
+                    promote = should_promote(hits, self.config.promotion.admission_hits,
+                                             self.config.promotion.enabled, policy_uses(self._dram.policy, e.key))
+                if promote:
+                    self._ssd_hits.pop(e.key, None)
+                    e.persisted = tier is self._backing
+                    if e.persisted and self._evictions.changed_since(e.key, evicted_at):
+                        self._lost_below(e)
+                    self._dram.commit(e)
+                    self._known_below.discard(e.key)
+                    m.dram.promotions += 1
+                    m.dram.bytes_written += e.size
+                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier=tier.name))
+                else:
+                    if len(self._ssd_hits) >= _HIT_TABLE_MAX:
+                        self._ssd_hits.pop(next(iter(self._ssd_hits)))
+                    self._ssd_hits[e.key] = hits
+                    # A transient slot outside the index: the lease is its only holder and its
+                    # release frees it (see _unlease).
+                    del self._dram.entries[e.key]
+                    self._changed.notify_all()
+                if not self._slots.admits(owner, e.size):  # the owner took others meanwhile
+                    m.store.slot_refused += 1
+                    if not promote:
+                        self._release_detached(e)
+                    out[i] = SlotLease(Status.NO_SPACE, e.key)
+                    continue
+                out[i] = self._lease_entry(e, owner, deadline, tier.name, arena)
+            self._bus.publish(events)
+
+    def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:
+        """Give leased bytes back; per lease True when its bytes were stable for the whole lease
+        (the caller may trust what it read), False when its TTL had passed (read it as failed),
+        when the token is unknown, already released or another owner's (nothing changes), or when
+        the lease's status was not OK. Thread-safe; no I/O."""
+        out: list[bool] = []
+        m = self.metrics_counters
+        with self._call(), self._lock:
+            self._expire_slots()
+            for ls in leases:
+                row = self._slots.get(ls.token, owner, SlotKind.LEASE) if ls.status is Status.OK else None
+                if row is None:
+                    if ls.status is Status.OK:
+                        m.store.slot_foreign += 1
+                    out.append(False)
+                    continue
+                self._slots.take(ls.token)
+                self._end_lease(row)
+                m.store.slot_releases += 1
+                if not row.expired and row.source == "dram":
+                    m.dram.hits += 1
+                    m.dram.bytes_read += row.entry.size
+                out.append(not row.expired)
+        return out
+
+    def _end_lease(self, row: SlotRow) -> None:
+        """(lock held) Let go of a lease's hold on its entry (the last holder of a removed or
+        transient entry frees its bytes)."""
+        e = row.entry
+        if self._live(e):
+            e.leases -= 1
+            if not row.expired:
+                self._dram.policy.on_access(e.key)
+        else:
+            self._unlease(e)
+
+    def reclaim(self, owner: int) -> tuple[int, int]:
+        """End every token ``owner`` holds, as if it aborted its reservations and released its
+        leases (its connection ended, its process exited): their bytes are free again. Returns
+        (reservations aborted, leases released). Thread-safe; no I/O; works on expired tokens."""
+        n_res = n_lease = 0
+        with self._call(), self._lock:
+            self._expire_slots()
+            for token in self._slots.tokens_of(owner):
+                row = self._slots.take(token)
+                if row.kind is SlotKind.RESERVATION:
+                    self._end_reservation(row.entry)
+                    n_res += 1
+                else:
+                    self._end_lease(row)
+                    n_lease += 1
+            self.metrics_counters.store.slot_reclaimed += n_res + n_lease
+            self._changed.notify_all()
+        return n_res, n_lease
+
+    def _expire_slots(self) -> None:
+        """(lock held) Mark tokens past their deadline expired. An expired reservation's key is
+        taken out of the index at once (another writer may store it; waiters stop waiting); its
+        bytes, and an expired lease's, stay held until the owner lets go or is reclaimed."""
+        rows = self._slots.expire(time.monotonic())
+        if not rows:
+            return
+        self.metrics_counters.store.slot_expired += len(rows)
+        for row in rows:
+            e = row.entry
+            if row.kind is SlotKind.RESERVATION and self._live(e) and e.state is EntryState.WRITING:
+                del self._dram.entries[e.key]
+        self._changed.notify_all()
+
+    def expire_slots(self) -> None:
+        """Expire tokens past their deadline now (each slot call does this too; the node service
+        also calls it from a timer so that expired reservations free their keys). Thread-safe."""
+        with self._call(), self._lock:
+            self._expire_slots()
+
+    def segment(self) -> SegmentInfo | None:
+        """The /dev/shm file holding the DRAM arena (slot offsets are offsets into it), or None
+        when the arena is private anonymous memory. Thread-safe."""
+        arena = self._dram.arena
+        ident = arena.identity()
+        if arena.shm_path is None or ident is None:
+            return None
+        return SegmentInfo(arena.shm_path, self._dram.capacity_bytes, ident[0], ident[1],
+                           self.config.dram.alignment_bytes)
+
+    def open_segment_fd(self) -> int:
+        """A new read-write descriptor (O_CLOEXEC) of the arena's segment, to pass to a client
+        process (the caller closes it); never the descriptor holding the segment's lock. OSError
+        when the arena is private. Thread-safe."""
+        self._check_open()
+        return self._dram.arena.open_segment_fd()
 
     # -- reads -------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
@@ -878,22 +1310,79 @@ class TieredStore:
         """Whether each key is present in any tier (an object still being written is not)."""
         check_batch(keys)
         with self._call():
-            with self._lock:
-                out = [check_key(k) is None and self._dram.ready(k) is not None for k in keys]
-            rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
-            if rest and self._below:
-                for i, hit in zip(rest, self._on_below([keys[i] for i in rest])):
-                    out[i] = hit
-            return out
+            return self._present(keys, count_reserved=False)[0]
 
-    def exists(self, keys: Sequence[str]) -> int:
-        """Number of leading keys present (for prefix-chained keys: the reusable prefix length)."""
+    def _present(self, keys: Sequence[str], *, count_reserved: bool) -> tuple[list[bool], int]:
+        """(call held, lock not held) Presence per key in any tier, and the store's commit count
+        read before DRAM was looked at. ``count_reserved``: an entry being written counts."""
+        with self._lock:
+            commits = self._commits
+            entries = self._dram.entries
+            out = [check_key(k) is None and (e := entries.get(k)) is not None
+                   and (count_reserved or e.state is EntryState.READY) for k in keys]
+        rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
+        if rest and self._below:
+            for i, hit in zip(rest, self._on_below([keys[i] for i in rest])):
+                out[i] = hit
+        return out, commits
+
+    @staticmethod
+    def _leading(hits: Sequence[bool]) -> int:
         n = 0
-        for hit in self.contains(keys):
+        for hit in hits:
             if not hit:
                 break
             n += 1
         return n
+
+    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
+        """Number of leading keys present (for prefix-chained keys: the reusable prefix length).
+
+        ``count_reserved``: a key reserved and not yet committed (a save in flight) counts as
+        present. ``wait_s`` > 0: when not all keys are present, wait (blocking, up to ``wait_s``)
+        for commits until they are, then answer what is present at that moment (fewer at the
+        deadline). ``wait_s`` outside [0, ``MAX_PIN_TTL_S``]: ValueError naming it."""
+        check_batch(keys)
+        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
+                or not 0 <= wait_s <= MAX_PIN_TTL_S:
+            raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {wait_s!r}")
+        until = time.monotonic() + wait_s
+        while True:
+            with self._call():
+                hits, commits = self._present(keys, count_reserved=count_reserved)
+            n = self._leading(hits)
+            if n == len(keys) or wait_s <= 0:
+                return n
+            with self._lock:
+                self._check_open()
+                left = until - time.monotonic()
+                if left <= 0:
+                    return n
+                if self._commits == commits:  # nothing committed since DRAM was looked at
+                    # Waits are woken by commits; the slice is a backstop for copies that land
+                    # below without one (another process's writes to a shared directory).
+                    self._changed.wait(min(left, _WAIT_SLICE_S))
+                    self._check_open()
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
+        """The shortest leading run of present keys over ``key_lists`` (one list per TP rank or
+        shard: what every one of them can load), in one call; 0 for no lists. ``count_reserved``
+        as in :meth:`exists`. Thread-safe."""
+        if isinstance(key_lists, (str, bytes)):
+            raise TypeError("key_lists must be a sequence of key lists, not a single str")
+        for keys in key_lists:
+            check_batch(keys)
+        if not key_lists:
+            return 0
+        flat = [k for keys in key_lists for k in keys]
+        with self._call():
+            hits, _commits = self._present(flat, count_reserved=count_reserved)
+        n, at = None, 0
+        for keys in key_lists:
+            run = self._leading(hits[at:at + len(keys)])
+            n = run if n is None else min(n, run)
+            at += len(keys)
+        return n or 0
 
     def tier_of(self, keys: Sequence[str]) -> list[str | None]:
         """"dram", a lower tier's name ("ssd") or None for each key (the fastest tier holding it)."""
@@ -1591,6 +2080,11 @@ class TieredStore:
             queues = QueueGauges(offload=self._offloader.depth, promotion=self._promoter.depth)
             stats = self.metrics_counters.snapshot(gauges, queues)
             stats.store.events_dropped = self._bus.dropped
+            self._expire_slots()
+            t = self._slots
+            stats.slots = SlotGauges(reservations=t.count(SlotKind.RESERVATION), leases=t.count(SlotKind.LEASE),
+                                     owners=len(t.owners()), held_bytes=t.held_bytes,
+                                     expired_held_bytes=t.expired_held_bytes)
         reported = stats.tiers
         for name, g in below.items():
             # A tier below evicts on its own (capacity): its evictions are the tier's own count.

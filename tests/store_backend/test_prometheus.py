@@ -73,7 +73,7 @@ def test_every_stats_field_becomes_a_family() -> None:
         want = {
             "dram": f"mooncake_kv_tier_{exported.get(name, name)}", "ssd": f"mooncake_kv_tier_{exported.get(name, name)}",
             "store": f"mooncake_kv_store_{name}", "queues": "mooncake_kv_queue_depth",
-            "latency": f"mooncake_kv_store_{name}_seconds",
+            "latency": f"mooncake_kv_store_{name}_seconds", "slots": f"mooncake_kv_slot_{name}",
         }[section]
         if ".failures." in f".{leaf}.":
             want = "mooncake_kv_tier_failures"

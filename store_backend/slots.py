@@ -1,0 +1,223 @@
+"""Slots: DRAM arena memory that a caller writes into or reads out of itself, between two store calls.
+
+A *reservation* (``TieredStore.reserve``) is a WRITING arena entry the caller fills through its
+``view`` and then commits (the object becomes visible) or aborts. A *lease*
+(``TieredStore.lease``) is a READY entry (or a transient slot staged in from a lower tier) whose
+bytes stay put, neither evicted nor overwritten, until the caller releases it. Both are named by a
+*token*, an integer unique for the store's life (never reused, so a stale token never names a new
+slot), held by one *owner* (the node service passes its connection id; an embedded caller 0).
+
+This module holds the caller-facing records (:class:`Reservation`, :class:`SlotLease`,
+:class:`SegmentInfo`) and the bookkeeping of tokens (:class:`SlotTable`): who holds what, until
+when, and how much each owner holds. The store owns one table and calls it under its lock only; the
+table is not thread-safe itself and never does I/O.
+
+TTLs bound a token's *result*, never its memory: once a deadline passes the token is marked
+expired (commit answers IO_ERROR, release answers False), but its bytes stay allocated until the
+owner commits, aborts or releases it, or ``reclaim(owner)`` runs. A slot is reused only when no
+live process can still copy into or out of it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from store_backend.types import Status
+
+if TYPE_CHECKING:
+    from store_backend.dram import Entry
+
+# Most tokens one owner may hold at once (beyond: NO_SPACE), so one client cannot grow the table
+# without bound.
+MAX_TOKENS_PER_OWNER = 65536
+
+# Share of the arena one owner's tokens may hold at once (beyond: NO_SPACE), so a stuck or greedy
+# client cannot take the whole arena away from the others.
+MAX_HELD_FRACTION = 0.5
+
+
+@dataclass(slots=True)
+class Reservation:
+    """One key of ``reserve``: when ``status`` is OK, ``view`` is the writable slot of ``nbytes``
+    bytes at ``offset`` in the arena (segment), to fill before ``commit``; else ``token`` is 0 and
+    ``view`` None. The view belongs to the store: write it only between ``reserve`` and
+    ``commit``/``abort``, and drop it after."""
+
+    status: Status
+    key: str
+    nbytes: int = 0
+    token: int = 0
+    offset: int = 0
+    view: memoryview | None = None
+
+    def layer(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of the slot (a layer's range of a canonical chunk), writable."""
+        return _range(self.view, self.nbytes, start, end, self.key)
+
+
+@dataclass(slots=True)
+class SlotLease:
+    """One key of ``lease``: when ``status`` is OK, ``view`` is a read-only view of the object's
+    ``nbytes`` bytes at ``offset`` in the arena (segment), stable until ``release``; else
+    ``token`` is 0 and ``view`` None. Read it only before ``release`` (and trust what was read
+    only when ``release`` answered True)."""
+
+    status: Status
+    key: str
+    nbytes: int = 0
+    token: int = 0
+    offset: int = 0
+    view: memoryview | None = None
+
+    def layer(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of the object (a layer's range of a canonical chunk)."""
+        return _range(self.view, self.nbytes, start, end, self.key)
+
+
+def _range(view: memoryview | None, nbytes: int, start: int, end: int, key: str) -> memoryview:
+    if view is None:
+        raise ValueError(f"slot of key {key!r} has no view (its status is not OK)")
+    if not 0 <= start <= end <= nbytes:
+        raise ValueError(f"layer range [{start}, {end}) is outside the slot of key {key!r} ({nbytes} bytes)")
+    return view[start:end]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """The shared-memory file that holds the DRAM arena (``TieredStore.segment()``): its path in
+    /dev/shm, size, and identity (``dev``, ``ino``: a client checks an fd it was passed against
+    them). Offsets of slots are byte offsets into it; every slot starts at a multiple of
+    ``alignment_bytes``."""
+
+    path: str
+    nbytes: int
+    dev: int
+    ino: int
+    alignment_bytes: int
+
+
+class SlotKind(enum.Enum):
+    RESERVATION = 1
+    LEASE = 2
+
+
+@dataclass(slots=True)
+class SlotRow:
+    """One token: what it holds (``entry``: a WRITING entry for a reservation, the leased entry for
+    a lease), who holds it, until when. ``source`` names the tier a lease's bytes were read from
+    ("dram", or the tier a stage-in read). ``held_bytes``: what it counts against its owner."""
+
+    kind: SlotKind
+    entry: Entry
+    owner: int
+    deadline: float
+    held_bytes: int
+    source: str = "dram"
+    expired: bool = False
+
+
+@dataclass(slots=True)
+class _OwnerUse:
+    tokens: int = 0
+    held_bytes: int = 0
+
+
+@dataclass
+class SlotTable:
+    """Every token the store handed out and has not taken back. Not thread-safe: the store calls
+    it under its lock. O(1) per add/take, O(log n) per expiry."""
+
+    capacity_bytes: int
+    max_held_fraction: float = MAX_HELD_FRACTION
+    max_tokens_per_owner: int = MAX_TOKENS_PER_OWNER
+    _rows: dict[int, SlotRow] = field(default_factory=dict)
+    _owners: dict[int, _OwnerUse] = field(default_factory=dict)
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)
+    _numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    expired_held_bytes: int = 0  # bytes of expired tokens not given back yet
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_held_fraction <= 1:
+            raise ValueError(f"max_held_fraction must be in (0, 1], got {self.max_held_fraction!r}")
+
+    @property
+    def max_held_bytes(self) -> int:
+        return int(self.capacity_bytes * self.max_held_fraction)
+
+    def admits(self, owner: int, nbytes: int) -> bool:
+        """Whether ``owner`` may take one more token holding ``nbytes``."""
+        use = self._owners.get(owner)
+        if use is None:
+            return nbytes <= self.max_held_bytes
+        return use.tokens < self.max_tokens_per_owner and use.held_bytes + nbytes <= self.max_held_bytes
+
+    def add(self, kind: SlotKind, entry: Entry, owner: int, deadline: float, held_bytes: int,
+            source: str = "dram") -> int:
+        """Record a new token and return it (the caller checked :meth:`admits`)."""
+        token = next(self._numbers)
+        self._rows[token] = SlotRow(kind, entry, owner, deadline, held_bytes, source)
+        use = self._owners.setdefault(owner, _OwnerUse())
+        use.tokens += 1
+        use.held_bytes += held_bytes
+        heapq.heappush(self._deadlines, (deadline, token))
+        return token
+
+    def get(self, token: int, owner: int, kind: SlotKind) -> SlotRow | None:
+        """The row of ``token`` when ``owner`` holds it as a ``kind``; else None (unknown, another
+        owner's, or the other kind: the caller answers IO_ERROR and changes nothing)."""
+        row = self._rows.get(token) if isinstance(token, int) else None
+        if row is None or row.owner != owner or row.kind is not kind:
+            return None
+        return row
+
+    def take(self, token: int) -> SlotRow:
+        """Forget ``token`` (it must exist) and give its bytes back to its owner's allowance."""
+        row = self._rows.pop(token)
+        use = self._owners[row.owner]
+        use.tokens -= 1
+        use.held_bytes -= row.held_bytes
+        if not use.tokens:
+            del self._owners[row.owner]
+        if row.expired:
+            self.expired_held_bytes -= row.held_bytes
+        return row
+
+    def tokens_of(self, owner: int) -> list[int]:
+        """Every token ``owner`` holds (O(tokens); for reclaim)."""
+        return [t for t, row in self._rows.items() if row.owner == owner]
+
+    def expire(self, now: float) -> list[SlotRow]:
+        """Mark every token whose deadline passed as expired; returns the rows newly expired (the
+        store detaches their reservations' keys). Their bytes stay held."""
+        out: list[SlotRow] = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _deadline, token = heapq.heappop(self._deadlines)
+            row = self._rows.get(token)
+            if row is None or row.expired:
+                continue
+            row.expired = True
+            self.expired_held_bytes += row.held_bytes
+            out.append(row)
+        if len(self._deadlines) > 4 * len(self._rows) + 1024:  # tokens taken back long before expiry
+            self._deadlines = [(d, t) for d, t in self._deadlines if t in self._rows]
+            heapq.heapify(self._deadlines)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(u.held_bytes for u in self._owners.values())
+
+    def count(self, kind: SlotKind) -> int:
+        return sum(1 for r in self._rows.values() if r.kind is kind)
+
+    def owners(self) -> dict[int, tuple[int, int]]:
+        """(tokens, held bytes) per owner holding any."""
+        return {o: (u.tokens, u.held_bytes) for o, u in self._owners.items()}
