@@ -1,0 +1,1293 @@
+"""The engine side of the node service: :class:`NodeClient`, a :class:`~store_backend.api.KVStore`
+whose calls go over the service's Unix socket and whose bytes are copied straight between the
+caller's buffers and the service's arena segment, mapped into this process.
+
+Data path: ``put`` reserves slots (``reserve``), copies each buffer into its slot of the mapped
+segment (numpy, the GIL released) and commits; ``get_into`` leases (``lease``), copies out and
+releases. No object byte goes through the socket. A release the service answers False (the lease
+expired) fails the read with IO_ERROR: those bytes are never handed out as OK.
+
+Connections: a pool of at most ``max_connections`` blocking sockets. A call checks one out, does its
+round trips and returns it; ``commit``/``abort``/``release`` of a slot go back on the connection
+that took it (a token belongs to its connection). Each connection's first frame is ``hello``; the
+``welcome`` comes with the segment's fd, whose ``fstat`` identity must be the ``segment_id`` it
+names. Each segment is mapped once per process (``MAP_SHARED|MAP_POPULATE``), whichever clients use
+it; an old segment's mapping is closed once nothing exports a view of it any more.
+
+Service gone (killed, restarting, hung past ``op_timeout_s``): a call answers per key as a miss —
+loads IO_ERROR, saves IO_ERROR (counted in ``saves_dropped_disconnect``), lookups 0 / False / None
+(counted in ``failures``) — never an exception; that connection's tokens are void (the service
+reclaims them). The next call connects again, no sooner than a backoff after the last failed
+connect (50 ms doubling to 2 s; nothing spins in the background), maps the new segment when the
+service restarted, and starts the service first when a ``starter`` was given
+(:class:`store_backend.node.autostart.ServiceProcess`). A process forked from one using a client
+drops the inherited connections and mappings at its first call and makes its own.
+
+Exceptions are for misuse (``TypeError``/``ValueError`` before anything is sent), for a closed client
+(:class:`~store_backend.api.StoreClosedError`), for a user who may not attach
+(:class:`NodeAccessError`) and for a service speaking another protocol version
+(:class:`~store_backend.config.ConfigError`).
+
+Every method is thread-safe and blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from store_backend.api import StoreClosedError
+from store_backend.config import ConfigError
+from store_backend.framing import READ_PIECE_BYTES, FrameError, FrameTooLargeError, read_frame
+from store_backend.metrics import StoreStats
+from store_backend.node import protocol as p
+from store_backend.node.fdpass import fd_identity, recv_fd
+from store_backend.slots import Reservation, SlotLease
+from store_backend.types import (
+    MAX_PIN_TTL_S,
+    Buffer,
+    FlushReport,
+    ReadResult,
+    Status,
+    byte_view,
+    check_batch,
+    check_ttl_s,
+    copy_bytes,
+    nbytes_of,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_TTL_S = 60.0
+# Statuses a read may answer (ReadResult); any other lease status is served as IO_ERROR.
+_READ_STATUSES = frozenset({Status.NOT_FOUND, Status.CORRUPT, Status.INVALID_KEY, Status.IO_ERROR})
+
+
+class NodeAccessError(PermissionError):
+    """This process may not attach to the node service (another user's socket or service); the
+    message names the socket path and both uids."""
+
+
+class ClientCounters(msgspec.Struct):
+    """What the client itself counts (``metrics()["client"]``), beside the service's store stats."""
+
+    connects: int = 0  # connections opened (hello answered)
+    reconnects: int = 0  # of those, opened after the service had been lost
+    disconnects: int = 0  # connections lost to a dead, restarting or hung service
+    remaps: int = 0  # a new segment mapped because the service restarted
+    failures: int = 0  # lookups answered 0 / False / None because the service could not be asked
+    saves_dropped_disconnect: int = 0  # objects not stored: the service was gone or draining
+    loads_failed_disconnect: int = 0  # objects not read (IO_ERROR) for the same reason
+    auto_starts: int = 0  # times the starter was asked to start the service
+    thread_join_timeouts: int = 0  # note_stuck_threads(): the client's users' threads
+    worker_errors: int = 0  # note_worker_error()
+
+
+class Backoff:
+    """When the next connect may be tried: ``first_s`` after the first failure, doubling up to
+    ``max_s``; a success resets it. Pure (the caller passes the monotonic clock); not thread-safe."""
+
+    def __init__(self, first_s: float = 0.05, max_s: float = 2.0) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.failures = 0
+        self.not_before = 0.0
+
+    def ready(self, now: float) -> bool:
+        return now >= self.not_before
+
+    def wait_s(self, now: float) -> float:
+        return max(0.0, self.not_before - now)
+
+    def failed(self, now: float) -> float:
+        """Record a failed attempt at ``now``; the delay until the next one may be made."""
+        delay = min(self.first_s * (2 ** min(self.failures, 30)), self.max_s)
+        self.failures += 1
+        self.not_before = now + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.not_before = 0.0
+
+
+# -- segment mappings, one per segment id per process ----------------------------------------------
+class SegmentMapping:
+    """This process's mapping of one service segment. ``slot(offset, nbytes)`` is a writable view
+    of part of it. Closed by :class:`_Mappings` once no client uses it; a view still held elsewhere
+    keeps the pages mapped until it dies (closing is retried then)."""
+
+    def __init__(self, segment_id: str, mm: mmap.mmap, nbytes: int) -> None:
+        self.segment_id = segment_id
+        self.nbytes = nbytes
+        self._mmap = mm
+        self.view = memoryview(mm)
+        self.refs = 0
+
+    def slot(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes [offset, offset + nbytes) of the segment; ValueError when they are not inside it
+        (a grant that does not fit is a broken service, never written through)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the {self.nbytes}-byte segment "
+                             f"{self.segment_id}")
+        return self.view[offset:offset + nbytes]
+
+    def try_close(self) -> bool:
+        """Unmap; False while a view exported from it is still alive (BufferError), retried later."""
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:
+            return False
+        return True
+
+
+class _Mappings:
+    """The process-wide table of segment mappings (``acquire``/``release`` counted). After a fork the
+    child starts with an empty table: what it inherited belongs to its parent's connections. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._by_id: dict[str, SegmentMapping] = {}
+        self._retired: list[SegmentMapping] = []
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._by_id = {}
+            self._retired = []
+
+    def acquire(self, fd: int, segment_id: str, nbytes: int) -> SegmentMapping:
+        """The mapping of the segment open at ``fd`` (consumed: closed here either way). ValueError when
+        ``fd`` is not the file ``segment_id`` names or is smaller than ``nbytes``; OSError when it
+        cannot be mapped."""
+        self._check_fork()
+        try:
+            actual = fd_identity(fd)
+            if actual != segment_id:
+                raise ValueError(f"the segment fd the service passed is {actual}, not the {segment_id} it announced")
+            with self._lock:
+                self._sweep()
+                m = self._by_id.get(segment_id)
+                if m is not None:
+                    m.refs += 1
+                    return m
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"segment {segment_id} is {size} bytes, smaller than the {nbytes} announced")
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        with self._lock:
+            m = self._by_id.get(segment_id)
+            if m is None:
+                m = self._by_id[segment_id] = SegmentMapping(segment_id, mm, nbytes)
+            else:  # another thread mapped it meanwhile
+                mm.close()
+            m.refs += 1
+            return m
+
+    def release(self, m: SegmentMapping) -> None:
+        self._check_fork()
+        with self._lock:
+            if self._by_id.get(m.segment_id) is not m:
+                return  # inherited from the parent, or already retired
+            m.refs -= 1
+            if m.refs <= 0:
+                del self._by_id[m.segment_id]
+                if not m.try_close():
+                    self._retired.append(m)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        self._retired = [m for m in self._retired if not m.try_close()]
+
+    def mapped(self) -> dict[str, int]:
+        """Segment id -> users, and how many old mappings still wait for their views (for tests)."""
+        self._check_fork()
+        with self._lock:
+            self._sweep()
+            return {**{k: m.refs for k, m in self._by_id.items()}, **({"retired": len(self._retired)}
+                                                                       if self._retired else {})}
+
+
+MAPPINGS = _Mappings()
+
+
+# -- one connection ---------------------------------------------------------------------------------
+class _Lost(Exception):
+    """The service could not be asked over this connection (gone, restarting, hung, or broke the
+    protocol): the caller answers per key as a miss. ``hung_up``: the service closed the connection
+    (EOF, reset), as it does to an idle one; worth one retry on a new connection."""
+
+    def __init__(self, message: str, hung_up: bool = False) -> None:
+        super().__init__(message)
+        self.hung_up = hung_up
+
+
+class _Refused(Exception):
+    """The service answered ``error``: ``closed`` (draining) keeps the connection, others drop it."""
+
+    def __init__(self, error: p.Error) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+class _Conn:
+    """One connected socket after its welcome. Used by one thread at a time (the pool's ``busy``)."""
+
+    def __init__(self, sock: socket.socket, decoder: p.MessageDecoder, pending: list[bytes],
+                 welcome: p.Welcome, mapping: SegmentMapping) -> None:
+        self.sock = sock
+        self.decoder = decoder
+        self.pending = pending
+        self.welcome = welcome
+        self.mapping = mapping
+        self.max_frame_bytes = welcome.max_frame_bytes
+        self.tokens: set[int] = set()
+        self.busy = False
+        self.dead = False
+        self.draining = False
+        self.answered = 0  # replies read: a connection that answered before may have been closed idle
+        self._next_id = 1
+
+    def next_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def round_trip(self, payload: bytes, request_id: int, timeout_s: float | None) -> p.Frame:
+        """Send one encoded request and read its reply (a ``draining`` push on the way is noted).
+        _Lost for anything but a reply with ``request_id``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.sendall(payload)
+            while True:
+                body = read_frame(self.sock, self.decoder.frames, self.pending, deadline)
+                if body is None:
+                    raise _Lost("the node service closed the connection", hung_up=True)
+                msg = self.decoder.decode(body)
+                if isinstance(msg, p.Draining):
+                    self.draining = True
+                    continue
+                if msg.id == request_id:
+                    self.answered += 1
+                    return msg
+                if isinstance(msg, p.Error):
+                    raise _Lost(f"the node service refused the connection: {msg.code}: {msg.message}")
+                raise _Lost(f"reply {type(msg).__name__} id {msg.id} to request {request_id}")
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise _Lost(f"{type(e).__name__}: {e}", hung_up=True) from None
+        except (OSError, FrameError) as e:
+            raise _Lost(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        self.dead = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _hello(path: str, name: str, want_segment: bool, timeout_s: float,
+           ) -> tuple[socket.socket, p.MessageDecoder, list[bytes], p.Welcome, int | None]:
+    """Connect to ``path`` and say hello: the socket, its decoder state, the welcome and the segment
+    fd that came with it (the caller owns both). Raises ConnectionRefusedError/FileNotFoundError when
+    no service listens there, NodeAccessError, ConfigError (protocol version), _Lost for the rest."""
+    deadline = time.monotonic() + timeout_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    fd: int | None = None
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except PermissionError as e:
+            raise NodeAccessError(_access_message(path, e)) from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise
+        except OSError as e:
+            raise _Lost(f"connect to {path}: {e}") from None
+        decoder = p.MessageDecoder(p.Reply)
+        pending: list[bytes] = []
+        try:
+            sock.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, os.getpid(), name, want_segment)))
+            # The fd rides on the welcome's first byte: read with recvmsg until a frame is whole.
+            while not pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Lost(f"no welcome from {path} within {timeout_s} s")
+                sock.settimeout(left)
+                data, got = recv_fd(sock, READ_PIECE_BYTES)
+                if got is not None:
+                    if fd is None:
+                        fd = got
+                    else:
+                        os.close(got)
+                if not data:
+                    decoder.frames.eof()
+                    raise _Lost(f"the node service at {path} closed the connection before its welcome")
+                pending.extend(decoder.frames.feed(data))
+            msg = decoder.decode(pending.pop(0))
+        except (OSError, FrameError) as e:
+            raise _Lost(f"hello to {path}: {type(e).__name__}: {e}") from None
+        if isinstance(msg, p.Error):
+            if msg.code == "permission":
+                raise NodeAccessError(f"{msg.message} (socket {path}, this process runs as uid {os.getuid()})")
+            if msg.code == "version":
+                raise ConfigError(f"the node service at {path} refused protocol version {p.PROTOCOL_VERSION}: "
+                                  f"{msg.message}")
+            raise _Lost(f"the node service at {path} refused hello: {msg.code}: {msg.message}")
+        if not isinstance(msg, p.Welcome) or msg.id != 1:
+            raise _Lost(f"the node service at {path} answered hello with {type(msg).__name__}")
+        if msg.version != p.PROTOCOL_VERSION:
+            raise ConfigError(f"the node service at {path} speaks protocol version {msg.version}, this client "
+                              f"{p.PROTOCOL_VERSION}")
+        if want_segment and fd is None:
+            raise _Lost(f"the node service at {path} sent no segment fd with its welcome")
+        out_fd, fd = fd, None
+        return sock, decoder, pending, msg, out_fd
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        sock.close()
+        raise
+
+
+def _access_message(path: str, e: OSError) -> str:
+    directory = os.path.dirname(path) or "."
+    try:
+        st = os.stat(directory)
+        where = f"{directory} belongs to uid {st.st_uid}, mode {st.st_mode & 0o777:o}"
+    except OSError as se:
+        where = f"{directory}: {se.strerror}"
+    return (f"uid {os.getuid()} may not connect to the node service socket {path}: {e.strerror} ({where}; "
+            f"the service admits only its own user)")
+
+
+def probe(path: str, timeout_s: float = 2.0) -> p.Welcome | None:
+    """The welcome of the service answering at ``path`` (no segment asked), or None when none answers.
+    NodeAccessError when one answers but this user may not attach; ConfigError for another protocol
+    version. Blocking, at most about ``timeout_s``."""
+    try:
+        sock, _d, _p, welcome, fd = _hello(path, "probe", False, timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError, _Lost):
+        return None
+    if fd is not None:
+        os.close(fd)
+    try:
+        sock.sendall(p.encode(p.Goodbye(2)))
+    except OSError:
+        pass
+    sock.close()
+    return welcome
+
+
+# -- the client -------------------------------------------------------------------------------------
+class NodeClient:
+    """A :class:`~store_backend.api.KVStore` served by the node service at ``socket_path``.
+
+    ``start()`` connects once and raises when that fails (no service and no ``starter``:
+    ConnectionError naming the path; NodeAccessError; ConfigError); after that, a lost service is a
+    per-key miss, never an exception. ``starter``: called (at most one thread at a time) when a
+    connect finds no service listening; it returns once one answers or raises ConfigError.
+    ``max_connections``: the pool's bound (a connector uses ``io_workers + 2``). ``op_timeout_s``:
+    the longest one round trip may take before the service is taken for hung (calls that wait on
+    purpose — ``flush``, ``exists(wait_s=)``, ``lease(wait_pending_s=)`` — add their own wait).
+    """
+
+    def __init__(self, socket_path: str, *, name: str = "", max_connections: int = 4,
+                 connect_timeout_s: float = 5.0, op_timeout_s: float = 30.0,
+                 starter: Callable[[], object] | None = None) -> None:
+        if max_connections <= 0:
+            raise ValueError(f"max_connections must be > 0, got {max_connections}")
+        for field, v in (("connect_timeout_s", connect_timeout_s), ("op_timeout_s", op_timeout_s)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{field} must be a positive number of seconds, got {v!r}")
+        self.socket_path = socket_path
+        self.name = name or f"pid{os.getpid()}"
+        self.max_connections = max_connections
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.op_timeout_s = float(op_timeout_s)
+        self._starter = starter
+        self.counters = ClientCounters()
+        self._reset_process_state()
+        self._closed = False
+        self._last_stats = StoreStats()
+
+    def _reset_process_state(self) -> None:
+        """Everything that belongs to one process (after a fork the child starts over)."""
+        self._pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        self._start_lock = threading.Lock()
+        self._conns: list[_Conn] = []
+        self._opening = 0
+        self._inflight = 0
+        self._backoff = Backoff()
+        self._lost_since: float | None = None  # set when the service was lost, cleared at reconnect
+        self._mapping: SegmentMapping | None = None
+        self.welcome: p.Welcome | None = None  # the current service's welcome (ssd_path, tiers, ...)
+        # token -> (its connection, owner, "reserve" | "lease", key)
+        self._tokens: dict[int, tuple[_Conn, int, str, str]] = {}
+        self._shut = False  # close() has torn the pool down
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> NodeClient:
+        """Connect once (starting the service through ``starter`` if configured). Raises
+        ConnectionError when no service answers, NodeAccessError, ConfigError."""
+        self._enter()
+        try:
+            conn = self._checkout(time.monotonic() + self.connect_timeout_s, strict=True)
+            self._checkin(conn)
+        finally:
+            self._exit()
+        return self
+
+    def close(self, flush: bool = True, timeout_s: float = 60.0) -> None:
+        """Stop using the service: new calls raise StoreClosedError at once; calls in flight finish
+        first (waited for within ``timeout_s``); with ``flush``, the service's store is flushed (the
+        node's objects persist what they may); every open token is given back (``goodbye``) and the
+        sockets and this client's segment mapping are closed. The service keeps running. Idempotent."""
+        deadline = time.monotonic() + timeout_s
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            while self._inflight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("node client close: %d calls still in flight after %.1f s", self._inflight,
+                                   timeout_s)
+                    break
+                self._cond.wait(left)
+        with self._cond:
+            attached = self._lost_since is None and any(not c.dead for c in self._conns)
+        if flush and attached:  # a service already lost is not started again just to flush it
+            left = deadline - time.monotonic()
+            if left > 0:
+                report = self._flush_report(max(left - 1.0, left / 2), left)
+                if not report.ok:
+                    logger.warning("node client close: flush incomplete: %s", report.summary())
+        with self._cond:
+            self._shut = True
+            self._cond.notify_all()
+            conns, self._conns = self._conns, []
+            self._tokens.clear()
+            mapping, self._mapping = self._mapping, None
+        for c in conns:
+            if not c.busy and not c.dead:
+                try:
+                    c.sock.settimeout(0.5)
+                    c.sock.sendall(p.encode(p.Goodbye(c.next_id())))
+                except OSError:
+                    pass
+            c.close()
+            MAPPINGS.release(c.mapping)
+        if mapping is not None:
+            MAPPINGS.release(mapping)
+
+    def note_stuck_threads(self, count: int) -> None:
+        with self._cond:
+            self.counters.thread_join_timeouts += count
+
+    def note_worker_error(self) -> None:
+        with self._cond:
+            self.counters.worker_errors += 1
+
+    # -- call plumbing -----------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child: the sockets and mappings are the parent's (closing our copies of the
+            # fds leaves the parent's connections as they are).
+            for c in self._conns:
+                try:
+                    c.sock.close()
+                except OSError:
+                    pass
+            self._reset_process_state()
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError("the node client is closed")
+            self._inflight += 1
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._cond.notify_all()
+
+    def _checkout(self, deadline: float, strict: bool = False) -> _Conn:
+        """An idle connection (marked busy), or a new one while the pool has room. _Lost when the
+        service cannot be reached (or, with ``strict``, ConnectionError naming why)."""
+        with self._cond:
+            while True:
+                if self._shut:
+                    raise StoreClosedError("the node client is closed")
+                idle = [c for c in self._conns if not c.busy and not c.dead]
+                if idle:
+                    # Prefer a connection holding no tokens, so commit/release rarely wait for it.
+                    c = min(idle, key=lambda c: len(c.tokens))
+                    c.busy = True
+                    return c
+                if len(self._conns) + self._opening < self.max_connections:
+                    self._opening += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Lost(f"no free connection to {self.socket_path} within the op timeout")
+                self._cond.wait(left)
+        try:
+            conn = self._open(strict)
+        finally:
+            with self._cond:
+                self._opening -= 1
+                self._cond.notify_all()
+        return conn
+
+    def _checkin(self, conn: _Conn) -> None:
+        with self._cond:
+            conn.busy = False
+            if conn.dead and conn in self._conns:
+                self._conns.remove(conn)
+                MAPPINGS.release(conn.mapping)
+            self._cond.notify_all()
+
+    def _acquire(self, conn: _Conn, deadline: float) -> bool:
+        """Check out this particular connection (a token's); False when it is dead or stays busy."""
+        with self._cond:
+            while conn.busy and not conn.dead:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            if conn.dead:
+                return False
+            conn.busy = True
+            return True
+
+    def _open(self, strict: bool) -> _Conn:
+        now = time.monotonic()
+        with self._cond:
+            if not self._backoff.ready(now) and not strict:
+                raise _Lost(f"the node service at {self.socket_path} is not reachable (next try in "
+                            f"{self._backoff.wait_s(now):.2f} s)")
+        try:
+            try:
+                sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                self._drop_idle(f"no service listens at {self.socket_path}")
+                if self._starter is None:
+                    raise _Lost(f"no node service at {self.socket_path}: {e.strerror}") from None
+                self._auto_start()
+                sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
+            assert fd is not None
+            try:
+                mapping = MAPPINGS.acquire(fd, welcome.segment_id, welcome.segment_bytes)
+            except (OSError, ValueError) as e:
+                sock.close()
+                logger.error("node service at %s: cannot map its segment: %s", self.socket_path, e)
+                raise _Lost(f"cannot map the node service's segment: {e}") from None
+        except (_Lost, FileNotFoundError, ConnectionRefusedError, ConfigError) as e:
+            with self._cond:
+                delay = self._backoff.failed(time.monotonic())
+                first = self._lost_since is None
+                if first:
+                    self._lost_since = time.monotonic()
+            if strict:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConnectionError(f"cannot attach to the node service at {self.socket_path}: {e}") from None
+            logger.log(logging.WARNING if first else logging.DEBUG,
+                       "node service at %s not reachable (%s); calls answer misses, next try in %.2f s",
+                       self.socket_path, e, delay)
+            raise _Lost(str(e)) from None
+        conn = _Conn(sock, decoder, pending, welcome, mapping)
+        self._adopt(conn)
+        return conn
+
+    def _auto_start(self) -> None:
+        assert self._starter is not None
+        with self._start_lock:
+            with self._cond:
+                self.counters.auto_starts += 1
+            logger.info("no node service at %s: starting one", self.socket_path)
+            self._starter()
+
+    def _adopt(self, conn: _Conn) -> None:
+        """Add a new connection to the pool (busy); when it reached a new service (another segment),
+        every connection to the old one is dropped first and the new segment becomes the client's."""
+        old_mapping = None
+        with self._cond:
+            conn.busy = True
+            seg = conn.welcome.segment_id
+            if self._mapping is None or self._mapping.segment_id != seg:
+                if self._mapping is not None:
+                    logger.info("node service at %s restarted (segment %s -> %s, pid %d)", self.socket_path,
+                                self._mapping.segment_id, seg, conn.welcome.service_pid)
+                    self.counters.remaps += 1
+                    for c in self._conns:
+                        self._void(c)
+                old_mapping = self._mapping
+                self._mapping = conn.mapping
+                conn.mapping.refs += 1  # the client's own reference, held until the segment changes
+            self.counters.connects += 1
+            if self._lost_since is not None:
+                self.counters.reconnects += 1
+                logger.info("node service at %s reachable again (pid %d)", self.socket_path,
+                            conn.welcome.service_pid)
+                self._lost_since = None
+            self._backoff.succeeded()
+            self.welcome = conn.welcome
+            self._conns.append(conn)
+            self._conns = [c for c in self._conns if not (c.dead and not c.busy)]
+        if old_mapping is not None:
+            MAPPINGS.release(old_mapping)
+
+    def _void(self, conn: _Conn) -> None:
+        """(Under the lock.) The connection is gone: its tokens are void, its socket closed."""
+        if conn.dead:
+            return
+        conn.close()
+        for t in conn.tokens:
+            held = self._tokens.pop(t, None)
+            if held is not None and held[2] == "reserve":
+                self.counters.saves_dropped_disconnect += 1  # a reservation that can never commit now
+        conn.tokens.clear()
+        if not conn.busy and conn in self._conns:
+            self._conns.remove(conn)
+            MAPPINGS.release(conn.mapping)
+
+    def _lose(self, conn: _Conn, why: str) -> None:
+        with self._cond:
+            if conn.dead:
+                return
+            self.counters.disconnects += 1
+            first = self._lost_since is None
+            if first:
+                self._lost_since = time.monotonic()
+            self._void(conn)
+        logger.log(logging.WARNING if first else logging.DEBUG, "node service at %s lost: %s", self.socket_path, why)
+
+    def _drop_idle(self, why: str) -> None:
+        """No service listens: every idle connection is to a dead one."""
+        with self._cond:
+            for c in list(self._conns):
+                if not c.busy:
+                    self._void(c)
+
+    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T]) -> T:
+        """A public call: refused once closed, counted in flight (close waits for it), then _run."""
+        self._enter()
+        try:
+            return self._run(body, fail)
+        finally:
+            self._exit()
+
+    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T]) -> T:
+        """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.
+        A connection from the pool that fails before answering anything (closed idle by the service)
+        is retried once on a new one."""
+        for attempt in range(2):
+            try:
+                conn = self._checkout(time.monotonic() + self.op_timeout_s)
+            except _Lost as e:
+                return fail(str(e))
+            reused = conn.answered > 0
+            before = conn.answered
+            held = bool(conn.tokens)
+            try:
+                return body(conn)
+            except _Lost as e:
+                self._lose(conn, str(e))
+                if attempt == 0 and e.hung_up and reused and conn.answered == before and not held:
+                    continue
+                return fail(str(e))
+            except _Refused as e:
+                if e.error.code != "closed":
+                    self._lose(conn, str(e))
+                else:
+                    conn.draining = True
+                return fail(str(e))
+            finally:
+                self._checkin(conn)
+        raise AssertionError("unreachable")
+
+    def _ask(self, conn: _Conn, build: Callable[[int], p.Frame], reply_type: type,
+             timeout_s: float | None = None) -> Any:
+        """One round trip: ``build(request_id)`` encoded (FrameTooLargeError propagates to the caller,
+        who splits) and its reply, checked to be ``reply_type``."""
+        rid = conn.next_id()
+        payload = p.encode(build(rid), conn.max_frame_bytes)
+        reply = conn.round_trip(payload, rid, self.op_timeout_s if timeout_s is None else timeout_s)
+        if isinstance(reply, p.Error):
+            raise _Refused(reply)
+        if not isinstance(reply, reply_type):
+            raise _Lost(f"the node service answered {type(reply).__name__} where {reply_type.__name__} was due")
+        return reply
+
+    def _ask_split(self, conn: _Conn, n: int, build: Callable[[int, int, int], p.Frame], reply_type: type,
+                   timeout_s: float | None = None) -> list[tuple[int, int, Any]]:
+        """Round trips for items [0, n) in as few frames as fit ``max_frame_bytes`` (halving a range
+        whose frame would be over it); (lo, hi, reply) per frame, in order."""
+        out: list[tuple[int, int, Any]] = []
+
+        def go(lo: int, hi: int) -> None:
+            try:
+                out.append((lo, hi, self._ask(conn, lambda rid: build(rid, lo, hi), reply_type, timeout_s)))
+            except FrameTooLargeError:
+                if hi - lo <= 1:
+                    raise ValueError(f"one key's request is over the {conn.max_frame_bytes}-byte frame limit") from None
+                mid = (lo + hi) // 2
+                go(lo, mid)
+                go(mid, hi)
+
+        go(0, n)
+        return out
+
+    @staticmethod
+    def _values(replies: list[tuple[int, int, Any]], n: int) -> list[Any]:
+        values: list[Any] = [None] * n
+        for lo, hi, reply in replies:
+            if len(reply.values) != hi - lo:
+                raise _Lost(f"the node service answered {len(reply.values)} values for {hi - lo} keys")
+            values[lo:hi] = reply.values
+        return values
+
+    def _failed_lookup(self, value: T) -> Callable[[str], T]:
+        def fail(_why: str) -> T:
+            with self._cond:
+                self.counters.failures += 1
+            return value
+        return fail
+
+    # -- lookups -------------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        check_batch(keys)
+        keys = list(keys)
+        return self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: p.Contains(rid, keys[lo:hi]), p.Bools), len(keys))],
+            self._failed_lookup([False] * len(keys)))
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        check_batch(keys)
+        keys = list(keys)
+        return self._call(lambda c: self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: p.SizeOf(rid, keys[lo:hi]), p.Sizes), len(keys)),
+            self._failed_lookup([None] * len(keys)))
+
+    def tier_of(self, keys: Sequence[str]) -> list[str | None]:
+        check_batch(keys)
+        keys = list(keys)
+        return self._call(lambda c: self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: p.TierOf(rid, keys[lo:hi]), p.Names), len(keys)),
+            self._failed_lookup([None] * len(keys)))
+
+    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
+        """Leading keys stored (``count_reserved``: saves in flight count); ``wait_s`` > 0 waits that
+        long for reserved keys to be committed. 0 when the service cannot be asked."""
+        check_batch(keys)
+        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
+                or not 0 <= wait_s <= MAX_PIN_TTL_S:
+            raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {wait_s!r}")
+        keys = list(keys)
+
+        def body(conn: _Conn) -> int:
+            deadline = time.monotonic() + wait_s
+            total = 0
+            # Parts are asked in order, each only when every key before it was there.
+            for lo, hi in self._ranges(conn, len(keys), lambda rid, lo, hi: p.Exists(rid, keys[lo:hi])):
+                left = max(0.0, deadline - time.monotonic()) if wait_s else 0.0
+                reply = self._ask(conn, lambda rid: p.Exists(rid, keys[lo:hi], count_reserved, left), p.Count,
+                                  self.op_timeout_s + left)
+                n = max(0, min(reply.n, hi - lo))
+                total += n
+                if n < hi - lo:
+                    break
+            return total
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return 0
+        return self._call(body, self._failed_lookup(0))
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
+        """The shortest leading run stored over several key lists (every TP rank's keys of one
+        prompt) in one round trip; 0 when the service cannot be asked."""
+        if isinstance(key_lists, (str, bytes)):
+            raise TypeError("key_lists must be a sequence of key lists")
+        lists = [list(ks) for ks in key_lists]
+        for ks in lists:
+            check_batch(ks)
+
+        def body(conn: _Conn) -> int:
+            try:
+                return max(0, self._ask(conn, lambda rid: p.ExistsAll(rid, lists, count_reserved), p.Count).n)
+            except FrameTooLargeError:
+                pass
+            best: int | None = None
+            for ks in lists:  # too many keys for one frame: one list at a time
+                n = 0
+                for lo, hi in self._ranges(conn, len(ks), lambda rid, lo, hi: p.Exists(rid, ks[lo:hi])):
+                    got = max(0, min(self._ask(conn, lambda rid: p.Exists(rid, ks[lo:hi], count_reserved),
+                                                p.Count).n, hi - lo))
+                    n += got
+                    if got < hi - lo:
+                        break
+                best = n if best is None else min(best, n)
+            return best or 0
+
+        if not lists:
+            self._enter()
+            self._exit()
+            return 0
+        return self._call(body, self._failed_lookup(0))
+
+    @staticmethod
+    def _ranges(conn: _Conn, n: int, build: Callable[[int, int, int], p.Frame]) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of [0, n) whose frames fit, found by halving (encoding only, nothing sent)."""
+        out: list[tuple[int, int]] = []
+
+        def go(lo: int, hi: int) -> None:
+            try:
+                p.encode(build(2 ** 62, lo, hi), conn.max_frame_bytes)
+                out.append((lo, hi))
+            except FrameTooLargeError:
+                if hi - lo <= 1:
+                    raise ValueError(f"one key's request is over the {conn.max_frame_bytes}-byte frame limit") from None
+                mid = (lo + hi) // 2
+                go(lo, mid)
+                go(mid, hi)
+
+        go(0, n)
+        return out
+
+    def keys(self, prefix: str = "") -> list[str]:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
+
+        def body(conn: _Conn) -> list[str]:
+            out: list[str] = []
+            cursor = ""
+            while True:
+                page = self._ask(conn, lambda rid: p.Keys(rid, prefix, cursor), p.KeyPage)
+                out.extend(page.keys)
+                if not page.cursor:
+                    return out
+                cursor = page.cursor
+
+        return self._call(body, self._failed_lookup([]))
+
+    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
+        check_batch(keys)
+        ttl_s = check_ttl_s(ttl_s)
+        keys = list(keys)
+        return self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: p.Pin(rid, keys[lo:hi], ttl_s), p.Bools), len(keys))],
+            self._failed_lookup([False] * len(keys)))
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        check_batch(keys)
+        keys = list(keys)
+
+        def body(conn: _Conn) -> None:
+            self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Unpin(rid, keys[lo:hi]), p.Ack)
+
+        self._call(body, self._failed_lookup(None))
+
+    # -- writes, removes, flush ----------------------------------------------------------------------
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        check_batch(keys)
+        keys = list(keys)
+        return self._call(lambda c: [Status(v) for v in self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: p.Remove(rid, keys[lo:hi]), p.Statuses), len(keys))],
+            lambda _why: [Status.IO_ERROR] * len(keys))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self.flush_report(timeout_s).ok
+
+    def flush_report(self, timeout_s: float | None = None) -> FlushReport:
+        """The service's store flushed (every object of every client): see KVStore.flush_report.
+        When the service cannot be asked: not ok (``lost_untracked`` 1)."""
+        self._enter()
+        try:
+            return self._flush_report(timeout_s, None if timeout_s is None else timeout_s + self.op_timeout_s)
+        finally:
+            self._exit()
+
+    def _flush_report(self, timeout_s: float | None, reply_timeout_s: float | None) -> FlushReport:
+        def body(conn: _Conn) -> FlushReport:
+            r = self._ask(conn, lambda rid: p.Flush(rid, timeout_s), p.FlushResult, reply_timeout_s)
+            return FlushReport(unpersisted=dict(r.unpersisted), declined=r.declined, lost_untracked=r.lost_untracked)
+
+        def fail(why: str) -> FlushReport:
+            logger.warning("node flush not done: %s", why)
+            return FlushReport(lost_untracked=1)
+
+        return self._run(body, fail)
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer],
+            parents: Sequence[str | None] | None = None) -> list[Status]:
+        """reserve -> copy into the slots -> commit, on one connection. A lost service answers
+        IO_ERROR for every key not yet answered (counted in ``saves_dropped_disconnect``)."""
+        check_batch(keys, buffers)
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
+        views = [byte_view(b) for b in buffers]
+        keys = list(keys)
+        pars = None if parents is None else list(parents)
+        sizes = [v.nbytes for v in views]
+        out = [Status.IO_ERROR] * len(keys)
+        done = [False] * len(keys)
+
+        def body(conn: _Conn) -> list[Status]:
+            grants = self._reserve_on(conn, keys, sizes, pars, DEFAULT_TTL_S)
+            ok: list[int] = []
+            for i, g in enumerate(grants):
+                if g.status is Status.OK:
+                    ok.append(i)
+                else:
+                    out[i], done[i] = g.status, True
+            try:
+                for i in ok:
+                    copy_bytes(conn.mapping.slot(grants[i].offset, grants[i].nbytes), views[i])
+            except BaseException:
+                self._abort_on(conn, [grants[i].token for i in ok])
+                raise
+            statuses = self._commit_on(conn, [grants[i].token for i in ok])
+            for i, st in zip(ok, statuses):
+                out[i], done[i] = st, True
+            return out
+
+        def fail(why: str) -> list[Status]:
+            with self._cond:
+                self.counters.saves_dropped_disconnect += done.count(False)
+            return out
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return []
+        return self._call(body, fail)
+
+    def _reserve_on(self, conn: _Conn, keys: list[str], sizes: list[int], parents: list[str | None] | None,
+                    ttl_s: float) -> list[p.Grant]:
+        replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Reserve(
+            rid, keys[lo:hi], sizes[lo:hi], None if parents is None else parents[lo:hi], ttl_s), p.Slots)
+        grants = self._grants(conn, replies, len(keys), sizes)
+        return grants
+
+    def _grants(self, conn: _Conn, replies: list[tuple[int, int, Any]], n: int,
+                sizes: list[int] | None) -> list[p.Grant]:
+        grants: list[p.Grant] = [p.Grant(Status.IO_ERROR)] * n
+        bad: str | None = None
+        for lo, hi, reply in replies:
+            if len(reply.grants) != hi - lo:
+                bad = f"{len(reply.grants)} grants for {hi - lo} keys"
+                continue
+            for j, g in enumerate(reply.grants):
+                i = lo + j
+                if g.status is Status.OK:
+                    conn.tokens.add(g.token)
+                    if g.offset < 0 or g.nbytes < 0 or g.offset + g.nbytes > conn.mapping.nbytes or (
+                            sizes is not None and g.nbytes != sizes[i]):
+                        bad = f"grant [{g.offset}, +{g.nbytes}) for a {sizes[i] if sizes else '?'}-byte object"
+                grants[i] = g
+        if bad is not None:
+            # A service that hands out slots outside its segment is broken: nothing is written.
+            raise _Lost(f"the node service broke the protocol: {bad}")
+        return grants
+
+    def _commit_on(self, conn: _Conn, tokens: list[int]) -> list[Status]:
+        if not tokens:
+            return []
+        replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Commit(rid, tokens[lo:hi]), p.Statuses)
+        conn.tokens.difference_update(tokens)
+        return [Status(v) for v in self._values(replies, len(tokens))]
+
+    def _abort_on(self, conn: _Conn, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        try:
+            self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Abort(rid, tokens[lo:hi]), p.Ack)
+        finally:
+            conn.tokens.difference_update(tokens)
+
+    def _release_on(self, conn: _Conn, tokens: list[int]) -> list[bool]:
+        if not tokens:
+            return []
+        replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Release(rid, tokens[lo:hi]), p.Bools)
+        conn.tokens.difference_update(tokens)
+        return [bool(v) for v in self._values(replies, len(tokens))]
+
+    # -- reads -------------------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        """lease -> copy out of the slots -> release, on one connection. A release answered False,
+        and a service lost before it answered, fail the key with IO_ERROR (whatever was copied is
+        not to be used)."""
+        check_batch(keys, buffers)
+        for i, buf in enumerate(buffers):
+            if memoryview(buf).readonly:  # type: ignore[arg-type]
+                raise TypeError(f"buffers[{i}] (for key {keys[i]!r}) is read-only; get_into writes into it")
+        keys = list(keys)
+        out = [ReadResult(Status.IO_ERROR)] * len(keys)
+        done = [False] * len(keys)
+
+        def body(conn: _Conn) -> list[ReadResult]:
+            replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
+                rid, keys[lo:hi], DEFAULT_TTL_S, True, 0.0), p.Slots)
+            grants = self._grants(conn, replies, len(keys), None)
+            held: list[int] = []
+            copied: set[int] = set()
+            try:
+                for i, g in enumerate(grants):
+                    if g.status is not Status.OK:
+                        out[i], done[i] = ReadResult(g.status if g.status in _READ_STATUSES else Status.IO_ERROR), True
+                        continue
+                    held.append(i)
+                    if nbytes_of(buffers[i]) < g.nbytes:
+                        out[i] = ReadResult(Status.BUFFER_TOO_SMALL, g.nbytes)
+                        continue
+                    copy_bytes(byte_view(buffers[i]), conn.mapping.slot(g.offset, g.nbytes))
+                    copied.add(i)
+            finally:
+                stable = self._release_on(conn, [grants[i].token for i in held])
+            for i, ok in zip(held, stable):
+                done[i] = True
+                if i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
+                    out[i] = ReadResult(Status.OK, grants[i].nbytes) if ok else ReadResult(Status.IO_ERROR)
+            return out
+
+        def fail(why: str) -> list[ReadResult]:
+            n = 0
+            for i in range(len(keys)):
+                if not done[i]:
+                    out[i] = ReadResult(Status.IO_ERROR)
+                    n += 1
+            with self._cond:
+                self.counters.loads_failed_disconnect += n
+            return out
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return []
+        return self._call(body, fail)
+
+    # -- the slot API --------------------------------------------------------------------------------
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
+                *, ttl_s: float = DEFAULT_TTL_S, owner: int = 0) -> list[Reservation]:
+        """Slots in the shared segment to write objects into (``view`` is this process's mapping of
+        each); invisible to every reader until ``commit``. ``owner`` groups tokens for ``reclaim``
+        in this client (the service itself reclaims by connection)."""
+        check_batch(keys)
+        if len(sizes) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(sizes)} sizes")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
+        for i, n in enumerate(sizes):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"sizes[{i}] must be an int >= 0, got {n!r}")
+        ttl_s = check_ttl_s(ttl_s)
+        keys, sz = list(keys), [int(n) for n in sizes]
+        pars = None if parents is None else list(parents)
+
+        def body(conn: _Conn) -> list[Reservation]:
+            grants = self._reserve_on(conn, keys, sz, pars, ttl_s)
+            out = []
+            with self._cond:
+                for k, g in zip(keys, grants):
+                    if g.status is Status.OK:
+                        self._tokens[g.token] = (conn, owner, "reserve", k)
+                        out.append(Reservation(g.status, k, g.nbytes, g.token, g.offset,
+                                               conn.mapping.slot(g.offset, g.nbytes)))
+                    else:
+                        out.append(Reservation(g.status, k, 0, 0, 0, None))
+            return out
+
+        def fail(why: str) -> list[Reservation]:
+            with self._cond:
+                self.counters.saves_dropped_disconnect += len(keys)
+            return [Reservation(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
+
+        return self._call(body, fail)
+
+    def lease(self, keys: Sequence[str], *, ttl_s: float = DEFAULT_TTL_S, stage_in: bool = True,
+              wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
+        """Slots to read objects from (``view`` into this process's mapping); the bytes stay put
+        until ``release``, whose False means they were not stable (drop the read)."""
+        check_batch(keys)
+        ttl_s = check_ttl_s(ttl_s)
+        if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
+                or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
+            raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
+                             f"got {wait_pending_s!r}")
+        keys = list(keys)
+
+        def body(conn: _Conn) -> list[SlotLease]:
+            replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
+                rid, keys[lo:hi], ttl_s, stage_in, wait_pending_s), p.Slots, self.op_timeout_s + wait_pending_s)
+            grants = self._grants(conn, replies, len(keys), None)
+            out = []
+            with self._cond:
+                for k, g in zip(keys, grants):
+                    if g.status is Status.OK:
+                        self._tokens[g.token] = (conn, owner, "lease", k)
+                        out.append(SlotLease(g.status, k, g.nbytes, g.token, g.offset,
+                                             conn.mapping.slot(g.offset, g.nbytes).toreadonly()))
+                    else:
+                        out.append(SlotLease(g.status, k, 0, 0, 0, None))
+            return out
+
+        def fail(why: str) -> list[SlotLease]:
+            with self._cond:
+                self.counters.loads_failed_disconnect += len(keys)
+            return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
+
+        return self._call(body, fail)
+
+    def _by_conn(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
+                 ) -> tuple[dict[int, tuple[_Conn, list[int]]], list[int]]:
+        """(Under the lock.) Items ``owner`` holds in this client, grouped by connection (id ->
+        (conn, indexes)), and the indexes of the rest (not OK, finished, another owner's or client's,
+        void because their connection was lost)."""
+        groups: dict[int, tuple[_Conn, list[int]]] = {}
+        rest: list[int] = []
+        for i, r in enumerate(items):
+            held = self._tokens.get(r.token) if r.status is Status.OK else None
+            if held is None or held[1] != owner or held[2] != kind or held[3] != r.key or held[0].dead:
+                rest.append(i)
+                continue
+            del self._tokens[r.token]
+            groups.setdefault(id(held[0]), (held[0], []))[1].append(i)
+        return groups, rest
+
+    def _on_token_conns(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
+                        send: Callable[[_Conn, list[int]], list[Any]], lost_value: Any,
+                        rest_value: Callable[[Reservation | SlotLease], Any]) -> list[Any]:
+        """``send(conn, tokens)`` for each connection holding some of ``items``; per item its answer,
+        ``lost_value`` where that connection is lost, ``rest_value(item)`` for items not held."""
+        self._enter()
+        try:
+            with self._cond:
+                groups, rest = self._by_conn(items, kind, owner)
+            out: list[Any] = [None] * len(items)
+            for i in rest:
+                out[i] = rest_value(items[i])
+            for conn, idx in groups.values():
+                tokens = [items[i].token for i in idx]
+                answers = [lost_value] * len(idx)
+                if self._acquire(conn, time.monotonic() + self.op_timeout_s):
+                    try:
+                        answers = send(conn, tokens)
+                    except _Lost as e:
+                        self._lose(conn, str(e))
+                    except _Refused as e:
+                        if e.error.code != "closed":
+                            self._lose(conn, str(e))
+                    finally:
+                        self._checkin(conn)
+                for i, a in zip(idx, answers):
+                    out[i] = a
+            return out
+        finally:
+            self._exit()
+
+    def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
+        """Make reserved objects visible; per reservation: OK, IO_ERROR (its TTL passed; or a
+        token this client does not hold for ``owner``: finished, another's, or void because its
+        connection was lost), or the reservation's own status when it was not OK. A service lost
+        during the commit answers IO_ERROR, counted in ``saves_dropped_disconnect`` (a connection
+        lost earlier counted its reservations when it was lost)."""
+        out = self._on_token_conns(reservations, "reserve", owner, self._commit_on, None,
+                                   lambda r: r.status if r.status is not Status.OK else Status.IO_ERROR)
+        lost = sum(1 for s in out if s is None)
+        if lost:
+            with self._cond:
+                self.counters.saves_dropped_disconnect += lost
+        _release_views(reservations)
+        return [Status.IO_ERROR if s is None else s for s in out]
+
+    def abort(self, reservations: Sequence[Reservation], *, owner: int = 0) -> None:
+        """Give reserved slots back (nothing becomes visible); tokens this client does not hold for
+        ``owner`` are left alone."""
+        self._on_token_conns(reservations, "reserve", owner, lambda c, t: [self._abort_on(c, t)] * len(t), None,
+                             lambda r: None)
+        _release_views(reservations)
+
+    def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:
+        """End leases; True only where the bytes were stable for the whole lease (else, and for a
+        lease this client does not hold or whose service was lost, False: drop that read)."""
+        out = self._on_token_conns(leases, "lease", owner, self._release_on, False, lambda r: False)
+        _release_views(leases)
+        return [bool(v) for v in out]
+
+    def reclaim(self, owner: int) -> tuple[int, int]:
+        """Abort every reservation and release every lease this client holds for ``owner``:
+        (reservations aborted, leases released)."""
+        with self._cond:
+            mine = [(t, held) for t, held in self._tokens.items() if held[1] == owner]
+        res = [Reservation(Status.OK, h[3], 0, t, 0, None) for t, h in mine if h[2] == "reserve"]
+        leases = [SlotLease(Status.OK, h[3], 0, t, 0, None) for t, h in mine if h[2] == "lease"]
+        self.abort(res, owner=owner)
+        self.release(leases, owner=owner)
+        return len(res), len(leases)
+
+    # -- stats -------------------------------------------------------------------------------------
+    def service_stats(self, mine: bool = False) -> tuple[StoreStats, p.NodeStats] | None:
+        """The service's store stats and its own (connections, tokens, held bytes), or None when it
+        cannot be asked. ``mine``: this connection's counters rather than the whole store's."""
+        def body(conn: _Conn) -> tuple[StoreStats, p.NodeStats]:
+            r = self._ask(conn, lambda rid: p.Stats(rid, mine), p.StatsReply)
+            return r.store, r.node
+
+        return self._call(body, self._failed_lookup(None))
+
+    def stats(self) -> StoreStats:
+        """The service's store stats with this client's own note_stuck_threads/note_worker_error
+        counts added; the last ones seen when the service cannot be asked."""
+        got = self.service_stats()
+        with self._cond:
+            if got is not None:
+                self._last_stats = got[0]
+            stats = msgspec.structs.replace(self._last_stats,
+                                            store=msgspec.structs.replace(self._last_stats.store))
+            stats.store.thread_join_timeouts += self.counters.thread_join_timeouts
+            stats.store.worker_errors += self.counters.worker_errors
+        return stats
+
+    def metrics(self) -> dict[str, Any]:
+        """:meth:`stats` as a plain dict, with the client's own counters under "client"."""
+        snap: dict[str, Any] = msgspec.to_builtins(self.stats())
+        with self._cond:
+            snap["client"] = msgspec.to_builtins(self.counters)
+        return snap
+
+
+def _release_views(items: Sequence[Reservation | SlotLease]) -> None:
+    """Let go of slot views once their tokens are finished, so an old segment's mapping can close
+    (a view the caller exported further stays valid until it dies)."""
+    for r in items:
+        v = r.view
+        if v is not None:
+            try:
+                v.release()
+            except (BufferError, ValueError):
+                pass
