@@ -264,6 +264,19 @@ class FlushResult(_Frame, tag="flush_result"):
     lost_untracked: int = 0
 
 
+class ClientInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """One attached connection as the service sees it (``status`` lists them)."""
+
+    conn_id: int
+    pid: int
+    uid: int
+    name: str = ""
+    reservations: int = 0
+    leases: int = 0
+    held_bytes: int = 0
+    connected_s: float = 0.0  # seconds since it connected
+
+
 class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     """The service's own gauges and counters beside the store's."""
 
@@ -271,9 +284,22 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     reservations: int = 0
     leases: int = 0
     held_bytes: int = 0
-    zombie_bytes: int = 0
+    zombie_bytes: int = 0  # held by tokens past their TTL whose owner is still connected
     bad_frames: int = 0
     frames: dict[str, int] = msgspec.field(default_factory=dict)  # by op
+    # Who and where (added for ``status``; defaults keep older frames decodable).
+    pid: int = 0
+    uptime_s: float = 0.0
+    socket: str = ""
+    segment_path: str = ""
+    segment_id: str = ""
+    segment_bytes: int = 0
+    auto_started: bool = False
+    started_by: int | None = None
+    draining: bool = False
+    loop_lag_s: float = 0.0
+    metrics_address: str = ""  # host:port of /metrics, "" when not served
+    clients: list[ClientInfo] = msgspec.field(default_factory=list)
 
 
 class StatsReply(_Frame, tag="stats_reply"):

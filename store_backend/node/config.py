@@ -1,0 +1,146 @@
+"""The node service's configuration (:class:`NodeServiceConfig`) and where its socket lives.
+
+Read once at service start by :func:`load_node_config`, through :mod:`store_backend.config_loader`
+like every config of the project (sizes as ``"4GiB"``, errors naming the field and the file). The
+service reads its file only: ``MOONCAKE_KV_*`` variables are not applied, since a service started
+by an engine inherits that engine's environment, whose store variables are meant for the engine.
+
+:func:`default_socket_dir` and :func:`default_socket_path` are shared with the clients (the engines'
+attach config defaults to the same path). Pure functions; call from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from store_backend.config import StoreConfig
+from store_backend.config_loader import ConfigError, decode, merge, read_file
+
+# The node service's segment name unless its config names another (a fresh segment per start is
+# named "<shm_name>-<start_ns>").
+DEFAULT_SHM_NAME = "mooncake-kv-node"
+SOCKET_NAME = "node.sock"
+LOCK_NAME = "node.lock"
+# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def default_socket_dir(environ: Mapping[str, str] | None = None, uid: int | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/mooncake-kv`` when that variable is set, else ``/tmp/mooncake-kv-<uid>``."""
+    environ = os.environ if environ is None else environ
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "mooncake-kv")
+    return f"/tmp/mooncake-kv-{os.getuid() if uid is None else uid}"
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> str:
+    return os.path.join(default_socket_dir(environ), SOCKET_NAME)
+
+
+class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where ``/metrics`` is served (Prometheus text format)."""
+
+    # Loopback by default: the metrics name keys' counts and sizes, nothing for other hosts.
+    host: str = "127.0.0.1"
+    # 0: any free port (the bound one is logged and shown by `status`).
+    port: int = 9464
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name}: must be > 0, got {value}")
+
+
+class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One node service: the store it owns and how it serves its clients."""
+
+    # The store the service owns (section `store`, a StoreConfig); its arena is a /dev/shm segment
+    # (`store.dram.shm_name`, default "mooncake-kv-node"), made fresh at every start.
+    store: StoreConfig = msgspec.field(default_factory=lambda: StoreConfig(
+        dram=msgspec.structs.replace(StoreConfig().dram, shm_name=DEFAULT_SHM_NAME)))
+    # The Unix socket clients attach to; None: $XDG_RUNTIME_DIR/mooncake-kv/node.sock, else
+    # /tmp/mooncake-kv-<uid>/node.sock. Its directory is made 0700 and must stay private.
+    socket: str | None = None
+    # /metrics (section `metrics`); null: not served.
+    metrics: MetricsConfig | None = msgspec.field(default_factory=MetricsConfig)
+    # Threads for the calls that block (stage-in leases, remove, flush, keys, exists with a wait).
+    workers: int = 8
+    # Connections served at once; past it a newcomer gets error(busy).
+    max_connections: int = 1024
+    # Most of the arena one connection may hold in open reservations and leases (beyond: NO_SPACE).
+    max_held_fraction: float = 0.5
+    # At SIGTERM, how long open reservations and leases may take to finish.
+    drain_timeout_s: float = 10.0
+    # At SIGTERM, how long the store's flush to SSD may take.
+    shutdown_flush_s: float = 120.0
+    # Exit this long after the last client left (auto-started services); None: never.
+    idle_exit_s: float | None = None
+    # A connection holding no reservation or lease is closed after idling this long.
+    idle_timeout_s: float = 300.0
+    # From a frame's first byte to its last.
+    frame_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.store.dram.shm_name is None:
+            raise ValueError("store.dram.shm_name: the node service's arena must be a named shared segment, "
+                             "got null")
+        if self.socket is not None:
+            if not self.socket or not os.path.isabs(self.socket):
+                raise ValueError(f"socket: must be an absolute path, got {self.socket!r}")
+            if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH_BYTES:
+                raise ValueError(f"socket: {self.socket!r} is longer than an AF_UNIX address allows "
+                                 f"({MAX_SOCKET_PATH_BYTES} bytes)")
+        if self.workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
+        if not 0.0 < self.max_held_fraction <= 1.0:
+            raise ValueError(f"max_held_fraction: must be in (0, 1], got {self.max_held_fraction}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.shutdown_flush_s < 0:
+            raise ValueError(f"shutdown_flush_s: must be >= 0, got {self.shutdown_flush_s}")
+        if self.idle_exit_s is not None:
+            _positive("idle_exit_s", self.idle_exit_s)
+        _positive("idle_timeout_s", self.idle_timeout_s)
+        _positive("frame_timeout_s", self.frame_timeout_s)
+
+    @property
+    def socket_path(self) -> str:
+        """The socket's path (the default one when ``socket`` is unset)."""
+        return self.socket if self.socket is not None else default_socket_path()
+
+    @property
+    def lock_path(self) -> str:
+        """``node.lock`` beside the socket: held (flock) by the running service."""
+        return os.path.join(os.path.dirname(self.socket_path), LOCK_NAME)
+
+
+# Under the file's own values: the service's segment name (a StoreConfig alone has none).
+_DEFAULTS: dict[str, Any] = {"store": {"dram": {"shm_name": DEFAULT_SHM_NAME}}}
+
+
+def load_node_config(source: NodeServiceConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                     ) -> NodeServiceConfig:
+    """A Struct (as is), a dict, a file path (JSON or YAML), or None (every default). Raises
+    :class:`~store_backend.config_loader.ConfigError` naming the field (and the file)."""
+    if isinstance(source, NodeServiceConfig):
+        return source
+    if source is None:
+        return decode(_DEFAULTS, NodeServiceConfig)
+    if isinstance(source, (str, os.PathLike)):
+        data = read_file(source)
+        return decode(merge(_DEFAULTS, data), NodeServiceConfig, layers=[(f"config file {source}", data)])
+    if isinstance(source, Mapping):
+        return decode(merge(_DEFAULTS, source), NodeServiceConfig)
+    raise ConfigError(f"node service config must be a dict, a path or a NodeServiceConfig, "
+                      f"not {type(source).__name__}")

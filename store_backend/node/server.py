@@ -1,0 +1,998 @@
+"""The node service: one process that owns the node's store and serves every local engine over a
+Unix socket, with the arena in a shared-memory segment the clients map.
+
+Process model: :meth:`NodeService.serve` runs one asyncio loop in the calling thread (the process's
+main thread under ``python -m store_backend.node serve``) for every connection; there is no thread
+per connection, so an idle one costs a socket and a small :class:`_Conn`. Calls that only take the
+store lock for bookkeeping (``exists``, ``contains``, ``size_of``, ``tier_of``, ``pin``, ``unpin``,
+``reserve``, ``commit``, ``abort``, a DRAM ``lease``, ``release``, ``stats``) run inline on the loop;
+calls that may block (a lease that stages an object in from SSD or waits for a pending commit,
+``remove``, ``flush``, ``keys``, ``exists`` with a wait) run on a bounded thread pool of
+``workers`` threads, owned by the service. ``loop_lag_s`` (in ``status`` and ``/metrics``) says
+when an inline call blocked the loop.
+
+Start (:meth:`NodeService.open`): the socket directory (made 0700; refused when another user owns
+it or its mode is wider), ``node.lock`` (flock; a second service is refused naming the holder),
+leftover segments of a killed service unlinked, the store (SSD recovery), a fresh segment, the
+socket bound (0600; from here connections queue, and are answered once the loop runs: "answers"
+means ready), ``/metrics``, then the loop logs ``ready``.
+
+Per connection: the peer's uid (SO_PEERCRED) must be the service's or root, else
+``error(permission)`` and close; past ``max_connections`` ``error(busy)`` and close. The first frame
+must be ``hello``; ``welcome`` carries the segment's fd (SCM_RIGHTS) when asked. A frame over the cap
+or one that does not decode gets ``error`` and the connection is closed; a frame must complete
+within ``frame_timeout_s`` of its first byte; a connection holding no reservation or lease is
+closed after ``idle_timeout_s``. Whenever a connection ends (end of stream, reset, protocol error,
+idle close, its process exiting, seen through a pidfd even while a forked child keeps the socket
+open) the store reclaims every reservation and lease it held (``store.reclaim(conn_id)``).
+
+Stop (SIGTERM, SIGINT, a ``shutdown`` frame, ``idle_exit_s`` after the last client left, or
+:meth:`NodeService.stop`): stop accepting, push ``draining`` to every connection, refuse new
+``reserve``/``lease`` with ``error(closed)``, let open tokens finish for up to ``drain_timeout_s``,
+close every connection (reclaiming what is left), close the store with a flush bounded by
+``shutdown_flush_s``, unlink the segment and the socket. A second signal skips the waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, start_http_server
+
+from store_backend.api import StoreClosedError
+from store_backend.config_loader import ConfigError
+from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameDecoder, FrameError, FrameTimeoutError
+from store_backend.node import protocol as p
+from store_backend.node.config import NodeServiceConfig, load_node_config
+from store_backend.node.fdpass import may_attach, peer_credentials
+from store_backend.node.metrics import NodeCollector
+from store_backend.node.segment import segment_id, unlink_if_same
+from store_backend.ownership import HeldLock, OwnershipError, flock_or_raise
+from store_backend.prometheus import StoreCollector
+from store_backend.slots import SegmentInfo
+from store_backend.store import TieredStore
+from store_backend.types import MAX_PIN_TTL_S, Status
+
+logger = logging.getLogger(__name__)
+
+# Listen backlog: clients beyond what the loop has accepted yet wait here.
+_LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
+_TICK_S = 1.0
+# A key page is cut well below the frame cap (keys are at most 1 KiB each).
+_KEY_PAGE_BYTES = MAX_FRAME_BYTES // 2
+_FLUSH_UNPERSISTED_MAX = 1000
+
+
+async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
+    """``await aw`` bounded by ``seconds`` (None: unbounded); asyncio.TimeoutError past it."""
+    if hasattr(asyncio, "timeout"):  # 3.11: no task per wait
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)
+
+
+class _Closing(Exception):
+    """Raised inside a connection's task to end it quietly (idle, goodbye, refused)."""
+
+
+class _Conn:
+    """One connection's state. Touched on the loop thread only."""
+
+    __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "reservations", "leases",
+                 "deadlines", "held_bytes", "frames", "pending", "frame_t0", "task", "send_lock",
+                 "in_flight")
+
+    def __init__(self, conn_id: int, sock: socket.socket, pid: int, uid: int, max_frame_bytes: int) -> None:
+        self.conn_id = conn_id
+        self.sock = sock
+        self.pid = pid
+        self.uid = uid
+        self.name = ""
+        self.since = time.monotonic()
+        self.hello = False
+        self.reservations: dict[int, Any] = {}  # token -> the store's Reservation
+        self.leases: dict[int, Any] = {}  # token -> the store's SlotLease
+        self.deadlines: dict[int, float] = {}  # token -> monotonic end of its TTL
+        self.held_bytes = 0
+        self.frames = FrameDecoder(max_frame_bytes)
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.frame_t0: float | None = None  # when the frame being read began to arrive
+        self.task: asyncio.Task[None] | None = None
+        self.send_lock = asyncio.Lock()
+        self.in_flight: concurrent.futures.Future[Any] | None = None  # a pool call it awaits
+
+    @property
+    def tokens(self) -> int:
+        return len(self.reservations) + len(self.leases)
+
+    def hold(self, token: int, nbytes: int, ttl_s: float, now: float) -> None:
+        self.deadlines[token] = now + ttl_s
+        self.held_bytes += nbytes
+
+    def drop(self, token: int, nbytes: int) -> None:
+        self.deadlines.pop(token, None)
+        self.held_bytes -= nbytes
+
+
+class _PidWatch:
+    __slots__ = ("fd", "conns")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.conns: set[_Conn] = set()
+
+
+def check_socket_dir(directory: str) -> None:
+    """Make ``directory`` (mode 0700) if it is missing; ConfigError naming path, owner and mode when
+    it exists owned by another user, with a mode wider than 0700, or is no directory."""
+    try:
+        os.makedirs(os.path.dirname(directory) or "/", exist_ok=True)
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"socket: cannot make the socket directory {directory}: {e.strerror}") from None
+    try:
+        st = os.lstat(directory)
+    except OSError as e:
+        raise ConfigError(f"socket: cannot read the socket directory {directory}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"socket: {directory} is not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"socket: the socket directory {directory} is owned by uid {st.st_uid}, not this "
+                          f"service's uid {os.getuid()} (mode {mode:04o}); use a directory of your own")
+    if mode & 0o077:
+        raise ConfigError(f"socket: the socket directory {directory} has mode {mode:04o}, wider than 0700: "
+                          f"other users could reach the node service; chmod 700 {directory}")
+
+
+def _take_lock(path: str) -> HeldLock:
+    """The service's ``node.lock`` (flock, holds our pid); ConfigError naming the holder's pid when
+    another service has it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ConfigError(f"socket: cannot open the lock file {path}: {e.strerror}") from None
+    try:
+        flock_or_raise(fd, path, "socket")
+    except OwnershipError as e:
+        os.close(fd)
+        who = ", ".join(f"pid {pid}" for pid in e.holders) or "a process"
+        raise OwnershipError(f"socket: another node service ({who}) holds {path}: one service per socket "
+                             f"directory; stop it first (mooncake-kv stop --socket "
+                             f"{os.path.join(os.path.dirname(path), 'node.sock')})", e.path, e.holders) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return HeldLock(fd)
+
+
+class NodeService:
+    """The node service. ``open()`` (blocking: takes the lock, opens the store, binds the socket)
+    then ``serve()`` (runs the loop in the calling thread until stopped; returns the exit status),
+    or :meth:`run_in_thread` for both on a thread of its own (tests). :meth:`stop` may be called
+    from any thread; everything else belongs to the thread that serves."""
+
+    def __init__(self, config: NodeServiceConfig | Any = None, *, started_by: int | None = None,
+                 auto_started: bool = False, idle_exit_s: float | None = None) -> None:
+        self.config = load_node_config(config)
+        if idle_exit_s is not None:
+            self.config = msgspec.structs.replace(self.config, idle_exit_s=idle_exit_s)
+        self.started_by = started_by
+        self.auto_started = auto_started
+        self.socket_path = self.config.socket_path
+        self.store: TieredStore | None = None
+        self.segment: SegmentInfo | None = None
+        self.metrics_address = ""
+        self.exit_status = 0
+        self._lock: HeldLock | None = None
+        self._segment_fd = -1
+        self._listener: socket.socket | None = None
+        self._httpd: Any = None
+        self._httpd_thread: threading.Thread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._pid_watch: dict[int, _PidWatch] = {}
+        self._next_conn_id = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._draining = False
+        self._skip_waits = False
+        self._stop_requested: str | None = None
+        self._wake: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._started_mono = time.monotonic()
+        self._last_client_left = time.monotonic()
+        self._loop_lag_s = 0.0
+        self._has_below = False
+        # Counters (read by stats and /metrics from other threads: plain ints).
+        self.frames: collections.Counter[str] = collections.Counter()
+        self.bad_frames = 0
+        self.idle_closed = 0
+        self.refused = collections.Counter()  # by error code (permission, busy)
+        self.pid_exits = 0  # connections ended because their process exited (pidfd)
+        self._logged_peers: set[int] = set()
+
+    # -- start ------------------------------------------------------------------------------------
+    def open(self) -> NodeService:
+        """Take the lock, open the store and its segment, bind the socket, serve /metrics. Raises
+        ConfigError (naming the field or path) and releases what it took when a step fails."""
+        cfg = self.config
+        directory = os.path.dirname(self.socket_path)
+        check_socket_dir(directory)
+        self._lock = _take_lock(cfg.lock_path)
+        try:
+            # The store unlinks leftover segments of a killed service whose lock is free.
+            self.store = TieredStore(cfg.store, fresh_segment=True, max_held_fraction=cfg.max_held_fraction)
+            self.store.start()
+            self.segment = self.store.segment()
+            assert self.segment is not None  # fresh_segment always makes one
+            self._segment_id = segment_id(self.segment)
+            self._segment_fd = self.store.open_segment_fd()
+            self._has_below = cfg.store.ssd is not None
+            self._listener = self._bind()
+            if cfg.metrics is not None:
+                self._start_metrics()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _bind(self) -> socket.socket:
+        path = self.socket_path
+        # We hold node.lock: a socket file here is a dead service's.
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"socket: cannot remove the stale socket {path}: {e.strerror}") from None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)
+            sock.listen(_LISTEN_BACKLOG)
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"socket: cannot listen on {path}: {e.strerror}") from None
+        return sock
+
+    def _start_metrics(self) -> None:
+        m = self.config.metrics
+        assert m is not None and self.store is not None
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(self.store))
+        registry.register(NodeCollector(self))
+        try:
+            self._httpd, self._httpd_thread = start_http_server(m.port, addr=m.host, registry=registry)
+        except OSError as e:
+            raise ConfigError(f"metrics.port: cannot serve /metrics on {m.host}:{m.port}: {e.strerror or e}") from None
+        host, port = self._httpd.server_address[:2]
+        self.metrics_address = f"{host}:{port}"
+
+    def _release(self) -> None:
+        """Undo open(), in reverse (idempotent; used on a failed open and at the end of serve)."""
+        if self._httpd is not None:
+            try:
+                self._httpd.shutdown()
+                self._httpd.server_close()
+            except Exception:
+                logger.debug("metrics server close failed", exc_info=True)
+            self._httpd = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+        if self._segment_fd >= 0:
+            os.close(self._segment_fd)
+            self._segment_fd = -1
+        if self.store is not None:
+            store, self.store = self.store, None
+            try:
+                store.close(flush=False, timeout_s=5.0)
+            except Exception:
+                logger.exception("closing the store after a failed start")
+        if self.segment is not None:
+            unlink_if_same(self.segment)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    # -- serving ----------------------------------------------------------------------------------
+    def serve(self, *, handle_signals: bool | None = None) -> int:
+        """Serve until stopped (blocking; the loop runs in this thread) and return the exit status:
+        0 after a clean stop, 1 when the store's close failed or a second signal cut it short.
+        ``handle_signals`` (default: when this is the main thread): SIGTERM and SIGINT stop it."""
+        if self._listener is None:
+            self.open()
+        if handle_signals is None:
+            handle_signals = threading.current_thread() is threading.main_thread()
+        try:
+            asyncio.run(self._main(handle_signals))
+        finally:
+            self._ready.set()  # a waiter of a service that failed to start is not left hanging
+            self._done.set()
+        return self.exit_status
+
+    def run_in_thread(self, timeout_s: float = 30.0) -> NodeService:
+        """``open()`` here, then serve on a thread of its own; returns once the service answers."""
+        self.open()
+        t = threading.Thread(target=self.serve, kwargs={"handle_signals": False}, name="node-service",
+                             daemon=True)
+        t.start()
+        self._thread = t
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"node service not ready within {timeout_s} s")
+        return self
+
+    def stop(self, *, skip_waits: bool = False, timeout_s: float | None = None) -> int:
+        """Stop the service as SIGTERM does (thread-safe); ``skip_waits`` as a second signal. With
+        ``timeout_s`` (not on the serving thread), waits for it to finish and returns its status."""
+        loop = self._loop
+        if loop is not None and not self._done.is_set():
+            try:
+                loop.call_soon_threadsafe(self._request_stop, "stop requested", skip_waits)
+            except RuntimeError:
+                pass  # the loop already ended
+        if timeout_s is not None:
+            self._done.wait(timeout_s)
+        return self.exit_status
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    async def _main(self, handle_signals: bool) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.config.workers, thread_name_prefix="node-call")
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._request_stop, signal.Signals(sig).name, False)
+        accept = self._spawn(self._accept_loop())
+        tick = self._spawn(self._tick_loop())
+        assert self.segment is not None
+        self._ready.set()
+        logger.info("node service ready: pid %d, socket %s, segment %s (%d bytes)%s", os.getpid(),
+                       self.socket_path, self.segment.path, self.segment.nbytes,
+                       f", metrics on http://{self.metrics_address}/metrics" if self.metrics_address else "")
+        try:
+            while self._stop_requested is None:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._shutdown(accept, tick)
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _request_stop(self, reason: str, skip_waits: bool) -> None:
+        """(loop thread) Begin the stop; a second request skips the waits."""
+        if self._stop_requested is not None or skip_waits:
+            if not self._skip_waits and self._stop_requested is not None:
+                logger.warning("%s again: skipping the waits", reason)
+            self._skip_waits = True
+        if self._stop_requested is None:
+            self._stop_requested = reason
+            logger.info("node service stopping (%s)", reason)
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _addr = await loop.sock_accept(self._listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    logger.warning("accept failed (%s): backing off", e.strerror)
+                    await asyncio.sleep(0.1)
+                    continue
+                if self._listener is None:
+                    return
+                logger.debug("accept failed", exc_info=True)
+                continue
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            creds = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        service_uid = os.getuid()
+        if not may_attach(creds.uid, service_uid):
+            self.refused["permission"] += 1
+            self._log_peer(creds.pid, "refused pid %d: uid %d may not attach", creds.pid, creds.uid)
+            msg = (f"uid {creds.uid} may not attach to the node service of uid {service_uid} at "
+                   f"{self.socket_path}")
+            self._spawn(self._refuse(sock, p.Error(0, "permission", msg)))
+            return
+        if len(self._conns) >= self.config.max_connections:
+            self.refused["busy"] += 1
+            self._log_peer(creds.pid, "refused pid %d: %d connections already", creds.pid, len(self._conns))
+            msg = f"the node service at {self.socket_path} serves {self.config.max_connections} connections already"
+            self._spawn(self._refuse(sock, p.Error(0, "busy", msg)))
+            return
+        self._next_conn_id += 1
+        c = _Conn(self._next_conn_id, sock, creds.pid, creds.uid, MAX_FRAME_BYTES)
+        self._conns[c.conn_id] = c
+        self._watch_pid(c)
+        c.task = self._spawn(self._serve_conn(c))
+
+    async def _refuse(self, sock: socket.socket, error: p.Error) -> None:
+        try:
+            await _within(asyncio.get_running_loop().sock_sendall(sock, p.encode(error)), 1.0)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            sock.close()
+
+    def _log_peer(self, pid: int, fmt: str, *args: Any) -> None:
+        """One WARNING per peer process, then DEBUG (a broken client reconnecting is not a flood)."""
+        if pid in self._logged_peers:
+            logger.debug(fmt, *args)
+            return
+        if len(self._logged_peers) < 4096:
+            self._logged_peers.add(pid)
+        logger.warning(fmt, *args)
+
+    # -- one connection ---------------------------------------------------------------------------
+    async def _serve_conn(self, c: _Conn) -> None:
+        try:
+            while True:
+                msg = await self._next_message(c)
+                if msg is None:
+                    return
+                await self._answer(c, msg)
+        except (FrameError, FrameTimeoutError) as e:
+            self.bad_frames += 1
+            self._log_peer(c.pid, "closing connection %d of pid %d: %s", c.conn_id, c.pid, e)
+            reply = p.error_for(e) if isinstance(e, FrameError) else p.Error(0, "bad_request", str(e))
+            await self._send_quietly(c, reply)
+        except _Closing:
+            pass
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass  # closed from outside: its process exited, or the service is stopping
+        except Exception:
+            logger.exception("connection %d of pid %d failed", c.conn_id, c.pid)
+        finally:
+            self._end(c)
+
+    async def _next_message(self, c: _Conn) -> p.Frame | None:
+        loop = asyncio.get_running_loop()
+        while not c.pending:
+            now = time.monotonic()
+            if c.frames.mid_frame:
+                assert c.frame_t0 is not None
+                wait_s: float | None = c.frame_t0 + self.config.frame_timeout_s - now
+                if wait_s <= 0:
+                    raise FrameTimeoutError(f"a frame did not complete within {self.config.frame_timeout_s} s "
+                                            f"({c.frames.buffered_bytes} bytes of it arrived)")
+            elif c.tokens:
+                wait_s = None  # holding slots: its process's exit, not idling, ends it
+            else:
+                wait_s = self.config.idle_timeout_s
+            try:
+                data = await _within(loop.sock_recv(c.sock, READ_PIECE_BYTES), wait_s)
+            except asyncio.TimeoutError:
+                if c.frames.mid_frame:
+                    continue  # the check above names it
+                self.idle_closed += 1
+                raise _Closing() from None
+            if not data:
+                c.frames.eof()  # FrameError when it ended inside a frame
+                return None
+            bodies = c.frames.feed(data)
+            c.pending.extend(bodies)
+            if not c.frames.mid_frame:
+                c.frame_t0 = None
+            elif bodies or c.frame_t0 is None:
+                c.frame_t0 = time.monotonic()  # a new frame began in this piece
+        return _DECODER.decode(c.pending.popleft())
+
+    async def _send(self, c: _Conn, msg: p.Frame) -> None:
+        data = p.encode(msg)
+        async with c.send_lock:
+            await asyncio.get_running_loop().sock_sendall(c.sock, data)
+
+    async def _send_quietly(self, c: _Conn, msg: p.Frame) -> None:
+        try:
+            await _within(self._send(c, msg), 1.0)
+        except (OSError, asyncio.TimeoutError, FrameError):
+            pass
+
+    def _end(self, c: _Conn) -> None:
+        """(loop thread) The connection is over: its slots are reclaimed, its socket closed."""
+        if self._conns.pop(c.conn_id, None) is None:
+            return
+        self._unwatch_pid(c)
+        self._reclaim(c.conn_id)
+        c.reservations.clear()
+        c.leases.clear()
+        c.deadlines.clear()
+        c.held_bytes = 0
+        fut = c.in_flight
+        if fut is not None and not fut.done():
+            # A pool call still running may yet grant slots to this connection: reclaim them too.
+            loop = asyncio.get_running_loop()
+            fut.add_done_callback(lambda _f, cid=c.conn_id: loop.call_soon_threadsafe(self._reclaim, cid))
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+        if not self._conns:
+            self._last_client_left = time.monotonic()
+
+    def _reclaim(self, conn_id: int) -> None:
+        store = self.store
+        if store is None:
+            return
+        try:
+            aborted, released = store.reclaim(conn_id)
+        except StoreClosedError:
+            return
+        except Exception:
+            logger.exception("reclaiming the slots of connection %d failed", conn_id)
+            return
+        if aborted or released:
+            logger.info("connection %d ended holding %d reservations and %d leases: reclaimed", conn_id,
+                        aborted, released)
+
+    # -- peer processes (pidfd) -------------------------------------------------------------------
+    def _watch_pid(self, c: _Conn) -> None:
+        if c.pid <= 0 or c.pid == os.getpid():
+            return  # another pid namespace (pid 0), or this very process (tests): end of stream suffices
+        w = self._pid_watch.get(c.pid)
+        if w is None:
+            try:
+                fd = os.pidfd_open(c.pid)
+            except ProcessLookupError:
+                asyncio.get_running_loop().call_soon(self._close_conn, c)  # gone already
+                return
+            except (OSError, AttributeError):
+                return  # no pidfd here: end of stream still reclaims
+            w = self._pid_watch[c.pid] = _PidWatch(fd)
+            asyncio.get_running_loop().add_reader(fd, self._pid_exited, c.pid)
+        w.conns.add(c)
+
+    def _unwatch_pid(self, c: _Conn) -> None:
+        w = self._pid_watch.get(c.pid)
+        if w is None:
+            return
+        w.conns.discard(c)
+        if not w.conns:
+            self._drop_watch(c.pid)
+
+    def _drop_watch(self, pid: int) -> _PidWatch | None:
+        w = self._pid_watch.pop(pid, None)
+        if w is not None:
+            asyncio.get_running_loop().remove_reader(w.fd)
+            os.close(w.fd)
+        return w
+
+    def _pid_exited(self, pid: int) -> None:
+        w = self._drop_watch(pid)
+        if w is None:
+            return
+        for c in list(w.conns):
+            self.pid_exits += 1
+            logger.info("process %d exited: closing its connection %d", pid, c.conn_id)
+            self._close_conn(c)
+
+    def _close_conn(self, c: _Conn) -> None:
+        if c.task is not None and not c.task.done():
+            c.task.cancel()
+        else:
+            self._end(c)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def _answer(self, c: _Conn, msg: p.Frame) -> None:
+        op = type(msg).__struct_config__.tag
+        self.frames[op] += 1
+        rid = getattr(msg, "id", 0)
+        if not c.hello and not isinstance(msg, p.Hello):
+            self.bad_frames += 1
+            await self._send_quietly(c, p.Error(rid, "bad_request", f"the first frame must be hello, got {op}"))
+            raise _Closing()
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.bad_frames += 1
+            await self._send(c, p.Error(rid, "bad_request", f"{op} is not a request"))
+            return
+        if rid <= 0:
+            await self._send(c, p.Error(rid, "bad_request", f"a request's id must be > 0, got {rid}"))
+            return
+        assert self.store is not None
+        try:
+            reply = await handler(self, c, msg)
+        except StoreClosedError as e:
+            reply = p.Error(rid, "closed", f"the node service's store is closed: {e}")
+        except (ValueError, TypeError) as e:
+            reply = p.Error(rid, "bad_request", f"{op}: {e}")
+        except (_Closing, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.exception("%s from connection %d of pid %d failed", op, c.conn_id, c.pid)
+            reply = p.Error(rid, "internal", f"{op} failed in the node service: {type(e).__name__}: {e}")
+        if reply is not None:
+            await self._send(c, reply)
+
+    async def _blocking(self, c: _Conn, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` on the service's thread pool; the connection's task waits for it."""
+        assert self._executor is not None
+        fut = self._executor.submit(fn, *args, **kwargs)
+        c.in_flight = fut
+        result = await asyncio.wrap_future(fut)
+        c.in_flight = None
+        return result
+
+    async def _on_hello(self, c: _Conn, m: p.Hello) -> p.Frame | None:
+        if c.hello:
+            return p.Error(m.id, "bad_request", "hello was already sent on this connection")
+        if m.version != p.PROTOCOL_VERSION:
+            await self._send_quietly(c, p.Error(m.id, "version", (
+                f"the node service at {self.socket_path} speaks protocol version {p.PROTOCOL_VERSION}, "
+                f"the client {m.version}: use the same mooncake-kv version for both")))
+            raise _Closing()
+        assert self.segment is not None
+        c.hello = True
+        c.name = m.name[:200]
+        ssd = self.config.store.ssd
+        welcome = p.Welcome(
+            m.id, p.PROTOCOL_VERSION, os.getpid(), c.conn_id, self._segment_id, self.segment.nbytes,
+            self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S, ["dram", *(["ssd"] if ssd else [])],
+            ssd.path if ssd else None)
+        if not m.want_segment:
+            return welcome
+        data = p.encode(welcome)
+        async with c.send_lock:
+            # Nothing is queued on a fresh connection, so this goes out at once; the fd rides on the
+            # first byte.
+            sent = socket.send_fds(c.sock, [data], [self._segment_fd])
+            if sent < len(data):
+                await asyncio.get_running_loop().sock_sendall(c.sock, data[sent:])
+        return None
+
+    async def _on_exists(self, c: _Conn, m: p.Exists) -> p.Frame:
+        store = self.store
+        assert store is not None
+        if m.wait_s > 0:
+            n = await self._blocking(c, store.exists, m.keys, count_reserved=m.count_reserved, wait_s=m.wait_s)
+        elif m.count_reserved:
+            n = store.exists(m.keys, count_reserved=True)
+        else:
+            n = store.exists(m.keys)
+        return p.Count(m.id, n)
+
+    async def _on_exists_all(self, c: _Conn, m: p.ExistsAll) -> p.Frame:
+        assert self.store is not None
+        return p.Count(m.id, self.store.exists_all(m.key_lists, count_reserved=m.count_reserved))
+
+    async def _on_contains(self, c: _Conn, m: p.Contains) -> p.Frame:
+        assert self.store is not None
+        return p.Bools(m.id, self.store.contains(m.keys))
+
+    async def _on_size_of(self, c: _Conn, m: p.SizeOf) -> p.Frame:
+        assert self.store is not None
+        return p.Sizes(m.id, self.store.size_of(m.keys))
+
+    async def _on_tier_of(self, c: _Conn, m: p.TierOf) -> p.Frame:
+        assert self.store is not None
+        return p.Names(m.id, self.store.tier_of(m.keys))
+
+    async def _on_pin(self, c: _Conn, m: p.Pin) -> p.Frame:
+        assert self.store is not None
+        return p.Bools(m.id, self.store.pin(m.keys, m.ttl_s))
+
+    async def _on_unpin(self, c: _Conn, m: p.Unpin) -> p.Frame:
+        assert self.store is not None
+        self.store.unpin(m.keys)
+        return p.Ack(m.id)
+
+    def _refuse_new_tokens(self, m: p.Reserve | p.Lease) -> p.Error | None:
+        if self._draining:
+            return p.Error(m.id, "closed", f"the node service at {self.socket_path} is shutting down: "
+                                           f"no new {type(m).__struct_config__.tag}")
+        return None
+
+    async def _on_reserve(self, c: _Conn, m: p.Reserve) -> p.Frame:
+        if (refused := self._refuse_new_tokens(m)) is not None:
+            return refused
+        store = self.store
+        assert store is not None
+        # The store answers NO_SPACE past this connection's share of the arena or its token cap.
+        now = time.monotonic()
+        grants: list[p.Grant] = []
+        for r in store.reserve(m.keys, m.sizes, m.parents, ttl_s=m.ttl_s, owner=c.conn_id):
+            if r.status is Status.OK:
+                r.view = None  # the service never writes a slot: its clients do
+                c.reservations[r.token] = r
+                c.hold(r.token, r.nbytes, m.ttl_s, now)
+                grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
+            else:
+                grants.append(p.Grant(Status(r.status)))
+        return p.Slots(m.id, grants)
+
+    def _take(self, c: _Conn, table: dict[int, Any], tokens: Sequence[int]) -> list[Any | None]:
+        """This connection's objects for ``tokens`` (None for one it does not hold), removed from
+        its table."""
+        out: list[Any | None] = []
+        for t in tokens:
+            obj = table.pop(t, None)
+            if obj is not None:
+                c.drop(t, obj.nbytes)
+            out.append(obj)
+        return out
+
+    async def _on_commit(self, c: _Conn, m: p.Commit) -> p.Frame:
+        assert self.store is not None
+        mine = self._take(c, c.reservations, m.tokens)
+        known = [r for r in mine if r is not None]
+        statuses = iter(self.store.commit(known, owner=c.conn_id) if known else [])
+        return p.Statuses(m.id, [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine])
+
+    async def _on_abort(self, c: _Conn, m: p.Abort) -> p.Frame:
+        assert self.store is not None
+        known = [r for r in self._take(c, c.reservations, m.tokens) if r is not None]
+        if known:
+            self.store.abort(known, owner=c.conn_id)
+        return p.Ack(m.id)
+
+    async def _on_lease(self, c: _Conn, m: p.Lease) -> p.Frame:
+        if (refused := self._refuse_new_tokens(m)) is not None:
+            return refused
+        store = self.store
+        assert store is not None
+        # Inline when every key is in DRAM (bookkeeping only); on the pool when the store may read
+        # a lower tier into a slot, or wait for a pending commit.
+        blocking = m.wait_pending_s > 0 or (
+            m.stage_in and self._has_below and any(t != "dram" for t in store.tier_of(m.keys)))
+        kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": m.wait_pending_s, "owner": c.conn_id}
+        if blocking:
+            got = await self._blocking(c, store.lease, m.keys, **kwargs)
+        else:
+            got = store.lease(m.keys, **kwargs)
+        now = time.monotonic()
+        grants: list[p.Grant] = []
+        for r in got:
+            if r.status is Status.OK:
+                r.view = None
+                c.leases[r.token] = r
+                c.hold(r.token, r.nbytes, m.ttl_s, now)
+                grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
+            else:
+                grants.append(p.Grant(Status(r.status)))
+        return p.Slots(m.id, grants)
+
+    async def _on_release(self, c: _Conn, m: p.Release) -> p.Frame:
+        assert self.store is not None
+        mine = self._take(c, c.leases, m.tokens)
+        known = [r for r in mine if r is not None]
+        answers = iter(self.store.release(known, owner=c.conn_id) if known else [])
+        return p.Bools(m.id, [False if r is None else bool(next(answers)) for r in mine])
+
+    async def _on_remove(self, c: _Conn, m: p.Remove) -> p.Frame:
+        assert self.store is not None
+        return p.Statuses(m.id, [Status(s) for s in await self._blocking(c, self.store.remove, m.keys)])
+
+    async def _on_keys(self, c: _Conn, m: p.Keys) -> p.Frame:
+        assert self.store is not None
+        if m.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {m.limit}")
+        page, cursor = await self._blocking(c, _key_page, self.store, m.prefix, m.cursor, m.limit)
+        return p.KeyPage(m.id, page, cursor)
+
+    async def _on_flush(self, c: _Conn, m: p.Flush) -> p.Frame:
+        assert self.store is not None
+        report = await self._blocking(c, self.store.flush_report, m.timeout_s)
+        first = dict(list(report.unpersisted.items())[:_FLUSH_UNPERSISTED_MAX])
+        lost = report.lost_untracked + len(report.unpersisted) - len(first)
+        return p.FlushResult(m.id, report.ok, first, report.declined, lost)
+
+    async def _on_stats(self, c: _Conn, m: p.Stats) -> p.Frame:
+        assert self.store is not None
+        return p.StatsReply(m.id, self.store.stats(), self.node_stats())
+
+    async def _on_shutdown(self, c: _Conn, m: p.Shutdown) -> p.Frame:
+        logger.warning("shutdown requested by pid %d (%s)", c.pid, c.name or "unnamed")
+        self._request_stop(f"shutdown requested by pid {c.pid}", False)
+        return p.Ack(m.id)
+
+    async def _on_goodbye(self, c: _Conn, m: p.Goodbye) -> p.Frame:
+        raise _Closing()
+
+    _handlers: dict[type, Callable[..., Awaitable[p.Frame | None]]] = {
+        p.Hello: _on_hello, p.Exists: _on_exists, p.ExistsAll: _on_exists_all, p.Contains: _on_contains,
+        p.SizeOf: _on_size_of, p.TierOf: _on_tier_of, p.Pin: _on_pin, p.Unpin: _on_unpin,
+        p.Reserve: _on_reserve, p.Commit: _on_commit, p.Abort: _on_abort, p.Lease: _on_lease,
+        p.Release: _on_release, p.Remove: _on_remove, p.Keys: _on_keys, p.Flush: _on_flush,
+        p.Stats: _on_stats, p.Shutdown: _on_shutdown, p.Goodbye: _on_goodbye,
+    }
+
+    # -- gauges -----------------------------------------------------------------------------------
+    def _conn_list(self) -> list[_Conn]:
+        # list() of a dict's values is one C call: safe to take from a scrape thread.
+        return list(self._conns.values())
+
+    def node_stats(self) -> p.NodeStats:
+        """The service's gauges and counters now (any thread; a snapshot, not atomic as a whole)."""
+        now = time.monotonic()
+        conns = self._conn_list()
+        clients = []
+        reservations = leases = held = zombie = 0
+        for c in conns:
+            r, le, h = len(c.reservations), len(c.leases), c.held_bytes
+            reservations += r
+            leases += le
+            held += h
+            zombie += sum(_nbytes(c, t) for t, d in list(c.deadlines.items()) if d < now)
+            clients.append(p.ClientInfo(c.conn_id, c.pid, c.uid, c.name, r, le, h, round(now - c.since, 3)))
+        seg = self.segment
+        return p.NodeStats(
+            connections=len(conns), reservations=reservations, leases=leases, held_bytes=held,
+            zombie_bytes=zombie, bad_frames=self.bad_frames, frames=dict(self.frames), pid=os.getpid(),
+            uptime_s=round(now - self._started_mono, 3), socket=self.socket_path,
+            segment_path=seg.path if seg else "", segment_id=segment_id(seg) if seg else "",
+            segment_bytes=seg.nbytes if seg else 0, auto_started=self.auto_started, started_by=self.started_by,
+            draining=self._draining, loop_lag_s=self._loop_lag_s, metrics_address=self.metrics_address,
+            clients=clients)
+
+    @property
+    def open_tokens(self) -> int:
+        return sum(c.tokens for c in self._conn_list())
+
+    # -- timers and stop --------------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            expected = loop.time() + _TICK_S
+            await asyncio.sleep(_TICK_S)
+            self._loop_lag_s = max(0.0, loop.time() - expected)
+            store = self.store
+            if store is not None and not self._draining:
+                try:
+                    store.expire_slots()  # expired reservations free their keys for other writers
+                except StoreClosedError:
+                    pass
+            idle = self.config.idle_exit_s
+            if (idle is not None and not self._conns and not self._draining
+                    and time.monotonic() - self._last_client_left >= idle):
+                self._request_stop(f"no client for {idle:g} s", False)
+
+    async def _shutdown(self, accept: asyncio.Task[Any], tick: asyncio.Task[Any]) -> None:
+        self._draining = True
+        accept.cancel()
+        if self._listener is not None:
+            self._listener.close()  # new clients are refused from here on
+        deadline_s = self.config.drain_timeout_s
+        for c in self._conn_list():
+            if c.hello:
+                self._spawn(self._send_quietly(c, p.Draining(0, deadline_s)))
+        end = time.monotonic() + deadline_s
+        while self.open_tokens and not self._skip_waits and time.monotonic() < end:
+            await self._sleep_or_wake(min(0.05, max(0.0, end - time.monotonic())))
+        left = self.open_tokens
+        if left:
+            logger.warning("%d reservations and leases still open at the end of the drain: reclaimed", left)
+        for c in self._conn_list():
+            self._close_conn(c)
+        await asyncio.sleep(0)  # let the cancelled connections run their cleanup
+        for c in self._conn_list():
+            self._end(c)
+        tick.cancel()
+        self._close_store()
+        await self._await_close()
+        self._finish()
+
+    async def _sleep_or_wake(self, seconds: float) -> None:
+        assert self._wake is not None
+        self._wake.clear()
+        try:
+            await _within(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    def _close_store(self) -> None:
+        """The store's close, with its flush, on a thread of its own (a second signal stops the
+        wait for it)."""
+        store = self.store
+        self._store_closed = threading.Event()
+        self._store_close_ok = False
+        if store is None:
+            self._store_closed.set()
+            return
+
+        def close() -> None:
+            try:
+                store.close(flush=True, timeout_s=self.config.shutdown_flush_s)
+                self._store_close_ok = True
+            except Exception:
+                logger.exception("closing the store failed")
+            finally:
+                self._store_closed.set()
+                loop = self._loop
+                if loop is not None and self._wake is not None:
+                    try:
+                        loop.call_soon_threadsafe(self._wake.set)
+                    except RuntimeError:
+                        pass
+
+        threading.Thread(target=close, name="node-store-close", daemon=True).start()
+
+    async def _await_close(self) -> None:
+        while not self._store_closed.is_set() and not self._skip_waits:
+            await self._sleep_or_wake(0.5)
+        if not self._store_closed.is_set():
+            logger.warning("the store's flush was cut short by a second signal; the SSD tier recovers what "
+                           "was written")
+            self.exit_status = 1
+        elif not self._store_close_ok:
+            self.exit_status = 1
+
+    def _finish(self) -> None:
+        if self._store_closed.is_set():
+            self.store = None  # closed already: _release leaves it alone
+        else:
+            self.store = None  # still closing on its thread; nothing more is asked of it
+        self._release()
+        logger.info("node service stopped (exit status %d)", self.exit_status)
+
+
+def _nbytes(c: _Conn, token: int) -> int:
+    obj = c.reservations.get(token) or c.leases.get(token)
+    return 0 if obj is None else int(obj.nbytes)
+
+
+def _key_page(store: TieredStore, prefix: str, cursor: str, limit: int) -> tuple[list[str], str]:
+    """One page of ``store.keys(prefix)`` in key order after ``cursor``, at most ``limit`` keys and
+    about half a frame of them; the next cursor, or "" after the last page. Blocking."""
+    keys = sorted(k for k in store.keys(prefix) if k > cursor)
+    page: list[str] = []
+    nbytes = 0
+    for k in keys:
+        if len(page) >= limit or nbytes >= _KEY_PAGE_BYTES:
+            return page, page[-1]
+        page.append(k)
+        nbytes += len(k.encode()) + 8
+    return page, ""
+
+
+_DECODER = p.MessageDecoder(p.Request)
