@@ -30,6 +30,7 @@ import msgspec
 from mooncake_connector.metrics import ClientCounters, ConnectorFailures, ConnectorLatency, ConnectorStats, copy_stats
 from store_backend.api import KVStore  # the store interface; re-exported here for callers
 from store_backend.threads import Deadline, shutdown_pool
+from store_backend.slots import Reservation, SlotLease
 from store_backend.types import Buffer, ReadResult, Status
 
 logger = logging.getLogger(__name__)
@@ -183,18 +184,20 @@ class KVClient:
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, keys: Sequence[str], buffers: Sequence[Buffer],
-             parents: Sequence[str | None] | None = None) -> Future:
+             parents: Sequence[str | None] | None = None, *, after: Callable[[], None] | None = None) -> Future:
         """Store objects from the caller's buffers on an I/O thread; never blocks the caller.
 
         The future resolves to one Status per key (OK, EXISTS, NO_SPACE, ...). When too many batches
         are already in flight the batch is dropped at once (every key NO_SPACE, ``saves_dropped``
         counted): a dropped save is only a future cache miss, while a blocked forward is lost time.
+        ``after`` runs on the I/O thread before the put (e.g. wait for the device copies that fill
+        the buffers).
         """
         keys = list(keys)
         if not keys:
             return _done([])
         with self._lock:  # registered before the put can run, so lookups never miss it
-            fut = self._submit(self._save, keys, list(buffers), parents, time.perf_counter(), block=False)
+            fut = self._submit(self._save, keys, list(buffers), parents, time.perf_counter(), after, block=False)
             if fut is None:
                 self.counters.saves_dropped += len(keys)
                 self.counters.failures.capacity += len(keys)
@@ -211,8 +214,10 @@ class KVClient:
                     del self._pending[k]
 
     def _save(self, keys: list[str], buffers: list[Buffer], parents: Sequence[str | None] | None,
-              submitted: float) -> list[Status]:
+              submitted: float, after: Callable[[], None] | None = None) -> list[Status]:
         try:
+            if after is not None:
+                after()
             statuses = self.store.put(keys, buffers, parents)
         except Exception:
             logger.exception("save of %d objects failed", len(keys))
@@ -321,6 +326,157 @@ class KVClient:
                     _count_failure(c.failures, r.status)
             self.latency.load.observe(time.perf_counter() - submitted)
         return results
+
+    # -- slots (one copy: the caller copies straight into or out of the store's memory) ------------
+    def lease(self, keys: Sequence[str], *, ttl_s: float, wait_pending_s: float = 0.0, size: int | None = None,
+              unpin_after: bool = False) -> list[SlotLease]:
+        """Lease objects' slots for reading in place (``KVStore.lease``). Blocking: waits for this
+        client's saves of these keys still in flight (at most ``wait_pending_s``), then one store
+        call. A lease of an object that is not ``size`` bytes is given back at once and answered
+        CORRUPT (a stored object that does not match the reader's layout is never used); a store
+        error answers IO_ERROR for every key. ``unpin_after`` releases the pins taken with ``pin``
+        (the leases keep the objects from now on). Failures are counted here, loaded objects at
+        :meth:`release`. Thread-safe."""
+        keys = list(keys)
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        self.wait_for_saves(keys, wait_pending_s)
+        try:
+            leases = list(self.store.lease(keys, ttl_s=ttl_s, wait_pending_s=wait_pending_s))
+        except Exception:
+            logger.exception("lease of %d objects failed", len(keys))
+            leases = [SlotLease(Status.IO_ERROR, k) for k in keys]
+        finally:
+            if unpin_after:
+                self.unpin(keys)
+        if size is not None:
+            wrong = [ls for ls in leases if ls.status is Status.OK and ls.nbytes != size]
+            if wrong:
+                self.release_quietly(wrong)
+                leases = [SlotLease(Status.CORRUPT, ls.key, ls.nbytes) if ls.status is Status.OK and ls.nbytes != size
+                          else ls for ls in leases]
+        with self._lock:
+            c = self.counters
+            c.load_batches += 1
+            for ls in leases:
+                if ls.status is not Status.OK:
+                    c.load_failed += 1
+                    _count_failure(c.failures, ls.status)
+            self.latency.load.observe(time.perf_counter() - t0)
+        return leases
+
+    def release(self, leases: Sequence[SlotLease]) -> list[bool]:
+        """Give back leases taken with :meth:`lease` after reading them; per lease True when its
+        bytes were stable for the whole lease (counted loaded), False when not (counted a failed
+        load: the caller must not use what it read). Never raises: a store error answers False.
+        Thread-safe."""
+        leases = list(leases)
+        if not leases:
+            return []
+        try:
+            stable = list(self.store.release(leases))
+        except Exception:
+            logger.exception("release of %d leases failed", len(leases))
+            stable = [False] * len(leases)
+        with self._lock:
+            c = self.counters
+            for ls, ok in zip(leases, stable):
+                if ok:
+                    c.loaded_objects += 1
+                    c.loaded_bytes += ls.nbytes
+                else:
+                    c.load_failed += 1
+                    c.failures.io_error += 1
+        return stable
+
+    def release_quietly(self, leases: Sequence[SlotLease]) -> None:
+        """Give back leases whose bytes will not be used (nothing counted; never raises)."""
+        try:
+            if leases:
+                self.store.release(list(leases))
+        except Exception:
+            logger.exception("release of %d leases failed", len(leases))
+
+    def reserve(self, keys: Sequence[str], size: int, parents: Sequence[str | None] | None = None, *,
+                ttl_s: float) -> list[Reservation]:
+        """Reserve a slot of ``size`` bytes per key (``KVStore.reserve``) for the caller to fill and
+        then hand to :meth:`commit` (or :meth:`abort`). Blocking (one store call, no I/O); a store
+        error answers IO_ERROR for every key. Failures other than EXISTS are counted as failed
+        saves here. Thread-safe."""
+        keys = list(keys)
+        if not keys:
+            return []
+        try:
+            res = list(self.store.reserve(keys, [size] * len(keys), parents, ttl_s=ttl_s))
+        except Exception:
+            logger.exception("reserve of %d objects failed", len(keys))
+            res = [Reservation(Status.IO_ERROR, k) for k in keys]
+        with self._lock:
+            c = self.counters
+            for r in res:
+                if r.status is Status.EXISTS:
+                    c.save_exists += 1
+                elif r.status is not Status.OK:
+                    c.save_failed += 1
+                    _count_failure(c.failures, r.status)
+        return res
+
+    def commit(self, reservations: Sequence[Reservation], *, after: Callable[[], None] | None = None) -> Future:
+        """Commit filled reservations on an I/O thread (``after`` runs there first: e.g. wait for
+        the device copies into them); never blocks the caller. The future resolves to one Status
+        per reservation. Until it is done the keys count as saves in flight (``lookup`` reports
+        them, ``load`` and ``lease`` wait for them). When too many batches are in flight already
+        the reservations are aborted at once (every key NO_SPACE, ``saves_dropped`` counted)."""
+        res = list(reservations)
+        if not res:
+            return _done([])
+        keys = [r.key for r in res]
+        with self._lock:
+            fut = self._submit(self._commit, res, after, time.perf_counter(), block=False)
+            if fut is None:
+                self.counters.saves_dropped += len(keys)
+                self.counters.failures.capacity += len(keys)
+            else:
+                for k in keys:
+                    self._pending[k] = fut
+        if fut is None:
+            self.abort(res)
+            return _done([Status.NO_SPACE] * len(keys))
+        fut.add_done_callback(lambda f, ks=keys: self._landed(ks, f))
+        return fut
+
+    def _commit(self, res: list[Reservation], after: Callable[[], None] | None, submitted: float) -> list[Status]:
+        try:
+            if after is not None:
+                after()
+            statuses = list(self.store.commit(res))
+        except Exception:
+            logger.exception("commit of %d objects failed", len(res))
+            self.abort(res)
+            statuses = [Status.IO_ERROR] * len(res)
+        with self._lock:
+            c = self.counters
+            c.save_batches += 1
+            for r, st in zip(res, statuses):
+                if st is Status.OK:
+                    c.saved_objects += 1
+                    c.saved_bytes += r.nbytes
+                elif st is Status.EXISTS:
+                    c.save_exists += 1
+                else:
+                    c.save_failed += 1
+                    _count_failure(c.failures, st)
+            self.latency.save.observe(time.perf_counter() - submitted)
+        return statuses
+
+    def abort(self, reservations: Sequence[Reservation]) -> None:
+        """Give back reservations that will not be committed (never raises; nothing counted)."""
+        try:
+            if reservations:
+                self.store.abort(list(reservations))
+        except Exception:
+            logger.exception("abort of %d reservations failed", len(reservations))
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Block until every save submitted so far has landed (False if ``timeout_s`` passed)."""

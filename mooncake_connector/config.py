@@ -81,6 +81,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_socket_dir: str | None = None
     # Longest a layer waits for its load before the load counts as failed (its blocks recomputed).
     load_timeout_s: float = 30.0
+    # Who writes a loaded layer into vLLM's CPU KV cache: "inline" (the forward thread, in the layer's
+    # wait_for_layer_load) or "background" (the connector's loader thread, ahead of the forward;
+    # it competes with vLLM's OpenMP threads for cores). GPU loads always run on a load stream.
+    load_copy: str = "inline"
     # Lease on objects between lookup and load, so eviction cannot take them away mid-flight.
     lease_ttl_s: float = 60.0
     # Save blocks completed during decode as well as the prompt's.
@@ -96,6 +100,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens: must be > 0, got {self.chunk_tokens}")
         one_of("hash_scheme", self.hash_scheme, hash_scheme_names())
+        one_of("load_copy", self.load_copy, ("inline", "background"))
         if self.io_workers <= 0:
             raise ValueError(f"io_workers: must be > 0, got {self.io_workers}")
         if self.staging_bytes <= 0:

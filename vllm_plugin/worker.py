@@ -58,8 +58,10 @@ from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.config import ConfigError
+from store_backend.slots import Reservation
 from store_backend.store import StoreClosedError
 from store_backend.types import ReadResult, Status
+from vllm_plugin.loader import LayerLoader, LoadChunk, LoadJob
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, SaveReport, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, kv_layer_names, page_format_for, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
@@ -74,20 +76,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _LoadJob:
-    req_id: str
-    chunk: ChunkLoad
-    buf: torch.Tensor
-    ok: bool = False
-
-
-@dataclass
 class _SaveJob:
+    """One chunk to save: gathered into ``res`` (a reserved slot of the store, committed in
+    place) or, without slots, into ``buf`` (staging, put by the I/O threads)."""
+
     req_id: str
     chunk: ChunkSave
-    buf: torch.Tensor
+    buf: torch.Tensor | None
     key: str  # keyed when gathered: a held save keeps the key (epoch) its KV was computed under
     parent: str | None
+    res: Reservation | None = None
+    done: Any = None  # GPU: the side stream's event after this step's last gather
 
 
 class WorkerSide:
@@ -118,11 +117,16 @@ class WorkerSide:
         self._sweeper: EpochSweeper | None = None
         self.staging: StagingPool | None = None
         self.lookup_server: LookupServer | None = None
-        self._side_stream: Any = None
+        self._side_stream: Any = None  # GPU: device-to-host gathers of saves
+        self._load_stream: Any = None  # GPU: host-to-device copies and scatters of loads
+        self.loader: LayerLoader | None = None
+        # Copy straight between the store's slots and the engine's pages when the store has slots
+        # (else, and on a GPU without registered host memory, through staging).
+        self.use_slots = True
         # Step state (reset every step).
         self._meta: TieredConnectorMetadata | None = None
-        self._loads: list[_LoadJob] = []
-        self._load_future: Future | None = None
+        self._job: LoadJob | None = None
+        self._load_future: Future | None = None  # staging path: the reads of self._job
         self._loads_checked = False
         self._loaded_layers: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -141,8 +145,8 @@ class WorkerSide:
         self.counters = {
             "chunks_loaded": 0, "chunks_load_failed": 0, "load_error_blocks": 0, "chunks_saved": 0,
             "saves_dropped_staging": 0, "saves_skipped_failed_load": 0, "saves_not_stored": 0, "saves_held": 0,
-            "saves_discarded": 0, "saves_dropped_unfinished": 0, "loads_failed_staging": 0, "damaged_removed": 0,
-            "load_wait_s": 0.0,
+            "saves_discarded": 0, "saves_exists": 0, "saves_not_reserved": 0, "saves_dropped_unfinished": 0, "loads_failed_staging": 0, "damaged_removed": 0,
+            "load_wait_s": 0.0, "load_jobs": 0, "load_first_layer_s": 0.0, "load_s": 0.0, "load_bytes": 0,
             "staging_wait_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0,
         }
 
@@ -185,6 +189,7 @@ class WorkerSide:
             logger.warning("tiered connector: %s", shortfall)
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
+            self._load_stream = torch.cuda.Stream(device=device)
         # The scheduler (maybe another process) asks this worker's store what it holds.
         self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
                                                                    self.cfg.lookup_socket_dir),
@@ -202,6 +207,10 @@ class WorkerSide:
             stuck += self._sweeper.close()
         if self.lookup_server is not None:
             stuck += self.lookup_server.close()
+        if self.loader is not None:
+            stuck += self.loader.close(timeout_s=self.cfg.load_timeout_s)
+        held, self._held = list(self._held.values()), {}
+        self.client.abort([job.res for job in held if job.res is not None])  # their slots go back
         stuck += self.client.close(timeout_s=self.cfg.flush_timeout_s)
         self.store.note_stuck_threads(stuck)
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
@@ -283,31 +292,93 @@ class WorkerSide:
 
         fut.add_done_callback(done)
 
+    def _layer_loader(self) -> LayerLoader:
+        """This worker's loader (made and started at the first load: the KV layers are known by
+        then)."""
+        if self.loader is None:
+            self.loader = LayerLoader(self.paged, self.layout, copy=self.cfg.load_copy,
+                                      load_stream=self._load_stream, name="kv-layer-loader").start()
+        return self.loader
+
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
+        """Submit every planned chunk load of the step (reads into staging, or leases on the
+        store's slots) and return; the loader writes the layers as the reads come in."""
         self._begin(meta)
-        if not meta.has_loads or self.staging is None or self._load_future is not None or self._loads_checked:
+        if not meta.has_loads or self.staging is None or self._job is not None or self._loads_checked:
             return
+        chunks: list[LoadChunk] = []
         keys: list[str] = []
+        slots = self._slot_loads()
         # Wait (bounded, once for the whole step) for staging rather than fail a load: saves
         # landing free it.
         deadline = time.monotonic() + self.cfg.load_timeout_s
         for plan in meta.requests:
             for chunk in plan.loads:
-                buf = self._acquire(deadline)
-                if buf is None:
-                    self.counters["loads_failed_staging"] += 1
-                    self.client.count(staging_failures=1)
-                    self._fail_load(plan.req_id, chunk)
-                    continue
-                self._loads.append(_LoadJob(plan.req_id, chunk, buf))
+                buf = None
+                if not slots:
+                    buf = self._acquire(deadline)
+                    if buf is None:
+                        self.counters["loads_failed_staging"] += 1
+                        self.client.count(staging_failures=1)
+                        self._fail_load(plan.req_id, chunk)
+                        continue
+                chunks.append(LoadChunk(plan.req_id, chunk, kernel_block_ids(chunk.block_ids, self.ratio),
+                                        chunk.first_block * self.ratio, buf=buf))
                 keys.append(object_key(self.digest, chunk.chunk_hash))
-        if self._loads:
-            self._load_future = self.client.load(
-                keys, [job.buf.numpy() for job in self._loads],
+        if not chunks:
+            return
+        if slots:
+            job = LoadJob(chunks, len(self.paged), resolve=lambda j, ks=keys: self._resolve_leases(j, ks),
+                          release=self._release_leases)
+        else:
+            fut = self.client.load(
+                keys, [c.buf.numpy() for c in chunks if c.buf is not None],
                 sizes=[self.layout.chunk_bytes] * len(keys), unpin_after=True,
                 # Never block the forward thread longer than a load may take: a load that cannot
                 # start in time fails (IO_ERROR) and vLLM recomputes its blocks.
                 wait_saves_s=self.cfg.load_timeout_s, timeout_s=self.cfg.load_timeout_s)
+            self._load_future = fut
+            job = LoadJob(chunks, len(self.paged), resolve=lambda j, f=fut: self._resolve_reads(j, f),
+                          release=lambda j, f=fut: self._release_staging(j, f))
+        self._job = job
+        self._layer_loader().submit(job)
+
+    def _slot_loads(self) -> bool:
+        """Loads read the store's slots in place (one copy) rather than through staging: on the CPU,
+        with a store that has the slot API."""
+        return self.use_slots and callable(getattr(self.client.store, "lease", None)) and self._load_stream is None
+
+    # Loader thread: one per job, before any layer is written.
+    def _resolve_reads(self, job: LoadJob, fut: Future) -> None:
+        """Wait (bounded) for the reads into staging; a chunk is usable when its read was OK."""
+        try:
+            results: list[ReadResult] = fut.result(timeout=self.cfg.load_timeout_s)
+        except FutureTimeout:
+            logger.warning("load of %d chunks timed out after %.1f s; recomputing them",
+                           len(job.chunks), self.cfg.load_timeout_s)
+            self.client.abandon_load(fut, len(job.chunks))
+            results = [ReadResult(Status.IO_ERROR)] * len(job.chunks)
+        for c, res in zip(job.chunks, results):
+            c.ok, c.status = res.ok, res.status
+
+    def _release_staging(self, job: LoadJob, fut: Future) -> list[bool]:
+        # A timed-out read may still be writing into its buffers: return them when it is really done.
+        self._to_io([c.buf for c in job.chunks if c.buf is not None], fut)
+        return [True] * len(job.chunks)
+
+    def _resolve_leases(self, job: LoadJob, keys: list[str]) -> None:
+        """Lease every chunk's slot (waiting, bounded, for saves of them still in flight); a chunk
+        is usable when its lease is OK and of the chunk's size."""
+        leases = self.client.lease(keys, ttl_s=self.cfg.load_timeout_s, wait_pending_s=self.cfg.load_timeout_s,
+                                   size=self.layout.chunk_bytes, unpin_after=True)
+        for c, lease in zip(job.chunks, leases):
+            c.lease = lease if lease.status is Status.OK else None
+            c.ok, c.status = c.lease is not None, lease.status
+
+    def _release_leases(self, job: LoadJob) -> list[bool]:
+        held = [c for c in job.chunks if c.lease is not None]
+        stable = iter(self.client.release([c.lease for c in held]))
+        return [next(stable) if c.lease is not None else True for c in job.chunks]
 
     def _fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
         self._load_errors.update(chunk.block_ids)
@@ -315,33 +386,44 @@ class WorkerSide:
         self.counters["chunks_load_failed"] += 1
         self.counters["load_error_blocks"] += len(chunk.block_ids)
 
+    def _fail_chunks(self, chunks: list[LoadChunk], why: str) -> None:
+        for c in chunks:
+            if c.ok:
+                c.ok = False
+                self._fail_load(c.req_id, c.plan)
+        logger.warning("%d loaded chunks recomputed: %s", len(chunks), why)
+
     def _check_loads(self) -> None:
-        """Wait (once per step) for this step's reads; mark which chunks can be used.
+        """Wait (once per step) for this step's loads to resolve; chunks that cannot be used are
+        failed now (before any layer of them is used).
 
         A copy that read back CORRUPT is removed from this rank's store before anything else
         happens this step: objects are immutable (a put of a present key keeps the stored bytes),
         so only then does the save of the recomputed chunk, planned in a later step, replace it."""
-        if self._loads_checked or self._load_future is None:
+        job = self._job
+        if self._loads_checked or job is None:
             return
         self._loads_checked = True
         t0 = time.perf_counter()
-        try:
-            results: list[ReadResult] = self._load_future.result(timeout=self.cfg.load_timeout_s)
-        except FutureTimeout:
-            logger.warning("load of %d chunks timed out after %.1f s; recomputing them",
-                           len(self._loads), self.cfg.load_timeout_s)
-            results = [ReadResult(Status.IO_ERROR)] * len(self._loads)
-            self.client.abandon_load(self._load_future, len(self._loads))
+        resolved = self._layer_loader().wait_ready(job, self.cfg.load_timeout_s)
         self.counters["load_wait_s"] += time.perf_counter() - t0
+        if not resolved:
+            logger.warning("load of %d chunks not resolved after %.1f s; recomputing them",
+                           len(job.chunks), self.cfg.load_timeout_s)
+            self._layer_loader().cancel(job)
+            if self._load_future is not None:
+                self.client.abandon_load(self._load_future, len(job.chunks))
+            for c in job.chunks:
+                c.ok = False
+                self._fail_load(c.req_id, c.plan)
+            return
         damaged: list[str] = []
-        for job, res in zip(self._loads, results):
-            job.ok = res.ok
-            if res.ok:
-                self.counters["chunks_loaded"] += 1
+        for c in job.chunks:
+            if c.ok:
                 continue
-            self._fail_load(job.req_id, job.chunk)
-            if res.status is Status.CORRUPT:
-                damaged.append(object_key(self.digest, job.chunk.chunk_hash))
+            self._fail_load(c.req_id, c.plan)
+            if c.status is Status.CORRUPT:
+                damaged.append(object_key(self.digest, c.plan.chunk_hash))
         if damaged:
             # NOT_FOUND: the store already dropped the record that failed its checksum.
             statuses = self.client.remove(damaged)
@@ -350,52 +432,64 @@ class WorkerSide:
                            len(damaged))
 
     def wait_for_layer_load(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: wait until that layer (only) of every usable
+        chunk is in the engine's blocks, at most ``load_timeout_s``; a load that misses it fails
+        (its blocks are recomputed)."""
         self._begin(meta)
         layer = self._layer_index.get(layer_name)
-        if layer is None or not self._loads:
+        job = self._job
+        if layer is None or job is None:
             return
         self._check_loads()
-        self._scatter_layer(layer)
-
-    def _scatter_layer(self, layer: int) -> None:
-        if layer in self._loaded_layers:
+        usable = job.ok_chunks
+        if not usable or layer in self._loaded_layers:
             return
-        self._loaded_layers.add(layer)
         t0 = time.perf_counter()
-        paged = self.paged[layer]
-        non_blocking = self._side_stream is not None
-        for job in self._loads:
-            if job.ok and job.chunk.block_ids:
-                src = canonical_layer(job.buf, self.layout, layer, self.dtype)
-                paged.scatter(kernel_block_ids(job.chunk.block_ids, self.ratio), src,
-                              first_block=job.chunk.first_block * self.ratio, non_blocking=non_blocking)
+        if self._layer_loader().wait_layer(job, layer, self.cfg.load_timeout_s):
+            self._loaded_layers.add(layer)
+        else:
+            self._layer_loader().cancel(job)
+            self.client.count(timeouts=len(usable))
+            self._fail_chunks(usable, f"layer {layer} not written within {self.cfg.load_timeout_s:.1f} s")
         self.counters["scatter_s"] += time.perf_counter() - t0
 
     def _finish_loads(self, *, late: bool = False) -> None:
-        """End of step: every layer written (even one whose hook did not run), staging returned.
+        """End of step: every layer written (even one whose hook did not run), sources given back.
 
         ``late``: the step's forward is over and the next step is starting, so the loaded blocks
-        may be in other use by now: a layer no hook wrote is not written now; its chunks are
-        reported as failed loads instead (their KV was computed without it), so vLLM recomputes."""
-        if not self._loads:
+        may be in other use by now: the loader is stopped (it finishes the layer it is writing and
+        starts no other), and when some layer's hook did not see its layer written, the chunks are
+        reported as failed loads (their KV was computed without it), so vLLM recomputes."""
+        job = self._job
+        if job is None:
             return
         self._check_loads()
-        missing = set(range(len(self.paged))) - self._loaded_layers
-        if late and missing:
-            for job in self._loads:
-                if job.ok:
-                    job.ok = False
-                    self._fail_load(job.req_id, job.chunk)
-            logger.warning("step ended without writing layers %s of %d loaded chunks; they are recomputed",
-                           sorted(missing)[:4], len(self._loads))
-        else:
-            for layer in missing:
-                self._scatter_layer(layer)
-        if self._side_stream is not None:
-            torch.cuda.current_stream().synchronize()  # host-to-device copies read the staging buffers
-        assert self._load_future is not None
-        # A timed-out read may still be writing into its buffers: return them when it is really done.
-        self._to_io([job.buf for job in self._loads], self._load_future)
+        loader = self._layer_loader()
+        usable = job.ok_chunks
+        if usable:
+            missing = set(range(len(self.paged))) - self._loaded_layers
+            if late:
+                loader.cancel(job)
+                if missing:
+                    self._fail_chunks(usable, f"the step ended without writing layers {sorted(missing)[:4]}")
+            elif not loader.finish(job, self.cfg.load_timeout_s):
+                loader.cancel(job)
+                self.client.count(timeouts=len(usable))
+                self._fail_chunks(usable, f"layers not written within {self.cfg.load_timeout_s:.1f} s")
+        stable = loader.retire(job)
+        if stable is not None:
+            unstable = [c for c, ok in zip(job.chunks, stable) if c.ok and not ok]
+            if unstable:
+                self._fail_chunks(unstable, "their slots were not stable while read (lease expired)")
+        loaded = job.ok_chunks
+        self.counters["chunks_loaded"] += len(loaded)
+        if loaded and job.complete:
+            self.counters["load_jobs"] += 1
+            self.counters["load_first_layer_s"] += job.time_to_first_layer_s() or 0.0
+            self.counters["load_s"] += job.load_s() or 0.0
+            self.counters["load_bytes"] += sum(len(c.block_ids) for c in loaded) * self.paged[0].block_tokens \
+                * self.layout.token_bytes_per_layer * len(self.paged)
+        self._job = None
 
     # -- saves -------------------------------------------------------------------------------------
     def _prepare_saves(self) -> list[_SaveJob]:
@@ -407,6 +501,8 @@ class WorkerSide:
         if meta is None or not meta.has_saves or self.staging is None:
             return jobs
         self._check_loads()
+        if self._slot_saves():
+            return self._reserve_saves(meta)
         deadline = time.monotonic() + self.cfg.load_timeout_s  # one bound for the whole step
         for plan in meta.requests:
             for chunk in plan.saves:
@@ -425,21 +521,62 @@ class WorkerSide:
                 jobs.append(_SaveJob(plan.req_id, chunk, buf, key, parent))
         return jobs
 
+    def _slot_saves(self) -> bool:
+        """Saves are gathered straight into reserved slots of the store (one copy): on the CPU,
+        with a store that has the slot API."""
+        return self.use_slots and callable(getattr(self.client.store, "reserve", None)) and self._side_stream is None
+
+    def _reserve_saves(self, meta: TieredConnectorMetadata) -> list[_SaveJob]:
+        """A slot per chunk to save (one store call). A chunk the store holds already (EXISTS) is
+        reported saved and not gathered; one refused otherwise (no room, ...) is reported not
+        saved, so the scheduler plans it again."""
+        todo: list[tuple[str, ChunkSave, str, str | None]] = []
+        for plan in meta.requests:
+            for chunk in plan.saves:
+                if plan.req_id in self._failed_reqs:
+                    self.counters["saves_skipped_failed_load"] += 1
+                    self._report(chunk.save_id, False)
+                    continue
+                key = object_key(self.digest, chunk.chunk_hash)
+                parent = object_key(self.digest, chunk.parent_hash) if chunk.parent_hash else None
+                todo.append((plan.req_id, chunk, key, parent))
+        if not todo:
+            return []
+        # A held save keeps its slot until the scheduler's decision (a later step): its TTL is the
+        # lease TTL, as long as the scheduler's leases last.
+        reservations = self.client.reserve([t[2] for t in todo], self.layout.chunk_bytes, [t[3] for t in todo],
+                                           ttl_s=self.cfg.lease_ttl_s)
+        jobs: list[_SaveJob] = []
+        for (req_id, chunk, key, parent), res in zip(todo, reservations):
+            if res.status is Status.OK:
+                jobs.append(_SaveJob(req_id, chunk, None, key, parent, res=res))
+            elif res.status is Status.EXISTS:
+                self.counters["saves_exists"] += 1
+                self._report(chunk.save_id, True)
+            else:
+                self.counters["saves_not_reserved"] += 1
+                self._report(chunk.save_id, False)
+        return jobs
+
     def _gather_layer(self, layer: int) -> None:
         if layer in self._saved_layers or not self._saves:
             return
         t0 = time.perf_counter()
         paged = self.paged[layer]
+        start, end = self.layout.layer_range(layer)
         if self._side_stream is not None:
             self._side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._side_stream):
                 for job in self._saves:
+                    assert job.buf is not None
                     dest = canonical_layer(job.buf, self.layout, layer, self.dtype)
                     paged.gather(kernel_block_ids(job.chunk.block_ids, self.ratio), dest, non_blocking=True)
         else:
+            # One copy from the pages into the chunk's layer range: the reserved slot itself, or
+            # staging without slots.
             for job in self._saves:
-                dest = canonical_layer(job.buf, self.layout, layer, self.dtype)
-                paged.gather(kernel_block_ids(job.chunk.block_ids, self.ratio), dest)
+                dest: Any = job.res.layer(start, end) if job.res is not None else job.buf[start:end].numpy()
+                paged.gather_into(kernel_block_ids(job.chunk.block_ids, self.ratio), dest)
         self._saved_layers.add(layer)
         self.counters["gather_s"] += time.perf_counter() - t0
 
@@ -477,7 +614,11 @@ class WorkerSide:
             for layer in range(len(self.paged)):
                 self._gather_layer(layer)  # after the forward the blocks hold this step's KV
             if self._side_stream is not None:
-                self._side_stream.synchronize()  # device-to-host copies into staging are done
+                # The I/O thread waits for the device-to-host copies into staging, not this thread.
+                done = torch.cuda.Event()
+                done.record(self._side_stream)
+                for job in jobs:
+                    job.done = done
             now = [job for job in jobs if not job.chunk.hold]
             for job in jobs:
                 if job.chunk.hold:
@@ -497,21 +638,43 @@ class WorkerSide:
         else:
             # _prepare_saves already reported the saves it refused (failed load, no staging).
             dropped = [job.chunk.save_id for job in self._saves]
-            assert self.staging is not None
-            for job in self._saves:
-                self.staging.release(job.buf)
+            self._give_back(self._saves)
         self._saves = []
         for save_id in dropped:
             self._report(save_id, False)
         self.counters["saves_dropped_unfinished"] += len(dropped)
 
+    def _give_back(self, jobs: list[_SaveJob]) -> None:
+        """Saves that will not be stored: their slots aborted, their staging returned."""
+        self.client.abort([job.res for job in jobs if job.res is not None])
+        for job in jobs:
+            if job.buf is not None:
+                assert self.staging is not None
+                self.staging.release(job.buf)
+
     def _put(self, jobs: list[_SaveJob]) -> None:
-        """Hand staged saves to the I/O threads; each outcome is reported to the scheduler."""
+        """Hand filled saves to the I/O threads (commit of the slots, or put from staging); each
+        outcome is reported to the scheduler."""
         if not jobs:
             return
-        bufs = [job.buf for job in jobs]
-        fut = self.client.save([job.key for job in jobs], [b.numpy() for b in bufs], [job.parent for job in jobs])
-        save_ids = [job.chunk.save_id for job in jobs]
+        slotted = [job for job in jobs if job.res is not None]
+        staged = [job for job in jobs if job.res is None]
+        if slotted:
+            fut = self.client.commit([job.res for job in slotted if job.res is not None])
+            self._report_when_done(fut, [job.chunk.save_id for job in slotted])
+        if staged:
+            self._put_staged(staged)
+        self.counters["chunks_saved"] += len(jobs)
+
+    def _put_staged(self, jobs: list[_SaveJob]) -> None:
+        bufs = [job.buf for job in jobs if job.buf is not None]
+        done = jobs[0].done
+        fut = self.client.save([job.key for job in jobs], [b.numpy() for b in bufs], [job.parent for job in jobs],
+                               after=None if done is None else done.synchronize)
+        self._report_when_done(fut, [job.chunk.save_id for job in jobs])
+        self._to_io(bufs, fut)
+
+    def _report_when_done(self, fut: Future, save_ids: list[int]) -> None:
 
         def report(f: Future) -> None:
             try:
@@ -523,8 +686,6 @@ class WorkerSide:
                 self._report(save_id, st in (Status.OK, Status.EXISTS))
 
         fut.add_done_callback(report)
-        self._to_io(bufs, fut)
-        self.counters["chunks_saved"] += len(jobs)
 
     def _settle_held(self, commit: list[int], discard: list[int]) -> None:
         """Apply the scheduler's decisions on held saves (ids this rank does not hold are ignored:
@@ -541,15 +702,13 @@ class WorkerSide:
             if job.key == object_key(self.digest, job.chunk.chunk_hash):
                 to_put.append(job)
                 continue
-            assert self.staging is not None
-            self.staging.release(job.buf)
+            self._give_back([job])
             self.counters["saves_discarded"] += 1
             self._report(i, False)
         for i in discard:
             job = self._held.pop(i, None)
             if job is not None:
-                assert self.staging is not None
-                self.staging.release(job.buf)
+                self._give_back([job])
                 self.counters["saves_discarded"] += 1
         self._put(to_put)
 
@@ -564,7 +723,7 @@ class WorkerSide:
 
     def _reset_step(self) -> None:
         self._meta = None
-        self._loads = []
+        self._job = None
         self._load_future = None
         self._loads_checked = False
         self._loaded_layers = set()

@@ -1,0 +1,337 @@
+"""Layer-wise loads: one step's chunks written into vLLM's paged KV cache layer by layer.
+
+:class:`vllm_plugin.worker.WorkerSide` builds one :class:`LoadJob` per step with loads and submits
+it to its :class:`LayerLoader` in ``start_load_kv``. The loader's thread first *resolves* the job
+(the job's ``resolve`` callable: wait for the reads into staging, or take leases on the store's
+slots), which says per chunk whether its bytes can be used; chunks that cannot are excluded before
+any layer is issued, so every layer covers the same chunks. Then the layers are written in order:
+
+- CPU, ``copy="background"``: the loader's thread scatters layer after layer (numpy copies release
+  the GIL) and sets ``layer_ready[i]`` after each, so the forward of layer 0 overlaps the copy of
+  layer 1.
+- CPU, ``copy="inline"``: ``wait_layer(job, i)`` scatters layers up to ``i`` on the caller's thread
+  (the forward thread), once the job is resolved.
+- GPU (``load_stream`` given): the loader's thread enqueues each layer's host-to-device copy and
+  scatter on the load stream, records ``events[i]`` after it and sets ``layer_ready[i]``;
+  ``wait_layer`` then makes the current stream wait for that event (the host does not block on the
+  device).
+
+A step that ends before every layer was written (vLLM never called ``wait_for_save``) is
+:meth:`LayerLoader.cancel`-led: no layer is started after ``cancel`` returns and the layer being
+written when it was called is finished first, so nothing writes into the engine's blocks once the
+step is over. The job's sources (staging buffers, leases) are given back exactly once, through the
+job's ``release`` callable: by :meth:`LayerLoader.retire` on the caller's thread when the job was
+resolved by then (its answer says whether the bytes were stable), else by the loader's thread as
+soon as the resolve returns.
+
+Threads: one loader thread per worker (``start()``/``close()``), jobs in a bounded queue. A job's
+fields are written by the loader's thread under ``job.lock`` and read by the forward thread after
+the matching event is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mooncake_connector.layout import ChunkLayout, PagedLayer
+from store_backend.types import Status
+
+logger = logging.getLogger(__name__)
+
+COPY_MODES = ("background", "inline")
+
+
+@dataclass(eq=False)
+class LoadChunk:
+    """One chunk of a job: where its layers go, and (after the resolve) where they come from.
+
+    ``block_ids``/``first_block`` are in kernel blocks. Exactly one source is set by the resolve
+    when ``ok``: ``buf`` (a flat uint8 staging tensor holding the whole canonical chunk) or
+    ``lease`` (a store lease: ``lease.layer(start, end)`` gives a layer's bytes)."""
+
+    req_id: str
+    plan: Any  # the scheduler's ChunkLoad
+    block_ids: list[int]
+    first_block: int
+    buf: torch.Tensor | None = None
+    lease: Any = None
+    ok: bool = False
+    status: Status = Status.IO_ERROR
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One step's loads (see the module docstring). ``resolve(job)`` runs on the loader's thread,
+    may block (bounded by the caller's timeouts) and sets each chunk's ``ok``, ``status`` and
+    source; ``release(job)`` gives the sources back and answers, per chunk, whether its bytes were
+    stable while they were read (it runs exactly once, on whichever thread retires the job)."""
+
+    chunks: list[LoadChunk]
+    num_layers: int
+    resolve: Callable[[LoadJob], None]
+    release: Callable[[LoadJob], list[bool]]
+    ready: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    layer_ready: list[threading.Event] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)  # GPU: the load stream's event after layer i
+    start_event: Any = None  # GPU: recorded on the forward's stream at submit
+    written: int = 0  # layers written (or, on a GPU, enqueued), in order
+    resolve_failed: bool = False
+    released: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_ready: float | None = None
+    t_layer: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer_ready = [threading.Event() for _ in range(self.num_layers)]
+        self.events = [None] * self.num_layers
+        self.t_layer = [None] * self.num_layers
+
+    @property
+    def ok_chunks(self) -> list[LoadChunk]:
+        return [c for c in self.chunks if c.ok]
+
+    @property
+    def complete(self) -> bool:
+        """Every layer written (or enqueued on the load stream)."""
+        return self.written == self.num_layers
+
+    def time_to_first_layer_s(self) -> float | None:
+        first = self.t_layer[0] if self.t_layer else None
+        return None if first is None else first - self.t_submit
+
+    def load_s(self) -> float | None:
+        last = self.t_layer[-1] if self.t_layer else None
+        return None if last is None else last - self.t_submit
+
+
+class LayerLoader:
+    """Writes :class:`LoadJob` layers into ``paged`` (one :class:`PagedLayer` per KV layer).
+
+    ``copy``: "background" or "inline" (CPU; ignored with ``load_stream``). ``load_stream``: the
+    CUDA stream for device copies (None on the CPU). Thread-safe for one forward thread plus the
+    loader's own thread; ``start()`` before ``submit``, ``close()`` at the end."""
+
+    def __init__(self, paged: Sequence[PagedLayer], layout: ChunkLayout, *, copy: str = "inline",
+                 load_stream: Any = None, max_jobs: int = 4, name: str = "kv-layer-loader") -> None:
+        if copy not in COPY_MODES:
+            raise ValueError(f"copy: must be one of {COPY_MODES}, got {copy!r}")
+        self.paged = list(paged)
+        self.layout = layout
+        self.copy = copy
+        self.load_stream = load_stream
+        self.name = name
+        self._queue: queue.Queue[LoadJob | None] = queue.Queue(maxsize=max_jobs)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.copied_bytes = 0  # written by whichever thread copies; read for stats only
+        self.copy_s = 0.0
+
+    @property
+    def background(self) -> bool:
+        return self.load_stream is not None or self.copy == "background"
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> LayerLoader:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Stop the thread after the jobs queued so far (blocking, at most ``timeout_s``). Returns 1
+        when the thread was still running at the deadline (logged by name), else 0."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return 0
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            pass
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("thread %s still running %.1f s after close", self.name, timeout_s)
+            return 1
+        return 0
+
+    # -- forward thread ----------------------------------------------------------------------------
+    def submit(self, job: LoadJob) -> None:
+        """Queue ``job`` (never blocks). When the queue is full (jobs of earlier steps stuck in
+        their resolve) the job is resolved as failed at once: every chunk is then reported as a
+        failed load and the engine recomputes it."""
+        if self._thread is None:
+            raise RuntimeError(f"{self.name} is not started (or closed)")
+        if self.load_stream is not None:
+            # Blocks this step writes may have been read by earlier work on the forward's stream.
+            job.start_event = torch.cuda.Event()
+            job.start_event.record(torch.cuda.current_stream())
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            logger.warning("%s: %d load jobs still queued; failing this step's %d chunk loads",
+                           self.name, self._queue.qsize(), len(job.chunks))
+            self._fail_resolve(job)
+            with job.lock:
+                job.t_ready = time.perf_counter()
+                job.ready.set()
+
+    def wait_ready(self, job: LoadJob, timeout_s: float) -> bool:
+        """Block until ``job`` is resolved (its chunks' ``ok`` are final); False on timeout."""
+        return job.ready.wait(timeout_s)
+
+    def wait_layer(self, job: LoadJob, layer: int, timeout_s: float) -> bool:
+        """Block until layer ``layer`` of every usable chunk is in the engine's blocks (inline:
+        write it now; GPU: make the current stream wait for it); False when that did not happen
+        within ``timeout_s`` or the job was cancelled first."""
+        deadline = time.monotonic() + timeout_s
+        if not self.background:
+            if not job.ready.wait(timeout_s):
+                return False
+            for i in range(job.written, layer + 1):
+                if not self._write(job, i):
+                    return False
+            return True
+        if not job.layer_ready[layer].wait(max(0.0, deadline - time.monotonic())):
+            return False
+        if job.written <= layer:  # set by a cancel, not by a write
+            return False
+        event = job.events[layer]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        return True
+
+    def finish(self, job: LoadJob, timeout_s: float) -> bool:
+        """Every layer: ``wait_layer`` of the last one (True when all were written)."""
+        if job.num_layers == 0:
+            return True
+        return self.wait_layer(job, job.num_layers - 1, timeout_s)
+
+    def cancel(self, job: LoadJob) -> int:
+        """Stop ``job``: no layer is started after this returns, and a layer being written now is
+        finished first (one layer's copy). On a GPU the current stream waits for the last layer
+        enqueued, so blocks vLLM reuses never race the load stream. Returns the layers written."""
+        job.cancelled.set()
+        with job.lock:
+            written = job.written
+            for ev in job.layer_ready:
+                ev.set()  # wake waiters; wait_layer tells a cancel from a write by ``written``
+        if written and job.events[written - 1] is not None:
+            torch.cuda.current_stream().wait_event(job.events[written - 1])
+        return written
+
+    def retire(self, job: LoadJob) -> list[bool] | None:
+        """The caller is done with ``job`` (after ``finish`` or ``cancel``). When it is resolved
+        its sources are released now and the answer is ``job.release``'s (per chunk: were the
+        bytes stable); else the loader's thread releases them when the resolve returns and the
+        answer is None (the caller has failed those chunks already)."""
+        with job.lock:
+            job.cancelled.set()  # nothing is written from here on (a no-op for a complete job)
+            if not job.ready.is_set():
+                return None
+            if job.released:
+                return None
+            job.released = True
+        if job.written and job.events[job.written - 1] is not None:
+            # The device may still be reading the sources: wait for the load stream's copies only.
+            job.events[job.written - 1].synchronize()
+        return job.release(job)
+
+    # -- loader thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._process(job)
+            except Exception:  # a failed job must never stop the loads of later steps
+                logger.exception("%s: load job failed", self.name)
+                for c in job.chunks:
+                    c.ok = False
+                with job.lock:
+                    job.ready.set()
+                    for ev in job.layer_ready:
+                        ev.set()
+
+    def _process(self, job: LoadJob) -> None:
+        try:
+            job.resolve(job)
+        except Exception:
+            logger.exception("%s: resolving %d chunk loads failed", self.name, len(job.chunks))
+            self._fail_resolve(job)
+        with job.lock:
+            job.t_ready = time.perf_counter()
+            job.ready.set()
+            abandoned = job.cancelled.is_set() and not job.released
+            if abandoned:
+                job.released = True
+        if abandoned:
+            # The step was over before its loads resolved: nothing is written, the sources go back.
+            job.release(job)
+            return
+        if not self.background:
+            return
+        if self.load_stream is not None and job.start_event is not None:
+            self.load_stream.wait_event(job.start_event)
+        for i in range(job.num_layers):
+            if not self._write(job, i):
+                return
+
+    def _fail_resolve(self, job: LoadJob) -> None:
+        job.resolve_failed = True
+        for c in job.chunks:
+            c.ok = False
+            c.status = Status.IO_ERROR
+
+    def _write(self, job: LoadJob, layer: int) -> bool:
+        """Write ``layer`` of every usable chunk (under ``job.lock``; layers in order). False when
+        the job was cancelled before this layer started."""
+        with job.lock:
+            if job.written > layer:
+                return True
+            if job.cancelled.is_set():
+                return False
+            t0 = time.perf_counter()
+            chunks = [c for c in job.chunks if c.ok and c.block_ids]
+            if chunks:
+                if self.load_stream is not None:
+                    with torch.cuda.stream(self.load_stream):
+                        self._scatter(chunks, layer, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(self.load_stream)
+                    job.events[layer] = ev
+                else:
+                    self._scatter(chunks, layer, non_blocking=False)
+            now = time.perf_counter()
+            self.copy_s += now - t0
+            job.written = layer + 1
+            job.t_layer[layer] = now
+        job.layer_ready[layer].set()
+        return True
+
+    def _scatter(self, chunks: list[LoadChunk], layer: int, *, non_blocking: bool) -> None:
+        """Layer ``layer`` of ``chunks``: one copy from the source's canonical layer range into the
+        pages (CPU), or one H2D copy plus a scatter on the load stream (GPU)."""
+        paged = self.paged[layer]
+        start, end = self.layout.layer_range(layer)
+        for c in chunks:
+            if c.lease is not None:
+                src: Any = c.lease.layer(start, end)
+            else:
+                assert c.buf is not None
+                src = c.buf[start:end].numpy()
+            paged.scatter_from(c.block_ids, src, first_block=c.first_block, non_blocking=non_blocking,
+                               stream=self.load_stream)
+            self.copied_bytes += len(c.block_ids) * paged.block_tokens * self.layout.token_bytes_per_layer
