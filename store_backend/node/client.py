@@ -92,6 +92,7 @@ class ClientCounters(msgspec.Struct):
     auto_starts: int = 0  # times the starter was asked to start the service
     thread_join_timeouts: int = 0  # note_stuck_threads(): the client's users' threads
     worker_errors: int = 0  # note_worker_error()
+    slot_foreign: int = 0  # commit/abort/release of a token this client does not hold (answered here)
 
 
 class Backoff:
@@ -251,8 +252,10 @@ class _Conn:
     """One connected socket after its welcome. Used by one thread at a time (the pool's ``busy``)."""
 
     def __init__(self, sock: socket.socket, decoder: p.MessageDecoder, pending: list[bytes],
-                 welcome: p.Welcome, mapping: SegmentMapping) -> None:
+                 welcome: p.Welcome, mapping: SegmentMapping, owner: int = 0) -> None:
         self.sock = sock
+        self.owner = owner  # 0: the pool's; else the one connection of that slot owner
+        self.waiting = False  # in a call that waits on purpose (close interrupts it)
         self.decoder = decoder
         self.pending = pending
         self.welcome = welcome
@@ -436,6 +439,8 @@ class NodeClient:
         self._start_lock = threading.Lock()
         self._conns: list[_Conn] = []
         self._opening = 0
+        self._owned: dict[int, _Conn] = {}  # owner -> its own connection (the service's owner is a connection)
+        self._opening_owners: set[int] = set()
         self._inflight = 0
         self._backoff = Backoff()
         self._lost_since: float | None = None  # set when the service was lost, cleared at reconnect
@@ -470,6 +475,12 @@ class NodeClient:
                 return
             self._closed = True
             self._cond.notify_all()
+            for c in self._conns:
+                if c.busy and c.waiting:  # a call waiting on purpose ends now, with StoreClosedError
+                    try:
+                        c.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
             while self._inflight > 0:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -482,7 +493,10 @@ class NodeClient:
         if flush and attached:  # a service already lost is not started again just to flush it
             left = deadline - time.monotonic()
             if left > 0:
-                report = self._flush_report(max(left - 1.0, left / 2), left)
+                try:
+                    report = self._flush_report(max(left - 1.0, left / 2), left)
+                except StoreClosedError:
+                    report = FlushReport(lost_untracked=1)
                 if not report.ok:
                     logger.warning("node client close: flush incomplete: %s", report.summary())
         with self._cond:
@@ -533,31 +547,47 @@ class NodeClient:
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _checkout(self, deadline: float, strict: bool = False) -> _Conn:
-        """An idle connection (marked busy), or a new one while the pool has room. _Lost when the
-        service cannot be reached (or, with ``strict``, ConnectionError naming why)."""
+    def _checkout(self, deadline: float, strict: bool = False, owner: int = 0) -> _Conn:
+        """A connection marked busy: for ``owner`` 0 an idle one of the pool (one holding no tokens
+        first, so a commit or release rarely waits for it), or a new one while the pool has room;
+        for another owner, that owner's own connection (made at its first call). _Lost when the
+        service cannot be reached (with ``strict``: ConnectionError naming why)."""
         with self._cond:
             while True:
                 if self._shut:
                     raise StoreClosedError("the node client is closed")
-                idle = [c for c in self._conns if not c.busy and not c.dead]
-                if idle:
-                    # Prefer a connection holding no tokens, so commit/release rarely wait for it.
-                    c = min(idle, key=lambda c: len(c.tokens))
-                    c.busy = True
-                    return c
-                if len(self._conns) + self._opening < self.max_connections:
-                    self._opening += 1
-                    break
+                if owner:
+                    c = self._owned.get(owner)
+                    if c is not None and not c.dead:
+                        if not c.busy:
+                            c.busy = True
+                            return c
+                    elif owner not in self._opening_owners:
+                        self._opening_owners.add(owner)
+                        break
+                else:
+                    idle = [c for c in self._conns if c.owner == 0 and not c.busy and not c.dead]
+                    free = [c for c in idle if not c.tokens]
+                    room = sum(1 for c in self._conns if c.owner == 0) + self._opening < self.max_connections
+                    if free or (idle and not room):
+                        c = free[0] if free else min(idle, key=lambda c: len(c.tokens))
+                        c.busy = True
+                        return c
+                    if room:
+                        self._opening += 1
+                        break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _Lost(f"no free connection to {self.socket_path} within the op timeout")
                 self._cond.wait(left)
         try:
-            conn = self._open(strict)
+            conn = self._open(strict, owner)
         finally:
             with self._cond:
-                self._opening -= 1
+                if owner:
+                    self._opening_owners.discard(owner)
+                else:
+                    self._opening -= 1
                 self._cond.notify_all()
         return conn
 
@@ -582,7 +612,7 @@ class NodeClient:
             conn.busy = True
             return True
 
-    def _open(self, strict: bool) -> _Conn:
+    def _open(self, strict: bool, owner: int) -> _Conn:
         now = time.monotonic()
         with self._cond:
             if not self._backoff.ready(now) and not strict:
@@ -618,7 +648,7 @@ class NodeClient:
                        "node service at %s not reachable (%s); calls answer misses, next try in %.2f s",
                        self.socket_path, e, delay)
             raise _Lost(str(e)) from None
-        conn = _Conn(sock, decoder, pending, welcome, mapping)
+        conn = _Conn(sock, decoder, pending, welcome, mapping, owner)
         self._adopt(conn)
         return conn
 
@@ -656,20 +686,25 @@ class NodeClient:
             self._backoff.succeeded()
             self.welcome = conn.welcome
             self._conns.append(conn)
+            if conn.owner:
+                self._owned[conn.owner] = conn
             self._conns = [c for c in self._conns if not (c.dead and not c.busy)]
         if old_mapping is not None:
             MAPPINGS.release(old_mapping)
 
-    def _void(self, conn: _Conn) -> None:
-        """(Under the lock.) The connection is gone: its tokens are void, its socket closed."""
+    def _void(self, conn: _Conn, lost: bool = True) -> None:
+        """(Under the lock.) The connection is gone (``lost``: not by this client's choice): its
+        tokens are void, its socket closed."""
         if conn.dead:
             return
         conn.close()
         for t in conn.tokens:
             held = self._tokens.pop(t, None)
-            if held is not None and held[2] == "reserve":
+            if lost and held is not None and held[2] == "reserve":
                 self.counters.saves_dropped_disconnect += 1  # a reservation that can never commit now
         conn.tokens.clear()
+        if conn.owner and self._owned.get(conn.owner) is conn:
+            del self._owned[conn.owner]
         if not conn.busy and conn in self._conns:
             self._conns.remove(conn)
             MAPPINGS.release(conn.mapping)
@@ -689,24 +724,25 @@ class NodeClient:
         """No service listens: every idle connection is to a dead one."""
         with self._cond:
             for c in list(self._conns):
-                if not c.busy:
+                if not c.busy and not c.dead:
+                    self.counters.disconnects += 1
                     self._void(c)
 
-    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T]) -> T:
+    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0) -> T:
         """A public call: refused once closed, counted in flight (close waits for it), then _run."""
         self._enter()
         try:
-            return self._run(body, fail)
+            return self._run(body, fail, owner)
         finally:
             self._exit()
 
-    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T]) -> T:
+    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0) -> T:
         """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.
         A connection from the pool that fails before answering anything (closed idle by the service)
-        is retried once on a new one."""
+        is retried once on a new one. A call that close() cut short raises StoreClosedError."""
         for attempt in range(2):
             try:
-                conn = self._checkout(time.monotonic() + self.op_timeout_s)
+                conn = self._checkout(time.monotonic() + self.op_timeout_s, owner=owner)
             except _Lost as e:
                 return fail(str(e))
             reused = conn.answered > 0
@@ -716,6 +752,8 @@ class NodeClient:
                 return body(conn)
             except _Lost as e:
                 self._lose(conn, str(e))
+                if self._closed:
+                    raise StoreClosedError("the node client was closed during the call") from None
                 if attempt == 0 and e.hung_up and reused and conn.answered == before and not held:
                     continue
                 return fail(str(e))
@@ -809,6 +847,13 @@ class NodeClient:
         keys = list(keys)
 
         def body(conn: _Conn) -> int:
+            conn.waiting = wait_s > 0
+            try:
+                return ask(conn)
+            finally:
+                conn.waiting = False
+
+        def ask(conn: _Conn) -> int:
             deadline = time.monotonic() + wait_s
             total = 0
             # Parts are asked in order, each only when every key before it was there.
@@ -958,22 +1003,34 @@ class NodeClient:
         done = [False] * len(keys)
 
         def body(conn: _Conn) -> list[Status]:
-            grants = self._reserve_on(conn, keys, sizes, pars, DEFAULT_TTL_S)
-            ok: list[int] = []
-            for i, g in enumerate(grants):
-                if g.status is Status.OK:
-                    ok.append(i)
-                else:
-                    out[i], done[i] = g.status, True
-            try:
-                for i in ok:
-                    copy_bytes(conn.mapping.slot(grants[i].offset, grants[i].nbytes), views[i])
-            except BaseException:
-                self._abort_on(conn, [grants[i].token for i in ok])
-                raise
-            statuses = self._commit_on(conn, [grants[i].token for i in ok])
-            for i, st in zip(ok, statuses):
-                out[i], done[i] = st, True
+            todo = list(range(len(keys)))
+            while todo:
+                sub_keys = [keys[i] for i in todo]
+                sub_sizes = [sizes[i] for i in todo]
+                sub_parents = None if pars is None else [pars[i] for i in todo]
+                grants = self._reserve_on(conn, sub_keys, sub_sizes, sub_parents, DEFAULT_TTL_S)
+                ok: list[int] = []
+                short: list[int] = []
+                for i, g in zip(todo, grants):
+                    if g.status is Status.OK:
+                        ok.append(i)
+                    else:
+                        out[i], done[i] = g.status, True
+                        if g.status is Status.NO_SPACE:
+                            short.append(i)
+                by_key = dict(zip(todo, grants))
+                try:
+                    for i in ok:
+                        copy_bytes(conn.mapping.slot(by_key[i].offset, by_key[i].nbytes), views[i])
+                except BaseException:
+                    self._abort_on(conn, [by_key[i].token for i in ok])
+                    raise
+                statuses = self._commit_on(conn, [by_key[i].token for i in ok])
+                for i, st in zip(ok, statuses):
+                    out[i], done[i] = st, True
+                # The service caps what one connection holds at once (max_held_fraction): a batch
+                # over the cap is stored in rounds. A round storing nothing means no room at all.
+                todo = short if ok and short else []
             return out
 
         def fail(why: str) -> list[Status]:
@@ -1127,7 +1184,7 @@ class NodeClient:
                 self.counters.saves_dropped_disconnect += len(keys)
             return [Reservation(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail)
+        return self._call(body, fail, owner)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = DEFAULT_TTL_S, stage_in: bool = True,
               wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
@@ -1142,8 +1199,12 @@ class NodeClient:
         keys = list(keys)
 
         def body(conn: _Conn) -> list[SlotLease]:
-            replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
-                rid, keys[lo:hi], ttl_s, stage_in, wait_pending_s), p.Slots, self.op_timeout_s + wait_pending_s)
+            conn.waiting = wait_pending_s > 0
+            try:
+                replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
+                    rid, keys[lo:hi], ttl_s, stage_in, wait_pending_s), p.Slots, self.op_timeout_s + wait_pending_s)
+            finally:
+                conn.waiting = False
             grants = self._grants(conn, replies, len(keys), None)
             out = []
             with self._cond:
@@ -1161,7 +1222,7 @@ class NodeClient:
                 self.counters.loads_failed_disconnect += len(keys)
             return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail)
+        return self._call(body, fail, owner)
 
     def _by_conn(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
                  ) -> tuple[dict[int, tuple[_Conn, list[int]]], list[int]]:
@@ -1173,6 +1234,8 @@ class NodeClient:
         for i, r in enumerate(items):
             held = self._tokens.get(r.token) if r.status is Status.OK else None
             if held is None or held[1] != owner or held[2] != kind or held[3] != r.key or held[0].dead:
+                if r.status is Status.OK:
+                    self.counters.slot_foreign += 1  # as the store counts a token it does not hold
                 rest.append(i)
                 continue
             del self._tokens[r.token]
@@ -1240,15 +1303,44 @@ class NodeClient:
         return [bool(v) for v in out]
 
     def reclaim(self, owner: int) -> tuple[int, int]:
-        """Abort every reservation and release every lease this client holds for ``owner``:
-        (reservations aborted, leases released)."""
-        with self._cond:
-            mine = [(t, held) for t, held in self._tokens.items() if held[1] == owner]
-        res = [Reservation(Status.OK, h[3], 0, t, 0, None) for t, h in mine if h[2] == "reserve"]
-        leases = [SlotLease(Status.OK, h[3], 0, t, 0, None) for t, h in mine if h[2] == "lease"]
-        self.abort(res, owner=owner)
-        self.release(leases, owner=owner)
-        return len(res), len(leases)
+        """End every reservation and lease this client holds for ``owner``: each connection holding
+        some says ``goodbye``, so the service reclaims them as it does for a connection that ended
+        (its tokens' bytes are free when this returns). (reservations, leases) ended."""
+        self._enter()
+        try:
+            with self._cond:
+                mine = [(t, h) for t, h in self._tokens.items() if h[1] == owner]
+                conns = {id(h[0]): h[0] for _t, h in mine}
+            for conn in conns.values():
+                if not self._acquire(conn, time.monotonic() + self.op_timeout_s):
+                    continue
+                try:
+                    self._goodbye(conn, self.op_timeout_s)
+                finally:
+                    with self._cond:
+                        self._void(conn, lost=False)
+                    self._checkin(conn)
+            return (sum(1 for _t, h in mine if h[2] == "reserve"), sum(1 for _t, h in mine if h[2] == "lease"))
+        finally:
+            self._exit()
+
+    @staticmethod
+    def _goodbye(conn: _Conn, timeout_s: float) -> None:
+        """Say goodbye and wait for the service to close the connection (it reclaims the
+        connection's tokens first), within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            conn.sock.settimeout(timeout_s)
+            conn.sock.sendall(p.encode(p.Goodbye(conn.next_id())))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                conn.sock.settimeout(left)
+                if not conn.sock.recv(READ_PIECE_BYTES):
+                    return
+        except OSError:
+            return
 
     # -- stats -------------------------------------------------------------------------------------
     def service_stats(self, mine: bool = False) -> tuple[StoreStats, p.NodeStats] | None:
@@ -1271,6 +1363,7 @@ class NodeClient:
                                             store=msgspec.structs.replace(self._last_stats.store))
             stats.store.thread_join_timeouts += self.counters.thread_join_timeouts
             stats.store.worker_errors += self.counters.worker_errors
+            stats.store.slot_foreign += self.counters.slot_foreign
         return stats
 
     def metrics(self) -> dict[str, Any]:

@@ -4,6 +4,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +15,8 @@ import numpy as np
 import pytest
 
 from store_backend.api import KVStore
+from store_backend.node.client import NodeClient
+from store_backend.node.server import NodeService
 from store_backend.store import TieredStore
 
 
@@ -45,9 +49,55 @@ def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-# The KVStore implementations the contract suite runs against. The node service's client joins
-# as "node" once it exists; every test taking ``make_store`` then runs against both.
-STORE_IMPLEMENTATIONS = ["embedded"]
+def short_socket_dir() -> Path:
+    """A new private (0700) directory under /tmp for a node service's socket: pytest's tmp_path can
+    be longer than an AF_UNIX address allows (107 bytes). The caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="mkv-"))
+
+
+class ServedClient(NodeClient):
+    """A :class:`NodeClient` of a :class:`NodeService` that serves on a thread of this process (the
+    contract suites' "node" implementation): closing the client stops the service, and removes its
+    socket directory."""
+
+    def __init__(self, service: NodeService, socket_dir: Path) -> None:
+        super().__init__(service.socket_path, name="contract-suite", op_timeout_s=30.0)
+        self.service = service
+        self.socket_dir = socket_dir
+
+    def close(self, flush: bool = True, timeout_s: float = 60.0) -> None:
+        try:
+            super().close(flush=flush, timeout_s=timeout_s)
+        finally:
+            self.service.stop(timeout_s=timeout_s)
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def serve_node(config: Mapping[str, Any], **service_config: Any) -> ServedClient:
+    """A NodeService over the store ``config`` (a StoreConfig mapping; its arena a fresh segment of
+    a name of its own) on a thread of this process, socket in a new private directory, no
+    /metrics; and a started client of it, mapping the segment from the fd the service passed."""
+    socket_dir = short_socket_dir()
+    store = dict(config)
+    store["dram"] = {**store.get("dram", {}), "shm_name": f"mkv-contract-{uuid.uuid4().hex[:12]}"}
+    node_config = {"store": store, "socket": str(socket_dir / "node.sock"), "metrics": None,
+                   "drain_timeout_s": 2.0, **service_config}
+    try:
+        service = NodeService(node_config).run_in_thread()
+    except BaseException:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        raise
+    client = ServedClient(service, socket_dir)
+    try:
+        return client.start()  # type: ignore[return-value]
+    except BaseException:
+        client.close(flush=False, timeout_s=10)
+        raise
+
+
+# The KVStore implementations the contract suite runs against: the embedded store, and a client of
+# a node service (its bytes through the shared segment, its calls over the socket).
+STORE_IMPLEMENTATIONS = ["embedded", "node"]
 
 
 @pytest.fixture(params=STORE_IMPLEMENTATIONS)
@@ -60,6 +110,8 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[[Mapping[str
     def make(config: Mapping[str, Any]) -> KVStore:
         if request.param == "embedded":
             s: KVStore = TieredStore(config).start()
+        elif request.param == "node":
+            s = serve_node(config)
         else:  # pragma: no cover - a new implementation must be added here
             raise AssertionError(f"no store implementation {request.param!r}")
         made.append(s)
