@@ -15,6 +15,12 @@ Buffers: ``put`` copies from the caller's buffers before it returns (the caller 
 once); ``get_into`` copies into the caller's writable buffers before it returns. No other copy of
 an object is made on the way into or out of the DRAM arena.
 
+Slots (``reserve``/``commit``/``abort``, ``lease``/``release``, ``reclaim``; tokens in
+:class:`~store_backend.slots.SlotTable`): the caller copies into or out of the arena itself
+between two calls, so the bytes go straight between the arena (a shared segment with
+``fresh_segment``) and an engine's pages. ``put`` is the same reserve half and commit half with the
+copy in between, and ``get_into``'s DRAM part the same lease bookkeeping, without tokens.
+
 One contract for both tiers: a call answers the same whether the object sits in DRAM or on SSD
 (``BUFFER_TOO_SMALL`` carries the object's size; a read-only buffer raises ``TypeError``). After
 ``close()`` has begun, every method but ``close()`` raises :class:`StoreClosedError`; calls
@@ -767,11 +773,11 @@ class TieredStore:
         with self._call(self.metrics_counters.latency.put):
             reserved = self._reserve_batch(keys, list(sizes), parents, out,
                                            (owner, time.monotonic() + ttl_s, tokens))
-        arena = self._dram.arena.view
-        res = [Reservation(st, k) for k, st in zip(keys, out)]
-        for i, e in reserved:
-            res[i] = Reservation(Status.OK, e.key, e.size, tokens[i], e.offset, arena[e.offset:e.offset + e.size])
-        return res
+            arena = self._dram.arena.view
+            res = [Reservation(st, k) for k, st in zip(keys, out)]
+            for i, e in reserved:
+                res[i] = Reservation(Status.OK, e.key, e.size, tokens[i], e.offset, arena[e.offset:e.offset + e.size])
+            return res
 
     def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
         """Make reserved objects visible, their bytes as the caller wrote them; per reservation:
@@ -864,6 +870,7 @@ class TieredStore:
                 valid = [check_key(k) is None for k in keys]
                 if wait_pending_s > 0:
                     self._wait_pending([k for k, ok in zip(keys, valid) if ok], time.monotonic() + wait_pending_s)
+                    self._check_open()  # close began during the wait: hand out nothing
                 for i, key in enumerate(keys):
                     if not valid[i]:
                         out[i] = SlotLease(Status.INVALID_KEY, key)

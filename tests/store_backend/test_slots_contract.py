@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease
+from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease, StoreClosedError
 from store_backend.dram import SHM_DIR
 from store_backend.store import TieredStore
 from store_backend.types import Status
@@ -348,6 +348,13 @@ def test_a_committed_slot_is_covered_by_flush_and_offloaded(make_store, tmp_path
     [r] = s.reserve(["k"], [SIZE])
     write(r, payload("k", SIZE))
     assert s.commit([r]) == [Status.OK]
+    deadline = time.monotonic() + 20
+    while s.stats().dram.offloads < 1:  # eager offload queued by the commit, as by a put
+        assert time.monotonic() < deadline, "the committed object was never offloaded"
+        time.sleep(0.02)
+    [r2] = s.reserve(["k2"], [SIZE])
+    write(r2, payload("k2", SIZE))
+    assert s.commit([r2]) == [Status.OK]
     report = s.flush_report(timeout_s=30)
     assert report.ok, report.summary()
     assert s.remove(["k"]) == [Status.OK]
@@ -388,6 +395,64 @@ def test_a_stage_in_that_promotes_makes_the_slot_the_dram_copy(tmp_path) -> None
         s.close()
 
 
+def test_a_stage_in_evicts_only_clean_objects(make_store, tmp_path) -> None:
+    """DRAM full of objects not yet on SSD: a stage-in has no room (NO_SPACE: the engine
+    recomputes) rather than dropping an object's only copy; once they are persisted it has."""
+    s = make_store({**DRAM, "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB,
+                                    "admission_policy": "all"},
+                    "offload": {"policy": "watermark", "high_watermark": 1.0, "low_watermark": 0.9},
+                    "promotion": {"enabled": False}})
+    assert s.put(["k"], [payload("k", SIZE)]) == [Status.OK]
+    assert s.flush(timeout_s=30)
+    fills = [f"fill{i}" for i in range(16)]
+    assert s.put(fills, [payload(f, SIZE) for f in fills]) == [Status.OK] * 16  # k (clean) made room
+    assert s.tier_of(["k"]) == ["ssd"]
+    [ls] = s.lease(["k"])
+    assert ls.status is Status.NO_SPACE
+    assert s.contains(fills) == [True] * 16 and s.stats().store.dropped_unpersisted == 0
+    assert s.flush(timeout_s=30)  # now every fill is on SSD too: clean, evictable
+    [ls] = s.lease(["k"])
+    assert read(ls) == payload("k", SIZE).tobytes()
+    assert s.release([ls]) == [True]
+
+
+def test_an_owner_may_hold_at_most_65536_tokens(make_store) -> None:
+    s = make_store({"dram": {"capacity_bytes": 8 * MiB}})
+    assert s.put(["k"], [payload("k", 16)]) == [Status.OK]
+    leases = s.lease(["k"] * 65537, owner=5)
+    assert [ls.status for ls in leases[-2:]] == [Status.OK, Status.NO_SPACE]
+    assert s.lease(["k"], owner=6)[0].status is Status.OK  # another owner is not held up
+    assert s.release(leases[:1], owner=5) == [True]
+    assert s.lease(["k"], owner=5)[0].status is Status.OK
+    assert s.reclaim(5) == (0, 65536) and s.reclaim(6) == (0, 1)
+    assert held(s) == (0, 0, 0)
+
+
+def test_close_ends_waits_for_commits(make_store) -> None:
+    s = make_store(DRAM)
+    [r] = s.reserve(["k"], [SIZE])
+    raised: list[str] = []
+
+    def wait(call) -> None:  # noqa: ANN001
+        try:
+            call()
+        except StoreClosedError:
+            raised.append("closed")
+
+    waiters = [threading.Thread(target=wait, args=(lambda: s.exists(["k"], wait_s=60),)),
+               threading.Thread(target=wait, args=(lambda: s.lease(["k"], wait_pending_s=60),))]
+    for t in waiters:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.close(flush=False, timeout_s=30)
+    for t in waiters:
+        t.join(30)
+    assert not any(t.is_alive() for t in waiters) and time.monotonic() - t0 < 10
+    assert raised == ["closed", "closed"]
+    assert r.status is Status.OK
+
+
 @pytest.mark.parametrize("method", ["get_into", "size_of"])
 def test_a_stage_in_racing_a_remove_never_serves_the_removed_bytes(tmp_path, method) -> None:
     """Embedded, with the SSD tier gated: the stage-in's size lookup or read stops after the real
@@ -421,7 +486,7 @@ def test_many_threads_mixing_slots_with_put_get_and_remove_never_see_wrong_bytes
     lease or get answers OK for must be a whole object of that key, of a version that was
     committed. Writers use reserve/commit (sometimes aborting) and put; readers lease/release and
     get_into; a remover removes. Expiries happen too (short TTLs). At the end no token is held."""
-    s = make_store({"dram": {"capacity_bytes": 2 * MiB, "eviction_policy": "lru"},
+    s = make_store({"dram": {"capacity_bytes": 256 * KiB, "eviction_policy": "lru"},
                     "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "admission_policy": "all"},
                     "promotion": {"admission_hits": 2}})
     nkeys, size = 24, 16 * KiB
@@ -515,13 +580,35 @@ def test_many_threads_mixing_slots_with_put_get_and_remove_never_see_wrong_bytes
         s.reclaim(o)
     g = s.stats()
     assert (g.slots.reservations, g.slots.leases, g.slots.held_bytes) == (0, 0, 0)
-    assert g.store.slot_commits > 0 and g.store.slot_leases > 0
+    assert g.store.slot_commits > 0 and g.store.slot_leases > 0 and g.store.slot_stage_ins > 0, g.store
     # Everything left is a whole committed object of its key.
     out = np.zeros(size, np.uint8)
     for i in range(nkeys):
         if s.get_into([f"k{i}"], [out])[0].status is Status.OK:
             check(out, i, "final get")
     assert not errors, errors[:5]
+
+
+def test_commits_and_stage_ins_publish_residency_events(tmp_path) -> None:
+    """Embedded (the bus is the store's): a commit publishes ``stored`` as a put does, a promoting
+    stage-in ``moved`` (ssd -> dram), an abort nothing."""
+    s, _gate = gated_store(tmp_path)
+    try:
+        only_on_ssd(s, "x")
+        events: list = []
+        s.subscribe(events.extend)
+        [r, a] = s.reserve(["c", "a"], [OBJ_BYTES, OBJ_BYTES])
+        np.frombuffer(r.view, np.uint8)[:] = versioned(5, 1)
+        assert s.commit([r]) == [Status.OK]
+        s.abort([a])
+        [ls] = s.lease(["x"])
+        assert s.release([ls]) == [True]
+        assert s._bus.wait_idle(10)
+        seen = [(e.kind, e.key, e.tier, e.src_tier) for e in events if e.key in ("c", "a", "x")]
+        assert ("stored", "c", "dram", None) in seen and ("moved", "x", "dram", "ssd") in seen
+        assert not [e for e in seen if e[1] == "a"]
+    finally:
+        s.close()
 
 
 # -- the arena's shared segment (embedded: a TieredStore constructor keyword) ---------------------
