@@ -12,6 +12,13 @@ variable names a store field by its path in the store config (``MOONCAKE_KV_DRAM
 and a connector key by its name (``MOONCAKE_KV_CHUNK_TOKENS``); variables win over the dict, which
 wins over the file. An error names the variable or file that set the bad value.
 
+The ``store`` section either describes an embedded store (StoreConfig's fields) or names a node
+service to attach to, ``store: {"node": {...}}`` (:class:`NodeAttachConfig`; variables
+``MOONCAKE_KV_NODE__SOCKET``, ... by the same rule). msgspec cannot tell two untagged mappings apart,
+so :func:`decode_connector` dispatches on the ``node`` key: the result's ``node`` is set and its
+``store`` is None. A ``node`` beside ``dram``/``ssd``/... is refused (the service's own config sets
+its tiers), as is ``shared_ssd`` with a node (the service already shares its store).
+
 Called once per connector instance, from the engine's construction thread.
 """
 
@@ -35,11 +42,61 @@ from store_backend.config_loader import (
     env_overrides,
     merge,
     one_of,
+    origin_of,
     read_file,
     variable_name,
+    with_origin,
 )
+from store_backend.node.config import MAX_SOCKET_PATH_BYTES, load_node_config
 
 DEFAULT_CHUNK_TOKENS = 256
+
+class NodeAttachConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a connector attaches to the node service (``store: {"node": {...}}``): one store that
+    every engine process of the machine shares, started with ``mooncake-kv serve --config FILE``
+    (or by the first engine when ``auto_start``). The service's own config sets its tiers."""
+
+    # The service's Unix socket (default: the service's default, mooncake-kv/node.sock in
+    # $XDG_RUNTIME_DIR, else in /tmp/mooncake-kv-<uid>/).
+    socket: str | None = None
+    # Start the service when none answers on the socket (ENOENT, ECONNREFUSED): one engine process
+    # starts it (others wait for it), in its own session, logging to node.log beside the socket. It
+    # outlives the engine that started it and exits idle_exit_s after its last client left, or on
+    # `mooncake-kv stop`.
+    auto_start: bool = False
+    # The service config an auto-started service runs with (`mooncake-kv serve --config`); default:
+    # the service's defaults (1 GiB of DRAM, no SSD). Only read with auto_start.
+    config_file: str | None = None
+    # Longest an engine waits for an auto-started service to answer before it gives up (the error
+    # then shows the last lines of the service's log).
+    start_timeout_s: float = 60.0
+    # Longest one connect and hello to the service may take.
+    connect_timeout_s: float = 5.0
+    # Longest one request to the service may take before it counts as failed (loads recompute,
+    # saves are dropped and counted, lookups miss).
+    op_timeout_s: float = 30.0
+    # An auto-started service exits this long after its last client left (null: never).
+    idle_exit_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if self.socket is not None:
+            if not os.path.isabs(self.socket):
+                raise ValueError(f"socket: must be an absolute path, got {self.socket!r}")
+            if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH_BYTES:
+                raise ValueError(f"socket: {self.socket!r} is longer than an AF_UNIX address allows "
+                                 f"({MAX_SOCKET_PATH_BYTES} bytes)")
+        if self.config_file is not None and not self.auto_start:
+            raise ValueError("config_file: only read when auto_start is true (a running service keeps "
+                             "the config it was started with)")
+        if self.config_file is not None and not self.config_file:
+            raise ValueError("config_file: must not be empty")
+        for name in ("start_timeout_s", "connect_timeout_s", "op_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value}")
+        if self.idle_exit_s is not None and not (math.isfinite(self.idle_exit_s) and self.idle_exit_s > 0):
+            raise ValueError(f"idle_exit_s: must be a finite number of seconds > 0 (or null: never), "
+                             f"got {self.idle_exit_s}")
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,7 +116,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # snapshot; for a local path, a stamp of the weight files' names, sizes and mtimes).
     revision: str | None = None
     # The store (StoreConfig's sections: dram, ssd, offload, promotion); default 1 GiB DRAM, no SSD.
+    # Or {"node": {...}} (NodeAttachConfig): attach to the node service instead; the loader then
+    # sets node, and store stays null.
     store: StoreConfig | None = None
+    # The node service this connector attaches to (set from store.node by the loader; null: an
+    # embedded store in the engine process).
+    node: NodeAttachConfig | None = None
     # A JSON/YAML file holding a whole connector config or just a store config; keys given directly
     # win. MOONCAKE_KV_CONFIG names one when this is not set.
     config_file: str | None = None
@@ -118,6 +180,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"lease_ttl_s: must be at most 3600 s, got {self.lease_ttl_s}")
         if self.model_id is not None and not self.model_id:
             raise ValueError("model_id: must not be empty")
+        if self.node is not None and self.store is not None:
+            raise ValueError("node: the node service's own config sets its tiers; set store or node, not both")
+        if self.node is not None and self.shared_ssd:
+            raise ValueError("shared_ssd: not used with a node service (every engine attached to it "
+                             "already shares its store); remove it")
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ConfigError unless chunk_tokens is a multiple of the engine's block size."""
@@ -127,17 +194,36 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
     def store_config(self) -> StoreConfig:
-        """The store's config: the ``store`` section (environment overrides applied when the
-        connector config was read), or the default store."""
+        """The embedded store's config: the ``store`` section (environment overrides applied when
+        the connector config was read), or the default store. ConfigError in node mode (``node``
+        set): the service's config sets the store there."""
+        if self.node is not None:
+            raise ConfigError("store: this connector attaches to a node service (store.node); the "
+                              "service's own config sets its store")
         return self.store if self.store is not None else StoreConfig()
 
 
-# Read by the loader itself, never set by a variable: the file is MOONCAKE_KV_CONFIG, and store
-# fields are named by their path in the store config.
-_NOT_FROM_ENV = frozenset({"store", "config_file"})
+class _NodeStoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``store`` section in node mode, as written: ``{"node": {...}}``."""
+
+    node: NodeAttachConfig
+
+
+class _NodeMode(msgspec.Struct, frozen=True):
+    """Decodes ``store.node`` alone, so an error names its full path (``store.node.socket``) and the
+    variable or file that set it."""
+
+    store: _NodeStoreSection
+
+
+# Read by the loader itself, never set by a variable: the file is MOONCAKE_KV_CONFIG, store fields
+# are named by their path in the store config, and so is the store's node section
+# (MOONCAKE_KV_NODE__SOCKET sets store.node.socket).
+_NOT_FROM_ENV = frozenset({"store", "config_file", "node"})
 _CONNECTOR_KEYS = frozenset(ConnectorConfig.__struct_fields__) - _NOT_FROM_ENV
-_STORE_FIELDS = frozenset(StoreConfig.__struct_fields__)
-_STORE_FIELDS_ORDERED = tuple(StoreConfig.__struct_fields__)
+# A store section's keys: StoreConfig's fields, or "node" alone.
+_STORE_FIELDS = frozenset(StoreConfig.__struct_fields__) | {"node"}
+_STORE_FIELDS_ORDERED = (*StoreConfig.__struct_fields__, "node")
 
 Layers = list[tuple[Origin | None, Mapping[str, Any]]]
 
@@ -195,8 +281,9 @@ def connector_data(
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError(f"the extra config must be a mapping of keys to values, not {type(extra).__name__}")
     environ = os.environ if environ is None else environ
-    check_variables(environ, [(StoreConfig, frozenset()), (ConnectorConfig, _NOT_FROM_ENV),
-                              *((cls, frozenset()) for cls in also)], warn_any=True)
+    check_variables(environ, [(StoreConfig, frozenset()), (_NodeStoreSection, frozenset()),
+                              (ConnectorConfig, _NOT_FROM_ENV), *((cls, frozenset()) for cls in also)],
+                    warn_any=True)
     data = dict(extra or {})
     if isinstance(data.get("store"), StoreConfig):
         data["store"] = msgspec.to_builtins(data["store"])
@@ -218,7 +305,7 @@ def connector_data(
         env = merge(env, env_overrides(cls, environ))
     data = merge(data, env)
     layers.append((variable_name, env))
-    store_env = env_overrides(StoreConfig, environ)
+    store_env = merge(env_overrides(StoreConfig, environ), env_overrides(_NodeStoreSection, environ))
     if store_env:
         store = data.get("store")
         if store is not None and not isinstance(store, Mapping):
@@ -236,4 +323,38 @@ def load_connector_config(
     """Validate an engine's extra-config dict (raises ConfigError naming the field, and the variable
     or file that set it). Layers: see :func:`connector_data`."""
     data, layers = connector_data(extra, environ=environ)
-    return decode(data, ConnectorConfig, layers=layers)
+    return decode_connector(data, layers)
+
+
+def decode_connector(data: Mapping[str, Any], layers: Layers) -> ConnectorConfig:
+    """Validate merged connector data (from :func:`connector_data`) into a ConnectorConfig,
+    dispatching on ``store.node``: with it the result's ``node`` is set and ``store`` is None.
+
+    Raises ConfigError naming the field and where it was set: ``store.node`` beside a store field
+    (``dram``, ``ssd``, ...: the service's own config sets its tiers), ``node`` at the top level
+    (it goes under ``store``), ``shared_ssd`` with a node, and every error of the node section
+    itself (``store.node.socket: ...``)."""
+    if "node" in data:
+        raise ConfigError(with_origin('node: goes under store ("store": {"node": {...}}), beside no other '
+                                      "store field", layers))
+    store = data.get("store")
+    if not (isinstance(store, Mapping) and "node" in store):
+        return decode(data, ConnectorConfig, layers=layers)
+    tiers = [k for k in store if k != "node"]
+    if tiers:
+        named = ", ".join(f"store.{k}" + (f" (set by {o})" if (o := origin_of(["store", k], layers)) else "")
+                          for k in tiers)
+        raise ConfigError(with_origin(f"store.node: the node service's own config sets its tiers; remove "
+                                      f"{named}", layers))
+    node = decode({"store": {"node": store["node"]}}, _NodeMode, layers=layers).store.node
+    if node.config_file is not None:
+        # Read now, so a bad service config stops this engine with the field's name rather than
+        # surfacing later in the log of a service that failed to start.
+        try:
+            load_node_config(node.config_file)
+        except ConfigError as e:
+            raise ConfigError(with_origin(f"store.node.config_file: {e}", layers)) from None
+    if data.get("shared_ssd"):
+        raise ConfigError(with_origin("shared_ssd: not used with store.node (every engine attached to the node "
+                                      "service already shares its store); remove it", layers))
+    return decode({**data, "store": None, "node": node}, ConnectorConfig, layers=layers)

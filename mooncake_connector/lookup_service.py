@@ -539,3 +539,162 @@ class LookupClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+# -- the scheduler's view over every KV shard ------------------------------------------------------
+
+# Slowest first: a chunk held in different tiers by different shards is as slow as its slowest copy
+# (None: some shard lacks it; "": a server that cannot tell).
+_TIER_ORDER: dict[str | None, int] = {None: 0, "": 1, "ssd": 2, "dram": 3}
+
+
+def slowest_tier(a: str | None, b: str | None) -> str | None:
+    """The slower of two tiers holding copies of one chunk (unknown names rank as "")."""
+    return min(a, b, key=lambda t: _TIER_ORDER.get(t, 1))
+
+
+@runtime_checkable
+class ShardLookups(Protocol):
+    """Where a scheduler asks which chunks every KV shard of its engine holds, and leases them.
+
+    ``key_lists[s]`` are shard ``s``'s keys of the same chunks. Blocking; answers a miss (0, None)
+    when the store cannot be asked, counted in ``failures``; called from one lookup thread at a
+    time per method (the scheduler's), thread-safe otherwise."""
+
+    #: Whether :meth:`wait_stored` waits for saves to land (True) or just looks once (False, the
+    #: caller then looks again later).
+    waits: bool
+
+    @property
+    def failures(self) -> int: ...
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]]) -> int:
+        """Leading chunks every shard holds (saves in flight count as held)."""
+        ...
+
+    def pin_tiers(self, key_lists: Sequence[Sequence[str]], ttl_s: float) -> list[str | None]:
+        """Lease every shard's copy of each chunk for ``ttl_s``; per chunk the slowest tier holding
+        it ("dram", "ssd", "" unknown) or None when some shard lacks it."""
+        ...
+
+    def wait_stored(self, key_lists: Sequence[Sequence[str]], timeout_s: float) -> int:
+        """:meth:`exists_all` once every key is stored (committed) or ``timeout_s`` passed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RankLookups:
+    """Embedded mode: every worker rank owns its own store and answers on its own
+    :class:`LookupServer`; one :class:`LookupClient` per shard (``self[s]``)."""
+
+    waits = False
+
+    def __init__(self, paths: Sequence[str], *, timeout_s: float = 5.0) -> None:
+        self.clients = [LookupClient(p, timeout_s=timeout_s) for p in paths]
+
+    def __getitem__(self, shard: int) -> LookupClient:
+        return self.clients[shard]
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    @property
+    def failures(self) -> int:
+        return sum(c.failures for c in self.clients)
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]]) -> int:
+        return min((c.exists(keys) for c, keys in zip(self.clients, key_lists)), default=0)
+
+    def pin_tiers(self, key_lists: Sequence[Sequence[str]], ttl_s: float) -> list[str | None]:
+        tiers: list[str | None] = ["dram"] * (len(key_lists[0]) if key_lists else 0)
+        for client, keys in zip(self.clients, key_lists):
+            tiers = [slowest_tier(a, b) for a, b in zip(tiers, client.pin_tiers(keys, ttl_s=ttl_s))]
+        return tiers
+
+    def wait_stored(self, key_lists: Sequence[Sequence[str]], timeout_s: float) -> int:
+        # A worker's lookup server cannot wait for another process's saves: look once.
+        return self.exists_all(key_lists)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+class NodeIndex(Protocol):
+    """The node service's lookup calls (a :class:`store_backend.api.KVStore` in node mode)."""
+
+    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int: ...
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int: ...
+
+    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
+
+    def tier_of(self, keys: Sequence[str]) -> list[str | None]: ...
+
+
+class NodeLookups:
+    """Node mode: every shard's objects are in the one node service; lookups and leases go to it
+    directly, all shards in one round trip (no per-worker lookup socket). Saves in flight
+    (reserved, not yet committed) count as present, as a worker's own in-flight saves do in
+    embedded mode; the worker's load waits for their commit."""
+
+    waits = True
+
+    def __init__(self, store: NodeIndex, *, failures: Callable[[], int] | None = None) -> None:
+        """``failures``: the store's own count of lookups it answered as misses because the
+        service could not be asked (a node client answers so rather than raising)."""
+        self.store = store
+        self._failures = 0
+        self._store_failures = failures
+
+    @property
+    def failures(self) -> int:
+        return self._failures + (self._store_failures() if self._store_failures is not None else 0)
+
+    def _failed(self, op: str, e: Exception) -> None:
+        self._failures += 1
+        logger.debug("node service %s failed: %s: %s", op, type(e).__name__, e)
+
+    def exists_all(self, key_lists: Sequence[Sequence[str]]) -> int:
+        if not key_lists or not key_lists[0]:
+            return 0
+        try:
+            return self.store.exists_all([list(k) for k in key_lists], count_reserved=True)
+        except (OSError, RuntimeError) as e:  # the service gone (ConnectionError), the store closed
+            self._failed("exists_all", e)
+            return 0
+
+    def pin_tiers(self, key_lists: Sequence[Sequence[str]], ttl_s: float) -> list[str | None]:
+        ttl_s = check_ttl_s(ttl_s)
+        n = len(key_lists[0]) if key_lists else 0
+        flat = [k for keys in key_lists for k in keys]
+        if not flat:
+            return [None] * n
+        try:
+            present = self.store.pin(flat, ttl_s=ttl_s)
+            where = self.store.tier_of(flat)
+        except (OSError, RuntimeError) as e:
+            self._failed("pin", e)
+            return [None] * n
+        tiers: list[str | None] = ["dram"] * n
+        for s in range(len(key_lists)):
+            for i in range(n):
+                j = s * n + i
+                tiers[i] = slowest_tier(tiers[i], (where[j] or "") if present[j] else None)
+        return tiers
+
+    def wait_stored(self, key_lists: Sequence[Sequence[str]], timeout_s: float) -> int:
+        flat = [k for keys in key_lists for k in keys]
+        if flat and timeout_s > 0:
+            try:
+                # Answered as soon as every key is committed (or at the deadline): no polling.
+                self.store.exists(flat, wait_s=timeout_s)
+            except (OSError, RuntimeError) as e:
+                self._failed("exists", e)
+                return 0
+        return self.exists_all(key_lists)
+
+    def close(self) -> None:
+        """Nothing of its own: the store is the caller's (released with
+        :func:`mooncake_connector.stores.release_store`)."""

@@ -1,10 +1,17 @@
-"""One embedded store per configuration per process, shared by every connector in that process.
+"""One store per configuration per process, shared by every connector in that process.
 
 An engine process may hold several connector objects at once (vLLM builds a scheduler-side and a
 worker-side connector in the same process when it runs one worker); they must see one store, and
 one SSD directory must never be opened twice by one process. :func:`acquire_store` hands out the
 same started :class:`store_backend.store.TieredStore` for equal configs, counting references;
 :func:`release_store` closes it (flushing queued offloads first) when the last holder lets go.
+
+In node mode (``store: {"node": {...}}``) the store is the node service every engine process of the
+machine attaches to: :func:`acquire_node` hands out one :class:`store_backend.node.client.NodeClient`
+per socket per process, counted the same way (its last release closes the connections, never the
+service). :func:`acquire_connector_store` picks the mode from a connector config; in node mode no
+rank gets a store config of its own (:func:`mooncake_connector.ranks.rank_store_config` is not
+applied): every rank uses the one service, and their keys differ by shard.
 
 This registry is the one piece of process-wide state in the connector core; it exists because the
 engine, not this project, decides how many connector objects a process holds. Thread-safe.
@@ -13,13 +20,19 @@ engine, not this project, decides how many connector objects a process holds. Th
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Callable
 
 import msgspec
 
+from mooncake_connector.config import ConnectorConfig, NodeAttachConfig
+from mooncake_connector.ranks import RankPosition, rank_store_config
 from mooncake_connector.shared_ssd import SharedDirectoryBackend
 from store_backend.api import KVStore
 from store_backend.config import ConfigError, StoreConfig
+from store_backend.node.client import NodeClient
+from store_backend.node.config import default_socket_path
 from store_backend.store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -54,9 +67,95 @@ def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> KVStore:
         return store
 
 
+def node_socket(node: NodeAttachConfig) -> str:
+    """The socket a node config attaches to (the service's default when it names none)."""
+    return os.path.abspath(node.socket) if node.socket is not None else default_socket_path()
+
+
+def acquire_node(node: NodeAttachConfig, *, name: str, max_connections: int = 8) -> NodeClient:
+    """The client of the node service at ``node``'s socket in this process (attached on first use:
+    blocking, at most ``connect_timeout_s``, or ``start_timeout_s`` when it auto-starts the
+    service). ``name`` tells the service who attached (``mooncake-kv status`` shows it);
+    ``max_connections``: the client's pool (the first acquirer's counts). Raises ConfigError naming
+    ``store.node.socket`` when no service answers (and ``auto_start`` is off or the start failed),
+    and :class:`store_backend.node.client.NodeAccessError` when this user may not attach.
+
+    Once attached, a lost service is a per-key miss (loads recompute, saves are dropped and
+    counted) and the client reconnects by itself when it is back."""
+    path = node_socket(node)
+    k = msgspec.json.encode(["node", path])
+    with _lock:
+        held = _stores.get(k)
+        if held is not None:
+            _stores[k] = (held[0], held[1] + 1)
+            assert isinstance(held[0], NodeClient)
+            return held[0]
+        client = _open_node(node, path, name, max_connections)
+        _stores[k] = (client, 1)
+        welcome = client.welcome
+        logger.info("attached to the node service at %s (pid %s, tiers %s)", path,
+                    welcome.service_pid if welcome else "?", ", ".join(welcome.tiers) if welcome else "?")
+        return client
+
+
+def _open_node(node: NodeAttachConfig, path: str, name: str, max_connections: int) -> NodeClient:
+    """A started NodeClient for the service at ``path`` (auto-started when configured)."""
+    client = NodeClient(path, name=name, max_connections=max_connections, connect_timeout_s=node.connect_timeout_s,
+                        op_timeout_s=node.op_timeout_s, starter=_starter(node, path))
+    try:
+        return client.start()
+    except ConnectionError as e:
+        client.close(flush=False, timeout_s=1.0)
+        hint = ("set store.node.auto_start to start one" if not node.auto_start
+                else "its auto-start did not bring it up")
+        raise ConfigError(f"store.node.socket: {e}; start the service with `mooncake-kv serve --config FILE` "
+                          f"({hint})") from None
+    except BaseException:
+        client.close(flush=False, timeout_s=1.0)
+        raise
+
+
+def _starter(node: NodeAttachConfig, path: str) -> Callable[[], object] | None:
+    """What the client calls when no service answers: None unless ``auto_start``."""
+    if not node.auto_start:
+        return None
+    return None  # auto-start lands with store_backend.node.autostart
+
+
+def acquire_connector_store(cfg: ConnectorConfig, position: RankPosition, *, name: str) -> KVStore:
+    """The store a connector of rank ``position`` uses: the node service's client in node mode (one
+    for every rank; ``rank_store_config`` is not applied), else the rank's own embedded store
+    (:func:`acquire_store` on :func:`rank_store_config`). Release it with :func:`release_store`."""
+    if cfg.node is not None:
+        return acquire_node(cfg.node, name=name, max_connections=node_connections(cfg))
+    return acquire_store(rank_store_config(cfg.store_config(), position, shared_ssd=cfg.shared_ssd),
+                         shared_ssd=cfg.shared_ssd)
+
+
+def node_connections(cfg: ConnectorConfig) -> int:
+    """The node client's pool for a connector process: its I/O threads, the scheduler's lookup
+    thread and its remote-prefill waits."""
+    return cfg.io_workers + 6
+
+
+def epoch_directory(cfg: ConnectorConfig, store: KVStore | None = None) -> str | None:
+    """Where the cache epoch file of ``cfg``'s store lives (:class:`mooncake_connector.epoch.EpochFile`):
+    the configured ``ssd.path`` for an embedded store, the service's SSD directory (its welcome's
+    ``ssd_path``) in node mode, None when there is no SSD tier. ``store``: the acquired node client
+    (node mode needs it)."""
+    if cfg.node is None:
+        store_cfg = cfg.store_config()
+        return store_cfg.ssd.path if store_cfg.ssd is not None else None
+    if not isinstance(store, NodeClient):
+        raise ValueError("store: node mode needs the attached client to find the service's SSD directory")
+    welcome = store.welcome
+    return welcome.ssd_path if welcome is not None and welcome.ssd_path else None
+
+
 def release_store(store: KVStore, *, flush: bool = True, flush_timeout_s: float = 120.0) -> None:
     """Drop one reference; the last one closes the store (blocking), first waiting up to
-    ``flush_timeout_s`` for queued offloads to reach the SSD tier when ``flush``."""
+    ``flush_timeout_s`` for queued offloads to reach the SSD tier when ``flush``. A node client's
+    close closes its connections only: the service keeps the objects (and persists them itself)."""
     with _lock:
         for k, (held, refs) in _stores.items():
             if held is store:

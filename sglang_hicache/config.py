@@ -12,6 +12,9 @@ It holds three kinds of keys:
   given, must equal SGLang's ``--page-size``.
 * Keys only this backend reads (:class:`SglangOnlySettings`).
 
+``store`` is an embedded store's config or ``{"node": {...}}`` (attach every rank process to the
+node service, :class:`mooncake_connector.config.NodeAttachConfig`), exactly as for vLLM.
+
 Both kinds of keys are read by the project's one config loader (:mod:`store_backend.config_loader`,
 through :func:`mooncake_connector.config.load_connector_config`), so files, ``MOONCAKE_KV_*``
 variables, sizes and error messages work as for the vLLM connector.
@@ -27,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from mooncake_connector.config import ConnectorConfig, connector_data
+from mooncake_connector.config import ConnectorConfig, connector_data, decode_connector
 from store_backend.config import ConfigError
 from store_backend.config_loader import decode, with_origin
 
@@ -102,7 +105,10 @@ def load_backend_settings(
     if scheme != "sglang":
         message = f"hash_scheme: unknown value {scheme!r} for SGLang (known: 'sglang': SGLang hashes its pages itself)"
         raise ConfigError(with_origin(message, layers))
-    connector = decode({**data, "hash_scheme": "sglang"}, ConnectorConfig, layers=layers)
+    connector = decode_connector({**data, "hash_scheme": "sglang"}, layers)
+    if connector.node is not None:
+        logger.info("SGLang backend: every rank attaches to the node service at %s",
+                    connector.node.socket or "the default socket")
     sglang = decode(only, SglangOnlySettings, layers=layers)
     # Given by the dict, the file or MOONCAKE_KV_CHUNK_TOKENS (then it must equal the page size).
     given = data.get("chunk_tokens")

@@ -301,6 +301,25 @@ def with_origin(message: str, layers: Sequence[tuple[Origin | None, Mapping[str,
     return message if where is None else f"{message} (from {where})"
 
 
+def origin_of(parts: Sequence[str | int], layers: Sequence[tuple[Origin | None, Mapping[str, Any]]]) -> str | None:
+    """Where the last layer holding the field at ``parts`` came from (a file, a variable), or None
+    (unknown, or the caller's own dict): for a message about two fields, naming the second's. For a
+    section set by variables, the variable of its first field."""
+    for origin, layer in reversed(layers):
+        value = _value_at(layer, list(parts))
+        if value is _MISSING_VALUE:
+            continue
+        if not callable(origin):
+            return origin
+        leaf = list(parts)
+        while isinstance(value, Mapping) and value:
+            first = next(iter(value))
+            leaf.append(first)
+            value = value[first]
+        return origin(leaf)
+    return None
+
+
 _ERROR_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*):")
 
 
@@ -309,10 +328,7 @@ def _origin(message: str, layers: Sequence[tuple[Origin | None, Mapping[str, Any
     if not m:
         return None
     parts: list[str | int] = [a if a else int(b) for a, b in _PART.findall("." + m.group(1))]
-    for origin, layer in reversed(layers):
-        if _value_at(layer, parts) is not _MISSING_VALUE:
-            return origin(parts) if callable(origin) else origin
-    return None
+    return origin_of(parts, layers)
 
 
 def variable_name(parts: Sequence[str | int]) -> str:

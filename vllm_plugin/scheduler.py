@@ -13,9 +13,12 @@ decides; the worker half moves bytes.
   lookup results, so calling it twice is harmless.
 - ``update_state_after_alloc`` turns an accepted hit into a load plan and leases the objects.
 
-The store lives with the workers (they move the bytes); lookups and leases go to each worker's
-:class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker shares this
-process or not.
+An embedded store lives with the workers (they move the bytes); lookups and leases go to each
+worker's :class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker
+shares this process or not. In node mode (``store.node``) every rank's objects are in the node
+service, and lookups and leases go to it directly, all shards in one round trip
+(:class:`mooncake_connector.lookup_service.NodeLookups`); a disaggregated decode request's lookup
+then waits in the service until the prefill instance's chunks are committed (no polling).
 - ``build_connector_meta`` emits the loads, and saves for every chunk whose tokens were all computed
   by the end of this step: prompt chunks, chunked-prefill chunks and decode-produced chunks alike.
   A save computed over blocks whose load is not yet confirmed on every rank is *held* in staging
@@ -50,7 +53,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import chunk_hashes, object_key
-from mooncake_connector.lookup_service import LookupClient, socket_path
+from mooncake_connector.lookup_service import NodeLookups, RankLookups, ShardLookups, socket_path
+from mooncake_connector.stores import acquire_node, epoch_directory, node_connections, release_store
+from store_backend.node.client import NodeClient
 from store_backend.config import ConfigError
 from store_backend.threads import Deadline, shutdown_pool
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
@@ -106,8 +111,6 @@ class _Tracked:
 
 # Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
 _HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
-# Slowest first: a chunk held in different tiers by different ranks is as slow as its slowest copy.
-_TIER_ORDER = {None: 0, "": 1, "ssd": 2, "dram": 3}
 
 
 class SchedulerSide:
@@ -127,15 +130,28 @@ class SchedulerSide:
         # pipeline stage has its own layer count (vLLM's partition; this side sees stage 0's cache).
         # The cache epoch (persisted beside the store) is in every prefix: reset_cache moves it on,
         # and a start after a reset moves on again (that epoch's KV may be from in-memory weights).
-        store = cfg.store_config()
-        self._epoch_file = EpochFile(store.ssd.path if store.ssd is not None else None)
+        # Node mode: the service holds every shard; the scheduler asks it directly (and its SSD
+        # directory holds the epoch file).
+        self._node_store: NodeClient | None = (
+            acquire_node(cfg.node, name="vllm-scheduler", max_connections=node_connections(cfg))
+            if cfg.node is not None else None)
+        self.lookups: ShardLookups
+        if self._node_store is not None:
+            client = self._node_store
+            self.lookups = NodeLookups(client, failures=lambda: client.counters.failures)
+        else:
+            self.lookups = RankLookups([socket_path(lookup_name(vllm_config), rank, cfg.lookup_socket_dir)
+                                        for rank in range(geometry.shard_count)])
+        self._epoch_file = EpochFile(epoch_directory(cfg, self._node_store))
         self.epoch = self._epoch_file.start()
         self._fingerprints = shard_fingerprints(vllm_config, geometry, cfg, stage=0,
                                                 weights=weights_identity(vllm_config, cfg))
         self.shard_digests = self._digests(self.epoch)
-        self.lookups = [LookupClient(socket_path(lookup_name(vllm_config), rank, cfg.lookup_socket_dir))
-                        for rank in range(geometry.shard_count)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
+        # Node mode: decode-side lookups that wait in the service for a prefill instance's chunks,
+        # on threads of their own so they never hold up other requests' lookups.
+        self._wait_pool = (ThreadPoolExecutor(4, thread_name_prefix="kv-sched-remote")
+                           if self.lookups.waits else None)
         self._reqs: dict[str, _Tracked] = {}
         self.ledger = SaveLedger(geometry.shard_count)
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
@@ -151,10 +167,16 @@ class SchedulerSide:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the lookup thread (bounded: a lookup still running past ``timeout_s`` is logged by
-        name and left behind) and close the lookup clients."""
-        shutdown_pool(self._pool, Deadline(timeout_s), owner="scheduler lookups")
-        for client in self.lookups:
-            client.close()
+        name and left behind) and close the lookup clients (node mode: release the service's
+        client)."""
+        deadline = Deadline(timeout_s)
+        shutdown_pool(self._pool, deadline, owner="scheduler lookups")
+        if self._wait_pool is not None:
+            shutdown_pool(self._wait_pool, deadline, owner="scheduler remote-prefill waits")
+        self.lookups.close()
+        if self._node_store is not None:
+            store, self._node_store = self._node_store, None
+            release_store(store, flush=False)
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (weight updates, ``pause_generation(
@@ -201,7 +223,13 @@ class SchedulerSide:
 
     def _lookup(self, key_lists: list[list[str]]) -> int:
         """Lookup thread: leading chunks present in every rank's store."""
-        return min(client.exists(keys) for client, keys in zip(self.lookups, key_lists))
+        return self.lookups.exists_all(key_lists)
+
+    def _wait_remote(self, key_lists: list[list[str]], wanted: int, deadline: float) -> int:
+        """Remote-wait thread (node mode): the leading chunks present once the first ``wanted``
+        chunks of every shard are committed, or at ``deadline`` (monotonic)."""
+        head = self.lookups.wait_stored([keys[:wanted] for keys in key_lists], deadline - time.monotonic())
+        return self.lookups.exists_all(key_lists) if head >= wanted and len(key_lists[0]) > wanted else head
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
     def _track(self, request: Request) -> _Tracked:
@@ -212,10 +240,18 @@ class SchedulerSide:
         return t
 
     def _start_lookup(self, t: _Tracked) -> int:
-        """Submit (once per prompt length) the lookup of the request's claimable chunks."""
+        """Submit (once per prompt length) the lookup of the request's claimable chunks. In node
+        mode a disaggregated decode request's lookup waits in the service for the chunks the
+        prefill instance promised to be committed (bounded by its deadline)."""
         max_chunks = (t.request.num_tokens - 1) // self.chunk_tokens  # never the last token
         if max_chunks > 0 and (t.lookup is None or t.lookup_chunks != max_chunks):
-            t.lookup = self._pool.submit(self._lookup, self._keys(self._hashes_upto(t, max_chunks)))
+            keys = self._keys(self._hashes_upto(t, max_chunks))
+            want_remote = min(t.remote_chunks, max_chunks)
+            if self._wait_pool is not None and want_remote and time.monotonic() < t.remote_deadline:
+                t.lookup = self._wait_pool.submit(self._wait_remote, keys, want_remote, t.remote_deadline)
+                self.counters["remote_waits"] = self.counters.get("remote_waits", 0) + 1
+            else:
+                t.lookup = self._pool.submit(self._lookup, keys)
             t.lookup_chunks = max_chunks
             self.counters["lookups"] += 1
         return max_chunks
@@ -243,7 +279,9 @@ class SchedulerSide:
             return None, False
         want_remote = min(t.remote_chunks, max_chunks)
         if hit < want_remote and time.monotonic() < t.remote_deadline:
-            # The prefill instance's saves may still be on their way: look again next step.
+            # The prefill instance's saves may still be on their way: look again (node mode: a
+            # lookup that waits in the service until they are committed, or the deadline; it
+            # answers early only when the service bounds its waits).
             t.lookup = None
             self._start_lookup(t)
             self.counters["ask_later"] += 1
@@ -290,10 +328,7 @@ class SchedulerSide:
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
         self._step_load_chunks += len(loads)
-        tiers: list[str | None] = ["dram"] * len(loads)
-        for client, keys in zip(self.lookups, self._keys([ld.chunk_hash for ld in loads])):
-            rank_tiers = client.pin_tiers(keys, ttl_s=self.cfg.lease_ttl_s)
-            tiers = [min(a, b, key=_TIER_ORDER.__getitem__) for a, b in zip(tiers, rank_tiers)]
+        tiers = self.lookups.pin_tiers(self._keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
         sources: dict[CacheHitSource, int] = {}
         for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
             n = min(end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
@@ -489,9 +524,9 @@ class SchedulerSide:
         for vLLM's stats hooks (the workers report the rest); None when nothing moved. Scheduler
         thread."""
         return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]},
-                                        FAILURES: {"peer_gone": sum(c.failures for c in self.lookups)}})
+                                        FAILURES: {"peer_gone": self.lookups.failures}})
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),
                 "saves_unsettled": self.ledger.unsettled_count, "finishing_requests": len(self._finishing),
-                "lookup_failures": sum(c.failures for c in self.lookups)}
+                "lookup_failures": self.lookups.failures}

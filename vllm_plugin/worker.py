@@ -1,37 +1,49 @@
 """Worker half of the vLLM connector: moves KV between vLLM's paged cache and the store.
 
 Lives in each vLLM worker process and is called from that worker's forward thread only; the store
-copies run on its :class:`mooncake_connector.client.KVClient`'s I/O threads.
+calls run on its :class:`mooncake_connector.client.KVClient`'s I/O threads and on its
+:class:`vllm_plugin.loader.LayerLoader`'s thread.
+
+Bytes move in **one copy** each way when the store has the slot API (``reserve``/``commit``,
+``lease``/``release``; the embedded store and the node client both do) and the cache is on the CPU:
+a load copies each layer straight from the leased slot into the engine's pages, a save gathers each
+layer straight from the pages into a reserved slot. Otherwise (a store without slots; a GPU, whose
+host memory must be pinned) the copies go through host staging buffers, as a second copy.
 
 One step, as vLLM drives it:
 
-0. Entering a step applies the scheduler's decisions on saves held from earlier steps (put them in
-   the store, or drop them: computed over a load that failed on some rank).
-1. ``start_load_kv`` (before the forward): every planned chunk load is submitted at once into host
-   staging buffers (waiting, bounded, for staging that saves in flight will free); the call returns
-   without waiting for the reads.
-2. ``wait_for_layer_load(layer)`` (before each attention layer): the first call waits for the reads;
-   each call then writes that one layer of every loaded chunk into the engine's blocks (layer-major
-   objects make a layer one contiguous range). A chunk that failed to load (missing, corrupt, timed
-   out) is not written: its blocks go to ``get_block_ids_with_load_errors`` and vLLM recomputes them;
-   a copy that read back CORRUPT is removed so the recomputed chunk can replace it.
-3. ``save_kv_layer(layer)`` (after each attention layer): that layer of every chunk planned for saving
-   is gathered into staging in the canonical layout. A request whose load failed on this rank this
-   step stages nothing (reported not saved); a save with no staging after the bounded wait is
-   reported not saved too, and the scheduler plans it again.
-4. ``wait_for_save`` (after the forward): layers no hook gathered are gathered now, the staged chunks
-   are handed to the I/O threads (held ones stay in staging for the scheduler's decision) and the
-   call returns; the store put runs in the background. The engine's blocks are no longer needed by
-   then (the bytes are in staging), so vLLM may free or reuse them at once. When vLLM never calls
-   it (speculative decoding defers it, and a non-last pipeline rank never gets to it), the next
-   step's first call ends the step instead: saves every layer hook gathered are put, the rest are
-   reported not stored (the blocks may hold other KV by then), and staging is returned.
+0. Entering a step applies the scheduler's decisions on saves held from earlier steps (commit or
+   put them, or drop them: computed over a load that failed on some rank).
+1. ``start_load_kv`` (before the forward): the step's chunk loads become one job of the layer
+   loader and the call returns. The loader's thread leases the chunks' slots (or waits for their
+   reads into staging, submitted here), drops the chunks that cannot be used, then writes the
+   layers in order (``load_copy: background``; on a GPU it enqueues them on a load stream).
+2. ``wait_for_layer_load(layer)`` (before each attention layer): waits for that layer only (with
+   ``load_copy: inline`` it copies it now). A chunk that failed to load (missing, corrupt, timed
+   out, its lease not stable) goes to ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
+   copy that read back CORRUPT is removed so the recomputed chunk can replace it.
+3. ``save_kv_layer(layer)`` (after each attention layer): the first call reserves a slot per chunk
+   to save (a chunk already stored is reported saved and not gathered) or takes staging; each call
+   gathers that layer of every chunk into its slot (or staging) in the canonical layout. A request
+   whose load failed on this rank this step saves nothing (reported not saved); a save that got no
+   slot or staging is reported not saved too, and the scheduler plans it again.
+4. ``wait_for_save`` (after the forward): layers no hook gathered are gathered now, the loads'
+   slots are released (a release that says the bytes were not stable fails that chunk's load),
+   the saves are handed to the I/O threads to commit (or put from staging), held ones keep their
+   slot or staging for the scheduler's decision, and the call returns. The engine's blocks are no
+   longer needed by then, so vLLM may free or reuse them at once. When vLLM never calls it
+   (speculative decoding defers it, and a non-last pipeline rank never gets to it), the next
+   step's first call ends the step instead: the loader is stopped (no layer is written after
+   that), loads whose layers were not all written by their hooks are failed, saves every layer
+   hook gathered are committed, the rest are reported not stored (the blocks may hold other KV by
+   then) and their slots or staging given back.
 5. ``build_connector_worker_meta``: the step's report to the scheduler (the step it closes, every
    save outcome since the last report); ``get_finished`` names the finished requests whose blocks
    the scheduler released.
 
-On a GPU the staging buffers are pinned, gathers run on a side stream, and the host waits only for
-this step's device-to-host copies at ``wait_for_save``.
+On a GPU the staging buffers are pinned, gathers run on a side stream and loads on a load stream;
+the forward's stream waits on per-layer events, and the I/O thread (not the forward thread) waits
+for a save's device-to-host copies before putting it. Not tested on a GPU yet.
 """
 
 from __future__ import annotations
@@ -54,9 +66,8 @@ from mooncake_connector.epoch import EpochFile, EpochSweeper
 from mooncake_connector.keys import ModelFingerprint, object_key
 from mooncake_connector.layout import PagedLayer, canonical_layer, kernel_block_ids
 from mooncake_connector.lookup_service import LookupServer, socket_path
-from mooncake_connector.ranks import rank_store_config
 from mooncake_connector.staging import StagingPool
-from mooncake_connector.stores import acquire_store, release_store
+from mooncake_connector.stores import acquire_connector_store, epoch_directory, release_store
 from store_backend.config import ConfigError
 from store_backend.slots import Reservation
 from store_backend.store import StoreClosedError
@@ -101,10 +112,10 @@ class WorkerSide:
         self.layer_names = kv_layer_names(kv_cache_config)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         # Each rank process (TP rank, PP stage, DP engine) opens its own SSD directory and DRAM
-        # segment: an embedded store's directory and segment belong to one process.
+        # segment: an embedded store's directory and segment belong to one process. In node mode
+        # every rank attaches to the one node service (keys differ by shard).
         self.position = rank_position(vllm_config)
-        self.store = acquire_store(rank_store_config(cfg.store_config(), self.position, shared_ssd=cfg.shared_ssd),
-                                   shared_ssd=cfg.shared_ssd)
+        self.store = acquire_connector_store(cfg, self.position, name=f"vllm-worker-{self.position.suffix}")
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
         self._stats_source: StatsSource | None = None  # made once the rank is known
@@ -157,8 +168,7 @@ class WorkerSide:
         shard = pp_rank * self.vllm_config.parallel_config.tensor_parallel_size + get_tensor_model_parallel_rank()
         self._fingerprint = shard_fingerprints(self.vllm_config, self.geometry, self.cfg, stage=pp_rank,
                                                weights=weights_identity(self.vllm_config, self.cfg))[shard]
-        base_store = self.cfg.store_config()
-        self.epoch = EpochFile(base_store.ssd.path if base_store.ssd is not None else None).read()
+        self.epoch = EpochFile(epoch_directory(self.cfg, self.store)).read()
         self.digest = msgspec.structs.replace(self._fingerprint, epoch=self.epoch).digest()
         if self.epoch > 0:
             # A crash may have cut the last reset's removal short, and objects of older epochs may
@@ -190,11 +200,13 @@ class WorkerSide:
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
             self._load_stream = torch.cuda.Stream(device=device)
-        # The scheduler (maybe another process) asks this worker's store what it holds.
-        self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
-                                                                   self.cfg.lookup_socket_dir),
-                                          on_error=self.store.note_worker_error)
-        self.lookup_server.start()
+        # The scheduler (maybe another process) asks this worker's store what it holds; in node
+        # mode it asks the node service directly.
+        if self.cfg.node is None:
+            self.lookup_server = LookupServer(self.client, socket_path(lookup_name(self.vllm_config), shard,
+                                                                       self.cfg.lookup_socket_dir),
+                                              on_error=self.store.note_worker_error)
+            self.lookup_server.start()
         logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, %d staging bytes, device %s",
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
 
@@ -757,7 +769,10 @@ class WorkerSide:
         return released
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "held_saves": len(self._held), "client": self.client.stats()}
+        loader = self.loader
+        copies = {"load_copy_s": loader.copy_s, "load_copied_bytes": loader.copied_bytes} if loader else {}
+        return {**self.counters, **copies, "load_copy": self.cfg.load_copy, "slot_copies": self._slot_loads(),
+                "held_saves": len(self._held), "client": self.client.stats()}
 
     def take_stats(self) -> TieredConnectorStats | None:
         """What this rank's store and client counted since the last call, for vLLM's stats hooks
