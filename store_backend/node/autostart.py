@@ -1,0 +1,198 @@
+"""Starting the node service when none answers: :class:`ServiceProcess`.
+
+An engine configured with ``store.node.auto_start`` hands one of these to its
+:class:`~store_backend.node.client.NodeClient` as the ``starter``. When a connect finds nobody at the
+socket, :meth:`ServiceProcess.ensure` takes ``<socket dir>/autostart.lock`` (flock, so of all the
+ranks and engines that find it missing at once exactly one starts it), asks again (another may just
+have started it), and else runs ``python -m store_backend.node serve --config F --idle-exit-s N
+--started-by PID`` in a session of its own (so the engine terminal's Ctrl-C does not reach it),
+its output appended to ``<socket dir>/node.log``. It returns once the service answers ``hello``;
+if the service exits first, :class:`~store_backend.config.ConfigError` carries the log's last lines.
+
+The service is *owned*: one reaper thread per started service (bounded: ``close()`` stops it within
+a second) waits for its exit and logs it, so it never lingers as a zombie while the starter runs;
+after the starter exits, init (or a subreaper) reaps it. It is *stoppable*: ``mooncake-kv stop``,
+and it exits by itself ``idle_exit_s`` after its last client left. The starter never kills it:
+other engines may be attached.
+
+``ensure`` blocks (at most about ``start_timeout_s``) and is thread-safe; ``close`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from store_backend.config import ConfigError
+from store_backend.node.client import probe
+from store_backend.node.config import load_node_config
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "autostart.lock"
+LOG_NAME = "node.log"
+_LOG_TAIL_LINES = 20
+_POLL_S = 0.05
+# The repository root (the directory holding store_backend/): the child imports the same code.
+_CODE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class ServiceProcess:
+    """Starts, once per machine however many processes ask, the service of ``config_file`` whose
+    socket is ``socket_path``; see the module docstring. ``python``: the interpreter to run it with."""
+
+    def __init__(self, socket_path: str, config_file: str, *, idle_exit_s: float | None = 300.0,
+                 start_timeout_s: float = 60.0, probe_timeout_s: float = 2.0, python: str = sys.executable) -> None:
+        if not os.path.isabs(socket_path):
+            raise ConfigError(f"node.socket: must be an absolute path, got {socket_path!r}")
+        if start_timeout_s <= 0:
+            raise ConfigError(f"node.start_timeout_s: must be > 0, got {start_timeout_s}")
+        if idle_exit_s is not None and idle_exit_s <= 0:
+            raise ConfigError(f"node.idle_exit_s: must be > 0 or null, got {idle_exit_s}")
+        self.socket_path = socket_path
+        self.config_file = str(config_file)
+        self.idle_exit_s = idle_exit_s
+        self.start_timeout_s = start_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.python = python
+        self.directory = os.path.dirname(socket_path)
+        self.lock_path = os.path.join(self.directory, LOCK_NAME)
+        self.log_path = os.path.join(self.directory, LOG_NAME)
+        self.process: subprocess.Popen[bytes] | None = None  # the service this object started, if any
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> ServiceProcess:
+        """:meth:`ensure`, for a caller that wants the service up now (e.g. before the first call)."""
+        self.ensure()
+        return self
+
+    def __call__(self) -> bool:
+        """The NodeClient ``starter`` hook: :meth:`ensure`."""
+        return self.ensure()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the reaper thread (the service keeps running). Idempotent."""
+        self._stop.set()
+        t = self._reaper
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():
+                logger.warning("node service reaper did not stop within %.1f s", timeout_s)
+
+    # -- starting ----------------------------------------------------------------------------------
+    def ensure(self) -> bool:
+        """Return once a service answers at the socket: True when this call started it, False when
+        one was there already (or another process started it meanwhile). ConfigError when the
+        config names another socket, the service exits before it answers (with its log's last
+        lines), or it does not answer within ``start_timeout_s``; NodeAccessError when the one
+        answering may not be attached to."""
+        with self._lock:
+            if probe(self.socket_path, self.probe_timeout_s) is not None:
+                return False
+            self._check_config()
+            deadline = time.monotonic() + self.start_timeout_s
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                self._flock(fd, deadline)
+                # Whoever held the lock before us may have started it.
+                if probe(self.socket_path, self.probe_timeout_s) is not None:
+                    return False
+                self._spawn()
+                self._wait_ready(deadline)
+                return True
+            finally:
+                os.close(fd)  # releases the flock
+
+    def _check_config(self) -> None:
+        """The service config must exist and name this socket (else the start could only time out)."""
+        cfg = load_node_config(self.config_file)
+        if os.path.realpath(cfg.socket_path) != os.path.realpath(self.socket_path):
+            raise ConfigError(f"node.config_file: {self.config_file} serves the socket {cfg.socket_path}, but "
+                              f"this engine attaches to {self.socket_path} (node.socket); make them the same")
+
+    def _flock(self, fd: int, deadline: float) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"another process held {self.lock_path} (starting the node service) for "
+                                  f"{self.start_timeout_s} s; see {self.log_path}")
+            time.sleep(_POLL_S)
+
+    def _spawn(self) -> None:
+        argv = [self.python, "-m", "store_backend.node", "serve", "--config", self.config_file,
+                "--started-by", str(os.getpid())]
+        if self.idle_exit_s is not None:
+            argv += ["--idle-exit-s", str(self.idle_exit_s)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_CODE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
+        with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts: "
+                      f"{' '.join(argv)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, close_fds=True, env=env, cwd="/")
+        logger.info("started the node service (pid %d) for %s; its log: %s", self.process.pid, self.socket_path,
+                    self.log_path)
+
+    def _wait_ready(self, deadline: float) -> None:
+        proc = self.process
+        assert proc is not None
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                raise ConfigError(f"the node service (config {self.config_file}) exited with status {rc} before "
+                                  f"it answered at {self.socket_path}; last lines of {self.log_path}:\n"
+                                  f"{self.log_tail()}")
+            if probe(self.socket_path, self.probe_timeout_s) is not None:
+                self._start_reaper(proc)
+                return
+            if time.monotonic() >= deadline:
+                self._start_reaper(proc)  # it may still come up; it stays owned either way
+                raise ConfigError(f"the node service (pid {proc.pid}, config {self.config_file}) did not answer "
+                                  f"at {self.socket_path} within {self.start_timeout_s} s; last lines of "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(_POLL_S)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines this start wrote to the log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_start", 0))
+                text = f.read().decode(errors="replace")
+        except OSError as e:
+            return f"(cannot read {self.log_path}: {e.strerror})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- reaping -----------------------------------------------------------------------------------
+    def _start_reaper(self, proc: subprocess.Popen[bytes]) -> None:
+        if self._reaper is not None and self._reaper.is_alive():
+            return
+        self._stop.clear()
+        self._reaper = threading.Thread(target=self._reap, args=(proc,), name="node-service-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+        while not self._stop.is_set():
+            try:
+                rc = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+            logger.info("the node service this process started (pid %d) exited with status %d", proc.pid, rc)
+            return
