@@ -16,6 +16,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mooncake_kv.demo", "write, offload, evict, read back and promote a stream of KV chunks"),
     "replay": ("mooncake_kv.replay.cli", "replay a request trace through the store and report hit ratios"),
     "inspect": ("mooncake_kv.inspect_cli", "what an SSD tier directory holds; --verify checks every record"),
+    "serve": ("mooncake_kv.node_cli", "run the node service (one store per node) in the foreground"),
+    "status": ("mooncake_kv.node_cli", "whether the node service answers; its tiers, usage and clients"),
+    "stop": ("mooncake_kv.node_cli", "stop the node service as SIGTERM does"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
     "store": ("mooncake_kv.bench.store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),

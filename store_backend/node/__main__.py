@@ -266,13 +266,25 @@ def run_stop(args: argparse.Namespace) -> int:
     welcome = replies[0]
     assert isinstance(welcome, p.Welcome)
     end = time.monotonic() + args.wait
-    while pid_alive(welcome.service_pid) and time.monotonic() < end:
+    while _running(welcome.service_pid) and time.monotonic() < end:
         time.sleep(_POLL_S)
-    if pid_alive(welcome.service_pid) and args.wait > 0:
+    if _running(welcome.service_pid) and args.wait > 0:
         print(f"mooncake-kv stop: the node service (pid {welcome.service_pid}) is still running after "
               f"{args.wait:g} s (it may still be flushing to SSD)", file=sys.stderr)
         return STILL_RUNNING
     return READY
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (an exited process its parent has not reaped yet does not)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 _COMMANDS = {

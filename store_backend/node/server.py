@@ -218,6 +218,7 @@ class NodeService:
         self._draining = False
         self._skip_waits = False
         self._stop_requested: str | None = None
+        self._stop_sent = False  # stop() was called
         self._wake: asyncio.Event | None = None
         self._ready = threading.Event()
         self._done = threading.Event()
@@ -350,10 +351,13 @@ class NodeService:
         return self
 
     def stop(self, *, skip_waits: bool = False, timeout_s: float | None = None) -> int:
-        """Stop the service as SIGTERM does (thread-safe); ``skip_waits`` as a second signal. With
-        ``timeout_s`` (not on the serving thread), waits for it to finish and returns its status."""
+        """Stop the service as SIGTERM does (thread-safe); ``skip_waits`` as a second signal (a
+        repeated call without it only waits). With ``timeout_s`` (not on the serving thread), waits
+        for it to finish and returns its status."""
         loop = self._loop
-        if loop is not None and not self._done.is_set():
+        first = not self._stop_sent
+        self._stop_sent = True
+        if loop is not None and not self._done.is_set() and (first or skip_waits):
             try:
                 loop.call_soon_threadsafe(self._request_stop, "stop requested", skip_waits)
             except RuntimeError:
@@ -961,8 +965,8 @@ class NodeService:
         while not self._store_closed.is_set() and not self._skip_waits:
             await self._sleep_or_wake(0.5)
         if not self._store_closed.is_set():
-            logger.warning("the store's flush was cut short by a second signal; the SSD tier recovers what "
-                           "was written")
+            logger.warning("the store's flush was cut short by a second stop request; the SSD tier recovers "
+                           "what was written")
             self.exit_status = 1
         elif not self._store_close_ok:
             self.exit_status = 1

@@ -1,0 +1,34 @@
+"""``mooncake-kv serve|status|stop``: the node service's commands (the same as ``python -m
+store_backend.node``, which the store uses to start a service without importing this package).
+
+One module for the three commands: :func:`add_arguments` adds the chosen one's options (named by
+the subparser's last word) and :func:`run` runs it in the main thread. Exit statuses are those of
+:mod:`store_backend.node.__main__`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from store_backend.node import __main__ as node_main
+
+_RUNNERS = {
+    "serve": (node_main.add_serve_arguments, node_main.run_serve),
+    "status": (node_main.add_status_arguments, node_main.run_status),
+    "stop": (node_main.add_stop_arguments, node_main.run_stop),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    command = parser.prog.split()[-1]
+    add, run = _RUNNERS[command]
+    add(parser)
+    parser.set_defaults(_node_run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "serve" and not args.verbose:
+        # A service's log says when it is ready and why it stops; the CLI default is WARNING.
+        logging.getLogger("store_backend").setLevel(logging.INFO)
+    return int(args._node_run(args))

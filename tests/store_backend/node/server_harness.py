@@ -1,0 +1,232 @@
+"""Shared pieces of the node service's tests: a config in a short private directory, a service on a
+thread of the test process or in a subprocess (``python -m store_backend.node serve``), and a client
+that speaks raw frames (so these tests do not depend on the NodeClient)."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from store_backend.node import protocol as p
+from store_backend.node.fdpass import recv_fd
+from store_backend.node.segment import map_segment
+from store_backend.node.server import NodeService
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def short_dir() -> str:
+    """A fresh 0700 directory with a short path (an AF_UNIX address holds 107 bytes)."""
+    return tempfile.mkdtemp(prefix="mkn-", dir="/tmp")
+
+
+def service_config(directory: str, **over: Any) -> dict[str, Any]:
+    """A small service: 16 MiB DRAM under a name of its own, socket in ``directory``, no metrics."""
+    cfg: dict[str, Any] = {
+        "socket": os.path.join(directory, "node.sock"),
+        "store": {"dram": {"capacity_bytes": 16 << 20, "shm_name": f"mkn-test-{uuid.uuid4().hex[:12]}"}},
+        "metrics": None,
+        "drain_timeout_s": 1.0,
+    }
+    for k, v in over.items():
+        if k == "store":
+            cfg["store"] = {**cfg["store"], **v}
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def segments_named(shm_name: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(shm_name + "-"))
+
+
+@contextlib.contextmanager
+def service_thread(cfg: dict[str, Any], **kwargs: Any) -> Iterator[NodeService]:
+    svc = NodeService(cfg, **kwargs).run_in_thread()
+    try:
+        yield svc
+    finally:
+        svc.stop(timeout_s=30)
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
+    end = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {timeout_s} s (last: {got!r})")
+        time.sleep(0.02)
+
+
+class Raw:
+    """One connection to the service speaking frames by hand. ``hello()`` maps the segment when
+    ``want_segment``; ``ask(msg)`` sends one request (its id set) and returns the reply."""
+
+    def __init__(self, path: str, timeout_s: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(path)
+        self.reader = p.FrameReader(self.sock, p.Reply)
+        self.timeout_s = timeout_s
+        self.next_id = 1
+        self.welcome: p.Welcome | None = None
+        self.mapping: mmap.mmap | None = None
+        self.fd: int | None = None
+
+    def hello(self, want_segment: bool = True, name: str = "test", version: int = p.PROTOCOL_VERSION) -> p.Frame:
+        self.sock.sendall(p.encode(p.Hello(self._id(), version, os.getpid(), name, want_segment)))
+        if not want_segment:
+            reply = self.reader.read(self.timeout_s)
+        else:
+            data, fd = recv_fd(self.sock, 1 << 16)
+            replies = self.reader.decoder.feed(data)
+            reply = replies[0] if replies else self.reader.read(self.timeout_s)
+            self.fd = fd
+        if isinstance(reply, p.Welcome):
+            self.welcome = reply
+            if self.fd is not None:
+                self.mapping = map_segment(self.fd, reply.segment_bytes, reply.segment_id)
+        return reply
+
+    def _id(self) -> int:
+        i = self.next_id
+        self.next_id += 1
+        return i
+
+    def ask(self, msg: p.Frame) -> p.Frame:
+        msg = type(msg)(**{**{f: getattr(msg, f) for f in msg.__struct_fields__}, "id": self._id()})
+        self.sock.sendall(p.encode(msg))
+        reply = self.reader.read(self.timeout_s)
+        assert reply is not None, f"the service closed the connection after {msg!r}"
+        if not isinstance(reply, (p.Error, p.Draining)):
+            assert reply.id == msg.id, (reply, msg)
+        return reply
+
+    def read(self, timeout_s: float | None = None) -> p.Frame | None:
+        return self.reader.read(self.timeout_s if timeout_s is None else timeout_s)
+
+    def put(self, key: str, data: bytes) -> None:
+        """reserve -> write through the mapping -> commit, asserting each step worked."""
+        slots = self.ask(p.Reserve(0, [key], [len(data)]))
+        assert isinstance(slots, p.Slots) and slots.grants[0].status == 0, slots
+        g = slots.grants[0]
+        assert self.mapping is not None
+        self.mapping[g.offset:g.offset + len(data)] = data
+        st = self.ask(p.Commit(0, [g.token]))
+        assert isinstance(st, p.Statuses) and list(st.values) == [0], st
+
+    def get(self, key: str) -> bytes | None:
+        """lease -> copy out -> release; None when the lease was not OK."""
+        slots = self.ask(p.Lease(0, [key]))
+        assert isinstance(slots, p.Slots), slots
+        g = slots.grants[0]
+        if g.status != 0:
+            return None
+        assert self.mapping is not None
+        out = bytes(self.mapping[g.offset:g.offset + g.nbytes])
+        rel = self.ask(p.Release(0, [g.token]))
+        assert isinstance(rel, p.Bools) and rel.values == [True], rel
+        return out
+
+    def closed_by_peer(self, timeout_s: float = 5.0) -> bool:
+        """Whether the service closes the connection within ``timeout_s`` (frames before are read)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                if self.reader.read(max(0.01, end - time.monotonic())) is None:
+                    return True
+            except (ConnectionResetError, BrokenPipeError):
+                return True
+            except p.FrameError:
+                return True
+            except TimeoutError:
+                return False
+        return False
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.sock.close()
+
+
+class ServiceProcess:
+    """``python -m store_backend.node serve`` in a subprocess, its log in ``directory``."""
+
+    def __init__(self, cfg: dict[str, Any], directory: str, *args: str) -> None:
+        self.cfg = cfg
+        self.config_path = os.path.join(directory, "node.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        self.log_path = os.path.join(directory, "node.log")
+        self.log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "store_backend.node", "serve", "--config", self.config_path, *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+        self.socket_path = cfg["socket"]
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited with {self.proc.returncode}: {self.log_text()}")
+            try:
+                c = Raw(self.socket_path, timeout_s=5.0)
+                try:
+                    if isinstance(c.hello(want_segment=False), p.Welcome):
+                        return
+                finally:
+                    c.close()
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"service not ready in {timeout_s} s: {self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log_path).read_text(errors="replace")[-4000:]
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        return self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        out[k] = v.strip()
+    return out
+
+
+def cleanup_dir(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)

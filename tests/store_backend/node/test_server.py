@@ -1,0 +1,411 @@
+"""The node service on a thread of the test process, spoken to in raw frames: the segment passed with
+welcome, bytes written through a reservation read back through a lease on another connection,
+visibility until commit, reclaim when a connection ends (closed, or its process killed mid-copy),
+foreign tokens, access checks, the lock, connection limits and broken frames."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from store_backend.config_loader import ConfigError
+from store_backend.framing import LEN
+from store_backend.node import protocol as p
+from store_backend.node.fdpass import fd_identity
+from store_backend.node.server import NodeService
+from store_backend.types import Status
+
+from .server_harness import REPO, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
+
+
+@pytest.fixture
+def sdir():
+    d = short_dir()
+    yield d
+    cleanup_dir(d)
+
+
+@pytest.fixture
+def svc(sdir):
+    with service_thread(service_config(sdir)) as s:
+        yield s
+
+
+def connect(svc: NodeService, **hello) -> Raw:
+    c = Raw(svc.socket_path)
+    w = c.hello(**hello)
+    assert isinstance(w, p.Welcome), w
+    return c
+
+
+def held(svc: NodeService) -> tuple[int, int, int]:
+    """(service-side tokens, service-side held bytes, store-side held bytes)."""
+    n = svc.node_stats()
+    s = svc.store.stats() if svc.store is not None else None
+    return n.reservations + n.leases, n.held_bytes, (s.slots.held_bytes if s is not None else 0)
+
+
+def test_welcome_passes_the_segment_and_a_second_connection_reads_what_the_first_wrote(svc):
+    a = connect(svc, name="writer")
+    b = connect(svc, name="reader")
+    try:
+        assert a.fd is not None and fd_identity(a.fd) == a.welcome.segment_id == svc.node_stats().segment_id
+        st = os.fstat(a.fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert a.welcome.segment_bytes == 16 << 20 and a.welcome.conn_id != b.welcome.conn_id
+        assert a.welcome.service_pid == os.getpid() and a.welcome.tiers == ["dram"]
+        data = os.urandom(100_000)
+        a.put("k/1", data)
+        assert b.get("k/1") == data
+        assert b.ask(p.Exists(0, ["k/1", "k/2"])).n == 1
+        assert b.ask(p.SizeOf(0, ["k/1", "k/2"])).values == [len(data), None]
+        assert b.ask(p.TierOf(0, ["k/1", "k/2"])).values == ["dram", None]
+        assert b.ask(p.Contains(0, ["k/1"])).values == [True]
+        assert b.ask(p.Pin(0, ["k/1", "k/2"], 5.0)).values == [True, False]
+        assert isinstance(b.ask(p.Unpin(0, ["k/1"])), p.Ack)
+        assert b.ask(p.ExistsAll(0, [["k/1"], ["k/1", "k/2"]])).n == 1
+        assert b.ask(p.Keys(0, prefix="k/")).keys == ["k/1"]
+        assert b.ask(p.Flush(0, 1.0)).ok
+        stats = b.ask(p.Stats(0))
+        assert isinstance(stats, p.StatsReply) and stats.node.connections == 2
+        assert {c.name for c in stats.node.clients} == {"writer", "reader"}
+        assert stats.node.frames["reserve"] == 1 and stats.node.frames["lease"] == 1
+        assert b.ask(p.Remove(0, ["k/1"])).values == [Status.OK]
+        assert b.get("k/1") is None
+        assert held(svc) == (0, 0, 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_hello_without_segment_sends_no_fd_and_status_probes_work(svc):
+    c = Raw(svc.socket_path)
+    try:
+        assert isinstance(c.hello(want_segment=False), p.Welcome) and c.fd is None
+    finally:
+        c.close()
+
+
+def test_reserved_key_is_invisible_to_another_connection_until_committed(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        slots = a.ask(p.Reserve(0, ["r/1"], [4096]))
+        g = slots.grants[0]
+        assert g.status == Status.OK
+        a.mapping[g.offset:g.offset + 4096] = b"x" * 4096
+        assert b.ask(p.Exists(0, ["r/1"])).n == 0
+        assert b.ask(p.Contains(0, ["r/1"])).values == [False]
+        assert b.ask(p.Lease(0, ["r/1"])).grants[0].status == Status.NOT_FOUND
+        assert b.ask(p.Exists(0, ["r/1"], count_reserved=True)).n == 1
+        assert b.ask(p.Reserve(0, ["r/1"], [4096])).grants[0].status == Status.EXISTS
+        assert a.ask(p.Commit(0, [g.token])).values == [Status.OK]
+        assert b.ask(p.Exists(0, ["r/1"])).n == 1
+        assert b.get("r/1") == b"x" * 4096
+    finally:
+        a.close()
+        b.close()
+
+
+def test_exists_with_wait_answers_when_another_connection_commits(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        g = a.ask(p.Reserve(0, ["w/1"], [4096])).grants[0]
+        b.sock.sendall(p.encode(p.Exists(77, ["w/1"], wait_s=10.0)))
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert a.ask(p.Commit(0, [g.token])).values == [Status.OK]
+        reply = b.read()
+        assert isinstance(reply, p.Count) and reply.id == 77 and reply.n == 1
+        assert time.monotonic() - t0 < 5.0
+        # The loop kept serving while the wait ran on the pool (the commit above was answered).
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tokens_of_another_connection_answer_io_error_and_change_nothing(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        r = a.ask(p.Reserve(0, ["t/1"], [4096])).grants[0]
+        a.put("t/2", b"y" * 100)
+        ls = a.ask(p.Lease(0, ["t/2"])).grants[0]
+        assert b.ask(p.Commit(0, [r.token, 999_999])).values == [Status.IO_ERROR, Status.IO_ERROR]
+        assert isinstance(b.ask(p.Abort(0, [r.token])), p.Ack)
+        assert b.ask(p.Release(0, [ls.token])).values == [False]
+        assert a.ask(p.Commit(0, [r.token])).values == [Status.OK]
+        assert a.ask(p.Release(0, [ls.token])).values == [True]
+        assert held(svc) == (0, 0, 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_connection_closed_mid_reservation_is_reclaimed(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        b.put("c/lease", b"l" * 8192)
+        g = a.ask(p.Reserve(0, ["c/1"], [1 << 20])).grants[0]
+        a.mapping[g.offset:g.offset + 1000] = b"h" * 1000  # half written
+        assert a.ask(p.Lease(0, ["c/lease"])).grants[0].status == Status.OK
+        assert held(svc)[1] == (1 << 20) + 8192
+        a.sock.close()  # no commit, no release
+        wait_until(lambda: held(svc) == (0, 0, 0), what="held bytes back to 0")
+        assert b.ask(p.Exists(0, ["c/1"], count_reserved=True)).n == 0
+        assert b.ask(p.Lease(0, ["c/1"])).grants[0].status == Status.NOT_FOUND
+        new = os.urandom(1 << 20)
+        b.put("c/1", new)
+        assert b.get("c/1") == new
+    finally:
+        a.close()
+        b.close()
+
+
+_COPYING_CLIENT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from store_backend.node import protocol as p
+    from tests.store_backend.node.server_harness import Raw
+    c = Raw({path!r})
+    c.hello(name="copier")
+    if {mode!r} == "write":
+        g = c.ask(p.Reserve(0, ["kill/1"], [4 << 20])).grants[0]
+    else:
+        g = c.ask(p.Lease(0, ["kill/read"])).grants[0]
+    assert g.status == 0, g
+    print("copying", flush=True)
+    chunk = b"z" * 65536
+    while True:  # copying into (or out of) the slot until killed
+        for off in range(0, g.nbytes - 65536, 65536):
+            if {mode!r} == "write":
+                c.mapping[g.offset + off:g.offset + off + 65536] = chunk
+            else:
+                bytes(c.mapping[g.offset + off:g.offset + off + 65536])
+""")
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_a_client_killed_mid_copy_is_reclaimed_and_others_keep_being_served(svc, mode):
+    b = connect(svc)
+    try:
+        b.put("kill/read", os.urandom(1 << 20))
+        script = _COPYING_CLIENT.format(repo=str(REPO), path=svc.socket_path, mode=mode)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+        try:
+            assert child.stdout.readline().strip() == "copying"
+            assert held(svc)[0] == 1
+            child.kill()
+            child.wait(10)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        wait_until(lambda: held(svc) == (0, 0, 0), what="the killed client's slot reclaimed")
+        assert b.ask(p.Exists(0, ["kill/1"], count_reserved=True)).n == 0
+        fresh = os.urandom(4 << 20)
+        b.put("kill/1", fresh)
+        assert b.get("kill/1") == fresh
+    finally:
+        b.close()
+
+
+def test_the_peer_process_exiting_reclaims_even_while_a_forked_child_keeps_the_socket(svc):
+    """The client forks a child that inherits the connection and outlives it: no end of stream
+    reaches the service, the pidfd of the client does."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from store_backend.node import protocol as p
+        from tests.store_backend.node.server_harness import Raw
+        c = Raw({svc.socket_path!r})
+        c.hello(name="forker")
+        g = c.ask(p.Reserve(0, ["fork/1"], [65536])).grants[0]
+        assert g.status == 0
+        if os.fork() == 0:
+            time.sleep(30)  # holds the socket open
+            os._exit(0)
+        print("reserved", flush=True)
+        time.sleep(30)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=str(REPO),
+                             start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "reserved"
+        assert held(svc)[0] == 1
+        child.kill()
+        child.wait(10)
+        wait_until(lambda: held(svc) == (0, 0, 0), what="reclaimed through the pidfd")
+        assert svc.pid_exits >= 1
+    finally:
+        try:
+            os.killpg(child.pid, 9)  # the grandchild too
+        except ProcessLookupError:
+            pass
+
+
+def test_a_socket_directory_wider_than_0700_or_of_another_owner_is_refused(sdir):
+    wide = os.path.join(sdir, "wide")
+    os.mkdir(wide, 0o755)
+    os.chmod(wide, 0o755)
+    with pytest.raises(ConfigError, match=r"mode 0755, wider than 0700"):
+        NodeService(service_config(wide)).open()
+    assert not os.path.exists(os.path.join(wide, "node.sock"))
+    if os.getuid() == 0:
+        other = os.path.join(sdir, "other")
+        os.mkdir(other, 0o700)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(ConfigError, match=r"owned by uid 65534"):
+            NodeService(service_config(other)).open()
+    made = os.path.join(sdir, "made")
+    with service_thread(service_config(made)):
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(os.path.join(made, "node.sock")).st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_a_process_of_another_uid_gets_error_permission(svc, sdir):
+    # Open the path up after start (as a careless admin might), so the kernel lets the other user
+    # connect and the service's own SO_PEERCRED check is what refuses it.
+    os.chmod(sdir, 0o711)
+    os.chmod(svc.socket_path, 0o666)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only os/socket calls until _exit
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(svc.socket_path)
+            got = b""
+            while True:
+                piece = s.recv(65536)
+                if not piece:
+                    break
+                got += piece
+            os.write(w, got)
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, repr(e).encode())
+        os._exit(0)
+    os.close(w)
+    out = b""
+    while piece := os.read(r, 65536):
+        out += piece
+    os.close(r)
+    os.waitpid(pid, 0)
+    (n,) = LEN.unpack(out[:4])
+    reply = p.MessageDecoder(p.Reply).decode(out[4:4 + n])
+    assert isinstance(reply, p.Error) and reply.code == "permission", out
+    assert "uid 65534 may not attach" in reply.message and svc.socket_path in reply.message
+    assert svc.refused["permission"] == 1
+
+
+def test_a_second_service_is_refused_by_the_lock(svc, sdir):
+    cfg = service_config(sdir)
+    with pytest.raises(ConfigError, match=r"another node service \(pid \d+\) holds .*node.lock"):
+        NodeService(cfg).open()
+    c = connect(svc)  # the first one is unharmed
+    c.close()
+
+
+def test_past_max_connections_a_newcomer_gets_error_busy(sdir):
+    with service_thread(service_config(sdir, max_connections=2)) as svc:
+        a, b = connect(svc), connect(svc)
+        try:
+            c = Raw(svc.socket_path)
+            reply = c.read()
+            assert isinstance(reply, p.Error) and reply.code == "busy"
+            assert c.closed_by_peer()
+            c.close()
+            a.close()
+            wait_until(lambda: svc.node_stats().connections == 1)
+            d = connect(svc)
+            d.close()
+        finally:
+            a.close()
+            b.close()
+
+
+def test_broken_frames_get_an_error_and_a_disconnect(svc):
+    cases = [
+        (LEN.pack(64 << 20), "too_large"),  # over the cap: refused at its header
+        (LEN.pack(3) + b"\xc1\xc1\xc1", "bad_request"),  # not msgpack
+        (p.encode(p.Count(1, 2)), "bad_request"),  # a reply is no request
+    ]
+    for data, code in cases:
+        c = Raw(svc.socket_path)
+        c.sock.sendall(data)
+        reply = c.read()
+        assert isinstance(reply, p.Error) and reply.code == code, (data, reply)
+        assert c.closed_by_peer()
+        c.close()
+    c = Raw(svc.socket_path)  # a request before hello
+    c.sock.sendall(p.encode(p.Exists(1, ["k"])))
+    reply = c.read()
+    assert isinstance(reply, p.Error) and "first frame must be hello" in reply.message
+    assert c.closed_by_peer()
+    c.close()
+    c = Raw(svc.socket_path)
+    reply = c.hello(want_segment=False, version=p.PROTOCOL_VERSION + 1)
+    assert isinstance(reply, p.Error) and reply.code == "version"
+    assert c.closed_by_peer()
+    c.close()
+    ok = connect(svc)
+    bad = ok.ask(p.Pin(0, ["k"], -1.0))  # a bad value is an error on an open connection
+    assert isinstance(bad, p.Error) and bad.code == "bad_request" and "ttl_s" in bad.message
+    assert ok.ask(p.Exists(0, ["k"])).n == 0
+    ok.close()
+    assert svc.bad_frames >= 4
+
+
+def test_a_frame_must_complete_in_time_and_idle_connections_without_tokens_close(sdir):
+    cfg = service_config(sdir, frame_timeout_s=0.3, idle_timeout_s=0.5)
+    with service_thread(cfg) as svc:
+        slow = connect(svc)
+        slow.sock.sendall(LEN.pack(100) + b"\x00")  # then nothing
+        reply = slow.read(5.0)
+        assert isinstance(reply, p.Error) and "did not complete within 0.3 s" in reply.message
+        assert slow.closed_by_peer()
+        slow.close()
+        idle = connect(svc)
+        holder = connect(svc)
+        assert holder.ask(p.Reserve(0, ["idle/1"], [4096])).grants[0].status == Status.OK
+        assert idle.closed_by_peer(timeout_s=5.0)
+        time.sleep(0.7)
+        assert holder.ask(p.Exists(0, ["idle/1"], count_reserved=True)).n == 1  # still served
+        assert svc.idle_closed >= 1
+        idle.close()
+        holder.close()
+
+
+def test_draining_refuses_new_slots_lets_open_ones_finish_and_pushes_draining(sdir):
+    cfg = service_config(sdir, drain_timeout_s=10.0)
+    svc = NodeService(cfg).run_in_thread()
+    a, b = connect(svc), connect(svc)
+    try:
+        g = a.ask(p.Reserve(0, ["d/1"], [4096])).grants[0]
+        t0 = time.monotonic()
+        svc.stop()
+        push = a.read()
+        assert isinstance(push, p.Draining) and push.id == 0 and push.deadline_s == 10.0
+        assert isinstance(b.read(), p.Draining)
+        refused = b.ask(p.Reserve(0, ["d/2"], [4096]))
+        assert isinstance(refused, p.Error) and refused.code == "closed"
+        refused = b.ask(p.Lease(0, ["d/1"]))
+        assert isinstance(refused, p.Error) and refused.code == "closed"
+        assert b.ask(p.Exists(0, ["d/1"], count_reserved=True)).n == 1  # other calls still answered
+        assert a.ask(p.Commit(0, [g.token])).values == [Status.OK]
+        assert svc.stop(timeout_s=20) == 0
+        assert time.monotonic() - t0 < 8.0  # it did not wait out the drain once no token was open
+        assert a.closed_by_peer() and b.closed_by_peer()
+        assert not os.path.exists(svc.socket_path)
+    finally:
+        a.close()
+        b.close()
+        svc.stop(skip_waits=True, timeout_s=10)
