@@ -546,8 +546,7 @@ class TieredStore:
         With ``slot``, each is recorded in the slot table (see :meth:`_reserve_batch`)."""
         m = self.metrics_counters
         reserved: list[tuple[int, Entry]] = []
-        if slot is not None:
-            self._expire_slots()
+        self._expire_slots()  # an expired reservation no longer holds its key (for put too)
         for i, key in enumerate(keys):
             if not valid[i]:
                 out[i] = Status.INVALID_KEY
@@ -1323,6 +1322,8 @@ class TieredStore:
         """(call held, lock not held) Presence per key in any tier, and the store's commit count
         read before DRAM was looked at. ``count_reserved``: an entry being written counts."""
         with self._lock:
+            if count_reserved:
+                self._expire_slots()  # an expired reservation is a save that will not land
             commits = self._commits
             entries = self._dram.entries
             out = [check_key(k) is None and (e := entries.get(k)) is not None

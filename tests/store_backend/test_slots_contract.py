@@ -170,6 +170,18 @@ def test_commit_after_expiry_is_io_error_and_the_key_is_free_for_another_writer(
     assert st.store.slot_expired == 1 and st.slots.held_bytes == 0
 
 
+def test_an_expired_reservation_frees_its_key_for_put_and_for_lookups(make_store) -> None:
+    s = make_store(DRAM)
+    [r] = s.reserve(["k"], [SIZE], ttl_s=0.05)
+    assert s.exists(["k"], count_reserved=True) == 1
+    time.sleep(0.15)
+    assert s.exists(["k"], count_reserved=True) == 0  # a save that can no longer commit
+    assert s.put(["k"], [payload("k", SIZE)]) == [Status.OK]
+    assert s.commit([r]) == [Status.IO_ERROR]
+    out = np.zeros(SIZE, np.uint8)
+    assert s.get_into(["k"], [out])[0].status is Status.OK and np.array_equal(out, payload("k", SIZE))
+
+
 def test_an_expired_slot_is_never_handed_out_again_before_reclaim(make_store) -> None:
     s = make_store(DRAM)
     owner = 11
