@@ -11,11 +11,16 @@ import fcntl
 import mmap
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease, StoreClosedError
 from store_backend.dram import SHM_DIR
@@ -28,6 +33,10 @@ KiB = 1 << 10
 MiB = 1 << 20
 SIZE = 64 * KiB
 DRAM = {"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"}}
+MODEL_KEYS = st.sampled_from([f"key{i}" for i in range(5)])
+MODEL_SIZES = st.sampled_from([1, 3000, 4096, 9000, 20000])
+MODEL_MAX = 20000
+OWNERS = st.sampled_from([0, 1, 2])
 
 
 def write(r: Reservation, data: np.ndarray) -> None:
@@ -387,6 +396,8 @@ def test_lease_stages_in_an_object_only_on_ssd(make_store, tmp_path) -> None:
     assert read(ls) == payload("k", SIZE).tobytes()
     assert s.tier_of(["k"]) == ["ssd"]  # a transient slot: not promoted (promotion is off)
     assert s.remove(["k"]) == [Status.OK]
+    for i in range(24, 48):  # more than DRAM holds: every slot not held is written over
+        s.put([f"fill{i}"], [payload(f"fill{i}", SIZE)])
     assert read(ls) == payload("k", SIZE).tobytes()  # held by the lease
     assert s.release([ls]) == [True]
     assert held(s) == (0, 0, 0) and s.stats().store.slot_stage_ins == 1
@@ -683,3 +694,123 @@ def test_a_fresh_segment_needs_a_name() -> None:
 
     with pytest.raises(ConfigError, match="dram.shm_name"):
         TieredStore(DRAM, fresh_segment=True)
+
+
+# -- a model of the slot API (hypothesis stateful testing; embedded) -------------------------------
+
+class SlotsVersusDict(RuleBasedStateMachine):
+    """Reserve/commit/abort, lease/release, put, get and remove in any order against a dict model,
+    over a DRAM tier of room for a few objects above an SSD tier (so stage-ins and evictions
+    happen). The store is a cache and may lose an object; it must never serve bytes other than the
+    key's current value, show a reserved key before its commit, or change a leased object's bytes
+    before its release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="slots-model-")
+        self.store = TieredStore({
+            "dram": {"capacity_bytes": 96 * KiB, "eviction_policy": "lru"},
+            "ssd": {"path": self.dir, "capacity_bytes": 16 * MiB, "admission_policy": "all"},
+            "promotion": {"admission_hits": 2},
+        }).start()
+        self.model: dict[str, bytes] = {}
+        self.version = 0
+        self.open: list[tuple[Reservation, int, bytes]] = []  # reservations not yet ended
+        self.leases: list[tuple[SlotLease, int, bytes]] = []  # leases held, with what they read
+
+    def teardown(self) -> None:
+        self.store.close(flush=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _value(self, key: str, size: int) -> bytes:
+        self.version += 1
+        return payload(f"{key}/{self.version}", size).tobytes()
+
+    @rule(key=MODEL_KEYS, size=MODEL_SIZES, owner=OWNERS)
+    def reserve(self, key: str, size: int, owner: int) -> None:
+        [r] = self.store.reserve([key], [size], owner=owner)
+        if r.status is Status.EXISTS:
+            assert key in self.model or any(o.key == key for o, _w, _v in self.open), key
+            return
+        if r.status is Status.NO_SPACE:
+            return
+        assert r.status is Status.OK and r.nbytes == size
+        assert not any(o.key == key for o, _w, _v in self.open), f"{key} reserved twice"
+        value = self._value(key, size)
+        r.view[:] = value
+        self.open.append((r, owner, value))
+
+    @rule(data=st.data(), commit=st.booleans())
+    def end_reservation(self, data: st.DataObject, commit: bool) -> None:
+        if not self.open:
+            return
+        r, owner, value = self.open.pop(data.draw(st.integers(0, len(self.open) - 1)))
+        assert not self.store.contains([r.key])[0] or r.key in self.model  # invisible until commit
+        if commit:
+            assert self.store.commit([r], owner=owner) == [Status.OK]
+            self.model[r.key] = value
+        else:
+            self.store.abort([r], owner=owner)
+
+    @rule(key=MODEL_KEYS, owner=OWNERS, stage_in=st.booleans())
+    def lease(self, key: str, owner: int, stage_in: bool) -> None:
+        [ls] = self.store.lease([key], owner=owner, stage_in=stage_in)
+        if ls.status is Status.OK:
+            got = bytes(ls.view)
+            assert got == self.model.get(key), f"lease of {key} served bytes other than its value"
+            self.leases.append((ls, owner, got))
+        else:
+            assert ls.status in (Status.NOT_FOUND, Status.NO_SPACE), ls.status
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.leases:
+            return
+        ls, owner, got = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        assert bytes(ls.view) == got
+        assert self.store.release([ls], owner=owner) == [True]
+
+    @rule(key=MODEL_KEYS, size=MODEL_SIZES)
+    def put(self, key: str, size: int) -> None:
+        value = self._value(key, size)
+        st_ = self.store.put([key], [value])[0]
+        if st_ is Status.OK:
+            self.model[key] = value
+        elif st_ is Status.EXISTS:
+            assert key in self.model or any(o.key == key for o, _w, _v in self.open), key
+        else:
+            assert st_ is Status.NO_SPACE, st_
+
+    @rule(key=MODEL_KEYS)
+    def get(self, key: str) -> None:
+        out = bytearray(MODEL_MAX)
+        res = self.store.get_into([key], [out])[0]
+        if res.status is Status.OK:
+            assert bytes(out[:res.nbytes]) == self.model.get(key), f"get of {key} served bytes other than its value"
+        else:
+            assert res.status is Status.NOT_FOUND, res.status
+
+    @rule(key=MODEL_KEYS)
+    def remove(self, key: str) -> None:
+        assert self.store.remove([key])[0] in (Status.OK, Status.NOT_FOUND)
+        self.model.pop(key, None)
+        # The remove took a reservation of the key: its commit answers OK and stores nothing.
+        for r, o, _v in [x for x in self.open if x[0].key == key]:
+            assert self.store.commit([r], owner=o) == [Status.OK]
+            assert self.store.contains([key]) == [False]
+        self.open = [x for x in self.open if x[0].key != key]
+
+    @invariant()
+    def leased_bytes_hold_and_reserved_keys_stay_hidden(self) -> None:
+        for ls, _o, got in self.leases:
+            assert bytes(ls.view) == got, f"the bytes of a lease of {ls.key} changed under it"
+        for r, _o, _v in self.open:
+            if r.key not in self.model:
+                assert self.store.contains([r.key]) == [False], f"{r.key} visible before its commit"
+        g = self.store.stats().slots
+        assert (g.reservations, g.leases) == (len(self.open), len(self.leases))
+
+
+TestSlotsVersusDict = SlotsVersusDict.TestCase
+TestSlotsVersusDict.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow])
