@@ -54,9 +54,11 @@ COPY_MODES = ("background", "inline")
 class LoadChunk:
     """One chunk of a job: where its layers go, and (after the resolve) where they come from.
 
-    ``block_ids``/``first_block`` are in kernel blocks. Exactly one source is set by the resolve
-    when ``ok``: ``buf`` (a flat uint8 staging tensor holding the whole canonical chunk) or
-    ``lease`` (a store lease: ``lease.layer(start, end)`` gives a layer's bytes)."""
+    ``block_ids``/``first_block`` are in kernel blocks. The resolve sets ``usable`` and ``status``
+    and, when usable, the source: ``buf`` (a flat uint8 staging tensor holding the whole canonical
+    chunk, set before) or ``lease`` (a store lease: ``lease.layer(start, end)`` gives a layer's
+    bytes). ``ok`` is the forward thread's view: set from ``usable`` when the job becomes ready
+    (never for a job cancelled before that), cleared by the caller when it fails the chunk."""
 
     req_id: str
     plan: Any  # the scheduler's ChunkLoad
@@ -64,6 +66,7 @@ class LoadChunk:
     first_block: int
     buf: torch.Tensor | None = None
     lease: Any = None
+    usable: bool = False
     ok: bool = False
     status: Status = Status.IO_ERROR
 
@@ -71,7 +74,7 @@ class LoadChunk:
 @dataclass(eq=False)
 class LoadJob:
     """One step's loads (see the module docstring). ``resolve(job)`` runs on the loader's thread,
-    may block (bounded by the caller's timeouts) and sets each chunk's ``ok``, ``status`` and
+    may block (bounded by the caller's timeouts) and sets each chunk's ``usable``, ``status`` and
     source; ``release(job)`` gives the sources back and answers, per chunk, whether its bytes were
     stable while they were read (it runs exactly once, on whichever thread retires the job)."""
 
@@ -183,9 +186,7 @@ class LayerLoader:
             logger.warning("%s: %d load jobs still queued; failing this step's %d chunk loads",
                            self.name, self._queue.qsize(), len(job.chunks))
             self._fail_resolve(job)
-            with job.lock:
-                job.t_ready = time.perf_counter()
-                job.ready.set()
+            self._mark_ready(job)
 
     def wait_ready(self, job: LoadJob, timeout_s: float) -> bool:
         """Block until ``job`` is resolved (its chunks' ``ok`` are final); False on timeout."""
@@ -257,11 +258,10 @@ class LayerLoader:
             try:
                 self._process(job)
             except Exception:  # a failed job must never stop the loads of later steps
+                # A layer's copy raised: the layers not written stay so, and their waiters are woken
+                # (wait_layer answers False: the forward thread fails the chunks).
                 logger.exception("%s: load job failed", self.name)
-                for c in job.chunks:
-                    c.ok = False
                 with job.lock:
-                    job.ready.set()
                     for ev in job.layer_ready:
                         ev.set()
 
@@ -271,12 +271,7 @@ class LayerLoader:
         except Exception:
             logger.exception("%s: resolving %d chunk loads failed", self.name, len(job.chunks))
             self._fail_resolve(job)
-        with job.lock:
-            job.t_ready = time.perf_counter()
-            job.ready.set()
-            abandoned = job.cancelled.is_set() and not job.released
-            if abandoned:
-                job.released = True
+        abandoned = self._mark_ready(job)
         if abandoned:
             # The step was over before its loads resolved: nothing is written, the sources go back.
             job.release(job)
@@ -292,8 +287,25 @@ class LayerLoader:
     def _fail_resolve(self, job: LoadJob) -> None:
         job.resolve_failed = True
         for c in job.chunks:
-            c.ok = False
+            c.usable = False
             c.status = Status.IO_ERROR
+
+    @staticmethod
+    def _mark_ready(job: LoadJob) -> bool:
+        """The resolve is over: publish the usable chunks, unless the caller cancelled the job
+        first (then nothing is used, and True: the sources are for this thread to release)."""
+        with job.lock:
+            job.t_ready = time.perf_counter()
+            abandoned = job.cancelled.is_set()
+            if not abandoned:
+                for c in job.chunks:
+                    c.ok = c.usable
+            elif not job.released:
+                job.released = True
+            else:
+                abandoned = False
+            job.ready.set()
+        return abandoned
 
     def _write(self, job: LoadJob, layer: int) -> bool:
         """Write ``layer`` of every usable chunk (under ``job.lock``; layers in order). False when

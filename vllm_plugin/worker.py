@@ -368,10 +368,11 @@ class WorkerSide:
         except FutureTimeout:
             logger.warning("load of %d chunks timed out after %.1f s; recomputing them",
                            len(job.chunks), self.cfg.load_timeout_s)
-            self.client.abandon_load(fut, len(job.chunks))
+            if not job.cancelled.is_set():  # else the forward thread gave up on it (and counted it)
+                self.client.abandon_load(fut, len(job.chunks))
             results = [ReadResult(Status.IO_ERROR)] * len(job.chunks)
         for c, res in zip(job.chunks, results):
-            c.ok, c.status = res.ok, res.status
+            c.usable, c.status = res.ok, res.status
 
     def _release_staging(self, job: LoadJob, fut: Future) -> list[bool]:
         # A timed-out read may still be writing into its buffers: return them when it is really done.
@@ -385,7 +386,7 @@ class WorkerSide:
                                    size=self.layout.chunk_bytes, unpin_after=True)
         for c, lease in zip(job.chunks, leases):
             c.lease = lease if lease.status is Status.OK else None
-            c.ok, c.status = c.lease is not None, lease.status
+            c.usable, c.status = c.lease is not None, lease.status
 
     def _release_leases(self, job: LoadJob) -> list[bool]:
         held = [c for c in job.chunks if c.lease is not None]
@@ -680,9 +681,15 @@ class WorkerSide:
 
     def _put_staged(self, jobs: list[_SaveJob]) -> None:
         bufs = [job.buf for job in jobs if job.buf is not None]
-        done = jobs[0].done
+        # GPU: the device-to-host copies of each step these saves were gathered in.
+        events = list({id(job.done): job.done for job in jobs if job.done is not None}.values())
+
+        def copied() -> None:
+            for ev in events:
+                ev.synchronize()
+
         fut = self.client.save([job.key for job in jobs], [b.numpy() for b in bufs], [job.parent for job in jobs],
-                               after=None if done is None else done.synchronize)
+                               after=copied if events else None)
         self._report_when_done(fut, [job.chunk.save_id for job in jobs])
         self._to_io(bufs, fut)
 

@@ -293,3 +293,46 @@ def test_a_held_save_keeps_its_slot_until_the_scheduler_decides(make_worker: Any
         time.sleep(0.01)
     assert w.store.contains([keep, drop]) == [True, False]
     assert _slots_held(w) == 0
+
+
+class _SlowLeases:
+    """Fault injection: ``lease`` hangs until ``gate`` is set (a store stuck in a stage-in)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def lease(self, *args: Any, **kwargs: Any) -> list[Any]:
+        assert self.gate.wait(30)
+        return self.inner.lease(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("copy", ["inline", "background"])
+def test_a_lease_answering_after_the_load_timeout_is_never_used(make_worker: Any, copy: str) -> None:
+    """The leases come only after load_timeout_s: the forward gets the blocks as load errors within
+    about that time, the leases that arrive later are not used (no layer written, nothing counted
+    loaded) and are given back."""
+    w = _worker(make_worker, copy=copy, gated=True)
+    _save(w, f"slow-{copy}", [0, 1], step=1)
+    slow = _SlowLeases(w.store)
+    w.client.close()
+    w.client = KVClient(slow, io_workers=2).start()
+    meta = _load_meta(f"slow-{copy}", [18, 19], step=2)
+    t0 = time.monotonic()
+    w.start_load_kv(meta)
+    for layer in LAYERS:
+        w.wait_for_layer_load(meta, layer)
+    w.wait_for_save(meta)
+    assert time.monotonic() - t0 < 3 * w.cfg.load_timeout_s + 1
+    assert w.take_load_errors() == {18, 19}
+    slow.gate.set()
+    deadline = time.monotonic() + 5
+    while w.store.stats().store.slot_releases < w.store.stats().store.slot_leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert [p.writes for p in w.paged] == [[], []]
+    assert _slots_held(w) == 0
+    assert w.stats()["chunks_loaded"] == 0
