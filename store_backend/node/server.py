@@ -40,6 +40,7 @@ import collections
 import concurrent.futures
 import errno
 import logging
+import math
 import os
 import signal
 import socket
@@ -74,6 +75,8 @@ _TICK_S = 1.0
 # A key page is cut well below the frame cap (keys are at most 1 KiB each).
 _KEY_PAGE_BYTES = MAX_FRAME_BYTES // 2
 _FLUSH_UNPERSISTED_MAX = 1000
+# Longest a waiting exists/lease sleeps before looking again without being woken.
+_WAIT_SLICE_S = 0.25
 
 
 async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
@@ -82,6 +85,11 @@ async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
         async with asyncio.timeout(seconds):
             return await aw
     return await asyncio.wait_for(aw, seconds)
+
+
+def _check_wait_s(name: str, value: float) -> None:
+    if not math.isfinite(value) or not 0 <= value <= MAX_PIN_TTL_S:
+        raise ValueError(f"{name} must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {value!r}")
 
 
 class _Closing(Exception):
@@ -369,10 +377,15 @@ class NodeService:
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s)
 
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Whether the service has stopped (serve() returned) within ``timeout_s``."""
+        return self._done.wait(timeout_s)
+
     async def _main(self, handle_signals: bool) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._wake = asyncio.Event()
+        self._slots_changed = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(self.config.workers, thread_name_prefix="node-call")
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -577,6 +590,7 @@ class NodeService:
             logger.exception("reclaiming the slots of connection %d failed", conn_id)
             return
         if aborted or released:
+            self._kick()
             logger.info("connection %d ended holding %d reservations and %d leases: reclaimed", conn_id,
                         aborted, released)
 
@@ -698,13 +712,17 @@ class NodeService:
     async def _on_exists(self, c: _Conn, m: p.Exists) -> p.Frame:
         store = self.store
         assert store is not None
-        if m.wait_s > 0:
-            n = await self._blocking(c, store.exists, m.keys, count_reserved=m.count_reserved, wait_s=m.wait_s)
-        elif m.count_reserved:
-            n = store.exists(m.keys, count_reserved=True)
-        else:
-            n = store.exists(m.keys)
-        return p.Count(m.id, n)
+        _check_wait_s("wait_s", m.wait_s)
+        end = time.monotonic() + m.wait_s
+        while True:
+            # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
+            # leaves costs nothing once its connection ends.
+            changed = self._slots_changed
+            n = store.exists(m.keys, count_reserved=True) if m.count_reserved else store.exists(m.keys)
+            left = end - time.monotonic()
+            if n == len(m.keys) or left <= 0:
+                return p.Count(m.id, n)
+            await self._wait_change(c, changed, left)
 
     async def _on_exists_all(self, c: _Conn, m: p.ExistsAll) -> p.Frame:
         assert self.store is not None
@@ -771,6 +789,8 @@ class NodeService:
         mine = self._take(c, c.reservations, m.tokens)
         known = [r for r in mine if r is not None]
         statuses = iter(self.store.commit(known, owner=c.conn_id) if known else [])
+        if known:
+            self._kick()
         return p.Statuses(m.id, [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine])
 
     async def _on_abort(self, c: _Conn, m: p.Abort) -> p.Frame:
@@ -778,6 +798,7 @@ class NodeService:
         known = [r for r in self._take(c, c.reservations, m.tokens) if r is not None]
         if known:
             self.store.abort(known, owner=c.conn_id)
+            self._kick()
         return p.Ack(m.id)
 
     async def _on_lease(self, c: _Conn, m: p.Lease) -> p.Frame:
@@ -785,11 +806,13 @@ class NodeService:
             return refused
         store = self.store
         assert store is not None
+        _check_wait_s("wait_pending_s", m.wait_pending_s)
+        if m.wait_pending_s > 0:
+            await self._wait_not_pending(c, m.keys, m.wait_pending_s)
         # Inline when every key is in DRAM (bookkeeping only); on the pool when the store may read
-        # a lower tier into a slot, or wait for a pending commit.
-        blocking = m.wait_pending_s > 0 or (
-            m.stage_in and self._has_below and any(t != "dram" for t in store.tier_of(m.keys)))
-        kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": m.wait_pending_s, "owner": c.conn_id}
+        # a lower tier into a slot.
+        blocking = m.stage_in and self._has_below and any(t != "dram" for t in store.tier_of(m.keys))
+        kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id}
         if blocking:
             got = await self._blocking(c, store.lease, m.keys, **kwargs)
         else:
@@ -805,6 +828,62 @@ class NodeService:
             else:
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
+
+    def _pending(self, keys: Sequence[str]) -> list[str]:
+        """Keys reserved and not committed yet (invisible to readers, counted as reserved)."""
+        store = self.store
+        assert store is not None
+        return [k for k in keys if store.exists([k], count_reserved=True) and not store.exists([k])]
+
+    async def _wait_not_pending(self, c: _Conn, keys: Sequence[str], wait_s: float) -> None:
+        """Until no key of ``keys`` is being written (committed, aborted, expired, reclaimed), or
+        ``wait_s`` passed; on the loop, woken by every commit and abort through this service."""
+        end = time.monotonic() + wait_s
+        pending = self._pending(keys)
+        while pending:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            changed = self._slots_changed
+            pending = self._pending(pending)
+            if pending:
+                await self._wait_change(c, changed, left)
+
+    def _kick(self) -> None:
+        """(loop thread) Slots changed (a commit, an abort, a reclaim, an expiry): wake the waits."""
+        changed, self._slots_changed = self._slots_changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_change(self, c: _Conn, changed: asyncio.Event, left_s: float) -> None:
+        """Until ``changed`` is set or a slice of ``left_s`` passed; :class:`_Closing` when the peer
+        closed its end meanwhile (nothing else reads the socket while a request is answered)."""
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+        fd = c.sock.fileno()
+
+        def readable() -> None:
+            try:
+                data = c.sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            loop.remove_reader(fd)
+            if not data and not gone.done():
+                gone.set_result(None)
+            # else: the next request came early; it is read once this one is answered
+
+        loop.add_reader(fd, readable)
+        woken = asyncio.ensure_future(changed.wait())
+        try:
+            # The slice is a backstop for what this service does not see (a TTL expiring in the store).
+            await asyncio.wait([woken, gone], timeout=min(left_s, _WAIT_SLICE_S),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(fd)
+            woken.cancel()
+        if gone.done():
+            raise _Closing()
 
     async def _on_release(self, c: _Conn, m: p.Release) -> p.Frame:
         assert self.store is not None
@@ -894,6 +973,7 @@ class NodeService:
             if store is not None and not self._draining:
                 try:
                     store.expire_slots()  # expired reservations free their keys for other writers
+                    self._kick()
                 except StoreClosedError:
                     pass
             idle = self.config.idle_exit_s

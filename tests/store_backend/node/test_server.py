@@ -409,3 +409,62 @@ def test_draining_refuses_new_slots_lets_open_ones_finish_and_pushes_draining(sd
         a.close()
         b.close()
         svc.stop(skip_waits=True, timeout_s=10)
+
+
+def test_a_lease_waits_for_a_pending_commit_on_the_loop_and_an_abort_ends_the_wait(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        g = a.ask(p.Reserve(0, ["p/1", "p/2"], [4096, 4096])).grants
+        a.mapping[g[0].offset:g[0].offset + 4096] = b"q" * 4096
+        b.sock.sendall(p.encode(p.Lease(50, ["p/1"], wait_pending_s=30.0)))
+        time.sleep(0.2)
+        assert a.ask(p.Commit(0, [g[0].token])).values == [Status.OK]  # served while b waits
+        reply = b.read()
+        assert isinstance(reply, p.Slots) and reply.id == 50 and reply.grants[0].status == Status.OK
+        assert bytes(b.mapping[reply.grants[0].offset:reply.grants[0].offset + 4096]) == b"q" * 4096
+        assert b.ask(p.Release(0, [reply.grants[0].token])).values == [True]
+        t0 = time.monotonic()
+        b.sock.sendall(p.encode(p.Lease(51, ["p/2"], wait_pending_s=30.0)))
+        time.sleep(0.2)
+        assert isinstance(a.ask(p.Abort(0, [g[1].token])), p.Ack)
+        reply = b.read()
+        assert reply.id == 51 and reply.grants[0].status == Status.NOT_FOUND
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_waits_hold_no_pool_thread_and_end_with_their_connection(sdir):
+    """More waiting clients than pool threads: the pool still serves a blocking call at once."""
+    with service_thread(service_config(sdir, workers=1)) as svc:
+        waiters = [connect(svc) for _ in range(4)]
+        other = connect(svc)
+        try:
+            for i, w in enumerate(waiters):
+                w.sock.sendall(p.encode(p.Exists(1, [f"never/{i}"], wait_s=3600.0)))
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert other.ask(p.Remove(0, ["never/x"])).values == [Status.NOT_FOUND]  # a pool call
+            assert other.ask(p.Keys(0)).keys == []
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            for w in waiters:
+                w.close()
+            wait_until(lambda: svc.node_stats().connections == 1)
+            other.close()
+
+
+def test_idle_exit_after_the_last_client_left(sdir):
+    svc = NodeService(service_config(sdir), idle_exit_s=1.0).run_in_thread()
+    try:
+        c = connect(svc)
+        time.sleep(1.5)
+        assert not svc.wait_stopped(0)  # a client is attached: no idle exit
+        c.close()
+        t0 = time.monotonic()
+        assert svc.wait_stopped(10), "the service did not exit after its last client left"
+        assert 0.5 < time.monotonic() - t0 < 8 and svc.exit_status == 0
+        assert not os.path.exists(svc.socket_path)
+    finally:
+        svc.stop(skip_waits=True, timeout_s=10)
