@@ -917,6 +917,27 @@ class TieredStore:
         key answers EXISTS; a remove meanwhile takes it, and so does a removal that began after the
         size lookup (``changed_since``): either way NOT_FOUND, never the removed bytes."""
         m = self.metrics_counters
+        # A key named again in the batch is staged once and leased once more per repeat.
+        first: dict[str, int] = {}
+        repeats = [(i, first.setdefault(keys[i], i)) for i in idx]
+        repeats = [(i, lead) for i, lead in repeats if i != lead]
+        idx = list(first.values())
+        leased: dict[int, tuple[Entry, str]] = {}  # leader index -> (leased entry, source)
+        self._stage_in_once(keys, idx, owner, deadline, out, leased)
+        if repeats:
+            arena = self._dram.arena.view
+            with self._lock:
+                for i, lead in repeats:
+                    got = leased.get(lead)
+                    if got is None:
+                        out[i] = SlotLease(out[lead].status, keys[i])
+                    else:
+                        out[i] = self._lease_entry(got[0], owner, deadline, got[1], arena)
+
+    def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, deadline: float,
+                       out: list[SlotLease], leased: dict[int, tuple[Entry, str]]) -> None:
+        """:meth:`_stage_in` for distinct keys; each lease it hands out is noted in ``leased``."""
+        m = self.metrics_counters
         with self._lock:
             generation = self._removals.generation()
             evicted_at = self._evictions.generation()
@@ -947,6 +968,8 @@ class TieredStore:
                 if e is not None:  # stored (or being written) meanwhile
                     if e.state is EntryState.READY:
                         out[i] = self._lease_entry(e, owner, deadline, "dram", arena)
+                        if out[i].status is Status.OK:
+                            leased[i] = (e, "dram")
                     continue
                 if self._removals.hidden(key) or self._removals.changed_since(key, generation):
                     continue  # removed since its size was asked: NOT_FOUND
@@ -1023,6 +1046,8 @@ class TieredStore:
                     out[i] = SlotLease(Status.NO_SPACE, e.key)
                     continue
                 out[i] = self._lease_entry(e, owner, deadline, tier.name, arena)
+                if out[i].status is Status.OK:
+                    leased[i] = (e, tier.name)
             self._bus.publish(events)
 
     def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:

@@ -403,6 +403,23 @@ def test_lease_stages_in_an_object_only_on_ssd(make_store, tmp_path) -> None:
     assert held(s) == (0, 0, 0) and s.stats().store.slot_stage_ins == 1
 
 
+@pytest.mark.parametrize("promote", [False, True])
+def test_a_key_named_twice_in_one_lease_is_leased_twice(make_store, tmp_path, promote) -> None:
+    s = make_store({**DRAM, "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB,
+                                    "admission_policy": "all"},
+                    "promotion": {"enabled": promote, "admission_hits": 1}})
+    assert s.put(["k", "d"], [payload("k", SIZE), payload("d", SIZE)]) == [Status.OK] * 2
+    assert s.flush(timeout_s=30)
+    for i in range(24):
+        s.put([f"fill{i}"], [payload(f"fill{i}", SIZE)])
+        assert s.flush(timeout_s=30)
+    assert s.tier_of(["k"]) == ["ssd"]
+    leases = s.lease(["k", "k", "d", "k"])
+    assert [read(ls) for ls in leases] == [payload(k, SIZE).tobytes() for k in ("k", "k", "d", "k")]
+    assert s.release(leases) == [True] * 4
+    assert held(s) == (0, 0, 0)
+
+
 def test_a_stage_in_that_promotes_makes_the_slot_the_dram_copy(tmp_path) -> None:
     """Embedded (the promotion rule is the store's): admission_hits=1 promotes at the first read."""
     s, _gate = gated_store(tmp_path)
