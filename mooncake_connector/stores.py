@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 
 import msgspec
 
@@ -31,6 +30,7 @@ from mooncake_connector.ranks import RankPosition, rank_store_config
 from mooncake_connector.shared_ssd import SharedDirectoryBackend
 from store_backend.api import KVStore
 from store_backend.config import ConfigError, StoreConfig
+from store_backend.node.autostart import ServiceProcess
 from store_backend.node.client import NodeClient
 from store_backend.node.config import default_socket_path
 from store_backend.store import TieredStore
@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _stores: dict[bytes, tuple[KVStore, int]] = {}
+# A node client's auto-starter (its reaper thread is closed with the client's last release).
+_starters: dict[int, ServiceProcess] = {}
+# Written beside the socket for an auto-start without a config_file: the service's defaults there.
+AUTOSTART_CONFIG = "autostart-config.json"
 
 
 def _key(config: StoreConfig, shared_ssd: bool) -> bytes:
@@ -100,26 +104,48 @@ def acquire_node(node: NodeAttachConfig, *, name: str, max_connections: int = 8)
 
 def _open_node(node: NodeAttachConfig, path: str, name: str, max_connections: int) -> NodeClient:
     """A started NodeClient for the service at ``path`` (auto-started when configured)."""
+    starter = _starter(node, path)
     client = NodeClient(path, name=name, max_connections=max_connections, connect_timeout_s=node.connect_timeout_s,
-                        op_timeout_s=node.op_timeout_s, starter=_starter(node, path))
+                        op_timeout_s=node.op_timeout_s, starter=starter)
     try:
-        return client.start()
+        client.start()
     except ConnectionError as e:
-        client.close(flush=False, timeout_s=1.0)
-        hint = ("set store.node.auto_start to start one" if not node.auto_start
-                else "its auto-start did not bring it up")
-        raise ConfigError(f"store.node.socket: {e}; start the service with `mooncake-kv serve --config FILE` "
-                          f"({hint})") from None
+        _close_node(client, starter)
+        raise ConfigError(f"store.node.socket: {e}; start the service with `mooncake-kv serve --config FILE`, "
+                          "or set store.node.auto_start") from None
     except BaseException:
-        client.close(flush=False, timeout_s=1.0)
+        _close_node(client, starter)
         raise
+    if starter is not None:
+        _starters[id(client)] = starter
+    return client
 
 
-def _starter(node: NodeAttachConfig, path: str) -> Callable[[], object] | None:
-    """What the client calls when no service answers: None unless ``auto_start``."""
+def _close_node(client: NodeClient, starter: ServiceProcess | None, *, flush: bool = False,
+                timeout_s: float = 1.0) -> None:
+    try:
+        client.close(flush=flush, timeout_s=timeout_s)
+    finally:
+        if starter is not None:
+            starter.close()
+
+
+def _starter(node: NodeAttachConfig, path: str) -> ServiceProcess | None:
+    """What the client calls when no service answers (None unless ``auto_start``): a
+    :class:`ServiceProcess` for ``config_file``, or, without one, for the service's defaults at
+    ``path`` (a config naming only the socket, written beside it)."""
     if not node.auto_start:
         return None
-    return None  # auto-start lands with store_backend.node.autostart
+    config_file = node.config_file
+    if config_file is None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        config_file = os.path.join(directory, AUTOSTART_CONFIG)
+        tmp = f"{config_file}.{os.getpid()}.partial"
+        with open(tmp, "w") as f:  # several ranks may write it at once: each renames a whole file
+            f.write(msgspec.json.encode({"socket": path}).decode())
+        os.replace(tmp, config_file)
+    return ServiceProcess(path, config_file, idle_exit_s=node.idle_exit_s, start_timeout_s=node.start_timeout_s)
 
 
 def acquire_connector_store(cfg: ConnectorConfig, position: RankPosition, *, name: str) -> KVStore:
@@ -166,6 +192,10 @@ def release_store(store: KVStore, *, flush: bool = True, flush_timeout_s: float 
                 break
         else:
             return
+        starter = _starters.pop(id(store), None)
     # close(flush=True) writes everything to SSD first (either offload policy) and logs any
-    # object it could not persist, with why.
-    store.close(flush=flush, timeout_s=flush_timeout_s)
+    # object it could not persist, with why. A node client's asks the service to flush.
+    if isinstance(store, NodeClient):
+        _close_node(store, starter, flush=flush, timeout_s=flush_timeout_s)
+    else:
+        store.close(flush=flush, timeout_s=flush_timeout_s)
