@@ -18,6 +18,12 @@ dtype, layout or rank, so the fingerprint adds them: model id, KV dtype, layout 
 heads, head size, and the KV shard (``pp_rank * tp_size + tp_rank`` of ``pp_size * tp_size``; for
 MLA, whose KV every TP rank holds whole, ``pp_rank`` of ``pp_size``: one writer rank, every rank reads).
 
+Pages move in one copy each way: a set reserves arena slots, copies each page from the host pool
+into its slot in the canonical layout and commits; a get leases the objects' slots, copies each into
+the host pool and releases (:meth:`sglang_hicache.pages.HostPages.gather_into` / ``scatter_from``).
+A store without the slot API is driven through a staging buffer and ``put``/``get_into`` instead;
+the legacy flat-page calls (``get``/``set``) always are.
+
 Failures are data: every batch call returns one bool per key (never ``None``, never raises for a
 per-key problem), so SGLang's backup and prefetch threads survive a missing or corrupt object and
 stop the prefetch at that page.
@@ -56,6 +62,10 @@ from store_backend.config import ConfigError
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
+
+# Arena bytes one batch call holds (reserved or leased) at once: SGLang's batches reach
+# STORAGE_BATCH_SIZE pages, and a store refuses one owner more than half its arena.
+_HOLD_BYTES = 64 << 20
 
 
 class _Staging:
@@ -119,6 +129,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         self.fingerprint: ModelFingerprint | None = None
         self._pages: HostPages | None = None
         self._prefix = ""
+        self._slots = False  # the store has the slot API (set at register_mem_pool_host)
         self._set_staging: _Staging | None = None
         self._get_staging: _Staging | None = None
         self._stats_lock = threading.Lock()
@@ -157,12 +168,17 @@ class MooncakeTieredStorage(HiCacheStorage):
         self.geometry = geometry
         self._pages = HostPages(mem_pool_host.kv_buffer, geometry)
         self._prefix = self.fingerprint.digest()
-        staging_bytes = self.settings.connector.staging_bytes
-        self._set_staging = _Staging(staging_bytes, geometry.page_bytes)
-        self._get_staging = _Staging(staging_bytes, geometry.page_bytes)
+        # With the slot API a page moves in one copy between the host pool and its arena slot;
+        # staging is only for a store without it.
+        self._slots = all(callable(getattr(self.store, name, None)) for name in ("reserve", "lease"))
+        if not self._slots:
+            staging_bytes = self.settings.connector.staging_bytes
+            self._set_staging = _Staging(staging_bytes, geometry.page_bytes)
+            self._get_staging = _Staging(staging_bytes, geometry.page_bytes)
+        mode = "slots" if self._slots else "direct" if self._pages.direct else "staged"
         logger.info("HiCache tiered storage: model %s, %s layout, %d-byte pages (%s), shard %d/%d, key prefix %s",
-                    self.model_id, geometry.layout, geometry.page_bytes,
-                    "direct" if self._pages.direct else "staged", shard_index, shard_count, self._prefix)
+                    self.model_id, geometry.layout, geometry.page_bytes, mode, shard_index, shard_count,
+                    self._prefix)
 
     def object_keys(self, keys: Sequence[str]) -> list[str]:
         """Store keys of SGLang page hashes (after ``register_mem_pool_host``)."""
@@ -202,8 +218,9 @@ class MooncakeTieredStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the pages at ``host_indices`` (``len(keys) * page_size`` indices) under ``keys``.
 
-        Blocking; runs on SGLang's backup thread. A page already stored counts as stored. Returns
-        one bool per key."""
+        Blocking; runs on SGLang's backup thread. Each page is copied once, from the host pool into
+        a slot the store reserved for it, and committed; until then readers do not see it. A page
+        already stored (or being stored by another writer) counts as stored. Returns one bool per key."""
         n = len(keys)
         if n == 0:
             return []
@@ -215,26 +232,11 @@ class MooncakeTieredStorage(HiCacheStorage):
             before = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
             parents = [self.object_keys(before[-1:])[0] if before else None, *okeys[:-1]]
             t0 = time.perf_counter()
-            done = [bool(x) for x in self.store.contains(okeys)]
-            todo = [i for i in range(n) if not done[i]]
-            pages = self._pages
-            assert pages is not None and self._set_staging is not None
-            if pages.direct:
-                statuses = self.store.put([okeys[i] for i in todo], [pages.page_array(starts[i]) for i in todo],
-                                          [parents[i] for i in todo])
-                for i, st in zip(todo, statuses):
-                    done[i] = st.ok
+            if self._slots:
+                done, stored = self._set_into_slots(okeys, starts, parents)
             else:
-                staging = self._set_staging
-                with staging.lock:
-                    for lo in range(0, len(todo), staging.pages):
-                        part = todo[lo:lo + staging.pages]
-                        pages.gather([starts[i] for i in part], staging.buffer(len(part)))
-                        statuses = self.store.put([okeys[i] for i in part], staging.slices(len(part)),
-                                                  [parents[i] for i in part])
-                        for i, st in zip(part, statuses):
-                            done[i] = st.ok
-            self._record(self._backup_pages, self._backup_gbps, len(todo), time.perf_counter() - t0)
+                done, stored = self._set_staged(okeys, starts, parents)
+            self._record(self._backup_pages, self._backup_gbps, stored, time.perf_counter() - t0)
             failed = [s for s in done if not s]
             if failed:
                 logger.warning("backup: %d of %d pages not stored", len(failed), n)
@@ -248,9 +250,10 @@ class MooncakeTieredStorage(HiCacheStorage):
         """Load pages ``keys`` into the host pool at ``host_indices``; one bool per key.
 
         Blocking; runs on SGLang's prefetch I/O thread. A missing, corrupt or wrong-sized object is
-        False and its bytes are never used; SGLang keeps only the leading True pages, so once a
-        batch of pages has a failure the later batches are not read (False). Each page is leased by
-        the store only while it is copied; no lease outlives the call (see ``batch_exists``)."""
+        False and its bytes are never used; SGLang keeps only the leading True pages, so the pages
+        after the first failure are not read (False). Each page is leased by the store only while
+        it is copied from its slot into the host pool (one copy); no lease outlives the call (see
+        ``batch_exists``), and a page whose ``release`` answers False is False."""
         n = len(keys)
         if n == 0:
             return []
@@ -258,25 +261,7 @@ class MooncakeTieredStorage(HiCacheStorage):
             starts = self._page_starts(host_indices, n)
             okeys = self.object_keys(keys)
             t0 = time.perf_counter()
-            out = [False] * n
-            pages = self._pages
-            assert pages is not None and self._get_staging is not None
-            size = pages.page_bytes
-            if pages.direct:
-                results = self.store.get_into(okeys, [pages.page_array(s) for s in starts])
-                out = [r.status is Status.OK and r.nbytes == size for r in results]
-            else:
-                staging = self._get_staging
-                with staging.lock:
-                    for lo in range(0, n, staging.pages):
-                        hi = min(n, lo + staging.pages)
-                        results = self.store.get_into(okeys[lo:hi], staging.slices(hi - lo))
-                        good = [j for j, r in enumerate(results) if r.status is Status.OK and r.nbytes == size]
-                        pages.scatter(starts[lo:hi], staging.buffer(hi - lo), good)
-                        for j in good:
-                            out[lo + j] = True
-                        if len(good) < hi - lo:
-                            break
+            out = self._get_from_slots(okeys, starts) if self._slots else self._get_staged(okeys, starts)
             loaded = out.index(False) if False in out else n
             self._record(self._prefetch_pages, self._prefetch_gbps, loaded, time.perf_counter() - t0)
             if loaded < n:
@@ -285,6 +270,135 @@ class MooncakeTieredStorage(HiCacheStorage):
         except Exception:
             logger.exception("batch_get_v1 of %d pages failed", n)
             return [False] * n
+
+    def _group(self, n: int) -> int:
+        """Pages per reserve/lease call: a batch holds at most ``_HOLD_BYTES`` of arena at once."""
+        assert self.geometry is not None
+        return max(1, min(n, _HOLD_BYTES // self.geometry.page_bytes))
+
+    def _set_into_slots(self, okeys: list[str], starts: list[int],
+                        parents: list[str | None]) -> tuple[list[bool], int]:
+        """reserve -> one copy per page from the host pool into its slot -> commit. EXISTS (stored
+        or being stored by another writer) counts as saved. A page refused NO_SPACE is asked for
+        again after the commit of a round that stored something (the store limits what one owner
+        holds at once: half its arena); else it is not saved. Returns (saved per page, pages written)."""
+        pages, store = self._pages, self.store
+        assert pages is not None
+        size = pages.page_bytes
+        done = [False] * len(okeys)
+        written = 0
+        todo = list(range(len(okeys)))
+        while todo:
+            part, todo = todo[:self._group(len(todo))], todo[self._group(len(todo)):]
+            reservations = store.reserve([okeys[i] for i in part], [size] * len(part), [parents[i] for i in part],
+                                         ttl_s=self.settings.connector.lease_ttl_s)
+            filled: list[int] = []
+            refused: list[int] = []
+            try:
+                for j, r in enumerate(reservations):
+                    if r.status is Status.OK:
+                        assert r.view is not None
+                        pages.gather_into(starts[part[j]], r.view)
+                        filled.append(j)
+                    elif r.status is Status.NO_SPACE:
+                        refused.append(part[j])
+                    else:
+                        done[part[j]] = r.status is Status.EXISTS
+            except BaseException:
+                store.abort([r for r in reservations if r.status is Status.OK])
+                raise
+            statuses = store.commit([reservations[j] for j in filled]) if filled else []
+            for j, st in zip(filled, statuses):
+                done[part[j]] = st.ok
+                written += st is Status.OK
+            if refused and filled:
+                todo = refused + todo
+        return done, written
+
+    def _set_staged(self, okeys: list[str], starts: list[int],
+                    parents: list[str | None]) -> tuple[list[bool], int]:
+        """A store without slots: gather into staging (or the pool itself when direct), then put."""
+        pages, store, staging = self._pages, self.store, self._set_staging
+        assert pages is not None and staging is not None
+        n = len(okeys)
+        done = [bool(x) for x in store.contains(okeys)]
+        todo = [i for i in range(n) if not done[i]]
+        if pages.direct:
+            statuses = store.put([okeys[i] for i in todo], [pages.page_array(starts[i]) for i in todo],
+                                 [parents[i] for i in todo])
+            for i, st in zip(todo, statuses):
+                done[i] = st.ok
+            return done, len(todo)
+        with staging.lock:
+            for lo in range(0, len(todo), staging.pages):
+                part = todo[lo:lo + staging.pages]
+                pages.gather([starts[i] for i in part], staging.buffer(len(part)))
+                statuses = store.put([okeys[i] for i in part], staging.slices(len(part)),
+                                     [parents[i] for i in part])
+                for i, st in zip(part, statuses):
+                    done[i] = st.ok
+        return done, len(todo)
+
+    def _get_from_slots(self, okeys: list[str], starts: list[int]) -> list[bool]:
+        """lease -> one copy per page from its slot into the host pool -> release.
+
+        Pages from the first one that is missing, of the wrong size, or whose lease ``release``
+        voids (TTL passed: its bytes may not have been stable) on are False, even when their bytes
+        were copied: SGLang uses only the leading True pages, and never a voided one. A lease
+        refused NO_SPACE after others were copied (the store limits what one owner holds at once)
+        is asked for again once those are released."""
+        pages, store = self._pages, self.store
+        assert pages is not None
+        n, size = len(okeys), pages.page_bytes
+        out = [False] * n
+        lo = 0
+        while lo < n:
+            hi = min(n, lo + self._group(n - lo))
+            leases = store.lease(okeys[lo:hi], ttl_s=self.settings.connector.load_timeout_s)
+            held = [ls for ls in leases if ls.status is Status.OK]
+            copied = 0
+            try:
+                for ls in leases:
+                    if ls.status is not Status.OK or ls.nbytes != size:
+                        break
+                    assert ls.view is not None
+                    pages.scatter_from(starts[lo + copied], ls.view)
+                    copied += 1
+            finally:
+                stable = store.release(held) if held else []
+            # The leading ``copied`` leases are all OK, so they are held[:copied], in order.
+            for j in range(copied):
+                if not stable[j]:
+                    return out
+                out[lo + j] = True
+            if lo + copied == hi:
+                lo = hi
+            elif copied and leases[copied].status is Status.NO_SPACE:
+                lo += copied
+            else:
+                break
+        return out
+
+    def _get_staged(self, okeys: list[str], starts: list[int]) -> list[bool]:
+        """A store without slots: get into staging (or the pool itself when direct), then scatter."""
+        pages, store, staging = self._pages, self.store, self._get_staging
+        assert pages is not None and staging is not None
+        n, size = len(okeys), pages.page_bytes
+        if pages.direct:
+            results = store.get_into(okeys, [pages.page_array(s) for s in starts])
+            return [r.status is Status.OK and r.nbytes == size for r in results]
+        out = [False] * n
+        with staging.lock:
+            for lo in range(0, n, staging.pages):
+                hi = min(n, lo + staging.pages)
+                results = store.get_into(okeys[lo:hi], staging.slices(hi - lo))
+                good = [j for j, r in enumerate(results) if r.status is Status.OK and r.nbytes == size]
+                pages.scatter(starts[lo:hi], staging.buffer(hi - lo), good)
+                for j in good:
+                    out[lo + j] = True
+                if len(good) < hi - lo:
+                    break
+        return out
 
     def _page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
         assert self.geometry is not None

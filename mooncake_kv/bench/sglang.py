@@ -10,7 +10,9 @@ the v1 interface (``batch_set`` of flat pages; ``batch_get`` into flat pages, th
 
 Not a test: figures depend on the machine. Progress goes to stderr; with ``--json`` the last stdout
 line is one JSON object (``set_gbps``, ``get_gbps``, ``ssd_set_gbps``, ``ssd_get_gbps``,
-``hicache_file_set_gbps``, ``hicache_file_get_gbps``, ``get_vs_hicache_file`` ...).
+``hicache_file_set_gbps``, ``hicache_file_get_gbps``, ``get_vs_hicache_file``, ``memcpy_gbps``: the
+pass's bytes copied into the host pool with one ``np.copyto`` per page, ``get_vs_memcpy``: DRAM get
+over that, ``memcpy_one_call_gbps``: the same bytes in one ``np.copyto`` ...).
 Runs in the calling thread; SGLang is imported only here, when the benchmark is chosen.
 """
 
@@ -66,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if not prepare_sglang_import():
         _log("SGLang is not installed (bash scripts/install_sglang.sh)")
         return 2
+    import numpy as np
     import torch
     from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -187,7 +190,25 @@ def run(args: argparse.Namespace) -> int:
         _log(f"HiCacheFile: set {total / file_set_s / GB:.2f} GB/s, get {total / file_get_s / GB:.2f} GB/s "
              "(page cache)")
 
+        # 4. The floor: the same bytes copied into the host pool with np.copyto, one copy per page
+        # (what a get does at best: one copy per object, as the store benchmark's memcpy), and in
+        # one call (above ~192 MiB glibc streams with non-temporal stores, which no page-sized copy
+        # gets). After every check: it overwrites pool memory. The source is pre-faulted.
+        pool = host.kv_buffer.view(torch.uint8).reshape(-1).numpy()[:total]
+        source = np.full(total, 7, dtype=np.uint8)
+
+        def memcpy_pages() -> None:
+            for lo in range(0, total, page_bytes):
+                np.copyto(pool[lo:lo + page_bytes], source[lo:lo + page_bytes])
+
+        memcpy_s = _best(memcpy_pages, args.repeats)
+        memcpy_one_s = _best(lambda: np.copyto(pool, source), args.repeats)
+        _log(f"memcpy into the host pool: {total / memcpy_s / GB:.2f} GB/s per page, "
+             f"{total / memcpy_one_s / GB:.2f} GB/s in one call")
+
         out.update(
+            memcpy_gbps=round(total / memcpy_s / GB, 3), get_vs_memcpy=round(memcpy_s / get_s, 2),
+            memcpy_one_call_gbps=round(total / memcpy_one_s / GB, 3),
             set_gbps=round(total / set_s / GB, 3), get_gbps=round(total / get_s / GB, 3),
             set_pages_per_s=round(n / set_s, 1), get_pages_per_s=round(n / get_s, 1),
             ssd_set_gbps=round(total / ssd_set_s / GB, 3), ssd_get_gbps=round(total / ssd_get_s / GB, 3),

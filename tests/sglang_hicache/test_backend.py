@@ -21,6 +21,7 @@ from mooncake_connector.keys import chunk_hashes  # noqa: E402
 from mooncake_connector.layout import canonical_layer  # noqa: E402
 from sglang_hicache.storage import MooncakeTieredStorage, UnsupportedHostPoolError  # noqa: E402
 from store_backend.config import ConfigError  # noqa: E402
+from store_backend.types import Status  # noqa: E402
 from tests.sglang_hicache.harness import (  # noqa: E402
     PAGE,
     extra_config,
@@ -235,3 +236,166 @@ def test_batch_calls_return_one_bool_per_key_on_misuse(tmp_path, backends):
     assert backend.batch_set_v1(keys, wrong) == [False, False]
     assert backend.batch_get_v1(keys, wrong) == [False, False]
     assert backend.batch_set_v1([], wrong[:0]) == [] and backend.batch_get_v1([], wrong[:0]) == []
+
+
+# -- one copy each way through store slots (reserve/commit, lease/release) ----------------------------
+
+ALL_LAYOUTS = [("page_first", False), ("page_first_direct", False), ("layer_first", False),
+               ("page_first", True), ("page_first_direct", True), ("layer_first", True)]
+
+
+def same_pages(host, a: torch.Tensor, b: torch.Tensor) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(read_pages(host, a), read_pages(host, b)))
+
+
+def _counters(backend: MooncakeTieredStorage):
+    return backend.store.metrics_counters.store
+
+
+@pytest.mark.parametrize("layout,mla", ALL_LAYOUTS)
+def test_v1_calls_move_each_page_in_one_copy_through_slots(tmp_path, backends, layout, mla):
+    """batch_set_v1 = reserve -> copy into the slot -> commit; batch_get_v1 = lease -> copy out ->
+    release: byte-exact, no staging buffer, no token left held, and the same object bytes the
+    legacy (flat page, put/get_into) path stores."""
+    pools = make_pools(layout, mla=mla)
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(40, 40 + 5 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(5 * PAGE)
+    fill_pages(pools.host, src, seed=21)
+    before = (_counters(backend).slot_commits, _counters(backend).slot_releases)
+    assert backend.batch_set_v1(keys, src) == [True] * 5
+    assert backend.batch_set_v1(keys, src) == [True] * 5  # EXISTS: saved, nothing written again
+    dst = pools.host.alloc(5 * PAGE)
+    assert backend.batch_get_v1(keys, dst) == [True] * 5
+    assert all(torch.equal(a, b) for a, b in zip(read_pages(pools.host, src), read_pages(pools.host, dst)))
+    c = _counters(backend)
+    assert (c.slot_commits - before[0], c.slot_releases - before[1]) == (5, 5)
+    assert backend._set_staging is None and backend._get_staging is None
+    assert len(backend.store._slots) == 0
+    # The legacy path (flat data pages, put) stores the same bytes under the same key.
+    legacy = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, model_id="legacy-check"), pools, backends)
+    flat = [pools.host.get_data_page(s, flat=True) for s in src[::PAGE].tolist()]
+    assert legacy.batch_set(keys, flat) is True
+    page_bytes = backend.geometry.page_bytes
+    for key in keys:
+        a, b = bytearray(page_bytes), bytearray(page_bytes)
+        assert backend.store.get_into(backend.object_keys([key]), [a])[0].ok
+        assert legacy.store.get_into(legacy.object_keys([key]), [b])[0].ok
+        assert a == b
+
+
+def test_partial_hits_load_the_leading_pages_only(tmp_path, backends):
+    pools = make_pools("page_first")
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(9, 9 + 4 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(4 * PAGE)
+    fill_pages(pools.host, src, seed=22)
+    assert backend.batch_set_v1(keys, src) == [True] * 4
+    assert backend.store.remove(backend.object_keys(keys[2:3])) == [Status.OK]
+    dst = pools.host.alloc(4 * PAGE)
+    assert backend.batch_get_v1(keys, dst) == [True, True, False, False]  # page 3 is there, but after a miss
+    assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])
+    assert len(backend.store._slots) == 0  # page 3's lease (if taken) was given back
+
+
+class _VoidingRelease:
+    """Fault injection: the real store, except that ``release`` says False for the leases of
+    ``void`` keys (as for a lease whose TTL passed while it was read)."""
+
+    def __init__(self, store, void: set[str]) -> None:
+        self._store, self._void = store, void
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def release(self, leases, **kw):
+        ok = self._store.release(leases, **kw)
+        return [o and ls.key not in self._void for o, ls in zip(ok, leases)]
+
+
+def test_a_page_whose_release_says_false_is_false_even_though_it_was_copied(tmp_path, backends):
+    pools = make_pools("page_first")
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(3, 3 + 4 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(4 * PAGE)
+    fill_pages(pools.host, src, seed=23)
+    assert backend.batch_set_v1(keys, src) == [True] * 4
+    real = backend.store
+    backend._store = _VoidingRelease(real, set(backend.object_keys(keys[1:2])))
+    try:
+        dst = pools.host.alloc(4 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True, False, False, False]
+    finally:
+        backend._store = real
+    assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])  # page 1 was copied, and still not used
+    assert len(real._slots) == 0
+
+
+def test_a_small_arena_takes_a_batch_in_rounds(tmp_path, backends):
+    """A store lets one owner hold half its arena at once: a batch of pages bigger than that is
+    reserved and leased in rounds, not refused."""
+    pools = make_pools("page_first")
+    page_bytes = 2 * 3 * PAGE * 2 * 16 * 2  # planes * layers * tokens * heads * head_dim * bf16
+    backend = build(extra_config({"dram": {"capacity_bytes": 6 * -(-page_bytes // 4096) * 4096}}), pools, backends)
+    keys = chunk_hashes(list(range(5, 5 + 6 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(6 * PAGE)
+    fill_pages(pools.host, src, seed=24)
+    assert backend.batch_set_v1(keys, src) == [True] * 6
+    dst = pools.host.alloc(6 * PAGE)
+    assert backend.batch_get_v1(keys, dst) == [True] * 6
+    assert same_pages(pools.host, src, dst)
+    assert _counters(backend).slot_refused > 0  # the rounds were needed
+
+
+def test_a_copy_that_raises_aborts_the_batch_reservations(tmp_path, backends, monkeypatch):
+    pools = make_pools("page_first")
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(1, 1 + 3 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(3 * PAGE)
+    fill_pages(pools.host, src, seed=25)
+    real = backend._pages.gather_into
+    calls = []
+
+    def fails_second(start, dest):
+        calls.append(start)
+        if len(calls) == 2:
+            raise OSError("injected copy failure")
+        real(start, dest)
+
+    monkeypatch.setattr(backend._pages, "gather_into", fails_second)
+    assert backend.batch_set_v1(keys, src) == [False] * 3
+    assert backend.store.contains(backend.object_keys(keys)) == [False] * 3  # nothing half-written visible
+    assert len(backend.store._slots) == 0 and _counters(backend).slot_aborts >= 3
+    monkeypatch.undo()
+    assert backend.batch_set_v1(keys, src) == [True] * 3  # the keys are free to store again
+
+
+class _NoSlots:
+    """A store as one without the slot API looks (only put/get_into and the lookups)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name):
+        if name in ("reserve", "commit", "abort", "lease", "release", "reclaim"):
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", True)])
+def test_a_store_without_slots_is_driven_through_staging(tmp_path, backends, layout, mla):
+    pools = make_pools(layout, mla=mla)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra_config({"dram": {"capacity_bytes": "16MiB"}}), mla=mla), pools.host)
+    backends.append(backend)
+    real = backend._store
+    backend._store = _NoSlots(real)
+    backend.register_mem_pool_host(pools.host)
+    assert not backend._slots and backend._set_staging is not None
+    keys = chunk_hashes(list(range(2, 2 + 3 * PAGE)), PAGE, scheme="sglang")
+    src, dst = pools.host.alloc(3 * PAGE), pools.host.alloc(3 * PAGE)
+    fill_pages(pools.host, src, seed=26)
+    assert backend.batch_set_v1(keys, src) == [True] * 3
+    assert backend.batch_get_v1(keys, dst) == [True] * 3
+    assert same_pages(pools.host, src, dst)
+    backend._store = real

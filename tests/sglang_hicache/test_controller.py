@@ -146,17 +146,18 @@ def test_backend_errors_never_kill_the_threads(schedulers):
     s = start(schedulers, "page_first", {"dram": {"capacity_bytes": "16MiB"}})
     tokens = prompt(3)
     src, _ = s.backup(tokens, seed=16)
-    real_get_into = s.backend.store.get_into
+    store = s.backend.store
 
     def broken(*_args, **_kw):
         raise OSError("injected I/O failure")
 
-    s.backend.store.get_into = broken  # type: ignore[method-assign]
-    try:
-        hit, loaded, _ = s.prefetch(tokens)
-        assert (hit, loaded) == (3 * PAGE, 0)
-    finally:
-        s.backend.store.get_into = real_get_into  # type: ignore[method-assign]
-    assert s.threads_alive()
+    for name in ("lease", "release"):  # the calls of a v1 load
+        setattr(store, name, broken)
+        try:
+            hit, loaded, _ = s.prefetch(tokens)
+            assert (hit, loaded) == (3 * PAGE, 0)
+        finally:
+            delattr(store, name)  # the class's method again
+        assert s.threads_alive()
     hit, loaded, dst = s.prefetch(tokens)
     assert hit == loaded == len(tokens) and same_pages(s.host, src, dst)
