@@ -842,7 +842,8 @@ class TieredStore:
         key at once; the bytes are freed by the last releaser). Thread-safe.
 
         Per key: OK (token, offset, read-only view of the object's bytes), NOT_FOUND (absent,
-        still being written, or removed during a stage-in), INVALID_KEY, NO_SPACE (no clean room
+        still being written: reserved, or being promoted or staged in from below by another call,
+        which ``wait_pending_s`` waits for; or removed during a stage-in), INVALID_KEY, NO_SPACE (no clean room
         to stage it in, or ``owner`` holds its share: see :meth:`reserve`), CORRUPT/IO_ERROR (the
         stage-in read failed). An object only in a lower tier is, with ``stage_in``, read into a
         slot first (blocks on that read; it evicts clean objects only): the slot becomes the
@@ -858,11 +859,10 @@ class TieredStore:
             raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
                              f"got {wait_pending_s!r}")
         out = [SlotLease(Status.NOT_FOUND, k) for k in keys]
-        deadline = time.monotonic() + ttl_s
         m = self.metrics_counters
-        arena = self._dram.arena.view
         below: list[int] = []
         with self._call(self.metrics_counters.latency.get):
+            arena = self._dram.arena.view
             with self._lock:
                 self._expire_slots()
                 m.store.gets += len(keys)
@@ -880,18 +880,20 @@ class TieredStore:
                         if e is None and stage_in and self._below:
                             below.append(i)
                         continue
-                    out[i] = self._lease_entry(e, owner, deadline, "dram", arena)
+                    out[i] = self._lease_entry(e, owner, ttl_s, "dram", arena)
             if below:
-                self._stage_in(keys, below, owner, deadline, out)
+                self._stage_in(keys, below, owner, ttl_s, out)
         return out
 
-    def _lease_entry(self, e: Entry, owner: int, deadline: float, source: str, arena: memoryview) -> SlotLease:
-        """(lock held) One more lease on ``e`` with a token, or NO_SPACE past the owner's limits."""
+    def _lease_entry(self, e: Entry, owner: int, ttl_s: float, source: str, arena: memoryview) -> SlotLease:
+        """(lock held) One more lease on ``e`` with a token whose TTL starts now (not before a wait
+        or a stage-in read: the TTL is the caller's time to read), or NO_SPACE past the owner's
+        limits."""
         if not self._slots.admits(owner, e.size):
             self.metrics_counters.store.slot_refused += 1
             return SlotLease(Status.NO_SPACE, e.key)
         e.leases += 1
-        token = self._slots.add(SlotKind.LEASE, e, owner, deadline, e.size, source)
+        token = self._slots.add(SlotKind.LEASE, e, owner, time.monotonic() + ttl_s, e.size, source)
         self.metrics_counters.store.slot_leases += 1
         return SlotLease(Status.OK, e.key, e.size, token, e.offset,
                          arena[e.offset:e.offset + e.size].toreadonly())
@@ -909,7 +911,7 @@ class TieredStore:
             self._changed.wait(min(left, _WAIT_SLICE_S))
             self._expire_slots()
 
-    def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, deadline: float,
+    def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
                   out: list[SlotLease]) -> None:
         """Lease objects found only below DRAM by reading each into a slot (no store lock held
         while a tier is asked or reads). The slot is reserved as a WRITING entry under the key
@@ -923,7 +925,7 @@ class TieredStore:
         repeats = [(i, lead) for i, lead in repeats if i != lead]
         idx = list(first.values())
         leased: dict[int, tuple[Entry, str]] = {}  # leader index -> (leased entry, source)
-        self._stage_in_once(keys, idx, owner, deadline, out, leased)
+        self._stage_in_once(keys, idx, owner, ttl_s, out, leased)
         if repeats:
             arena = self._dram.arena.view
             with self._lock:
@@ -932,9 +934,9 @@ class TieredStore:
                     if got is None:
                         out[i] = SlotLease(out[lead].status, keys[i])
                     else:
-                        out[i] = self._lease_entry(got[0], owner, deadline, got[1], arena)
+                        out[i] = self._lease_entry(got[0], owner, ttl_s, got[1], arena)
 
-    def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, deadline: float,
+    def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
                        out: list[SlotLease], leased: dict[int, tuple[Entry, str]]) -> None:
         """:meth:`_stage_in` for distinct keys; each lease it hands out is noted in ``leased``."""
         m = self.metrics_counters
@@ -967,7 +969,7 @@ class TieredStore:
                 e = self._dram.entries.get(key)
                 if e is not None:  # stored (or being written) meanwhile
                     if e.state is EntryState.READY:
-                        out[i] = self._lease_entry(e, owner, deadline, "dram", arena)
+                        out[i] = self._lease_entry(e, owner, ttl_s, "dram", arena)
                         if out[i].status is Status.OK:
                             leased[i] = (e, "dram")
                     continue
@@ -1045,7 +1047,7 @@ class TieredStore:
                         self._release_detached(e)
                     out[i] = SlotLease(Status.NO_SPACE, e.key)
                     continue
-                out[i] = self._lease_entry(e, owner, deadline, tier.name, arena)
+                out[i] = self._lease_entry(e, owner, ttl_s, tier.name, arena)
                 if out[i].status is Status.OK:
                     leased[i] = (e, tier.name)
             self._bus.publish(events)

@@ -302,6 +302,20 @@ def test_lease_waits_for_a_pending_key_to_commit(make_store) -> None:
     assert s.release(got) == [True]
 
 
+def test_a_lease_ttl_starts_when_the_lease_is_granted_not_before_its_wait(make_store) -> None:
+    s = make_store(DRAM)
+    [r] = s.reserve(["k"], [SIZE])
+    got: list[SlotLease] = []
+    t = threading.Thread(target=lambda: got.extend(s.lease(["k"], ttl_s=0.5, wait_pending_s=10)))
+    t.start()
+    time.sleep(0.8)  # longer than the lease's TTL
+    write(r, payload("k", SIZE))
+    assert s.commit([r]) == [Status.OK]
+    t.join(10)
+    assert read(got[0]) == payload("k", SIZE).tobytes()
+    assert s.release(got) == [True]  # released well within 0.5 s of the grant
+
+
 def test_lease_waiting_for_a_pending_key_that_is_aborted_answers_not_found(make_store) -> None:
     s = make_store(DRAM)
     [r] = s.reserve(["k"], [SIZE])
