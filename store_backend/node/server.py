@@ -55,6 +55,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from store_backend.api import StoreClosedError
 from store_backend.config_loader import ConfigError
+from store_backend.metrics import StoreCounters, StoreStats, TierStats
 from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameDecoder, FrameError, FrameTimeoutError
 from store_backend.node import protocol as p
 from store_backend.node.config import NodeServiceConfig, load_node_config
@@ -100,8 +101,8 @@ class _Conn:
     """One connection's state. Touched on the loop thread only."""
 
     __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "reservations", "leases",
-                 "deadlines", "held_bytes", "frames", "pending", "frame_t0", "task", "send_lock",
-                 "in_flight")
+                 "lease_tiers", "deadlines", "held_bytes", "frames", "pending", "frame_t0", "task", "send_lock",
+                 "in_flight", "mine")
 
     def __init__(self, conn_id: int, sock: socket.socket, pid: int, uid: int, max_frame_bytes: int) -> None:
         self.conn_id = conn_id
@@ -113,6 +114,8 @@ class _Conn:
         self.hello = False
         self.reservations: dict[int, Any] = {}  # token -> the store's Reservation
         self.leases: dict[int, Any] = {}  # token -> the store's SlotLease
+        self.lease_tiers: dict[int, str] = {}  # token -> the tier its bytes came from
+        self.mine = _Mine()  # replaced by its process's (shared by its connections) at admission
         self.deadlines: dict[int, float] = {}  # token -> monotonic end of its TTL
         self.held_bytes = 0
         self.frames = FrameDecoder(max_frame_bytes)
@@ -133,6 +136,26 @@ class _Conn:
     def drop(self, token: int, nbytes: int) -> None:
         self.deadlines.pop(token, None)
         self.held_bytes -= nbytes
+
+
+class _Mine:
+    """What one client process did through this service (every connection of its pid): the
+    counters a ``stats(mine=True)`` answers, so engines that sum their reports count each hit once.
+    Counters only; the gauges (capacity, use, objects) are the store's, in ``stats()``."""
+
+    __slots__ = ("tiers", "store")
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, TierStats] = {"dram": TierStats(), "ssd": TierStats()}
+        self.store = StoreCounters()
+
+    def stats(self) -> StoreStats:
+        return StoreStats(dram=msgspec.structs.replace(self.tiers["dram"]),
+                          ssd=msgspec.structs.replace(self.tiers["ssd"]), store=msgspec.structs.replace(self.store))
+
+
+# Client processes whose counters are kept (the oldest go first past it).
+_MINE_MAX = 4096
 
 
 class _PidWatch:
@@ -241,6 +264,7 @@ class NodeService:
         self.refused = collections.Counter()  # by error code (permission, busy)
         self.pid_exits = 0  # connections ended because their process exited (pidfd)
         self._logged_peers: set[int] = set()
+        self._mine: collections.OrderedDict[int, _Mine] = collections.OrderedDict()  # by client pid
 
     # -- start ------------------------------------------------------------------------------------
     def open(self) -> NodeService:
@@ -468,9 +492,20 @@ class NodeService:
             return
         self._next_conn_id += 1
         c = _Conn(self._next_conn_id, sock, creds.pid, creds.uid, MAX_FRAME_BYTES)
+        c.mine = self._mine_of(creds.pid)
         self._conns[c.conn_id] = c
         self._watch_pid(c)
         c.task = self._spawn(self._serve_conn(c))
+
+    def _mine_of(self, pid: int) -> _Mine:
+        mine = self._mine.get(pid)
+        if mine is None:
+            if len(self._mine) >= _MINE_MAX:
+                self._mine.popitem(last=False)
+            mine = self._mine[pid] = _Mine()
+        else:
+            self._mine.move_to_end(pid)
+        return mine
 
     async def _refuse(self, sock: socket.socket, error: p.Error) -> None:
         try:
@@ -564,13 +599,20 @@ class NodeService:
         self._reclaim(c.conn_id)
         c.reservations.clear()
         c.leases.clear()
+        c.lease_tiers.clear()
         c.deadlines.clear()
         c.held_bytes = 0
         fut = c.in_flight
         if fut is not None and not fut.done():
             # A pool call still running may yet grant slots to this connection: reclaim them too.
             loop = asyncio.get_running_loop()
-            fut.add_done_callback(lambda _f, cid=c.conn_id: loop.call_soon_threadsafe(self._reclaim, cid))
+            def reclaim_later(_f: concurrent.futures.Future[Any], cid: int = c.conn_id) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._reclaim, cid)
+                except RuntimeError:
+                    pass  # the loop ended: the store is closed with everything it held
+
+            fut.add_done_callback(reclaim_later)
         try:
             c.sock.close()
         except OSError:
@@ -627,6 +669,7 @@ class NodeService:
         return w
 
     def _pid_exited(self, pid: int) -> None:
+        self._mine.pop(pid, None)
         w = self._drop_watch(pid)
         if w is None:
             return
@@ -764,6 +807,10 @@ class NodeService:
         now = time.monotonic()
         grants: list[p.Grant] = []
         for r in store.reserve(m.keys, m.sizes, m.parents, ttl_s=m.ttl_s, owner=c.conn_id):
+            if r.status is Status.EXISTS:
+                c.mine.store.put_exists += 1
+            elif r.status is Status.NO_SPACE:
+                c.mine.store.put_no_space += 1
             if r.status is Status.OK:
                 r.view = None  # the service never writes a slot: its clients do
                 c.reservations[r.token] = r
@@ -791,7 +838,12 @@ class NodeService:
         statuses = iter(self.store.commit(known, owner=c.conn_id) if known else [])
         if known:
             self._kick()
-        return p.Statuses(m.id, [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine])
+        out = [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine]
+        for r, st in zip(mine, out):
+            if r is not None and st is Status.OK:
+                c.mine.store.puts += 1
+                c.mine.tiers["dram"].bytes_written += r.nbytes
+        return p.Statuses(m.id, out)
 
     async def _on_abort(self, c: _Conn, m: p.Abort) -> p.Frame:
         assert self.store is not None
@@ -811,7 +863,8 @@ class NodeService:
             await self._wait_not_pending(c, m.keys, m.wait_pending_s)
         # Inline when every key is in DRAM (bookkeeping only); on the pool when the store may read
         # a lower tier into a slot.
-        blocking = m.stage_in and self._has_below and any(t != "dram" for t in store.tier_of(m.keys))
+        tiers = store.tier_of(m.keys) if m.stage_in and self._has_below else None
+        blocking = tiers is not None and any(t != "dram" for t in tiers)
         kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id}
         if blocking:
             got = await self._blocking(c, store.lease, m.keys, **kwargs)
@@ -819,13 +872,23 @@ class NodeService:
             got = store.lease(m.keys, **kwargs)
         now = time.monotonic()
         grants: list[p.Grant] = []
-        for r in got:
+        mine = c.mine
+        mine.store.gets += len(m.keys)
+        for i, r in enumerate(got):
+            tier = (tiers[i] if tiers is not None else None) or "dram"
+            if tier != "dram":
+                mine.tiers["dram"].misses += 1  # it was below: DRAM missed it first
             if r.status is Status.OK:
                 r.view = None
                 c.leases[r.token] = r
+                c.lease_tiers[r.token] = tier
                 c.hold(r.token, r.nbytes, m.ttl_s, now)
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
             else:
+                if tier == "dram":
+                    mine.tiers["dram"].misses += 1
+                    if self._has_below and m.stage_in:
+                        mine.tiers["ssd"].misses += 1
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 
@@ -890,7 +953,15 @@ class NodeService:
         mine = self._take(c, c.leases, m.tokens)
         known = [r for r in mine if r is not None]
         answers = iter(self.store.release(known, owner=c.conn_id) if known else [])
-        return p.Bools(m.id, [False if r is None else bool(next(answers)) for r in mine])
+        out = [False if r is None else bool(next(answers)) for r in mine]
+        for r, ok in zip(mine, out):
+            if r is not None:
+                tier = c.lease_tiers.pop(r.token, "dram")
+                if ok:
+                    t = c.mine.tiers.setdefault(tier, TierStats())
+                    t.hits += 1
+                    t.bytes_read += r.nbytes
+        return p.Bools(m.id, out)
 
     async def _on_remove(self, c: _Conn, m: p.Remove) -> p.Frame:
         assert self.store is not None
@@ -912,7 +983,7 @@ class NodeService:
 
     async def _on_stats(self, c: _Conn, m: p.Stats) -> p.Frame:
         assert self.store is not None
-        return p.StatsReply(m.id, self.store.stats(), self.node_stats())
+        return p.StatsReply(m.id, c.mine.stats() if m.mine else self.store.stats(), self.node_stats())
 
     async def _on_shutdown(self, c: _Conn, m: p.Shutdown) -> p.Frame:
         logger.warning("shutdown requested by pid %d (%s)", c.pid, c.name or "unnamed")

@@ -5,6 +5,7 @@ foreign tokens, access checks, the lock, connection limits and broken frames."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -468,3 +469,40 @@ def test_idle_exit_after_the_last_client_left(sdir):
         assert not os.path.exists(svc.socket_path)
     finally:
         svc.stop(skip_waits=True, timeout_s=10)
+
+
+_STATS_CLIENT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    import msgspec
+    from store_backend.node import protocol as p
+    from tests.store_backend.node.server_harness import Raw
+    a, b = Raw({path!r}), Raw({path!r})  # two connections of one process count together
+    a.hello(name="engine")
+    b.hello(name="engine")
+    a.put("mine/1", b"m" * 5000)
+    assert b.get("mine/1") == b"m" * 5000
+    assert a.get("mine/1") == b"m" * 5000
+    assert b.get("mine/absent") is None
+    print(json.dumps(msgspec.to_builtins(b.ask(p.Stats(0, mine=True)).store)), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_stats_mine_counts_what_one_client_process_did(svc):
+    own = connect(svc)
+    child = subprocess.Popen([sys.executable, "-c", _STATS_CLIENT.format(repo=str(REPO), path=svc.socket_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    try:
+        theirs = json.loads(child.stdout.readline())
+        assert theirs["store"]["puts"] == 1 and theirs["store"]["gets"] == 3
+        assert theirs["dram"]["hits"] == 2 and theirs["dram"]["misses"] == 1
+        assert theirs["dram"]["bytes_read"] == 10000 and theirs["dram"]["bytes_written"] == 5000
+        mine = own.ask(p.Stats(0, mine=True)).store
+        assert mine.store.puts == 0 and mine.dram.hits == 0  # this process did nothing yet
+        whole = own.ask(p.Stats(0)).store
+        assert whole.store.puts == 1 and whole.dram.hits == 2
+    finally:
+        child.stdin.close()
+        child.wait(10)
+        own.close()
