@@ -202,6 +202,12 @@ class _Mappings:
             m.refs += 1
             return m
 
+    def retain(self, m: SegmentMapping) -> SegmentMapping:
+        """One more user of a mapping already acquired."""
+        with self._lock:
+            m.refs += 1
+        return m
+
     def release(self, m: SegmentMapping) -> None:
         self._check_fork()
         with self._lock:
@@ -672,11 +678,10 @@ class NodeClient:
                     logger.info("node service at %s restarted (segment %s -> %s, pid %d)", self.socket_path,
                                 self._mapping.segment_id, seg, conn.welcome.service_pid)
                     self.counters.remaps += 1
-                    for c in self._conns:
+                    for c in list(self._conns):
                         self._void(c)
                 old_mapping = self._mapping
-                self._mapping = conn.mapping
-                conn.mapping.refs += 1  # the client's own reference, held until the segment changes
+                self._mapping = MAPPINGS.retain(conn.mapping)  # the client's own, until the segment changes
             self.counters.connects += 1
             if self._lost_since is not None:
                 self.counters.reconnects += 1
