@@ -24,6 +24,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "store": ("mooncake_kv.bench.store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),
     "vllm": ("mooncake_kv.bench.vllm", "TTFT with a full external hit versus recompute on vLLM (CPU build)"),
     "sglang": ("mooncake_kv.bench.sglang", "HiCache backend throughput against SGLang's file backend"),
+    "node": ("mooncake_kv.bench.node", "node service put/get and lookups against the embedded store and memcpy"),
 }
 
 
