@@ -198,7 +198,8 @@ class StoreMetrics:
         # A tier whose name StoreStats has no field for yet is counted here but not reported.
         return StoreStats(**{name: tier(self.tiers[name], gauges.get(name, {})) for name in TIERS},
                           store=msgspec.structs.replace(self.store), queues=queues,
-                          latency=StoreLatency(get=self.latency.get.copy(), put=self.latency.put.copy()))
+                          latency=StoreLatency(**{f: getattr(self.latency, f).copy()
+                                                   for f in StoreLatency.__struct_fields__}))
 
 
 def _fields(s: msgspec.Struct) -> dict[str, Any]:

@@ -102,8 +102,10 @@ DESCRIPTIONS: dict[str, str] = {
                                             "client; freed when it lets go or is reclaimed)."),
     # gauges and histograms
     "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
-    "mooncake_kv_store_get_seconds": "Time a store get_into call took (DRAM copies and blocking SSD reads).",
-    "mooncake_kv_store_put_seconds": "Time a store put call took (the copy into DRAM; offload is not on this path).",
+    "mooncake_kv_store_get_seconds": ("Time a store get_into call took (DRAM copies and blocking SSD reads); and a "
+                                      "lease call (waits and stage-in reads included, the caller's copy not)."),
+    "mooncake_kv_store_put_seconds": ("Time a store put call took (the copy into DRAM; offload is not on this path); "
+                                      "and a reserve call (the caller's copy and commit not included)."),
 }
 
 # Meaning of every value a label takes, by label.

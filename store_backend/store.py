@@ -769,7 +769,7 @@ class TieredStore:
         ttl_s = check_ttl_s(ttl_s)
         out = [Status.OK] * len(keys)
         tokens: dict[int, int] = {}
-        with self._call(self.metrics_counters.latency.put):
+        with self._call(self.metrics_counters.latency.put):  # the store's part of a slot put
             reserved = self._reserve_batch(keys, list(sizes), parents, out,
                                            (owner, time.monotonic() + ttl_s, tokens))
             arena = self._dram.arena.view
@@ -861,7 +861,7 @@ class TieredStore:
         out = [SlotLease(Status.NOT_FOUND, k) for k in keys]
         m = self.metrics_counters
         below: list[int] = []
-        with self._call(self.metrics_counters.latency.get):
+        with self._call(self.metrics_counters.latency.get):  # the store's part of a slot get
             arena = self._dram.arena.view
             with self._lock:
                 self._expire_slots()
