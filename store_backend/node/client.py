@@ -628,7 +628,7 @@ class NodeClient:
             try:
                 sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
             except (FileNotFoundError, ConnectionRefusedError) as e:
-                self._drop_idle(f"no service listens at {self.socket_path}")
+                # (Connections already open are left alone: a draining service still serves them.)
                 if self._starter is None:
                     raise _Lost(f"no node service at {self.socket_path}: {e.strerror}") from None
                 self._auto_start()
@@ -724,14 +724,6 @@ class NodeClient:
                 self._lost_since = time.monotonic()
             self._void(conn)
         logger.log(logging.WARNING if first else logging.DEBUG, "node service at %s lost: %s", self.socket_path, why)
-
-    def _drop_idle(self, why: str) -> None:
-        """No service listens: every idle connection is to a dead one."""
-        with self._cond:
-            for c in list(self._conns):
-                if not c.busy and not c.dead:
-                    self.counters.disconnects += 1
-                    self._void(c)
 
     def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0) -> T:
         """A public call: refused once closed, counted in flight (close waits for it), then _run."""

@@ -1,0 +1,86 @@
+"""NodeClient against the real NodeService (on a thread of the test process) where the client's own
+behaviour is the subject: a connection the service closed for idling is replaced without the call
+noticing; a stop (as SIGTERM) lets an open reservation commit within the drain while new saves are
+refused and counted; the pool stays within its bound under many threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from store_backend.types import ReadResult, Status
+from tests.store_backend.conftest import payload, serve_node
+
+MiB = 1 << 20
+DRAM = {"dram": {"capacity_bytes": 8 * MiB}}
+
+
+def test_a_connection_closed_for_idling_is_replaced_without_the_call_noticing() -> None:
+    c = serve_node(DRAM, idle_timeout_s=0.3)
+    try:
+        assert c.put(["k"], [payload("k", 4096)]) == [Status.OK]
+        connects = c.counters.connects
+        time.sleep(1.5)  # the service closes the idle connection (it holds no token)
+        out = np.zeros(4096, np.uint8)
+        assert c.get_into(["k"], [out]) == [ReadResult(Status.OK, 4096)] and np.array_equal(out, payload("k", 4096))
+        assert c.counters.connects == connects + 1 and c.counters.failures == 0
+        assert c.counters.loads_failed_disconnect == 0
+    finally:
+        c.close(flush=False)
+
+
+def test_a_stop_lets_an_open_reservation_commit_and_refuses_new_saves() -> None:
+    c = serve_node(DRAM, drain_timeout_s=10.0)
+    try:
+        [r] = c.reserve(["open"], [4096])
+        assert r.status is Status.OK
+        stopped: list[int] = []
+        t = threading.Thread(target=lambda: stopped.append(c.service.stop(timeout_s=30)))
+        t.start()
+        # draining: new saves are refused (and counted), the open reservation may still commit
+        deadline = time.monotonic() + 10
+        while c.put(["new"], [payload("new", 10)]) != [Status.IO_ERROR]:
+            assert time.monotonic() < deadline, "the service never refused a new save"
+            time.sleep(0.01)
+        assert c.counters.saves_dropped_disconnect >= 1
+        np.frombuffer(r.view, np.uint8)[:] = payload("open", 4096)
+        assert c.commit([r]) == [Status.OK]
+        t.join(30)
+        assert stopped == [0]
+        # the service is gone now: misses, never an exception
+        assert c.get_into(["open"], [bytearray(4096)]) == [ReadResult(Status.IO_ERROR)]
+        assert c.exists(["open"]) == 0
+    finally:
+        c.close(flush=False)
+
+
+def test_many_threads_share_a_bounded_pool() -> None:
+    c = serve_node(DRAM)
+    try:
+        errors: list[str] = []
+
+        def work(t: int) -> None:
+            out = np.zeros(8192, np.uint8)
+            for i in range(40):
+                k = f"t{t}-{i % 5}"
+                c.put([k], [payload(k, 8192)])
+                r = c.get_into([k], [out])[0]
+                if r.status is not Status.OK or not np.array_equal(out, payload(k, 8192)):
+                    errors.append(f"{k}: {r}")
+                if i % 7 == 0:
+                    c.remove([k])
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        stats = c.service_stats()
+        assert stats is not None
+        assert len(stats[1].clients) <= c.max_connections  # 12 threads, at most 4 connections
+        assert c.counters.connects <= c.max_connections
+    finally:
+        c.close(flush=False)
