@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import socket
 import threading
@@ -50,7 +49,8 @@ from store_backend.config import ConfigError
 from store_backend.framing import READ_PIECE_BYTES, FrameError, FrameTooLargeError, read_frame
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
-from store_backend.node.fdpass import fd_identity, recv_fd
+from store_backend.node.fdpass import recv_fd
+from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.slots import Reservation, SlotLease
 from store_backend.types import (
     MAX_PIN_TTL_S,
@@ -121,118 +121,6 @@ class Backoff:
     def succeeded(self) -> None:
         self.failures = 0
         self.not_before = 0.0
-
-
-# -- segment mappings, one per segment id per process ----------------------------------------------
-class SegmentMapping:
-    """This process's mapping of one service segment. ``slot(offset, nbytes)`` is a writable view
-    of part of it. Closed by :class:`_Mappings` once no client uses it; a view still held elsewhere
-    keeps the pages mapped until it dies (closing is retried then)."""
-
-    def __init__(self, segment_id: str, mm: mmap.mmap, nbytes: int) -> None:
-        self.segment_id = segment_id
-        self.nbytes = nbytes
-        self._mmap = mm
-        self.view = memoryview(mm)
-        self.refs = 0
-
-    def slot(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes [offset, offset + nbytes) of the segment; ValueError when they are not inside it
-        (a grant that does not fit is a broken service, never written through)."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the {self.nbytes}-byte segment "
-                             f"{self.segment_id}")
-        return self.view[offset:offset + nbytes]
-
-    def try_close(self) -> bool:
-        """Unmap; False while a view exported from it is still alive (BufferError), retried later."""
-        try:
-            self.view.release()
-            self._mmap.close()
-        except BufferError:
-            return False
-        return True
-
-
-class _Mappings:
-    """The process-wide table of segment mappings (``acquire``/``release`` counted). After a fork the
-    child starts with an empty table: what it inherited belongs to its parent's connections. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._by_id: dict[str, SegmentMapping] = {}
-        self._retired: list[SegmentMapping] = []
-
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._lock = threading.Lock()
-            self._by_id = {}
-            self._retired = []
-
-    def acquire(self, fd: int, segment_id: str, nbytes: int) -> SegmentMapping:
-        """The mapping of the segment open at ``fd`` (consumed: closed here either way). ValueError when
-        ``fd`` is not the file ``segment_id`` names or is smaller than ``nbytes``; OSError when it
-        cannot be mapped."""
-        self._check_fork()
-        try:
-            actual = fd_identity(fd)
-            if actual != segment_id:
-                raise ValueError(f"the segment fd the service passed is {actual}, not the {segment_id} it announced")
-            with self._lock:
-                self._sweep()
-                m = self._by_id.get(segment_id)
-                if m is not None:
-                    m.refs += 1
-                    return m
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ValueError(f"segment {segment_id} is {size} bytes, smaller than the {nbytes} announced")
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        with self._lock:
-            m = self._by_id.get(segment_id)
-            if m is None:
-                m = self._by_id[segment_id] = SegmentMapping(segment_id, mm, nbytes)
-            else:  # another thread mapped it meanwhile
-                mm.close()
-            m.refs += 1
-            return m
-
-    def retain(self, m: SegmentMapping) -> SegmentMapping:
-        """One more user of a mapping already acquired."""
-        with self._lock:
-            m.refs += 1
-        return m
-
-    def release(self, m: SegmentMapping) -> None:
-        self._check_fork()
-        with self._lock:
-            if self._by_id.get(m.segment_id) is not m:
-                return  # inherited from the parent, or already retired
-            m.refs -= 1
-            if m.refs <= 0:
-                del self._by_id[m.segment_id]
-                if not m.try_close():
-                    self._retired.append(m)
-            self._sweep()
-
-    def _sweep(self) -> None:
-        self._retired = [m for m in self._retired if not m.try_close()]
-
-    def mapped(self) -> dict[str, int]:
-        """Segment id -> users, and how many old mappings still wait for their views (for tests)."""
-        self._check_fork()
-        with self._lock:
-            self._sweep()
-            return {**{k: m.refs for k, m in self._by_id.items()}, **({"retired": len(self._retired)}
-                                                                       if self._retired else {})}
-
-
-MAPPINGS = _Mappings()
 
 
 # -- one connection ---------------------------------------------------------------------------------

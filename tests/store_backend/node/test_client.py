@@ -23,8 +23,9 @@ import pytest
 from store_backend.api import KVStore, StoreClosedError
 from store_backend.framing import MAX_FRAME_BYTES
 from store_backend.node import protocol as p
-from store_backend.node.client import MAPPINGS, Backoff, NodeAccessError, NodeClient, SegmentMapping, probe
+from store_backend.node.client import Backoff, NodeAccessError, NodeClient, probe
 from store_backend.node.fdpass import fd_identity, send_fd
+from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
@@ -465,7 +466,7 @@ def test_a_segment_fd_that_is_not_the_announced_one_is_never_mapped(service, soc
     sv.wrong_fd = fd
     try:
         c = NodeClient(sock_path)
-        with pytest.raises(ConnectionError, match="not the"):
+        with pytest.raises(ConnectionError, match="the service said"):
             c.start()
         assert fd_identity(fd) not in MAPPINGS.mapped()
         c.close()
