@@ -470,6 +470,8 @@ class NodeClient:
                     if room:
                         self._opening += 1
                         break
+                if self._closed:  # close() began: a call that has no connection yet does not wait for one
+                    raise StoreClosedError("the node client is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _Lost(f"no free connection to {self.socket_path} within the op timeout")

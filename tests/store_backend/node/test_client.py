@@ -574,3 +574,34 @@ def test_misuse_is_an_error_before_anything_is_sent(service, sock_path) -> None:
         assert sv.frames == before
     finally:
         c.close()
+
+
+def test_close_does_not_wait_for_calls_still_waiting_for_a_connection(service, sock_path) -> None:
+    sv = service()
+    c = _client(sock_path, max_connections=1, op_timeout_s=3)
+    assert c.put(["k"], [payload("k", 100)]) == [Status.OK]
+    sv.hang.set()  # the one connection's next call hangs in the service
+    results: dict[str, object] = {}
+
+    def call(name: str, fn: Callable[[], object]) -> None:
+        try:
+            results[name] = fn()
+        except StoreClosedError:
+            results[name] = "closed"
+
+    a = threading.Thread(target=call, args=("a", lambda: c.get_into(["k"], [bytearray(100)])))
+    a.start()
+    time.sleep(0.3)
+    b = threading.Thread(target=call, args=("b", lambda: c.contains(["k"])))
+    b.start()
+    time.sleep(0.3)
+    assert not results  # b waits for the connection a holds
+    t0 = time.monotonic()
+    closer = threading.Thread(target=lambda: c.close(flush=False, timeout_s=10))
+    closer.start()
+    b.join(2)
+    assert results.get("b") == "closed" and time.monotonic() - t0 < 1.5
+    sv.hang.clear()
+    a.join(10)
+    closer.join(10)
+    assert results["a"] in ([ReadResult(Status.OK, 100)], [ReadResult(Status.IO_ERROR)], "closed")
