@@ -1232,30 +1232,33 @@ class NodeClient:
     # -- stats -------------------------------------------------------------------------------------
     def service_stats(self, mine: bool = False) -> tuple[StoreStats, p.NodeStats] | None:
         """The service's store stats and its own (connections, tokens, held bytes), or None when it
-        cannot be asked. ``mine``: this connection's counters rather than the whole store's."""
+        cannot be asked. ``mine``: the counters of this process's connections rather than the whole
+        store's."""
         def body(conn: _Conn) -> tuple[StoreStats, p.NodeStats]:
             r = self._ask(conn, lambda rid: p.Stats(rid, mine), p.StatsReply)
             return r.store, r.node
 
         return self._call(body, self._failed_lookup(None))
 
-    def stats(self) -> StoreStats:
+    def stats(self, *, mine: bool = False) -> StoreStats:
         """The service's store stats with this client's own note_stuck_threads/note_worker_error
-        counts added; the last ones seen when the service cannot be asked."""
-        got = self.service_stats()
+        and slot_foreign counts added; the last ones seen when the service cannot be asked.
+        ``mine``: the counters of this process's calls rather than the whole store's (engines that
+        sum their reports then count each hit once)."""
+        got = self.service_stats(mine)
         with self._cond:
-            if got is not None:
+            if got is not None and not mine:
                 self._last_stats = got[0]
-            stats = msgspec.structs.replace(self._last_stats,
-                                            store=msgspec.structs.replace(self._last_stats.store))
+            base = got[0] if got is not None else (StoreStats() if mine else self._last_stats)
+            stats = msgspec.structs.replace(base, store=msgspec.structs.replace(base.store))
             stats.store.thread_join_timeouts += self.counters.thread_join_timeouts
             stats.store.worker_errors += self.counters.worker_errors
             stats.store.slot_foreign += self.counters.slot_foreign
         return stats
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self, *, mine: bool = False) -> dict[str, Any]:
         """:meth:`stats` as a plain dict, with the client's own counters under "client"."""
-        snap: dict[str, Any] = msgspec.to_builtins(self.stats())
+        snap: dict[str, Any] = msgspec.to_builtins(self.stats(mine=mine))
         with self._cond:
             snap["client"] = msgspec.to_builtins(self.counters)
         return snap

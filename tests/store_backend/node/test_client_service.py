@@ -84,3 +84,18 @@ def test_many_threads_share_a_bounded_pool() -> None:
         assert c.counters.connects <= c.max_connections
     finally:
         c.close(flush=False)
+
+
+def test_stats_mine_counts_this_process_only_and_stats_the_whole_store() -> None:
+    c = serve_node(DRAM)
+    try:
+        keys = [f"k{i}" for i in range(3)]
+        assert c.put(keys, [payload(k, 1024) for k in keys]) == [Status.OK] * 3
+        c.service.store.put(["embedded"], [payload("embedded", 1024)])  # not through this client
+        c.note_stuck_threads(1)
+        mine, whole = c.stats(mine=True), c.stats()
+        assert mine.store.puts == 3 and whole.store.puts == 4
+        assert mine.store.thread_join_timeouts == 1 == whole.store.thread_join_timeouts
+        assert c.metrics(mine=True)["store"]["puts"] == 3 and "client" in c.metrics()
+    finally:
+        c.close(flush=False)
