@@ -29,6 +29,7 @@ from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
+from tests.store_backend.test_api import incompatibilities
 
 MiB = 1 << 20
 
@@ -236,6 +237,11 @@ def test_backoff_doubles_from_50_ms_to_2_s_and_resets_on_success() -> None:
     assert not b.ready(11.9) and b.ready(12.0)
     b.succeeded()
     assert b.ready(0.0) and b.failed(0.0) == 0.05
+
+
+def test_the_client_implements_every_protocol_method_with_its_signature() -> None:
+    assert incompatibilities(KVStore, NodeClient) == []
+    assert issubclass(NodeClient, KVStore)
 
 
 def test_a_client_is_a_kvstore_and_round_trips_bytes_through_the_segment(service, sock_path) -> None:
