@@ -175,6 +175,10 @@ class TieredStore:
         # last of them to leave closes the tiers (_last_user_left); until then they stay open.
         self._tiers_owed = False
         self._changed = threading.Condition(self._lock)  # notified when a call or an SSD write ends
+        # Notified when a key may have become present or stopped being written (a commit, an
+        # abort, an expiry, a reclaim, a remove, a promotion or stage-in ending) and at close: what
+        # exists(wait_s) and lease(wait_pending_s) wait for.
+        self._slot_changed = threading.Condition(self._lock)
         self._removals = RemovalTracker()
         self._losses = LossLedger()
         self._evictions = EvictionClock()  # evictions the SSD tier reported, numbered per key
@@ -246,7 +250,7 @@ class TieredStore:
             if self._closing:
                 return
             self._closing = True
-            self._changed.notify_all()  # waits in exists(wait_s) and lease(wait_pending_s) end now
+            self._slot_changed.notify_all()  # waits in exists(wait_s) and lease(wait_pending_s) end now
             limit = Deadline(timeout_s)
             deadline = limit.start + timeout_s
             while self._calls:
@@ -625,7 +629,7 @@ class TieredStore:
                 entry.offload_failures += 1
         if stored:
             self._commits += 1
-            self._changed.notify_all()  # exists(wait_s) and lease(wait_pending_s) waiters
+            self._slot_changed.notify_all()  # exists(wait_s) and lease(wait_pending_s) waiters
 
     def _admitted(self, e: Entry, parent_on_ssd: bool) -> bool:
         """Whether the SSD admission policy wants ``e`` written, on the facts as they are now (lock
@@ -825,7 +829,7 @@ class TieredStore:
                 self._slots.take(r.token)
                 self._end_reservation(row.entry)
                 self.metrics_counters.store.slot_aborts += 1
-            self._changed.notify_all()  # lease(wait_pending_s) waiters: the key is not coming
+            self._slot_changed.notify_all()  # lease(wait_pending_s) waiters: the key is not coming
 
     def _end_reservation(self, e: Entry) -> None:
         """(lock held) Free a reservation's slot unstored: drop the entry if it is still the
@@ -908,7 +912,7 @@ class TieredStore:
             left = until - time.monotonic()
             if left <= 0:
                 return
-            self._changed.wait(min(left, _WAIT_SLICE_S))
+            self._slot_changed.wait(min(left, _WAIT_SLICE_S))
             self._expire_slots()
 
     def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
@@ -1040,7 +1044,6 @@ class TieredStore:
                     # A transient slot outside the index: the lease is its only holder and its
                     # release frees it (see _unlease).
                     del self._dram.entries[e.key]
-                    self._changed.notify_all()
                 if not self._slots.admits(owner, e.size):  # the owner took others meanwhile
                     m.store.slot_refused += 1
                     if not promote:
@@ -1051,6 +1054,7 @@ class TieredStore:
                 if out[i].status is Status.OK:
                     leased[i] = (e, tier.name)
             self._bus.publish(events)
+            self._slot_changed.notify_all()  # the staged keys are not being written any more
 
     def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:
         """Give leased bytes back; per lease True when its bytes were stable for the whole lease
@@ -1104,7 +1108,7 @@ class TieredStore:
                     self._end_lease(row)
                     n_lease += 1
             self.metrics_counters.store.slot_reclaimed += n_res + n_lease
-            self._changed.notify_all()
+            self._slot_changed.notify_all()
         return n_res, n_lease
 
     def _expire_slots(self) -> None:
@@ -1119,7 +1123,7 @@ class TieredStore:
             e = row.entry
             if row.kind is SlotKind.RESERVATION and self._live(e) and e.state is EntryState.WRITING:
                 del self._dram.entries[e.key]
-        self._changed.notify_all()
+        self._slot_changed.notify_all()
 
     def expire_slots(self) -> None:
         """Expire tokens past their deadline now (each slot call does this too; the node service
@@ -1396,7 +1400,7 @@ class TieredStore:
                 if self._commits == commits:  # nothing committed since DRAM was looked at
                     # Waits are woken by commits; the slice is a backstop for copies that land
                     # below without one (another process's writes to a shared directory).
-                    self._changed.wait(min(left, _WAIT_SLICE_S))
+                    self._slot_changed.wait(min(left, _WAIT_SLICE_S))
                     self._check_open()
 
     def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
@@ -1504,6 +1508,7 @@ class TieredStore:
                         if self._offloading.get(key) is e:
                             self._removals.hold(key)  # the offload deletes the copy it lands
                         self._detach(e)
+                        self._slot_changed.notify_all()  # a lease waiting for it to be written
                         out[i] = Status.OK
                         sizes[i] = e.size
                     self._ssd_hits.pop(key, None)
@@ -2098,6 +2103,7 @@ class TieredStore:
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):
                         _count_failure(m.tier(tier.name).failures, res.status)
             self._bus.publish(events)
+            self._slot_changed.notify_all()  # lease(wait_pending_s) waiters: promoted or dropped
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease, StoreClosedError
 from store_backend.dram import SHM_DIR
+from store_backend import store as store_module
 from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
@@ -329,6 +330,29 @@ def test_lease_waiting_for_a_pending_key_that_is_aborted_answers_not_found(make_
     assert not t.is_alive() and time.monotonic() - t0 < 5
     assert got[0].status is Status.NOT_FOUND
     assert s.lease(["absent"], wait_pending_s=0.2)[0].status is Status.NOT_FOUND  # nothing to wait for
+
+
+@pytest.mark.parametrize("end", ["remove", "expire", "reclaim"])
+def test_a_wait_for_a_pending_key_ends_when_the_reservation_does(make_store, monkeypatch, end) -> None:
+    """Woken by the event itself: the waits' periodic backstop is pushed out of reach."""
+    monkeypatch.setattr(store_module, "_WAIT_SLICE_S", 60.0)
+    s = make_store(DRAM)
+    [r] = s.reserve(["k"], [SIZE], ttl_s=0.5 if end == "expire" else 60, owner=1)
+    got: list[SlotLease] = []
+    t = threading.Thread(target=lambda: got.extend(s.lease(["k"], wait_pending_s=30)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    if end == "remove":
+        assert s.remove(["k"]) == [Status.OK]
+    elif end == "reclaim":
+        assert s.reclaim(1) == (1, 0)
+    else:  # the service's timer expires tokens
+        time.sleep(0.5)
+        s.expire_slots() if hasattr(s, "expire_slots") else s.exists(["k"], count_reserved=True)
+    t.join(20)
+    assert not t.is_alive() and time.monotonic() - t0 < 15
+    assert got[0].status is Status.NOT_FOUND
 
 
 def test_exists_waits_for_commits(make_store) -> None:

@@ -18,6 +18,7 @@ import pytest
 from store_backend.config import load_config
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
+from store_backend.types import Status
 from tests.store_backend.conftest import payload
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,6 +91,7 @@ def open_probed(tmp_path, policy: str) -> tuple[TieredStore, ProbeBelow]:
     lock = OwnedLock()
     store._lock = lock  # type: ignore[assignment]
     store._changed = threading.Condition(lock)  # type: ignore[arg-type]
+    store._slot_changed = threading.Condition(lock)  # type: ignore[arg-type]
     probe.lock = lock
     return store.start(), probe
 
@@ -117,6 +119,15 @@ def test_no_lower_tier_call_under_the_store_lock(tmp_path, policy) -> None:
                     store.flush(timeout_s=30)
                 store.contains([old])
                 store.size_of([old])
+                if rng.random() < 0.2:  # the slot API: reserve (EXISTS lookups below), stage-in leases
+                    [r] = store.reserve([f"s{tid}/{i}"], [CHUNK], owner=tid)
+                    if r.status is Status.OK and rng.random() < 0.5:
+                        store.commit([r], owner=tid)
+                    else:
+                        store.abort([r], owner=tid)
+                    cold = f"t{tid}/{rng.randrange(i // 2 + 1)}"  # likely only on SSD by now
+                    store.release(store.lease([old, cold], owner=tid), owner=tid)
+                    store.exists_all([[old], [k]], count_reserved=True)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -132,6 +143,9 @@ def test_no_lower_tier_call_under_the_store_lock(tmp_path, policy) -> None:
         assert m["dram"]["evictions"] > 0 and probe.calls > 0, m  # the storm did reach eviction and SSD
         assert m["store"]["offload_declined"] > 0, m["store"]  # and admission declined some
         assert store.keys()  # and it still answers
+        assert m["store"]["slot_leases"] > 0 and m["store"]["slot_commits"] > 0, m["store"]  # slots ran too
+        if policy == "watermark":  # (in eager mode prefix admission keeps this storm's objects off SSD)
+            assert m["store"]["slot_stage_ins"] > 0, m["store"]  # leases read from below
     finally:
         store.close()
     assert not probe.under_lock, f"{len(probe.under_lock)} SSD calls under the store lock: {probe.under_lock[:5]}"
