@@ -12,6 +12,8 @@ import mmap
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -742,6 +744,34 @@ def test_a_fresh_segment_is_a_new_file_every_start_and_leftovers_are_unlinked(tm
         for p in (dead, alive, other):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_another_process_writes_and_reads_slots_through_the_segment_fd() -> None:
+    """What the node service hands a client (an fd of the segment, an offset and a size per slot)
+    is enough: a child process maps the fd, fills a reserved slot and copies a leased one out."""
+    name = f"mkv-slots-xproc-{os.getpid()}"
+    with TieredStore({"dram": {"capacity_bytes": 1 * MiB, "shm_name": name}}, fresh_segment=True) as s:
+        assert s.put(["src"], [payload("src", SIZE)]) == [Status.OK]
+        [r] = s.reserve(["dst"], [SIZE], owner=9)
+        [ls] = s.lease(["src"], owner=9)
+        fd = s.open_segment_fd()
+        child = (
+            "import mmap, os, sys\n"
+            "fd, size, w_off, r_off, n = map(int, sys.argv[1:])\n"
+            "m = mmap.mmap(fd, size)\n"
+            "m[w_off:w_off + n] = m[r_off:r_off + n][::-1]\n"  # write the leased bytes reversed
+            "m.close()\n")
+        try:
+            proc = subprocess.run([sys.executable, "-c", child, str(fd), str(MiB), str(r.offset), str(ls.offset),
+                                   str(SIZE)], pass_fds=[fd], capture_output=True, text=True, timeout=60)
+        finally:
+            os.close(fd)
+        assert proc.returncode == 0, proc.stderr
+        assert s.release([ls], owner=9) == [True]
+        assert s.commit([r], owner=9) == [Status.OK]
+        out = np.zeros(SIZE, np.uint8)
+        assert s.get_into(["dst"], [out])[0].status is Status.OK
+        assert np.array_equal(out, payload("src", SIZE)[::-1])
 
 
 def test_a_fresh_segment_needs_a_name() -> None:
