@@ -366,7 +366,12 @@ class NodeService:
             handle_signals = threading.current_thread() is threading.main_thread()
         try:
             asyncio.run(self._main(handle_signals))
+        except BaseException:
+            self.exit_status = 1
+            logger.exception("the node service's loop failed")
+            raise
         finally:
+            self._release()  # after a clean stop nothing is left to release
             self._ready.set()  # a waiter of a service that failed to start is not left hanging
             self._done.set()
         return self.exit_status
@@ -380,6 +385,8 @@ class NodeService:
         self._thread = t
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"node service not ready within {timeout_s} s")
+        if self._done.is_set():
+            raise RuntimeError(f"the node service at {self.socket_path} stopped as it started (see the log)")
         return self
 
     def stop(self, *, skip_waits: bool = False, timeout_s: float | None = None) -> int:
@@ -1123,10 +1130,8 @@ class NodeService:
             self.exit_status = 1
 
     def _finish(self) -> None:
-        if self._store_closed.is_set():
-            self.store = None  # closed already: _release leaves it alone
-        else:
-            self.store = None  # still closing on its thread; nothing more is asked of it
+        # Closed, or still closing on its thread: either way _release leaves it alone.
+        self.store = None
         self._release()
         logger.info("node service stopped (exit status %d)", self.exit_status)
 

@@ -506,3 +506,22 @@ def test_stats_mine_counts_what_one_client_process_did(svc):
         child.stdin.close()
         child.wait(10)
         own.close()
+
+
+def test_a_slot_past_its_ttl_keeps_its_bytes_held_as_zombie_until_its_owner_lets_go(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        g = a.ask(p.Reserve(0, ["z/1"], [8192], ttl_s=0.3)).grants[0]
+        b.put("z/2", b"2" * 4096)
+        ls = b.ask(p.Lease(0, ["z/2"], ttl_s=0.3)).grants[0]
+        time.sleep(0.6)
+        n = svc.node_stats()
+        assert n.zombie_bytes == 8192 + 4096 and n.held_bytes == 8192 + 4096
+        # The expired reservation's key is free for another writer; its own bytes stay held.
+        wait_until(lambda: b.ask(p.Exists(0, ["z/1"], count_reserved=True)).n == 0)
+        assert a.ask(p.Commit(0, [g.token])).values == [Status.IO_ERROR]
+        assert b.ask(p.Release(0, [ls.token])).values == [False]
+        assert held(svc) == (0, 0, 0) and svc.node_stats().zombie_bytes == 0
+    finally:
+        a.close()
+        b.close()

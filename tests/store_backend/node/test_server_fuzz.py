@@ -23,7 +23,7 @@ from .server_harness import Raw, cleanup_dir, service_config, service_thread, sh
 
 # Every request tag but shutdown (which would stop the service under test, as it should).
 _TAGS = [t.__struct_config__.tag for t in p.REQUEST_TYPES if t is not p.Shutdown] + ["nope", "welcome", ""]
-_SCALARS = st.one_of(st.integers(-(2**64), 2**64), st.floats(allow_nan=True), st.text(max_size=20),
+_SCALARS = st.one_of(st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True), st.text(max_size=20),
                      st.binary(max_size=20), st.booleans(), st.none())
 _VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=5), inner, max_size=3), max_leaves=10)
