@@ -12,8 +12,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from store_backend.prometheus import cumulative_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ NODE_FAMILIES: dict[str, tuple[str, str]] = {
     "mooncake_kv_node_refused_connections": ("counter", "Connections refused, by reason (permission, busy)."),
     "mooncake_kv_node_loop_lag_seconds": ("gauge", ("How late the service's event loop ran its last 1 s timer "
                                                     "(a call that blocked the loop shows here).")),
+    "mooncake_kv_node_op_seconds": ("histogram", ("Time from a request's arrival to its reply, by op (waits and "
+                                                  "calls on the service's threads included).")),
 }
 
 
@@ -47,6 +51,7 @@ class NodeCollector(Collector):
         try:
             n = self._service.node_stats()
             refused = dict(self._service.refused)
+            latency = {op: h.copy() for op, h in list(self._service.op_latency.items())}
         except Exception:
             logger.debug("node stats unavailable for this scrape", exc_info=True)
             return
@@ -72,3 +77,7 @@ class NodeCollector(Collector):
         yield ref
         yield GaugeMetricFamily("mooncake_kv_node_loop_lag_seconds", h["mooncake_kv_node_loop_lag_seconds"],
                                 value=n.loop_lag_s)
+        ops = HistogramMetricFamily("mooncake_kv_node_op_seconds", h["mooncake_kv_node_op_seconds"], labels=["op"])
+        for op, hist in sorted(latency.items()):
+            ops.add_metric([op], cumulative_buckets(hist), hist.sum_s)
+        yield ops

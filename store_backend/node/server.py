@@ -55,7 +55,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from store_backend.api import StoreClosedError
 from store_backend.config_loader import ConfigError
-from store_backend.metrics import StoreCounters, StoreStats, TierStats
+from store_backend.metrics import LatencyHistogram, StoreCounters, StoreStats, TierStats
 from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameDecoder, FrameError, FrameTimeoutError
 from store_backend.node import protocol as p
 from store_backend.node.config import NodeServiceConfig, load_node_config
@@ -259,6 +259,8 @@ class NodeService:
         self._has_below = False
         # Counters (read by stats and /metrics from other threads: plain ints).
         self.frames: collections.Counter[str] = collections.Counter()
+        # Time from a request's arrival to its reply being sent, by op (waits and pool calls included).
+        self.op_latency: dict[str, LatencyHistogram] = {}
         self.bad_frames = 0
         self.idle_closed = 0
         self.refused = collections.Counter()  # by error code (permission, busy)
@@ -709,6 +711,7 @@ class NodeService:
             await self._send(c, p.Error(rid, "bad_request", f"a request's id must be > 0, got {rid}"))
             return
         assert self.store is not None
+        t0 = time.monotonic()
         try:
             reply = await handler(self, c, msg)
         except StoreClosedError as e:
@@ -722,6 +725,10 @@ class NodeService:
             reply = p.Error(rid, "internal", f"{op} failed in the node service: {type(e).__name__}: {e}")
         if reply is not None:
             await self._send(c, reply)
+        hist = self.op_latency.get(op)
+        if hist is None:
+            hist = self.op_latency[op] = LatencyHistogram()
+        hist.observe(time.monotonic() - t0)
 
     async def _blocking(self, c: _Conn, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn`` on the service's thread pool; the connection's task waits for it."""

@@ -254,6 +254,9 @@ def test_metrics_scrape_parses_and_has_the_store_families_and_the_services(sdir)
         assert families["mooncake_kv_node_connections"].samples[0].value == 1.0
         frames = {s.labels["op"]: s.value for s in families["mooncake_kv_node_frames"].samples}
         assert frames["reserve"] == 1.0 and frames["lease"] == 2.0
+        counts = {s.labels["op"]: s.value for s in families["mooncake_kv_node_op_seconds"].samples
+                  if s.name.endswith("_count")}
+        assert counts["lease"] == 2.0 and counts["commit"] == 1.0
         c.close()
 
 
