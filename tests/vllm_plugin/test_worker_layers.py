@@ -336,3 +336,31 @@ def test_a_lease_answering_after_the_load_timeout_is_never_used(make_worker: Any
     assert [p.writes for p in w.paged] == [[], []]
     assert _slots_held(w) == 0
     assert w.stats()["chunks_loaded"] == 0
+
+
+def test_a_round_trip_through_a_node_service_copies_straight_into_its_segment(make_worker: Any) -> None:
+    """The same one-copy round trip with the worker attached to a node service (its client maps the
+    service's shared segment): saved from blocks 0-1, loaded into blocks 20-21 byte-equal, no
+    staging acquired, and the service holds no slot afterwards."""
+    from tests.store_backend.conftest import serve_node
+
+    node = serve_node({"dram": {"capacity_bytes": 64 * 1024 * 1024}})
+    w = make_worker(staging_chunks=8)
+    try:
+        w = _worker(lambda **_: w, copy="background", store=node)
+        want = _blocks(w, [0, 1])
+        _save(w, "via-node", [0, 1], step=1)
+        assert node.contains([object_key(w.digest, "via-node")]) == [True]
+        meta = _load_meta("via-node", [20, 21], step=2)
+        w.start_load_kv(meta)
+        for layer in LAYERS:
+            w.wait_for_layer_load(meta, layer)
+        w.wait_for_save(meta)
+        assert w.take_load_errors() == set()
+        for got, exp in zip(_blocks(w, [20, 21]), want):
+            assert torch.equal(got, exp)
+        assert w.staging.acquired == 0
+        assert node.stats().slots.held_bytes == 0
+    finally:
+        w.client.close()
+        node.close(flush=False, timeout_s=10)
