@@ -288,3 +288,26 @@ def test_two_thousand_idle_connections_cost_no_thread_and_little_memory(sdir):
         for c in conns:
             c.close()
         svc.close()
+
+
+def test_mooncake_kv_serve_runs_the_same_service(sdir):
+    cfg = service_config(sdir)
+    config_path = os.path.join(sdir, "node.json")
+    with open(config_path, "w") as f:
+        json.dump(cfg, f)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_kv.cli", "serve", "--config", config_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
+    try:
+        probe = subprocess.run([sys.executable, "-m", "mooncake_kv.cli", "status", "--socket", cfg["socket"],
+                                "--json", "--wait", "60"], capture_output=True, text=True, env=env, cwd=str(REPO),
+                               timeout=90)
+        assert probe.returncode == 0 and json.loads(probe.stdout)["pid"] == proc.pid, probe
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "node service ready" in out and "node service stopped (exit status 0)" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
