@@ -521,7 +521,7 @@ class NodeClient:
                 # (Connections already open are left alone: a draining service still serves them.)
                 if self._starter is None:
                     raise _Lost(f"no node service at {self.socket_path}: {e.strerror}") from None
-                self._auto_start()
+                self._auto_start(wait=strict)
                 sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
             assert fd is not None
             try:
@@ -548,13 +548,19 @@ class NodeClient:
         self._adopt(conn)
         return conn
 
-    def _auto_start(self) -> None:
+    def _auto_start(self, wait: bool) -> None:
+        """Run the starter; while another thread runs it, wait for that one (``wait``) or answer
+        _Lost at once (a call does not stall behind a start: its keys are misses meanwhile)."""
         assert self._starter is not None
-        with self._start_lock:
+        if not self._start_lock.acquire(blocking=wait):
+            raise _Lost(f"the node service at {self.socket_path} is being started")
+        try:
             with self._cond:
                 self.counters.auto_starts += 1
             logger.info("no node service at %s: starting one", self.socket_path)
             self._starter()
+        finally:
+            self._start_lock.release()
 
     def _adopt(self, conn: _Conn) -> None:
         """Add a new connection to the pool (busy); when it reached a new service (another segment),

@@ -611,3 +611,24 @@ def test_close_does_not_wait_for_calls_still_waiting_for_a_connection(service, s
     a.join(10)
     closer.join(10)
     assert results["a"] in ([ReadResult(Status.OK, 100)], [ReadResult(Status.IO_ERROR)], "closed")
+
+
+def test_calls_answer_misses_at_once_while_another_thread_starts_the_service(service, sock_path) -> None:
+    started = threading.Event()
+
+    def slow_start() -> None:
+        started.set()
+        time.sleep(1.0)
+        service()
+
+    c = NodeClient(sock_path, starter=slow_start, op_timeout_s=5)
+    results: list[object] = []
+    a = threading.Thread(target=lambda: results.append(c.put(["k"], [payload("k", 100)])))
+    a.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    assert c.get_into(["k"], [bytearray(100)]) == [ReadResult(Status.IO_ERROR)]  # not stalled behind it
+    assert time.monotonic() - t0 < 0.5
+    a.join(10)
+    assert results == [[Status.OK]] and c.counters.auto_starts == 1
+    c.close(flush=False)
