@@ -5,6 +5,7 @@ refused and counted; the pool stays within its bound under many threads."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -17,8 +18,13 @@ MiB = 1 << 20
 DRAM = {"dram": {"capacity_bytes": 8 * MiB}}
 
 
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def test_a_connection_closed_for_idling_is_replaced_without_the_call_noticing() -> None:
     c = serve_node(DRAM, idle_timeout_s=0.3)
+    fds = _fds()  # the service's and the client's one connection
     try:
         assert c.put(["k"], [payload("k", 4096)]) == [Status.OK]
         connects = c.counters.connects
@@ -27,6 +33,10 @@ def test_a_connection_closed_for_idling_is_replaced_without_the_call_noticing() 
         assert c.get_into(["k"], [out]) == [ReadResult(Status.OK, 4096)] and np.array_equal(out, payload("k", 4096))
         assert c.counters.connects == connects + 1 and c.counters.failures == 0
         assert c.counters.loads_failed_disconnect == 0
+        time.sleep(1.0)
+        assert c.exists(["k"]) == 1
+        # the replaced connections' sockets are closed: one connection open, as before
+        assert _fds() == fds
     finally:
         c.close(flush=False)
 
