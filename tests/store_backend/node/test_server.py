@@ -21,6 +21,7 @@ from store_backend.framing import LEN
 from store_backend.node import protocol as p
 from store_backend.node.fdpass import fd_identity
 from store_backend.node.server import NodeService
+from store_backend.store import TieredStore
 from store_backend.types import Status
 
 from .server_harness import REPO, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
@@ -525,3 +526,22 @@ def test_a_slot_past_its_ttl_keeps_its_bytes_held_as_zombie_until_its_owner_lets
     finally:
         a.close()
         b.close()
+
+
+def test_a_slot_still_open_at_the_end_of_the_drain_is_reclaimed_and_never_stored(sdir, tmp_path):
+    ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "io_engine": "posix"}
+    svc = NodeService(service_config(sdir, drain_timeout_s=0.5, store={"ssd": ssd})).run_in_thread()
+    a = connect(svc)
+    try:
+        a.put("e/kept", b"k" * 4096)
+        g = a.ask(p.Reserve(0, ["e/open"], [4096])).grants[0]
+        a.mapping[g.offset:g.offset + 4096] = b"o" * 4096  # written, never committed
+        t0 = time.monotonic()
+        assert svc.stop(timeout_s=30) == 0
+        assert time.monotonic() - t0 >= 0.5  # it waited out the drain for the open slot
+        assert a.closed_by_peer()
+    finally:
+        a.close()
+        svc.stop(skip_waits=True, timeout_s=10)
+    with TieredStore({"ssd": ssd}) as store:
+        assert store.keys("e/") == ["e/kept"]
