@@ -599,7 +599,7 @@ class NodeClient:
         if conn.dead:
             return
         conn.close()
-        for t in conn.tokens:
+        for t in list(conn.tokens):  # (a busy connection's thread may add to it meanwhile)
             held = self._tokens.pop(t, None)
             if lost and held is not None and held[2] == "reserve":
                 self.counters.saves_dropped_disconnect += 1  # a reservation that can never commit now
