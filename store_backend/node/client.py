@@ -302,7 +302,10 @@ class NodeClient:
     ConnectionError naming the path; NodeAccessError; ConfigError); after that, a lost service is a
     per-key miss, never an exception. ``starter``: called (at most one thread at a time) when a
     connect finds no service listening; it returns once one answers or raises ConfigError.
-    ``max_connections``: the pool's bound (a connector uses ``io_workers + 2``). ``op_timeout_s``:
+    ``max_connections``: the pool's bound (a connector sizes it from its I/O threads). Slot owners:
+    owner 0's reservations and leases go through the pool; any other owner gets one connection of
+    its own (the service's owner is a connection, so its share of the arena and ``reclaim`` are per
+    owner), made at its first ``reserve``/``lease`` and ended by ``reclaim(owner)``. ``op_timeout_s``:
     the longest one round trip may take before the service is taken for hung (calls that wait on
     purpose — ``flush``, ``exists(wait_s=)``, ``lease(wait_pending_s=)`` — add their own wait).
     """
