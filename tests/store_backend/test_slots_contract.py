@@ -28,7 +28,7 @@ from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease, Stor
 from store_backend.dram import SHM_DIR
 from store_backend import store as store_module
 from store_backend.store import TieredStore
-from store_backend.types import Status
+from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
 from tests.store_backend.test_store_races import OBJ_BYTES, decode, gated_store, only_on_ssd, versioned
 
@@ -531,6 +531,38 @@ def test_close_ends_waits_for_commits(make_store) -> None:
     assert not any(t.is_alive() for t in waiters) and time.monotonic() - t0 < 10
     assert raised == ["closed", "closed"]
     assert r.status is Status.OK
+
+
+@pytest.mark.parametrize("failure", [Status.CORRUPT, Status.IO_ERROR, "raises"])
+def test_a_stage_in_whose_read_fails_answers_the_failure_and_frees_its_slot(tmp_path, failure) -> None:
+    """Embedded, with a fault injected under the SSD tier: the read answers ``failure`` (or raises)
+    once; the lease answers that failure (IO_ERROR when it raised), holds nothing, counts it as the
+    tier's failure, and the next lease reads the object."""
+    s, gate = gated_store(tmp_path)
+    try:
+        only_on_ssd(s, "x")
+        real = gate.get_into
+        fails = [failure]
+
+        def failing_get_into(keys, buffers):  # noqa: ANN001, ANN202
+            if "x" in keys and fails:
+                f = fails.pop()
+                if f == "raises":
+                    raise OSError("injected")
+                return [ReadResult(f)] * len(keys)
+            return real(keys, buffers)
+
+        gate.get_into = failing_get_into
+        [ls] = s.lease(["x"])
+        assert ls.status is (Status.IO_ERROR if failure == "raises" else failure) and ls.view is None
+        assert held(s) == (0, 0, 0) and s.tier_of(["x"]) == ["ssd"]
+        m = s.metrics()["ssd"]["failures"]
+        assert m["checksum" if failure is Status.CORRUPT else "io_error"] == 1, m
+        [ls] = s.lease(["x"])
+        assert decode(np.frombuffer(ls.view, np.uint8)) == (0, 1)
+        assert s.release([ls]) == [True]
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("method", ["get_into", "size_of"])
