@@ -5,6 +5,7 @@ that speaks raw frames (so these tests do not depend on the NodeClient)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import shutil
@@ -52,6 +53,23 @@ def service_config(directory: str, **over: Any) -> dict[str, Any]:
 
 def segments_named(shm_name: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(shm_name + "-"))
+
+
+def unlink_free_segments(shm_name: str) -> None:
+    """Remove segments of ``shm_name`` that no live service holds (what a SIGKILL left)."""
+    for name in segments_named(shm_name):
+        path = os.path.join("/dev/shm", name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -213,11 +231,18 @@ class ServiceProcess:
     def wait(self, timeout_s: float = 60.0) -> int:
         return self.proc.wait(timeout_s)
 
-    def close(self) -> None:
+    def close(self, *, unlink_leftovers: bool = True) -> None:
+        """Stop it (SIGTERM, then SIGKILL after 30 s) and remove what a kill leaves in /dev/shm."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
         self.log.close()
+        if unlink_leftovers:
+            unlink_free_segments(self.cfg["store"]["dram"]["shm_name"])
 
 
 def proc_status(pid: int) -> dict[str, str]:

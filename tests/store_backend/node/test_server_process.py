@@ -114,6 +114,7 @@ def test_a_killed_services_segment_is_unlinked_at_the_next_start_and_the_new_one
     cfg = service_config(sdir)
     shm_name = cfg["store"]["dram"]["shm_name"]
     first = ServiceProcess(cfg, sdir)
+    second = None
     try:
         first.wait_ready()
         old = connect(first.socket_path)
@@ -124,18 +125,19 @@ def test_a_killed_services_segment_is_unlinked_at_the_next_start_and_the_new_one
         first.proc.kill()
         first.wait(30)
         assert segments_named(shm_name) == old_names  # SIGKILL left it behind
-    finally:
-        first.close()
-    second = ServiceProcess(cfg, sdir)
-    try:
+        first.close(unlink_leftovers=False)  # the next start is to remove it
+        second = ServiceProcess(cfg, sdir)
         second.wait_ready()
         names = segments_named(shm_name)
-        assert len(names) == 1 and names != old_names
+        assert len(names) == 1 and names != old_names  # the old one unlinked, a new one made
         new = connect(second.socket_path)
         assert new.welcome.segment_id != old_id
         # A client of the dead service still maps the old inode: its late writes land there only.
-        old.mapping[0:4096] = b"L" * 4096
         new.put("s/2", b"n" * 4096)
+        g = new.ask(p.Lease(0, ["s/2"])).grants[0]
+        old.mapping[g.offset:g.offset + 4096] = b"L" * 4096  # the same offset, in the old segment
+        assert bytes(new.mapping[g.offset:g.offset + 4096]) == b"n" * 4096
+        assert new.ask(p.Release(0, [g.token])).values == [True]
         assert new.get("s/2") == b"n" * 4096
         assert new.ask(p.Exists(0, ["s/1"])).n == 0
         new.close()
@@ -143,9 +145,9 @@ def test_a_killed_services_segment_is_unlinked_at_the_next_start_and_the_new_one
         second.signal(signal.SIGTERM)
         assert second.wait(30) == 0
     finally:
-        second.close()
-        for n in segments_named(shm_name):
-            os.unlink(os.path.join("/dev/shm", n))
+        first.close()
+        if second is not None:
+            second.close()
 
 
 def test_status_json_schema_exit_statuses_and_stop(sdir, capsys):
