@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 from store_backend.node import __main__ as node_main
 
@@ -28,7 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.command == "serve" and not args.verbose:
+    if args.command != "serve":
+        return int(args._node_run(args))
+    if not args.verbose:
         # A service's log says when it is ready and why it stops; the CLI default is WARNING.
         logging.getLogger("store_backend").setLevel(logging.INFO)
-    return int(args._node_run(args))
+    status = int(args._node_run(args))
+    # As python -m store_backend.node does: a pool thread still inside a store call must not hold
+    # the exit up once the store is closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
