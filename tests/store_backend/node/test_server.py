@@ -545,3 +545,27 @@ def test_a_slot_still_open_at_the_end_of_the_drain_is_reclaimed_and_never_stored
         svc.stop(skip_waits=True, timeout_s=10)
     with TieredStore({"ssd": ssd}) as store:
         assert store.keys("e/") == ["e/kept"]
+
+
+def test_keys_come_in_pages_from_one_snapshot(svc):
+    c = connect(svc)
+    try:
+        want = sorted(f"pg/{i:03d}" for i in range(25))
+        for k in want:
+            c.put(k, b"k")
+        c.put("other/1", b"o")
+        got, cursor, pages = [], "", 0
+        while True:
+            page = c.ask(p.Keys(0, prefix="pg/", cursor=cursor, limit=10))
+            assert isinstance(page, p.KeyPage) and len(page.keys) <= 10
+            got += page.keys
+            pages += 1
+            if pages == 1:
+                c.put("pg/999", b"late")  # stored after the first page: not in this listing
+            if not page.cursor:
+                break
+            cursor = page.cursor
+        assert got == want and pages == 3
+        assert c.ask(p.Keys(0, prefix="pg/")).keys == [*want, "pg/999"]  # a new listing sees it
+    finally:
+        c.close()
