@@ -49,7 +49,8 @@ class ServiceProcess:
     socket is ``socket_path``; see the module docstring. ``python``: the interpreter to run it with."""
 
     def __init__(self, socket_path: str, config_file: str, *, idle_exit_s: float | None = 300.0,
-                 start_timeout_s: float = 60.0, probe_timeout_s: float = 2.0, python: str = sys.executable) -> None:
+                 start_timeout_s: float = 60.0, probe_timeout_s: float = 2.0, retry_after_s: float = 30.0,
+                 python: str = sys.executable) -> None:
         if not os.path.isabs(socket_path):
             raise ConfigError(f"node.socket: must be an absolute path, got {socket_path!r}")
         if start_timeout_s <= 0:
@@ -61,6 +62,10 @@ class ServiceProcess:
         self.idle_exit_s = idle_exit_s
         self.start_timeout_s = start_timeout_s
         self.probe_timeout_s = probe_timeout_s
+        # After a failed start, the same error is raised again for this long without another
+        # attempt: a broken config is not respawned at every reconnect of every call.
+        self.retry_after_s = retry_after_s
+        self._failure: tuple[float, ConfigError] | None = None
         self.python = python
         self.directory = os.path.dirname(socket_path)
         self.lock_path = os.path.join(self.directory, LOCK_NAME)
@@ -99,20 +104,31 @@ class ServiceProcess:
         with self._lock:
             if probe(self.socket_path, self.probe_timeout_s) is not None:
                 return False
-            self._check_config()
-            deadline = time.monotonic() + self.start_timeout_s
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if self._failure is not None and time.monotonic() - self._failure[0] < self.retry_after_s:
+                raise ConfigError(f"{self._failure[1]}\n(not started again within {self.retry_after_s:g} s of a "
+                                  f"failed start)")
             try:
-                self._flock(fd, deadline)
-                # Whoever held the lock before us may have started it.
-                if probe(self.socket_path, self.probe_timeout_s) is not None:
-                    return False
-                self._spawn()
-                self._wait_ready(deadline)
-                return True
-            finally:
-                os.close(fd)  # releases the flock
+                return self._start()
+            except ConfigError as e:
+                self._failure = (time.monotonic(), e)
+                raise
+
+    def _start(self) -> bool:
+        """(under the lock) The start itself: see :meth:`ensure`."""
+        self._check_config()
+        deadline = time.monotonic() + self.start_timeout_s
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self._flock(fd, deadline)
+            # Whoever held the lock before us may have started it.
+            if probe(self.socket_path, self.probe_timeout_s) is not None:
+                return False
+            self._spawn()
+            self._wait_ready(deadline)
+            return True
+        finally:
+            os.close(fd)  # releases the flock
 
     def _check_config(self) -> None:
         """The service config must exist and name this socket (else the start could only time out)."""

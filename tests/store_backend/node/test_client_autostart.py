@@ -155,8 +155,12 @@ def test_a_service_that_fails_at_start_raises_with_its_log(node_dir) -> None:
         starter.ensure()
     assert time.monotonic() - t0 < 30
     c = NodeClient(sock, starter=starter)
-    with pytest.raises(ConfigError, match="capacity_bytes"):
+    with pytest.raises(ConfigError, match=r"(?s)capacity_bytes.*not started again"):
         c.start()  # start() says why; later calls answer misses
+    assert c.exists(["k"]) == 0 and c.put(["k"], [b"x"]) == [Status.IO_ERROR]
+    # a broken config is not respawned at every reconnect: one start in the log
+    assert (node_dir / "node.log").read_text().count(" starts: ") == 1
+    c.close(flush=False)
     starter.close()
 
 
