@@ -51,8 +51,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from mooncake_connector.engine_versions import check_engine_version
 from mooncake_connector.keys import ModelFingerprint, object_key
-from mooncake_connector.ranks import rank_store_config
-from mooncake_connector.stores import acquire_store, release_store
+from mooncake_connector.stores import acquire_connector_store, release_store
 from sglang_hicache.config import BackendSettings, load_backend_settings
 from sglang_hicache.metrics import StoreMetricsExporter, TieredStorageMetrics
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
@@ -116,14 +115,16 @@ class MooncakeTieredStorage(HiCacheStorage):
             raise ConfigError("context parallel KV shards (attn_cp_size or dcp_size > 1) are not supported")
         self.is_mla = bool(storage_config.is_mla_model)
         connector = self.settings.connector
-        if self.is_mla and storage_config.tp_size > 1 and not connector.shared_ssd:
+        if self.is_mla and storage_config.tp_size > 1 and not connector.shared_ssd and connector.node is None:
             logger.warning("MLA with tp_size %d and no shared_ssd: only TP rank 0 backs pages up and the "
                            "other ranks' stores stay empty, so SGLang's rank-agreed prefetch loads nothing; "
-                           "set \"shared_ssd\": true (file SSD backend)", storage_config.tp_size)
-        # Each rank process opens its own DRAM segment and (unless shared_ssd) its own SSD directory.
+                           "attach every rank to one node service (store.node), or set \"shared_ssd\": true "
+                           "(file SSD backend)", storage_config.tp_size)
+        # Each rank process opens its own DRAM segment and (unless shared_ssd) its own SSD directory;
+        # in node mode every rank attaches to the one node service (MLA ranks then share the pages).
         self.position = rank_position(storage_config)
-        store_config = rank_store_config(connector.store_config(), self.position, shared_ssd=connector.shared_ssd)
-        self._store: KVStore | None = acquire_store(store_config, shared_ssd=connector.shared_ssd)
+        self._store: KVStore | None = acquire_connector_store(connector, self.position,
+                                                              name=f"sglang-{self.position.suffix}")
         self.mem_pool_host: Any = None
         self.geometry: PoolGeometry | None = None
         self.fingerprint: ModelFingerprint | None = None
@@ -346,7 +347,8 @@ class MooncakeTieredStorage(HiCacheStorage):
         voids (TTL passed: its bytes may not have been stable) on are False, even when their bytes
         were copied: SGLang uses only the leading True pages, and never a voided one. A lease
         refused NO_SPACE after others were copied (the store limits what one owner holds at once)
-        is asked for again once those are released."""
+        is asked for again once those are released; refused with nothing held, the page is read
+        with ``get_into`` (:meth:`_get_one`)."""
         pages, store = self._pages, self.store
         assert pages is not None
         n, size = len(okeys), pages.page_bytes
@@ -373,11 +375,32 @@ class MooncakeTieredStorage(HiCacheStorage):
                 out[lo + j] = True
             if lo + copied == hi:
                 lo = hi
-            elif copied and leases[copied].status is Status.NO_SPACE:
+            elif leases[copied].status is not Status.NO_SPACE:
+                break
+            elif copied:
                 lo += copied
+            elif self._get_one(okeys[lo], starts[lo]):
+                out[lo] = True
+                lo += 1
             else:
                 break
         return out
+
+    def _get_one(self, okey: str, start: int) -> bool:
+        """Read one page that could not be leased (NO_SPACE: no clean room in DRAM to stage an SSD
+        object into, or this owner's share held) with ``get_into``, which reads a lower tier
+        straight into the caller's buffer: the host pool itself when direct, else a one-page
+        buffer then one copy. An SSD hit is then not lost to DRAM pressure."""
+        pages = self._pages
+        assert pages is not None
+        size = pages.page_bytes
+        buf: Any = pages.page_array(start) if pages.direct else np.empty(size, dtype=np.uint8)
+        (res,) = self.store.get_into([okey], [buf])
+        if res.status is not Status.OK or res.nbytes != size:
+            return False
+        if not pages.direct:
+            pages.scatter_from(start, buf)
+        return True
 
     def _get_staged(self, okeys: list[str], starts: list[int]) -> list[bool]:
         """A store without slots: get into staging (or the pool itself when direct), then scatter."""

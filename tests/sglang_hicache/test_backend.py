@@ -21,6 +21,7 @@ from mooncake_connector.keys import chunk_hashes  # noqa: E402
 from mooncake_connector.layout import canonical_layer  # noqa: E402
 from sglang_hicache.storage import MooncakeTieredStorage, UnsupportedHostPoolError  # noqa: E402
 from store_backend.config import ConfigError  # noqa: E402
+from store_backend.slots import SlotLease  # noqa: E402
 from store_backend.types import Status  # noqa: E402
 from tests.sglang_hicache.harness import (  # noqa: E402
     PAGE,
@@ -399,3 +400,34 @@ def test_a_store_without_slots_is_driven_through_staging(tmp_path, backends, lay
     assert backend.batch_get_v1(keys, dst) == [True] * 3
     assert same_pages(pools.host, src, dst)
     backend._store = real
+
+
+class _NoRoomToLease:
+    """Fault injection: the real store, except that every lease answers NO_SPACE (a DRAM tier full
+    of objects not yet written below, so an SSD object has no clean room to be staged into)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def lease(self, keys, **kw):
+        return [SlotLease(Status.NO_SPACE, k) for k in keys]
+
+
+@pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", True)])
+def test_a_page_that_cannot_be_leased_is_read_with_get_into(tmp_path, backends, layout, mla):
+    pools = make_pools(layout, mla=mla)
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(6, 6 + 3 * PAGE)), PAGE, scheme="sglang")
+    src, dst = pools.host.alloc(3 * PAGE), pools.host.alloc(3 * PAGE)
+    fill_pages(pools.host, src, seed=27)
+    assert backend.batch_set_v1(keys[:2], src[:2 * PAGE]) == [True] * 2
+    real = backend.store
+    backend._store = _NoRoomToLease(real)
+    try:
+        assert backend.batch_get_v1(keys, dst) == [True, True, False]  # the third was never stored
+    finally:
+        backend._store = real
+    assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])
