@@ -238,3 +238,17 @@ def test_gather_into_and_scatter_from_refuse_bad_ids_and_sizes() -> None:
     with pytest.raises(ValueError, match="flat contiguous uint8"):
         paged.gather_into([0], buf.view(np.float32))
     paged.gather_into([], buf[:0])  # nothing to copy is fine
+
+
+def test_device_path_scatter_uses_a_callers_scratch_and_refuses_a_small_one() -> None:
+    source = _paged(PageFormat.KV_HALVES, 6, torch.bfloat16)
+    lay = _layout_of(source, 3)
+    buf = np.empty(lay.layer_bytes, dtype=np.uint8)
+    source.gather_into([5, 0, 1], buf)
+    out = _device_path(PagedLayer(torch.zeros_like(source.kv), PageFormat.KV_HALVES, num_heads=H, head_size=D))
+    scratch = torch.full((lay.layer_bytes + 64,), 0xAB, dtype=torch.uint8)
+    out.scatter_from([2, 3], buf, first_block=1, scratch=scratch)
+    assert torch.equal(out.planes[:, 2:4], source.planes[:, [0, 1]])
+    assert (scratch[:2 * lay.layer_bytes // 3] != 0xAB).any()  # the copy went through the scratch
+    with pytest.raises(ValueError, match="scratch must be a uint8 tensor"):
+        out.scatter_from([2, 3], buf, scratch=scratch[:100])
