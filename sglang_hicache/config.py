@@ -45,12 +45,11 @@ SGLANG_KEYS = frozenset({
 })
 
 
-# Connector keys only the vLLM connector reads: SGLang's own threads do the I/O, it asks for hits
-# itself, and its pages are not leased. Accepted so that one config text serves both engines, and
-# logged when given, since here they change nothing.
+# Connector keys only the vLLM connector reads: SGLang's own threads do the I/O and it asks for
+# hits itself (the slot TTLs, lease_ttl_s and load_timeout_s, are read here too). Accepted so that
+# one config text serves both engines, and logged when given, since here they change nothing.
 VLLM_ONLY_KEYS = frozenset({
-    "io_workers", "lookup_wait_s", "lookup_socket_dir", "load_timeout_s", "lease_ttl_s", "save_decode",
-    "remote_prefill_wait_s",
+    "io_workers", "lookup_wait_s", "lookup_socket_dir", "save_decode", "remote_prefill_wait_s", "load_copy",
 })
 
 

@@ -438,8 +438,8 @@ def test_the_sglang_backend_reads_every_connector_key_but_the_vllm_only_ones() -
 
 def test_the_sglang_backend_logs_the_keys_it_ignores(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="sglang_hicache.config"):
-        load_backend_settings({"lease_ttl_s": 5, "io_workers": 3, "staging_bytes": "8MiB"}, environ={})
-    assert "io_workers, lease_ttl_s only read by the vLLM connector" in caplog.text
+        load_backend_settings({"save_decode": False, "io_workers": 3, "staging_bytes": "8MiB"}, environ={})
+    assert "io_workers, save_decode only read by the vLLM connector" in caplog.text
 
 
 # ---- variables ---------------------------------------------------------------------------------
@@ -719,8 +719,8 @@ def test_sglang_chunk_tokens_from_a_file_counts_as_given(tmp_path: Path) -> None
 def test_sglang_logs_the_vllm_only_keys_of_a_file_and_a_variable(tmp_path: Path, caplog) -> None:
     f = _write(tmp_path, "sg.yaml", {"io_workers": 3})
     with caplog.at_level(logging.INFO, logger="sglang_hicache.config"):
-        load_backend_settings({"config_file": str(f)}, environ={"MOONCAKE_KV_LEASE_TTL_S": "5"})
-    assert "io_workers, lease_ttl_s only read by the vLLM connector" in caplog.text
+        load_backend_settings({"config_file": str(f)}, environ={"MOONCAKE_KV_SAVE_DECODE": "false"})
+    assert "io_workers, save_decode only read by the vLLM connector" in caplog.text
 
 
 def test_sglang_refuses_another_hash_scheme_from_a_file_naming_it(tmp_path: Path) -> None:
