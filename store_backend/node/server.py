@@ -194,6 +194,15 @@ def check_socket_dir(directory: str) -> None:
                           f"other users could reach the node service; chmod 700 {directory}")
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
 def _take_lock(path: str) -> HeldLock:
     """The service's ``node.lock`` (flock, holds our pid); ConfigError naming the holder's pid when
     another service has it."""
@@ -298,13 +307,23 @@ class NodeService:
 
     def _bind(self) -> socket.socket:
         path = self.socket_path
-        # We hold node.lock: a socket file here is a dead service's.
+        # We hold node.lock: a socket here is a dead service's. Anything else is not ours to delete.
         try:
-            os.unlink(path)
+            st = os.lstat(path)
         except FileNotFoundError:
-            pass
+            st = None
         except OSError as e:
-            raise ConfigError(f"socket: cannot remove the stale socket {path}: {e.strerror}") from None
+            raise ConfigError(f"socket: cannot look at {path}: {e.strerror}") from None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ConfigError(f"socket: {path} exists and is not a socket ({_file_kind(st.st_mode)}); "
+                                  f"nothing was deleted: name another path in `socket`, or move that file away")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise ConfigError(f"socket: cannot remove the stale socket {path}: {e.strerror}") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
