@@ -85,6 +85,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# TTL of this worker's slot tokens. A lease is held across the step's forward and a reservation from
+# the first save hook until the commit after the forward (for a held save, until the scheduler's
+# decision a step later): a prefill on a loaded machine can outlast load_timeout_s and lease_ttl_s,
+# and a token expired by then voids a load or a save that was fine. The TTL bounds only a token's
+# result, never memory under a live process (the node service reclaims a dead client's tokens at
+# once), so a long one costs nothing.
+SLOT_TTL_S = 600.0
+
 
 @dataclass
 class _SaveJob:
@@ -382,7 +390,7 @@ class WorkerSide:
     def _resolve_leases(self, job: LoadJob, keys: list[str]) -> None:
         """Lease every chunk's slot (waiting, bounded, for saves of them still in flight); a chunk
         is usable when its lease is OK and of the chunk's size."""
-        leases = self.client.lease(keys, ttl_s=self.cfg.load_timeout_s, wait_pending_s=self.cfg.load_timeout_s,
+        leases = self.client.lease(keys, ttl_s=SLOT_TTL_S, wait_pending_s=self.cfg.load_timeout_s,
                                    size=self.layout.chunk_bytes, unpin_after=True)
         for c, lease in zip(job.chunks, leases):
             c.lease = lease if lease.status is Status.OK else None
@@ -555,10 +563,8 @@ class WorkerSide:
                 todo.append((plan.req_id, chunk, key, parent))
         if not todo:
             return []
-        # A held save keeps its slot until the scheduler's decision (a later step): its TTL is the
-        # lease TTL, as long as the scheduler's leases last.
         reservations = self.client.reserve([t[2] for t in todo], self.layout.chunk_bytes, [t[3] for t in todo],
-                                           ttl_s=self.cfg.lease_ttl_s)
+                                           ttl_s=SLOT_TTL_S)
         jobs: list[_SaveJob] = []
         for (req_id, chunk, key, parent), res in zip(todo, reservations):
             if res.status is Status.OK:

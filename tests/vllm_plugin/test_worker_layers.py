@@ -364,3 +364,36 @@ def test_a_round_trip_through_a_node_service_copies_straight_into_its_segment(ma
     finally:
         w.client.close()
         node.close(flush=False, timeout_s=10)
+
+
+def test_a_forward_slower_than_the_timeouts_keeps_its_loads_and_saves(make_worker: Any) -> None:
+    """A step's forward may take longer than load_timeout_s and lease_ttl_s on a loaded machine
+    (a long prefill): that alone must not fail its loads (the leases are held across the forward)
+    nor its saves (reserved at the first save hook, committed after the forward)."""
+    w = _worker(make_worker)
+    w.cfg = msgspec.structs.replace(w.cfg, lease_ttl_s=0.5)
+    slow_s = 4 * w.cfg.load_timeout_s
+    want = _blocks(w, [0, 1])
+    save = ChunkSave("slow-forward", None, [0, 1], save_id=31)
+    meta = TieredConnectorMetadata(requests=[RequestPlan("s", saves=[save])], step=1)
+    w.start_load_kv(meta)
+    w.save_kv_layer(meta, LAYERS[0])
+    time.sleep(slow_s)
+    w.save_kv_layer(meta, LAYERS[1])
+    w.wait_for_save(meta)
+    assert w.flush(10)
+    deadline = time.monotonic() + 5
+    reports: dict[int, bool] = {}
+    while 31 not in reports and time.monotonic() < deadline:
+        reports.update({r.save_id: r.ok for r in w.build_worker_meta().saves})
+        time.sleep(0.01)
+    assert reports == {31: True}
+    meta = _load_meta("slow-forward", [22, 23], step=2)
+    w.start_load_kv(meta)
+    w.wait_for_layer_load(meta, LAYERS[0])
+    time.sleep(slow_s)
+    w.wait_for_layer_load(meta, LAYERS[1])
+    w.wait_for_save(meta)
+    assert w.take_load_errors() == set()
+    for got, exp in zip(_blocks(w, [22, 23]), want):
+        assert torch.equal(got, exp)
