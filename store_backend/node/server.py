@@ -5,7 +5,9 @@ Process model: :meth:`NodeService.serve` runs one asyncio loop in the calling th
 main thread under ``python -m store_backend.node serve``) for every connection; there is no thread
 per connection, so an idle one costs a socket and a small :class:`_Conn`. Calls that only take the
 store lock for bookkeeping (``exists``, ``contains``, ``size_of``, ``tier_of``, ``pin``, ``unpin``,
-``reserve``, ``commit``, ``abort``, a DRAM ``lease``, ``release``, ``stats``) run inline on the loop;
+``reserve``, ``commit``, ``abort``, a DRAM ``lease``, ``release``, ``stats``) run inline on the loop
+when they name at most ``_INLINE_MAX_KEYS`` keys or tokens (a longer list's store call goes to the
+pool; the check a lease makes for pending commits is the service's own table, no store call);
 calls that may block (a lease that stages an object in from SSD or waits for a pending commit,
 ``remove``, ``flush``, ``keys``, ``exists`` with a wait) run on a bounded thread pool of
 ``workers`` threads, owned by the service. ``loop_lag_s`` (in ``status`` and ``/metrics``) says
@@ -80,6 +82,9 @@ _KEY_PAGE_BYTES = MAX_FRAME_BYTES // 2
 _FLUSH_UNPERSISTED_MAX = 1000
 # Longest a waiting exists/lease sleeps before looking again without being woken.
 _WAIT_SLICE_S = 0.25
+# A call naming more keys (or tokens) than this runs its store call on the pool, not the loop: a
+# store call costs tens of microseconds per key, and the loop serves every client.
+_INLINE_MAX_KEYS = 1024
 
 
 async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
@@ -279,6 +284,9 @@ class NodeService:
         self.pid_exits = 0  # connections ended because their process exited (pidfd)
         self._logged_peers: set[int] = set()
         self._mine: collections.OrderedDict[int, _Mine] = collections.OrderedDict()  # by client pid
+        # Keys being written through this service: key -> {token: end of its TTL}. Every writer of
+        # the service's store reserves through it, so this answers "pending?" without a store call.
+        self._writing: dict[str, dict[int, float]] = {}
 
     # -- start ------------------------------------------------------------------------------------
     def open(self) -> NodeService:
@@ -628,6 +636,8 @@ class NodeService:
             return
         self._unwatch_pid(c)
         self._reclaim(c.conn_id)
+        for r in c.reservations.values():
+            self._written(r)
         c.reservations.clear()
         c.leases.clear()
         c.lease_tiers.clear()
@@ -761,6 +771,14 @@ class NodeService:
         c.in_flight = None
         return result
 
+    async def _sized(self, c: _Conn, nkeys: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (a store call over ``nkeys`` keys or tokens): inline on the loop
+        up to ``_INLINE_MAX_KEYS`` (bookkeeping only), on the pool beyond, so one client's long key
+        list does not hold every other client's calls up."""
+        if nkeys <= _INLINE_MAX_KEYS:
+            return fn(*args, **kwargs)
+        return await self._blocking(c, fn, *args, **kwargs)
+
     async def _on_hello(self, c: _Conn, m: p.Hello) -> p.Frame | None:
         if c.hello:
             return p.Error(m.id, "bad_request", "hello was already sent on this connection")
@@ -797,7 +815,7 @@ class NodeService:
             # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
             # leaves costs nothing once its connection ends.
             changed = self._slots_changed
-            n = store.exists(m.keys, count_reserved=True) if m.count_reserved else store.exists(m.keys)
+            n = await self._sized(c, len(m.keys), store.exists, m.keys, count_reserved=m.count_reserved)
             left = end - time.monotonic()
             if n == len(m.keys) or left <= 0:
                 return p.Count(m.id, n)
@@ -805,27 +823,29 @@ class NodeService:
 
     async def _on_exists_all(self, c: _Conn, m: p.ExistsAll) -> p.Frame:
         assert self.store is not None
-        return p.Count(m.id, self.store.exists_all(m.key_lists, count_reserved=m.count_reserved))
+        n = sum(len(keys) for keys in m.key_lists)
+        return p.Count(m.id, await self._sized(c, n, self.store.exists_all, m.key_lists,
+                                               count_reserved=m.count_reserved))
 
     async def _on_contains(self, c: _Conn, m: p.Contains) -> p.Frame:
         assert self.store is not None
-        return p.Bools(m.id, self.store.contains(m.keys))
+        return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.contains, m.keys))
 
     async def _on_size_of(self, c: _Conn, m: p.SizeOf) -> p.Frame:
         assert self.store is not None
-        return p.Sizes(m.id, self.store.size_of(m.keys))
+        return p.Sizes(m.id, await self._sized(c, len(m.keys), self.store.size_of, m.keys))
 
     async def _on_tier_of(self, c: _Conn, m: p.TierOf) -> p.Frame:
         assert self.store is not None
-        return p.Names(m.id, self.store.tier_of(m.keys))
+        return p.Names(m.id, await self._sized(c, len(m.keys), self.store.tier_of, m.keys))
 
     async def _on_pin(self, c: _Conn, m: p.Pin) -> p.Frame:
         assert self.store is not None
-        return p.Bools(m.id, self.store.pin(m.keys, m.ttl_s))
+        return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.pin, m.keys, m.ttl_s))
 
     async def _on_unpin(self, c: _Conn, m: p.Unpin) -> p.Frame:
         assert self.store is not None
-        self.store.unpin(m.keys)
+        await self._sized(c, len(m.keys), self.store.unpin, m.keys)
         return p.Ack(m.id)
 
     def _refuse_new_tokens(self, m: p.Reserve | p.Lease) -> p.Error | None:
@@ -842,7 +862,9 @@ class NodeService:
         # The store answers NO_SPACE past this connection's share of the arena or its token cap.
         now = time.monotonic()
         grants: list[p.Grant] = []
-        for r in store.reserve(m.keys, m.sizes, m.parents, ttl_s=m.ttl_s, owner=c.conn_id):
+        got = await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
+                                owner=c.conn_id)
+        for r in got:
             if r.status is Status.EXISTS:
                 c.mine.store.put_exists += 1
             elif r.status is Status.NO_SPACE:
@@ -851,6 +873,7 @@ class NodeService:
                 r.view = None  # the service never writes a slot: its clients do
                 c.reservations[r.token] = r
                 c.hold(r.token, r.nbytes, m.ttl_s, now)
+                self._writing.setdefault(r.key, {})[r.token] = now + m.ttl_s
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
             else:
                 grants.append(p.Grant(Status(r.status)))
@@ -871,7 +894,12 @@ class NodeService:
         assert self.store is not None
         mine = self._take(c, c.reservations, m.tokens)
         known = [r for r in mine if r is not None]
-        statuses = iter(self.store.commit(known, owner=c.conn_id) if known else [])
+        try:
+            statuses = iter(await self._sized(c, len(known), self.store.commit, known, owner=c.conn_id)
+                            if known else [])
+        finally:
+            for r in known:  # pending until the store committed: a waiting lease then finds it
+                self._written(r)
         if known:
             self._kick()
         out = [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine]
@@ -885,7 +913,11 @@ class NodeService:
         assert self.store is not None
         known = [r for r in self._take(c, c.reservations, m.tokens) if r is not None]
         if known:
-            self.store.abort(known, owner=c.conn_id)
+            try:
+                await self._sized(c, len(known), self.store.abort, known, owner=c.conn_id)
+            finally:
+                for r in known:
+                    self._written(r)
             self._kick()
         return p.Ack(m.id)
 
@@ -897,15 +929,23 @@ class NodeService:
         _check_wait_s("wait_pending_s", m.wait_pending_s)
         if m.wait_pending_s > 0:
             await self._wait_not_pending(c, m.keys, m.wait_pending_s)
-        # Inline when every key is in DRAM (bookkeeping only); on the pool when the store may read
-        # a lower tier into a slot.
-        tiers = store.tier_of(m.keys) if m.stage_in and self._has_below else None
-        blocking = tiers is not None and any(t != "dram" for t in tiers)
+        # Inline when every key is in DRAM (bookkeeping only) and the list is short; on the pool when
+        # the store may read a lower tier into a slot, or the list is long.
         kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id}
-        if blocking:
-            got = await self._blocking(c, store.lease, m.keys, **kwargs)
+        look_below = m.stage_in and self._has_below
+
+        def lease() -> tuple[list[str | None] | None, list[Any]]:
+            tiers = store.tier_of(m.keys) if look_below else None
+            return tiers, store.lease(m.keys, **kwargs)
+
+        if len(m.keys) > _INLINE_MAX_KEYS:
+            tiers, got = await self._blocking(c, lease)
         else:
-            got = store.lease(m.keys, **kwargs)
+            tiers = store.tier_of(m.keys) if look_below else None
+            if tiers is not None and any(t != "dram" for t in tiers):
+                got = await self._blocking(c, store.lease, m.keys, **kwargs)
+            else:
+                got = store.lease(m.keys, **kwargs)
         now = time.monotonic()
         grants: list[p.Grant] = []
         mine = c.mine
@@ -928,11 +968,23 @@ class NodeService:
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 
+    def _written(self, r: Any) -> None:
+        """(loop thread) Reservation ``r`` ended here (committed, aborted, its connection gone)."""
+        tokens = self._writing.get(r.key)
+        if tokens is not None:
+            tokens.pop(r.token, None)
+            if not tokens:
+                del self._writing[r.key]
+
     def _pending(self, keys: Sequence[str]) -> list[str]:
-        """Keys reserved and not committed yet (invisible to readers, counted as reserved)."""
-        store = self.store
-        assert store is not None
-        return [k for k in keys if store.exists([k], count_reserved=True) and not store.exists([k])]
+        """Keys reserved through this service and not committed, aborted or past their TTL yet
+        (the store drops an expired reservation). Dict lookups only, no store call: cheap on the
+        loop even for a long key list."""
+        writing = self._writing
+        if not writing:
+            return []
+        now = time.monotonic()
+        return [k for k in keys if (t := writing.get(k)) is not None and max(t.values()) > now]
 
     async def _wait_not_pending(self, c: _Conn, keys: Sequence[str], wait_s: float) -> None:
         """Until no key of ``keys`` is being written (committed, aborted, expired, reclaimed), or
@@ -988,7 +1040,8 @@ class NodeService:
         assert self.store is not None
         mine = self._take(c, c.leases, m.tokens)
         known = [r for r in mine if r is not None]
-        answers = iter(self.store.release(known, owner=c.conn_id) if known else [])
+        answers = iter(await self._sized(c, len(known), self.store.release, known, owner=c.conn_id)
+                       if known else [])
         out = [False if r is None else bool(next(answers)) for r in mine]
         for r, ok in zip(mine, out):
             if r is not None:

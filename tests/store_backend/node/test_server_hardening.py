@@ -70,3 +70,69 @@ def test_a_stale_socket_of_a_dead_service_is_still_replaced(sdir):
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
     with service_thread(service_config(sdir)) as svc:
         assert connect(svc).ask(p.Exists(0, ["x"])).n == 0
+
+
+# -- F3: a huge key list does not stall the loop for the other clients ----------------------------
+class _Prober(threading.Thread):
+    """exists([k]) on a connection of its own every 5 ms; records (start, latency)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.c = Raw(path, timeout_s=60)
+        assert isinstance(self.c.hello(want_segment=False, name="prober"), p.Welcome)
+        self.lat: list[tuple[float, float]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            t0 = time.monotonic()
+            if not isinstance(self.c.ask(p.Exists(0, ["probe/k"])), p.Count):
+                return  # the service is stopping
+            self.lat.append((t0, time.monotonic() - t0))
+            time.sleep(0.005)
+
+    def worst(self, t0: float, t1: float) -> float:
+        return max((lat for s, lat in self.lat if s + lat >= t0 and s <= t1), default=0.0)
+
+    def close(self) -> None:
+        self.halt.set()
+        self.join(70)
+        self.c.close()
+
+
+def test_a_60000_key_lease_with_a_pending_wait_does_not_stall_another_clients_exists(sdir):
+    from .server_harness import ServiceProcess
+
+    cfg = service_config(sdir, store={"dram": {"capacity_bytes": 64 << 20,
+                                               "shm_name": f"mkn-test-f3-{os.getpid()}"}})
+    proc = ServiceProcess(cfg, sdir)
+    try:
+        proc.wait_ready()
+        probe = _Prober(cfg["socket"])
+        probe.start()
+        a = Raw(cfg["socket"], timeout_s=120)
+        assert isinstance(a.hello(want_segment=False, name="A"), p.Welcome)
+        w = a.ask(p.Reserve(0, ["pend/0"], [4096])).grants[0]  # one key really pending
+        time.sleep(1.0)
+        baseline = probe.worst(0.0, time.monotonic())
+        keys = [f"k/{i}" for i in range(60_000)] + ["pend/0"]
+        for msg in (p.Lease(0, keys, 60.0, True, 0.5), p.Contains(0, keys), p.Pin(0, keys, 30.0),
+                    p.Commit(0, list(range(10_000, 70_000))), p.Exists(0, keys, wait_s=0.3)):
+            t0 = time.monotonic()
+            reply = a.ask(msg)
+            t1 = time.monotonic()
+            assert not isinstance(reply, p.Error), reply
+            time.sleep(0.1)
+            worst = probe.worst(t0, t1)
+            op = type(msg).__struct_config__.tag
+            # B's exists is answered while A's call runs: bounded, far below what a stalled loop
+            # costs (seconds for the lease on the code that scanned per key on the loop).
+            assert worst < max(1.0, 10 * baseline), (op, worst, baseline, t1 - t0)
+            if isinstance(msg, p.Lease):
+                assert t1 - t0 >= 0.45  # it did wait for the pending key
+                assert [g.status for g in reply.grants[-2:]] == [Status.NOT_FOUND, Status.NOT_FOUND]
+        assert a.ask(p.Commit(0, [w.token])).values == [Status.OK]
+        probe.close()
+        a.close()
+    finally:
+        proc.close()
