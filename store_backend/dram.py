@@ -34,7 +34,7 @@ class EntryState(enum.Enum):
 
 class Entry:
     __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "offload_failures",
-                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq")
+                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq", "freed")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -50,6 +50,7 @@ class Entry:
         self.pin_deadline = 0.0
         self.parent = parent
         self.put_seq = 0  # the store's number of the put that stored it (0: not numbered)
+        self.freed = False  # its block went back to the allocator (it may belong to another entry now)
 
     @property
     def clean(self) -> bool:
@@ -265,6 +266,7 @@ class HostDramTier:
             self.arena.close()
             raise
         self.entries: dict[str, Entry] = {}
+        self.double_frees = 0  # blocks given back twice (a bug; see free)
 
     # -- queries ---------------------------------------------------------------------------------
     def ready(self, key: str) -> Entry | None:
@@ -285,6 +287,28 @@ class HostDramTier:
     # -- reservation and eviction ----------------------------------------------------------------
     def fits_ever(self, size: int) -> bool:
         return size <= self.allocator.capacity
+
+    def block_bytes(self, size: int) -> int:
+        """Arena bytes an object of ``size`` bytes takes: whole alignment units, at least one
+        (what the allocator hands out; what a slot counts against its owner's share)."""
+        align = self.allocator.alignment
+        return max(1, -(-size // align)) * align
+
+    def free(self, entry: Entry) -> bool:
+        """Give ``entry``'s block back to the allocator, once. False, freeing nothing, when it was
+        given back already (or the allocator does not know it): a double free, a bug, counted in
+        ``double_frees`` and logged. Freeing again could hand out a block another entry owns by
+        now, so it is left alone."""
+        if not entry.freed:
+            entry.freed = True
+            try:
+                self.allocator.free(entry.offset)
+                return True
+            except KeyError:
+                pass
+        self.double_frees += 1
+        logger.error("arena block of key %r at offset %d was freed already; left alone", entry.key, entry.offset)
+        return False
 
     def reserve(
         self,
@@ -333,7 +357,7 @@ class HostDramTier:
         entry = self.entries.pop(key, None)
         if entry is None:
             return None
-        self.allocator.free(entry.offset)
+        self.free(entry)
         if entry.state is EntryState.READY:
             self.policy.on_remove(key)
         return entry

@@ -131,6 +131,9 @@ class StoreCounters(msgspec.Struct):
     slot_refused: int = 0
     # Tokens given to commit/abort/release that are unknown, used already, or another owner's.
     slot_foreign: int = 0
+    # Arena blocks given back (or about to be leased) after they were freed already: a bug, each
+    # logged; the block is left alone, since it may belong to another object by now.
+    arena_double_frees: int = 0
 
 
 class SlotGauges(msgspec.Struct):

@@ -93,6 +93,8 @@ DESCRIPTIONS: dict[str, str] = {
                                        "arena or of tokens."),
     "mooncake_kv_store_slot_foreign": ("Tokens given to commit, abort or release that were unknown, already used, or "
                                        "another owner's (nothing changed)."),
+    "mooncake_kv_store_arena_double_frees": ("Arena blocks given back or leased after they were freed already (a bug; "
+                                             "each is logged and the block left alone)."),
     # slot API gauges
     "mooncake_kv_slot_reservations": "Slots reserved now and not yet committed or aborted.",
     "mooncake_kv_slot_leases": "Leases held now and not yet released.",

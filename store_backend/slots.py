@@ -5,7 +5,9 @@ A *reservation* (``TieredStore.reserve``) is a WRITING arena entry the caller fi
 (``TieredStore.lease``) is a READY entry (or a transient slot staged in from a lower tier) whose
 bytes stay put, neither evicted nor overwritten, until the caller releases it. Both are named by a
 *token*, an integer unique for the store's life (never reused, so a stale token never names a new
-slot), held by one *owner* (the node service passes its connection id; an embedded caller 0).
+slot), held by one *owner* (the node service passes its connection id; an embedded caller 0) and
+counted against one *share* of the arena (the owner's own, or a ``group`` naming several owners:
+the node service passes the peer process id, so that one process's connections share one limit).
 
 This module holds the caller-facing records (:class:`Reservation`, :class:`SlotLease`,
 :class:`SegmentInfo`) and the bookkeeping of tokens (:class:`SlotTable`): who holds what, until
@@ -23,6 +25,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,12 +35,13 @@ from store_backend.types import Status
 if TYPE_CHECKING:
     from store_backend.dram import Entry
 
-# Most tokens one owner may hold at once (beyond: NO_SPACE), so one client cannot grow the table
-# without bound.
+# Most tokens one share (an owner, or a group of owners) may hold at once (beyond: NO_SPACE), so one
+# client cannot grow the table without bound.
 MAX_TOKENS_PER_OWNER = 65536
 
-# Share of the arena one owner's tokens may hold at once (beyond: NO_SPACE), so a stuck or greedy
-# client cannot take the whole arena away from the others.
+# Share of the arena one owner's (or group's) tokens may hold at once, in allocator bytes (beyond:
+# NO_SPACE; one slot larger than that: TOO_LARGE), so a stuck or greedy client cannot take the whole
+# arena away from the others.
 MAX_HELD_FRACTION = 0.5
 
 
@@ -110,7 +114,9 @@ class SlotKind(enum.Enum):
 class SlotRow:
     """One token: what it holds (``entry``: a WRITING entry for a reservation, the leased entry for
     a lease), who holds it, until when. ``source`` names the tier a lease's bytes were read from
-    ("dram", or the tier a stage-in read). ``held_bytes``: what it counts against its owner."""
+    ("dram", or the tier a stage-in read). ``held_bytes``: the arena bytes it counts against its
+    share (the whole allocator block, not the requested size). ``account``: whose share (see
+    :meth:`SlotTable.account`)."""
 
     kind: SlotKind
     entry: Entry
@@ -119,10 +125,11 @@ class SlotRow:
     held_bytes: int
     source: str = "dram"
     expired: bool = False
+    account: tuple[str, int] = ("owner", 0)
 
 
 @dataclass(slots=True)
-class _OwnerUse:
+class _Use:
     tokens: int = 0
     held_bytes: int = 0
 
@@ -130,15 +137,26 @@ class _OwnerUse:
 @dataclass
 class SlotTable:
     """Every token the store handed out and has not taken back. Not thread-safe: the store calls
-    it under its lock. O(1) per add/take, O(log n) per expiry."""
+    it under its lock. O(1) per add/take and per gauge, O(log n) per expiry, O(tokens of the
+    owner) for :meth:`tokens_of`.
+
+    Tokens are *held* by an owner (what :meth:`tokens_of` and so ``reclaim(owner)`` end: the node
+    service's connection) and *counted* against an accounting share (``group``; by default the
+    owner itself): the node service passes the peer process, so a process with many connections
+    still holds at most one share of the arena."""
 
     capacity_bytes: int
     max_held_fraction: float = MAX_HELD_FRACTION
     max_tokens_per_owner: int = MAX_TOKENS_PER_OWNER
     _rows: dict[int, SlotRow] = field(default_factory=dict)
-    _owners: dict[int, _OwnerUse] = field(default_factory=dict)
+    _owners: dict[int, dict[int, None]] = field(default_factory=dict)  # owner -> its tokens, in order
+    _shares: dict[tuple[str, int], _Use] = field(default_factory=dict)  # account -> what it holds
+    _kinds: dict[SlotKind, int] = field(default_factory=lambda: dict.fromkeys(SlotKind, 0))
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
-    _numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # Numbers start at a random 62-bit base, so the next store (a restarted node service) does not
+    # hand out the numbers of the last one again: a stale token then names nothing.
+    _numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1 + secrets.randbits(62)))
+    held_bytes: int = 0  # bytes of every token held now
     expired_held_bytes: int = 0  # bytes of expired tokens not given back yet
 
     def __post_init__(self) -> None:
@@ -149,21 +167,36 @@ class SlotTable:
     def max_held_bytes(self) -> int:
         return int(self.capacity_bytes * self.max_held_fraction)
 
-    def admits(self, owner: int, nbytes: int) -> bool:
-        """Whether ``owner`` may take one more token holding ``nbytes``."""
-        use = self._owners.get(owner)
-        if use is None:
-            return nbytes <= self.max_held_bytes
-        return use.tokens < self.max_tokens_per_owner and use.held_bytes + nbytes <= self.max_held_bytes
+    @staticmethod
+    def account(owner: int, group: int | None = None) -> tuple[str, int]:
+        """The share a token of ``owner`` counts against: ``group``'s when given, else the
+        owner's own (two namespaces, so a group number never collides with an owner number)."""
+        return ("owner", owner) if group is None else ("group", group)
+
+    def too_large(self, nbytes: int) -> bool:
+        """Whether a slot of ``nbytes`` (allocator) bytes exceeds a whole share: no owner can
+        ever hold it (TOO_LARGE, permanent; not NO_SPACE, which a caller may retry)."""
+        return nbytes > self.max_held_bytes
+
+    def admits(self, account: tuple[str, int], nbytes: int, tokens: int = 1) -> bool:
+        """Whether ``account`` may take ``tokens`` more tokens holding ``nbytes`` together (a
+        batch passes what it was granted already plus the next key)."""
+        use = self._shares.get(account)
+        had_tokens, had_bytes = (use.tokens, use.held_bytes) if use is not None else (0, 0)
+        return had_tokens + tokens <= self.max_tokens_per_owner and had_bytes + nbytes <= self.max_held_bytes
 
     def add(self, kind: SlotKind, entry: Entry, owner: int, deadline: float, held_bytes: int,
-            source: str = "dram") -> int:
+            source: str = "dram", account: tuple[str, int] | None = None) -> int:
         """Record a new token and return it (the caller checked :meth:`admits`)."""
         token = next(self._numbers)
-        self._rows[token] = SlotRow(kind, entry, owner, deadline, held_bytes, source)
-        use = self._owners.setdefault(owner, _OwnerUse())
+        account = self.account(owner) if account is None else account
+        self._rows[token] = SlotRow(kind, entry, owner, deadline, held_bytes, source, False, account)
+        self._owners.setdefault(owner, {})[token] = None
+        use = self._shares.setdefault(account, _Use())
         use.tokens += 1
         use.held_bytes += held_bytes
+        self._kinds[kind] += 1
+        self.held_bytes += held_bytes
         heapq.heappush(self._deadlines, (deadline, token))
         return token
 
@@ -176,20 +209,26 @@ class SlotTable:
         return row
 
     def take(self, token: int) -> SlotRow:
-        """Forget ``token`` (it must exist) and give its bytes back to its owner's allowance."""
+        """Forget ``token`` (it must exist) and give its bytes back to its share."""
         row = self._rows.pop(token)
-        use = self._owners[row.owner]
+        mine = self._owners[row.owner]
+        del mine[token]
+        if not mine:
+            del self._owners[row.owner]
+        use = self._shares[row.account]
         use.tokens -= 1
         use.held_bytes -= row.held_bytes
         if not use.tokens:
-            del self._owners[row.owner]
+            del self._shares[row.account]
+        self._kinds[row.kind] -= 1
+        self.held_bytes -= row.held_bytes
         if row.expired:
             self.expired_held_bytes -= row.held_bytes
         return row
 
     def tokens_of(self, owner: int) -> list[int]:
-        """Every token ``owner`` holds (O(tokens); for reclaim)."""
-        return [t for t, row in self._rows.items() if row.owner == owner]
+        """Every token ``owner`` holds (O(its tokens); for reclaim)."""
+        return list(self._owners.get(owner, ()))
 
     def expire(self, now: float) -> list[SlotRow]:
         """Mark every token whose deadline passed as expired; returns the rows newly expired (the
@@ -211,13 +250,17 @@ class SlotTable:
     def __len__(self) -> int:
         return len(self._rows)
 
-    @property
-    def held_bytes(self) -> int:
-        return sum(u.held_bytes for u in self._owners.values())
-
     def count(self, kind: SlotKind) -> int:
-        return sum(1 for r in self._rows.values() if r.kind is kind)
+        return self._kinds[kind]
+
+    @property
+    def owner_count(self) -> int:
+        """Owners holding any token now (O(1))."""
+        return len(self._owners)
 
     def owners(self) -> dict[int, tuple[int, int]]:
-        """(tokens, held bytes) per owner holding any."""
-        return {o: (u.tokens, u.held_bytes) for o, u in self._owners.items()}
+        """(tokens, held bytes) per owner holding any (O(tokens held); for tools and tests)."""
+        out: dict[int, tuple[int, int]] = {}
+        for o, tokens in self._owners.items():
+            out[o] = (len(tokens), sum(self._rows[t].held_bytes for t in tokens))
+        return out

@@ -450,11 +450,11 @@ class TieredStore:
         """Let go of a lease (lock held); the last holder of a removed entry frees its bytes."""
         e.leases -= 1
         if e.leases == 0 and not self._live(e):
-            self._dram.allocator.free(e.offset)
+            self._dram.free(e)
 
     def _release_detached(self, e: Entry) -> None:
         """The writer of a WRITING entry that a remove took out of the index frees its bytes."""
-        self._dram.allocator.free(e.offset)
+        self._dram.free(e)
 
     # -- writes ------------------------------------------------------------------------------------
     def put(
@@ -563,7 +563,7 @@ class TieredStore:
                 out[i] = Status.EXISTS
                 m.store.put_exists += 1
                 continue
-            if slot is not None and not self._slots.admits(slot[0], size):
+            if slot is not None and not self._slots.admits(self._slots.account(slot[0]), size):
                 out[i] = Status.NO_SPACE  # this owner holds its share of the arena (or of tokens)
                 m.store.slot_refused += 1
                 continue
@@ -892,8 +892,13 @@ class TieredStore:
     def _lease_entry(self, e: Entry, owner: int, ttl_s: float, source: str, arena: memoryview) -> SlotLease:
         """(lock held) One more lease on ``e`` with a token whose TTL starts now (not before a wait
         or a stage-in read: the TTL is the caller's time to read), or NO_SPACE past the owner's
-        limits."""
-        if not self._slots.admits(owner, e.size):
+        limits. ``e`` must be held (indexed, or leased by this call): a freed entry's block may be
+        another object's by now, so leasing one is a bug, refused (NOT_FOUND), counted and logged."""
+        if e.freed:
+            self._dram.double_frees += 1
+            logger.error("lease of key %r asked for an arena block freed already; refused", e.key)
+            return SlotLease(Status.NOT_FOUND, e.key)
+        if not self._slots.admits(self._slots.account(owner), e.size):
             self.metrics_counters.store.slot_refused += 1
             return SlotLease(Status.NO_SPACE, e.key)
         e.leases += 1
@@ -922,27 +927,33 @@ class TieredStore:
         (evicting clean entries only, as a promotion does), so it stays invisible and a put of the
         key answers EXISTS; a remove meanwhile takes it, and so does a removal that began after the
         size lookup (``changed_since``): either way NOT_FOUND, never the removed bytes."""
-        m = self.metrics_counters
-        # A key named again in the batch is staged once and leased once more per repeat.
+        # A key named again in the batch is staged once and leased once more per repeat, in the
+        # lock section that leases its first mention: once the lock is dropped a reclaim of the
+        # owner, or an eviction, may free the entry.
         first: dict[str, int] = {}
-        repeats = [(i, first.setdefault(keys[i], i)) for i in idx]
-        repeats = [(i, lead) for i, lead in repeats if i != lead]
-        idx = list(first.values())
-        leased: dict[int, tuple[Entry, str]] = {}  # leader index -> (leased entry, source)
-        self._stage_in_once(keys, idx, owner, ttl_s, out, leased)
-        if repeats:
-            arena = self._dram.arena.view
-            with self._lock:
-                for i, lead in repeats:
-                    got = leased.get(lead)
-                    if got is None:
-                        out[i] = SlotLease(out[lead].status, keys[i])
-                    else:
-                        out[i] = self._lease_entry(got[0], owner, ttl_s, got[1], arena)
+        repeats: dict[int, list[int]] = {}  # leader index -> the indices naming its key again
+        for i in idx:
+            lead = first.setdefault(keys[i], i)
+            if lead != i:
+                repeats.setdefault(lead, []).append(i)
+        leased: set[int] = set()  # leader indices whose lease was granted
+        self._stage_in_once(keys, list(first.values()), owner, ttl_s, out, repeats, leased)
+        for lead, more in repeats.items():
+            if lead not in leased:  # no lease, no entry touched: the repeats answer as their leader
+                for i in more:
+                    out[i] = SlotLease(out[lead].status, keys[i])
+
+    def _lease_repeats(self, e: Entry, lead: int, more: list[int], owner: int, ttl_s: float, source: str,
+                       arena: memoryview, out: list[SlotLease]) -> None:
+        """(lock held, in the section that leased ``e`` for index ``lead``) One more lease of ``e``
+        for each index in ``more`` (the same key named again)."""
+        for i in more:
+            out[i] = self._lease_entry(e, owner, ttl_s, source, arena)
 
     def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
-                       out: list[SlotLease], leased: dict[int, tuple[Entry, str]]) -> None:
-        """:meth:`_stage_in` for distinct keys; each lease it hands out is noted in ``leased``."""
+                       out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int]) -> None:
+        """:meth:`_stage_in` for distinct keys; leases each key's repeats (``repeats``) with it and
+        notes each leader whose lease it granted in ``leased``."""
         m = self.metrics_counters
         with self._lock:
             generation = self._removals.generation()
@@ -975,11 +986,12 @@ class TieredStore:
                     if e.state is EntryState.READY:
                         out[i] = self._lease_entry(e, owner, ttl_s, "dram", arena)
                         if out[i].status is Status.OK:
-                            leased[i] = (e, "dram")
+                            leased.add(i)
+                            self._lease_repeats(e, i, repeats.get(i, []), owner, ttl_s, "dram", arena, out)
                     continue
                 if self._removals.hidden(key) or self._removals.changed_since(key, generation):
                     continue  # removed since its size was asked: NOT_FOUND
-                if not self._slots.admits(owner, size):
+                if not self._slots.admits(self._slots.account(owner), size):
                     out[i] = SlotLease(Status.NO_SPACE, key)
                     m.store.slot_refused += 1
                     continue
@@ -1044,7 +1056,7 @@ class TieredStore:
                     # A transient slot outside the index: the lease is its only holder and its
                     # release frees it (see _unlease).
                     del self._dram.entries[e.key]
-                if not self._slots.admits(owner, e.size):  # the owner took others meanwhile
+                if not self._slots.admits(self._slots.account(owner), e.size):  # the owner took others meanwhile
                     m.store.slot_refused += 1
                     if not promote:
                         self._release_detached(e)
@@ -1052,7 +1064,8 @@ class TieredStore:
                     continue
                 out[i] = self._lease_entry(e, owner, ttl_s, tier.name, arena)
                 if out[i].status is Status.OK:
-                    leased[i] = (e, tier.name)
+                    leased.add(i)
+                    self._lease_repeats(e, i, repeats.get(i, []), owner, ttl_s, tier.name, arena, out)
             self._bus.publish(events)
             self._slot_changed.notify_all()  # the staged keys are not being written any more
 
@@ -2123,8 +2136,9 @@ class TieredStore:
             stats.store.events_dropped = self._bus.dropped
             self._expire_slots()
             t = self._slots
+            stats.store.arena_double_frees = self._dram.double_frees
             stats.slots = SlotGauges(reservations=t.count(SlotKind.RESERVATION), leases=t.count(SlotKind.LEASE),
-                                     owners=len(t.owners()), held_bytes=t.held_bytes,
+                                     owners=t.owner_count, held_bytes=t.held_bytes,
                                      expired_held_bytes=t.expired_held_bytes)
         reported = stats.tiers
         for name, g in below.items():
