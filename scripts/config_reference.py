@@ -28,7 +28,7 @@ for _path in (ROOT, ROOT / "scripts"):
 
 import generated_docs  # noqa: E402
 
-from mooncake_connector.config import ConnectorConfig  # noqa: E402
+from mooncake_connector.config import ConnectorConfig, NodeAttachConfig  # noqa: E402
 from sglang_hicache.config import SglangOnlySettings  # noqa: E402
 from store_backend.config import DramConfig, OffloadConfig, PromotionConfig, SsdConfig, StoreConfig  # noqa: E402
 from store_backend.policies.admission import admission_names  # noqa: E402
@@ -41,6 +41,8 @@ SECTIONS: list[tuple[str, str, type[msgspec.Struct]]] = [
     ("Store: `ssd`", "`store.ssd` (absent: no SSD tier)", SsdConfig),
     ("Store: `offload`", "`store.offload`", OffloadConfig),
     ("Store: `promotion`", "`store.promotion`", PromotionConfig),
+    ("Store: `node` (attach to the node service)", "`store.node` in a connector config, alone in `store` "
+     "(docs/NODE.md, \"Attaching engines\"); variables `MOONCAKE_KV_NODE__<KEY>`", NodeAttachConfig),
     ("Connector (vLLM and SGLang)", "vLLM `kv_connector_extra_config`; SGLang "
      "`--hicache-storage-backend-extra-config`", ConnectorConfig),
     ("SGLang only", "SGLang `--hicache-storage-backend-extra-config`", SglangOnlySettings),
@@ -60,8 +62,9 @@ loader, `store_backend/config_loader.py`, so the rules below hold for all of the
   they are refused), and cannot name another `config_file`.
 - **Environment**: `MOONCAKE_KV_<PATH>`, the field's path in upper case with `__` between levels:
   store fields by their path in the store config (`MOONCAKE_KV_DRAM__CAPACITY_BYTES=4GiB`, also
-  for a connector's `store` section), connector and SGLang keys by their name
-  (`MOONCAKE_KV_CHUNK_TOKENS=512`); `store` and `config_file` themselves are not variables.
+  for a connector's `store` section, and so is its `node` section: `MOONCAKE_KV_NODE__SOCKET`),
+  connector and SGLang keys by their name (`MOONCAKE_KV_CHUNK_TOKENS=512`); `store`, `node` and
+  `config_file` themselves are not variables.
   Values are JSON where they parse as JSON, else text; a field that takes only text (`revision`,
   `ssd.path`, `eviction_policy`, ...) keeps the text as written, except `null`, which unsets a field
   that may be unset (`MOONCAKE_KV_MODEL_ID=null`), and a JSON string (`'"lru"'` is `lru`).

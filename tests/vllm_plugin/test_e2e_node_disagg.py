@@ -1,0 +1,106 @@
+"""Disaggregated prefill/decode (1P1D) on one node through the node service:
+``examples/vllm_disagg/run_1p1d_node.sh`` (the node service, two real vLLM OpenAI servers attached to
+it, and the example proxy), replacing the shared SSD directory of ``run_1p1d.sh``.
+
+The decode server must answer with exactly the tokens of a no-connector engine and load exactly
+the chunks the prefill server stored: it is asked the moment the prefill server answered (its saves
+may still be in flight), and its lookup waits in the service for their commit rather than polling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, free_port, metric, wait_healthy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [prompt(231, 700), prompt(232, 300)]
+DIRECT = prompt(233, 520)  # sent by the test itself: prefill, then decode at once
+
+
+@contextmanager
+def node_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
+    """``run_1p1d_node.sh`` as a user runs it, on ``model`` with the CPU build's flags; yields the
+    ports. The script's whole process group is stopped (SIGTERM, then SIGKILL) on exit."""
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    log = work / "run_1p1d_node.log"
+    env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
+           "DRAM": "64MiB", "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
+           "PROXY_PORT": str(ports["proxy"]), "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
+    script = subprocess.Popen(["bash", str(ROOT / "examples" / "vllm_disagg" / "run_1p1d_node.sh")], env=env,
+                              cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [script], [log])
+        yield ports
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 120), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(script.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                script.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("node-disagg")
+    with node_cluster(work, tiny_model) as ports:
+        yield {"ports": ports, "work": work}
+
+
+def test_decode_loads_the_prefilled_prefix_through_the_service(cluster: dict[str, Any], tiny_model: Path) -> None:
+    ports = cluster["ports"]
+    outputs = [complete(ports["proxy"], p) for p in PROMPTS]
+    # The decode leg by hand: prefill answers with what it stored, and decode is asked at once.
+    body = {"model": "tiny", "prompt": DIRECT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    hits_before = metric(ports["decode"], "vllm:external_prefix_cache_hits_total")
+    prefilled = post(ports["prefill"], {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = prefilled["kv_transfer_params"]
+    t0 = time.monotonic()
+    direct = post(ports["decode"], {**body, "kv_transfer_params": params})
+    decode_s = time.monotonic() - t0
+    direct_hits = metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits_before
+
+    baseline = run_engine({"model_dir": str(tiny_model), "connector": None,
+                           "rounds": [{"prompts": [p], "max_tokens": MAX_TOKENS} for p in [*PROMPTS, DIRECT]]},
+                          cluster["work"], "baseline")
+    want = [r[0]["tokens"] for r in baseline["rounds"]]
+    assert [o["choices"][0]["token_ids"] for o in outputs] + [direct["choices"][0]["token_ids"]] == want
+
+    # What the prefill server stored is what the decode server loaded: every whole chunk short of
+    # the prompt's last token, none computed again there.
+    stored = params["remote_prefix_tokens"]
+    assert stored == len(DIRECT) // CHUNK_TOKENS * CHUNK_TOKENS
+    assert direct_hits == min(stored, (len(DIRECT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)
+    # Loaded as soon as committed: nowhere near the remote_prefill_wait_s (30 s) a miss would wait.
+    assert decode_s < 20, decode_s
+    want_hits = sum((len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS for p in [*PROMPTS, DIRECT])
+    assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") == want_hits
+    assert metric(ports["decode"], "vllm:prefix_cache_hits_total") == 0  # nothing came from its local cache
+    assert metric(ports["prefill"], "vllm:external_prefix_cache_hits_total") == 0
