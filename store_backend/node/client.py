@@ -9,7 +9,10 @@ expired) fails the read with IO_ERROR: those bytes are never handed out as OK.
 
 Connections: a pool of at most ``max_connections`` blocking sockets. A call checks one out, does its
 round trips and returns it; ``commit``/``abort``/``release`` of a slot go back on the connection
-that took it (a token belongs to its connection). Each connection's first frame is ``hello``; the
+that took it (a token belongs to its connection). The ``token`` of a Reservation/SlotLease is this
+process's handle for (connection, service token), never reused: once that connection is gone
+(the service restarted), its commit/abort/release is answered here (IO_ERROR / nothing / False)
+and nothing is sent, so it can never name a slot of the new service. Each connection's first frame is ``hello``; the
 ``welcome`` comes with the segment's fd, whose ``fstat`` identity must be the ``segment_id`` it
 names. Each segment is mapped once per process (``MAP_SHARED|MAP_POPULATE``), whichever clients use
 it; an old segment's mapping is closed once nothing exports a view of it any more.
@@ -34,12 +37,14 @@ Every method is thread-safe and blocking.
 from __future__ import annotations
 
 import logging
+import itertools
 import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -72,6 +77,23 @@ T = TypeVar("T")
 DEFAULT_TTL_S = 60.0
 # Statuses a read may answer (ReadResult); any other lease status is served as IO_ERROR.
 _READ_STATUSES = frozenset({Status.NOT_FOUND, Status.CORRUPT, Status.INVALID_KEY, Status.IO_ERROR})
+
+# The token a Reservation/SlotLease of a NodeClient carries is this process's own handle, never the
+# service's number: a handle is never reused in the process, so one taken before a service restart
+# can never name a slot of the new service (whose numbers may repeat the old one's), and a
+# commit/abort/release of it is answered here, nothing sent. (next() on a count is atomic.)
+_HANDLES = itertools.count(1)
+
+
+@dataclass(slots=True)
+class _Held:
+    """What a handle names: the service's token on one connection (to one service start)."""
+
+    conn: _Conn
+    token: int
+    owner: int
+    kind: str  # "reserve" | "lease"
+    key: str
 
 
 class NodeAccessError(PermissionError):
@@ -343,8 +365,8 @@ class NodeClient:
         self._lost_since: float | None = None  # set when the service was lost, cleared at reconnect
         self._mapping: SegmentMapping | None = None
         self.welcome: p.Welcome | None = None  # the current service's welcome (ssd_path, tiers, ...)
-        # token -> (its connection, owner, "reserve" | "lease", key)
-        self._tokens: dict[int, tuple[_Conn, int, str, str]] = {}
+        # handle (the token the caller sees) -> the service token it names and its connection
+        self._tokens: dict[int, _Held] = {}
         self._shut = False  # close() has torn the pool down
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -602,9 +624,9 @@ class NodeClient:
         if conn.dead:
             return
         conn.close()
-        for t in list(conn.tokens):  # (a busy connection's thread may add to it meanwhile)
-            held = self._tokens.pop(t, None)
-            if lost and held is not None and held[2] == "reserve":
+        for h in [h for h, held in self._tokens.items() if held.conn is conn]:
+            held = self._tokens.pop(h)
+            if lost and held.kind == "reserve":
                 self.counters.saves_dropped_disconnect += 1  # a reservation that can never commit now
         conn.tokens.clear()
         if conn.owner and self._owned.get(conn.owner) is conn:
@@ -1068,8 +1090,9 @@ class NodeClient:
             with self._cond:
                 for k, g in zip(keys, grants):
                     if g.status is Status.OK:
-                        self._tokens[g.token] = (conn, owner, "reserve", k)
-                        out.append(Reservation(g.status, k, g.nbytes, g.token, g.offset,
+                        handle = next(_HANDLES)
+                        self._tokens[handle] = _Held(conn, g.token, owner, "reserve", k)
+                        out.append(Reservation(g.status, k, g.nbytes, handle, g.offset,
                                                conn.mapping.slot(g.offset, g.nbytes)))
                     else:
                         out.append(Reservation(g.status, k, 0, 0, 0, None))
@@ -1106,8 +1129,9 @@ class NodeClient:
             with self._cond:
                 for k, g in zip(keys, grants):
                     if g.status is Status.OK:
-                        self._tokens[g.token] = (conn, owner, "lease", k)
-                        out.append(SlotLease(g.status, k, g.nbytes, g.token, g.offset,
+                        handle = next(_HANDLES)
+                        self._tokens[handle] = _Held(conn, g.token, owner, "lease", k)
+                        out.append(SlotLease(g.status, k, g.nbytes, handle, g.offset,
                                              conn.mapping.slot(g.offset, g.nbytes).toreadonly()))
                     else:
                         out.append(SlotLease(g.status, k, 0, 0, 0, None))
@@ -1121,21 +1145,24 @@ class NodeClient:
         return self._call(body, fail, owner)
 
     def _by_conn(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
-                 ) -> tuple[dict[int, tuple[_Conn, list[int]]], list[int]]:
+                 ) -> tuple[dict[int, tuple[_Conn, list[int], list[int]]], list[int]]:
         """(Under the lock.) Items ``owner`` holds in this client, grouped by connection (id ->
-        (conn, indexes)), and the indexes of the rest (not OK, finished, another owner's or client's,
-        void because their connection was lost)."""
-        groups: dict[int, tuple[_Conn, list[int]]] = {}
+        (conn, indexes, service tokens)), and the indexes of the rest (not OK, finished, another
+        owner's or client's, void because their connection — their service start — was lost: those
+        are never sent, whatever the service now on that socket numbers its tokens)."""
+        groups: dict[int, tuple[_Conn, list[int], list[int]]] = {}
         rest: list[int] = []
         for i, r in enumerate(items):
             held = self._tokens.get(r.token) if r.status is Status.OK else None
-            if held is None or held[1] != owner or held[2] != kind or held[3] != r.key or held[0].dead:
+            if held is None or held.owner != owner or held.kind != kind or held.key != r.key or held.conn.dead:
                 if r.status is Status.OK:
                     self.counters.slot_foreign += 1  # as the store counts a token it does not hold
                 rest.append(i)
                 continue
             del self._tokens[r.token]
-            groups.setdefault(id(held[0]), (held[0], []))[1].append(i)
+            group = groups.setdefault(id(held.conn), (held.conn, [], []))
+            group[1].append(i)
+            group[2].append(held.token)
         return groups, rest
 
     def _on_token_conns(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
@@ -1150,8 +1177,7 @@ class NodeClient:
             out: list[Any] = [None] * len(items)
             for i in rest:
                 out[i] = rest_value(items[i])
-            for conn, idx in groups.values():
-                tokens = [items[i].token for i in idx]
+            for conn, idx, tokens in groups.values():
                 answers = [lost_value] * len(idx)
                 if self._acquire(conn, time.monotonic() + self.op_timeout_s):
                     try:
@@ -1205,8 +1231,8 @@ class NodeClient:
         self._enter()
         try:
             with self._cond:
-                mine = [(t, h) for t, h in self._tokens.items() if h[1] == owner]
-                conns = {id(h[0]): h[0] for _t, h in mine}
+                mine = [(t, h) for t, h in self._tokens.items() if h.owner == owner]
+                conns = {id(h.conn): h.conn for _t, h in mine}
             for conn in conns.values():
                 if not self._acquire(conn, time.monotonic() + self.op_timeout_s):
                     continue
@@ -1216,7 +1242,7 @@ class NodeClient:
                     with self._cond:
                         self._void(conn, lost=False)
                     self._checkin(conn)
-            return (sum(1 for _t, h in mine if h[2] == "reserve"), sum(1 for _t, h in mine if h[2] == "lease"))
+            return (sum(1 for _t, h in mine if h.kind == "reserve"), sum(1 for _t, h in mine if h.kind == "lease"))
         finally:
             self._exit()
 
