@@ -188,6 +188,8 @@ class PagedLayer:
         then copied D2H into ``dest`` in one transfer (per plane when ``dest`` holds more blocks).
         With ``non_blocking`` the call returns once the copy is queued: ``dest`` is written when
         the stream gets there, and must stay alive (and be pinned for a real async DMA) until then.
+        The caller orders ``stream`` after the kernels that wrote the blocks (``wait_stream`` or
+        an event), and the engine's stream after ``scatter_from``'s stream before it reads them.
         Raises IndexError for a block id out of range, ValueError for a ``dest`` of the wrong size."""
         n = len(block_ids)
         region = self._canonical_np(dest, n, first_block=0, what="dest")
