@@ -6,8 +6,10 @@ are the same commands. Each ``add_*_arguments(parser)`` adds a command's options
 ``run_*(args) -> int`` runs it in the calling (main) thread.
 
 Exit status of ``status``: 0 the service answers and is ready, 1 nothing answers at the socket,
-2 it may not be asked (permission) or speaks another protocol version. ``stop``: 0 stopped, 1
-nothing answers, 2 as for status, 3 still running after ``--wait``. ``serve``: 0 after a clean
+2 it may not be asked (permission) or speaks another protocol version, 4 it answers but is
+draining (stopping: it still holds the socket directory's lock, serves no new reservation or lease).
+``stop``: 0 stopped, 1 nothing answers, 2 as for status, 3 still running after ``--wait``; a
+``stop`` of a service that drains already skips its waits, as a second signal does. ``serve``: 0 after a clean
 stop, 1 when the store's close failed or a second signal cut the flush short, 2 a config or start
 error (printed, naming the field or path).
 """
@@ -37,7 +39,7 @@ from store_backend.ownership import pid_alive
 
 logger = logging.getLogger(__name__)
 
-READY, NOT_ANSWERING, REFUSED, STILL_RUNNING = 0, 1, 2, 3
+READY, NOT_ANSWERING, REFUSED, STILL_RUNNING, DRAINING = 0, 1, 2, 3, 4
 _POLL_S = 0.1
 
 
@@ -115,6 +117,8 @@ def _ask(path: str, requests: list[p.Frame], timeout_s: float, name: str = "moon
                         *requests]:
                 sock.sendall(p.encode(req))
                 reply = reader.read(timeout_s)
+                while isinstance(reply, p.Draining):  # a push, not the reply: stats says draining
+                    reply = reader.read(timeout_s)
                 if reply is None:
                     return NOT_ANSWERING, f"the node service at {path} closed the connection", replies
                 if isinstance(reply, p.Error):
@@ -162,7 +166,8 @@ def _rate(hits: int, misses: int) -> float | None:
 
 
 def status_document(got: Probe) -> dict[str, Any]:
-    """The ``status --json`` object: ``ready``, ``socket`` and, when ready, the service's pid,
+    """The ``status --json`` object: ``ready``, ``socket`` and, when it answers (ready, or
+    draining: ``ready`` false, ``draining`` true), the service's pid,
     uptime, segment, tiers (used/capacity bytes, objects, hits, misses, hit_rate, evictions),
     queues, token gauges and clients; ``error`` when not."""
     doc: dict[str, Any] = {"ready": got.code == READY, "socket": got.socket}
@@ -185,6 +190,8 @@ def status_document(got: Probe) -> dict[str, Any]:
         "loop_lag_s": n.loop_lag_s,
         "clients": [msgspec.to_builtins(c) for c in n.clients],
     })
+    if n.draining:
+        doc["ready"] = False  # it answers, but is stopping: no new reservation or lease
     return doc
 
 
@@ -199,7 +206,7 @@ def _bytes(n: int) -> str:
 def print_status(doc: dict[str, Any]) -> None:
     """``doc`` (from :func:`status_document`) as rich tables on stdout."""
     console = Console()
-    if not doc["ready"]:
+    if "pid" not in doc:
         console.print(f"[red]not answering[/red] at {doc['socket']}: {doc.get('error', '')}")
         return
     head = Table(show_header=False, box=None)
@@ -242,6 +249,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
     else:
         print_status(doc)
+    if got.code == READY and doc.get("draining"):
+        return DRAINING
     return got.code
 
 

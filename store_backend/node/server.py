@@ -29,10 +29,12 @@ idle close, its process exiting, seen through a pidfd even while a forked child 
 open) the store reclaims every reservation and lease it held (``store.reclaim(conn_id)``).
 
 Stop (SIGTERM, SIGINT, a ``shutdown`` frame, ``idle_exit_s`` after the last client left, or
-:meth:`NodeService.stop`): stop accepting, push ``draining`` to every connection, refuse new
-``reserve``/``lease`` with ``error(closed)``, let open tokens finish for up to ``drain_timeout_s``,
-close every connection (reclaiming what is left), close the store with a flush bounded by
-``shutdown_flush_s``, unlink the segment and the socket. A second signal skips the waits.
+:meth:`NodeService.stop`): push ``draining`` to every connection (and to each newcomer after its
+welcome: the socket keeps answering, so ``status`` shows ``draining`` and a second ``stop`` reaches
+it), refuse new ``reserve``/``lease`` with ``error(closed)``, let open tokens finish for up to
+``drain_timeout_s``, close every connection (reclaiming what is left), close the store with a flush
+bounded by ``shutdown_flush_s``, unlink the segment and the socket. A second signal (or
+``shutdown`` frame) skips the waits.
 """
 
 from __future__ import annotations
@@ -264,6 +266,7 @@ class NodeService:
         self._next_conn_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._draining = False
+        self._drain_end = 0.0  # monotonic end of the drain, once it began
         self._skip_waits = False
         self._stop_requested: str | None = None
         self._stop_sent = False  # stop() was called
@@ -796,14 +799,19 @@ class NodeService:
             self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S, ["dram", *(["ssd"] if ssd else [])],
             ssd.path if ssd else None)
         if not m.want_segment:
-            return welcome
-        data = p.encode(welcome)
-        async with c.send_lock:
-            # Nothing is queued on a fresh connection, so this goes out at once; the fd rides on the
-            # first byte.
-            sent = socket.send_fds(c.sock, [data], [self._segment_fd])
-            if sent < len(data):
-                await asyncio.get_running_loop().sock_sendall(c.sock, data[sent:])
+            if not self._draining:
+                return welcome
+            await self._send(c, welcome)
+        else:
+            data = p.encode(welcome)
+            async with c.send_lock:
+                # Nothing is queued on a fresh connection, so this goes out at once; the fd rides on
+                # the first byte.
+                sent = socket.send_fds(c.sock, [data], [self._segment_fd])
+                if sent < len(data):
+                    await asyncio.get_running_loop().sock_sendall(c.sock, data[sent:])
+        if self._draining:  # a newcomer learns it as the others did (after its welcome)
+            await self._send(c, p.Draining(0, round(max(0.0, self._drain_end - time.monotonic()), 3)))
         return None
 
     async def _on_exists(self, c: _Conn, m: p.Exists) -> p.Frame:
@@ -848,6 +856,14 @@ class NodeService:
         await self._sized(c, len(m.keys), self.store.unpin, m.keys)
         return p.Ack(m.id)
 
+    @staticmethod
+    def _share_of(c: _Conn) -> int | None:
+        """The store share (``group``) a connection's tokens count against: its process's, so the
+        connections of one process hold one ``max_held_fraction`` of the arena together (tokens
+        are still reclaimed per connection); the connection's own where the pid says nothing (0:
+        another pid namespace) or is this very process (in-process tests)."""
+        return c.pid if 0 < c.pid != os.getpid() else None
+
     def _refuse_new_tokens(self, m: p.Reserve | p.Lease) -> p.Error | None:
         if self._draining:
             return p.Error(m.id, "closed", f"the node service at {self.socket_path} is shutting down: "
@@ -859,11 +875,11 @@ class NodeService:
             return refused
         store = self.store
         assert store is not None
-        # The store answers NO_SPACE past this connection's share of the arena or its token cap.
+        # The store answers NO_SPACE past this process's share of the arena or its token cap.
         now = time.monotonic()
         grants: list[p.Grant] = []
         got = await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
-                                owner=c.conn_id)
+                                owner=c.conn_id, group=self._share_of(c))
         for r in got:
             if r.status is Status.EXISTS:
                 c.mine.store.put_exists += 1
@@ -931,7 +947,8 @@ class NodeService:
             await self._wait_not_pending(c, m.keys, m.wait_pending_s)
         # Inline when every key is in DRAM (bookkeeping only) and the list is short; on the pool when
         # the store may read a lower tier into a slot, or the list is long.
-        kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id}
+        kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id,
+                  "group": self._share_of(c)}
         look_below = m.stage_in and self._has_below
 
         def lease() -> tuple[list[str | None] | None, list[Any]]:
@@ -1148,15 +1165,14 @@ class NodeService:
                 self._request_stop(f"no client for {idle:g} s", False)
 
     async def _shutdown(self, accept: asyncio.Task[Any], tick: asyncio.Task[Any]) -> None:
+        # The listener stays open to the end: `status` and `stop` (a second stop skips the waits)
+        # still reach a draining service; newcomers are told it drains and get no new tokens.
         self._draining = True
-        accept.cancel()
-        if self._listener is not None:
-            self._listener.close()  # new clients are refused from here on
         deadline_s = self.config.drain_timeout_s
+        end = self._drain_end = time.monotonic() + deadline_s
         for c in self._conn_list():
             if c.hello:
                 self._spawn(self._send_quietly(c, p.Draining(0, deadline_s)))
-        end = time.monotonic() + deadline_s
         while self.open_tokens and not self._skip_waits and time.monotonic() < end:
             await self._sleep_or_wake(min(0.05, max(0.0, end - time.monotonic())))
         left = self.open_tokens
@@ -1170,6 +1186,12 @@ class NodeService:
         tick.cancel()
         self._close_store()
         await self._await_close()
+        accept.cancel()
+        for c in self._conn_list():  # those that came during the store's close
+            self._close_conn(c)
+        await asyncio.sleep(0)
+        for c in self._conn_list():
+            self._end(c)
         self._finish()
 
     async def _sleep_or_wake(self, seconds: float) -> None:

@@ -136,3 +136,54 @@ def test_a_60000_key_lease_with_a_pending_wait_does_not_stall_another_clients_ex
         a.close()
     finally:
         proc.close()
+
+
+# -- F13: a draining service still answers status, stats and stop ----------------------------------
+def test_status_and_stop_reach_a_draining_service_and_a_second_stop_skips_the_drain(sdir, capsys):
+    import json
+    import signal as _signal
+
+    from store_backend.node import __main__ as cli
+
+    from .server_harness import ServiceProcess
+
+    cfg = service_config(sdir, drain_timeout_s=30.0)
+    sock = cfg["socket"]
+    proc = ServiceProcess(cfg, sdir)
+    holder = None
+    try:
+        proc.wait_ready()
+        holder = Raw(sock, timeout_s=30)
+        assert isinstance(holder.hello(want_segment=False, name="holder"), p.Welcome)
+        assert holder.ask(p.Reserve(0, ["d/1"], [4096])).grants[0].status == Status.OK  # keeps the drain going
+        proc.signal(_signal.SIGTERM)
+        assert isinstance(holder.read(), p.Draining)
+        capsys.readouterr()
+        assert cli.main(["status", "--socket", sock, "--json"]) == 4  # draining
+        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert doc["draining"] is True and doc["ready"] is False and doc["pid"] == proc.proc.pid
+        assert doc["reservations"] == 1
+        assert cli.main(["status", "--socket", sock]) == 4  # draining
+        assert "draining" in capsys.readouterr().out
+        # A newcomer is welcomed, told the service drains, refused new tokens, and served the rest.
+        late = Raw(sock, timeout_s=10)
+        assert isinstance(late.hello(want_segment=False, name="late"), p.Welcome)
+        push = late.read()
+        assert isinstance(push, p.Draining) and 0 < push.deadline_s <= 30.0
+        refused = late.ask(p.Reserve(0, ["d/2"], [4096]))
+        assert isinstance(refused, p.Error) and refused.code == "closed"
+        assert late.ask(p.Exists(0, ["d/1"], count_reserved=True)).n == 1
+        stats = late.ask(p.Stats(0))
+        assert isinstance(stats, p.StatsReply) and stats.node.draining is True
+        late.close()
+        assert proc.proc.poll() is None  # still draining: the reservation is open
+        t0 = time.monotonic()
+        assert cli.main(["stop", "--socket", sock, "--wait", "20"]) == 0  # skips the 30 s drain
+        assert time.monotonic() - t0 < 15.0
+        assert proc.wait(10) == 0
+        assert not os.path.exists(sock)
+        assert cli.main(["status", "--socket", sock, "--json"]) == cli.NOT_ANSWERING
+    finally:
+        if holder is not None:
+            holder.close()
+        proc.close()
