@@ -37,7 +37,10 @@ Contract shared by every method unless it says otherwise:
   release after it answers False (the read is void); the bytes stay held until the owner commits,
   aborts, releases, or ``reclaim(owner)`` runs, so a slot is never reused while a live process may
   still touch it. A token unknown, used, or another owner's answers IO_ERROR/False with no effect.
-  Per owner at most ``max_held_fraction`` (0.5) of the arena and 65536 tokens (beyond: NO_SPACE).
+  Per owner at most ``max_held_fraction`` (0.5) of the arena, counted in whole allocator blocks, and
+  65536 tokens (beyond: NO_SPACE; one object larger than that share: TOO_LARGE, permanent). The
+  embedded store also takes ``group`` on reserve/lease: owners of one group share one limit (the
+  node service passes the peer process), while ``reclaim`` still ends one owner's tokens.
 - **Lookups across shards**: ``exists_all`` answers the shortest leading run over several key lists
   (one round trip for all TP ranks); ``exists(..., count_reserved=True)`` counts saves in flight,
   ``exists(..., wait_s=S)`` waits up to S seconds for the keys to be committed.
@@ -129,8 +132,9 @@ class KVStore(Protocol):
                 *, ttl_s: float = 60.0, owner: int = 0) -> list[Reservation]:
         """A writable arena slot of ``sizes[i]`` bytes per key (``Reservation.view``, at
         ``offset`` in the segment), to fill and then ``commit``; per key OK, EXISTS (stored or
-        reserved already), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing evictable, or the owner's
-        share is held). Invisible to readers until committed. Never blocks on I/O."""
+        reserved already), INVALID_KEY, TOO_LARGE (permanent; also an object larger than one
+        owner's share), NO_SPACE (nothing evictable, or the owner's share is held). Invisible to
+        readers until committed. Never blocks on I/O."""
         ...
 
     def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
@@ -148,7 +152,8 @@ class KVStore(Protocol):
               wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
         """A read-only view of each stored object's bytes (``SlotLease.view``), stable until
         ``release``; per key OK, NOT_FOUND (absent, still being written, removed during a
-        stage-in), INVALID_KEY, NO_SPACE (no clean room to stage it in; the owner's share held),
+        stage-in), INVALID_KEY, TOO_LARGE (permanent: larger than one owner's share; read it with
+        ``get_into``, or treat it as a miss), NO_SPACE (no clean room to stage it in; the owner's share held),
         CORRUPT/IO_ERROR (a stage-in read failed). ``stage_in``: an object only in a lower tier
         is read into a slot first (blocks on that read). ``wait_pending_s`` > 0: a key being
         written is waited for (abort or expiry meanwhile: NOT_FOUND)."""

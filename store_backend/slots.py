@@ -105,6 +105,14 @@ class SegmentInfo:
     alignment_bytes: int
 
 
+def check_group(group: object) -> int | None:
+    """``group`` (the share slot tokens count against) if it is None or an int; else TypeError
+    naming ``group``."""
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool)):
+        raise TypeError(f"group must be an int or None, got {group!r}")
+    return group
+
+
 class SlotKind(enum.Enum):
     RESERVATION = 1
     LEASE = 2

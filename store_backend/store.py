@@ -66,7 +66,16 @@ from store_backend.plans import (
 )
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.residency import ALL_TIERS, ResidencyBus, ResidencyEvent, Subscriber
-from store_backend.slots import MAX_HELD_FRACTION, Reservation, SegmentInfo, SlotKind, SlotLease, SlotRow, SlotTable
+from store_backend.slots import (
+    MAX_HELD_FRACTION,
+    Reservation,
+    SegmentInfo,
+    SlotKind,
+    SlotLease,
+    SlotRow,
+    SlotTable,
+    check_group,
+)
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.tiers.base import Tier
@@ -120,6 +129,18 @@ def _count_failure(failures: FailureCounters, status: Status) -> None:
         failures.capacity += 1
     else:
         failures.io_error += 1
+
+
+def _check_items(items: Sequence[Any], kind: type, name: str) -> list[Any]:
+    """``items`` as a list, or TypeError naming ``name`` (``name[i]``) unless it is a sequence of
+    ``kind`` (checked before anything changes)."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of {kind.__name__}, got {type(items).__name__}")
+    out = list(items)
+    for i, item in enumerate(out):
+        if not isinstance(item, kind):
+            raise TypeError(f"{name}[{i}] must be a {kind.__name__}, got {item!r}")
+    return out
 
 
 class TieredStore:
@@ -490,13 +511,13 @@ class TieredStore:
             self._offloader.kick()
 
     def _reserve_batch(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
-                       out: list[Status], slot: tuple[int, float, dict[int, int]] | None = None,
+                       out: list[Status], slot: tuple[int, float, dict[int, int], tuple[str, int]] | None = None,
                        ) -> list[tuple[int, Entry]]:
         """put's first half, shared with :meth:`reserve`: a WRITING entry for each key to be stored
         (an answer in ``out`` for the others), after asking the tiers below that answer from memory
         whether the key is already stored (no store lock held while they are asked). ``slot``
-        (owner, deadline, tokens): record each reservation in the slot table, under the owner's
-        limits, its token in ``tokens`` by key index."""
+        (owner, deadline, tokens, account): record each reservation in the slot table, under the
+        account's limits, its token in ``tokens`` by key index."""
         valid = [check_key(k) is None for k in keys]
         # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
         # only costs a redundant DRAM copy of the same immutable bytes. A key being removed is
@@ -545,7 +566,8 @@ class TieredStore:
 
     def _reserve_puts(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
                       valid: list[bool], on_ssd: list[bool], out: list[Status],
-                      slot: tuple[int, float, dict[int, int]] | None = None) -> list[tuple[int, Entry]]:
+                      slot: tuple[int, float, dict[int, int], tuple[str, int]] | None = None,
+                      ) -> list[tuple[int, Entry]]:
         """(lock held) A WRITING entry for each key that is to be stored; the others' answers in ``out``.
         With ``slot``, each is recorded in the slot table (see :meth:`_reserve_batch`)."""
         m = self.metrics_counters
@@ -556,14 +578,16 @@ class TieredStore:
                 out[i] = Status.INVALID_KEY
                 continue
             size = sizes[i]
-            if size > self.config.max_object_bytes or not self._dram.fits_ever(size):
+            block = self._dram.block_bytes(size)  # what the slot takes from the arena and its share
+            if size > self.config.max_object_bytes or not self._dram.fits_ever(size) \
+                    or (slot is not None and self._slots.too_large(block)):
                 out[i] = Status.TOO_LARGE
                 continue
             if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
                 out[i] = Status.EXISTS
                 m.store.put_exists += 1
                 continue
-            if slot is not None and not self._slots.admits(self._slots.account(slot[0]), size):
+            if slot is not None and not self._slots.admits(slot[3], block):
                 out[i] = Status.NO_SPACE  # this owner holds its share of the arena (or of tokens)
                 m.store.slot_refused += 1
                 continue
@@ -574,7 +598,7 @@ class TieredStore:
                 m.dram.failures.capacity += 1
                 continue
             if slot is not None:
-                slot[2][i] = self._slots.add(SlotKind.RESERVATION, entry, slot[0], slot[1], size)
+                slot[2][i] = self._slots.add(SlotKind.RESERVATION, entry, slot[0], slot[1], block, account=slot[3])
                 m.store.slot_reserves += 1
             reserved.append((i, entry))
         return reserved
@@ -749,33 +773,40 @@ class TieredStore:
 
     # -- slots: reserve -> write -> commit/abort, lease -> read -> release ------------------------
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
-                *, ttl_s: float = 60.0, owner: int = 0) -> list[Reservation]:
+                *, ttl_s: float = 60.0, owner: int = 0, group: int | None = None) -> list[Reservation]:
         """Reserve an arena slot of ``sizes[i]`` bytes for each key, for the caller to fill
         through ``Reservation.view`` and then :meth:`commit` (or :meth:`abort`). Never blocks on
         I/O; thread-safe.
 
         Per key: OK (with token, offset into the arena/segment, writable view), EXISTS (stored
-        already, or reserved by another writer), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing
-        evictable, or ``owner`` holds ``max_held_fraction`` of the arena or 65536 tokens). A
+        already, or reserved by another writer), INVALID_KEY, TOO_LARGE (permanent: larger than
+        the arena, ``max_object_bytes``, or one share, ``max_held_fraction`` of the arena), NO_SPACE
+        (nothing evictable, or the share holds ``max_held_fraction`` of the arena or 65536 tokens
+        already; a slot counts the allocator's whole block, alignment units, against it). A
         reserved key is invisible to readers (``get_into``, ``lease``, ``contains``, ``exists``)
         until it is committed. ``ttl_s`` bounds the result, not the memory: a commit after it
         answers IO_ERROR and the key is free for another writer at once, but the slot's bytes stay
         allocated (the caller may still be writing them) until the owner commits, aborts, or
-        :meth:`reclaim` runs for it. ``owner`` names the holder (the node service: its connection).
-        Misuse (mismatched lengths, a negative or non-integer size, ``ttl_s`` outside (0,
+        :meth:`reclaim` runs for it. ``owner`` names the holder (the node service: its connection),
+        whose tokens ``reclaim`` ends; ``group`` names the share the tokens count against (the
+        node service: the peer process, so its connections share one limit; default: the owner's
+        own). Misuse (mismatched lengths, a negative or non-integer size, ``ttl_s`` outside (0,
         ``MAX_PIN_TTL_S``]) raises ValueError/TypeError naming the argument."""
-        check_batch(keys, sizes)
+        check_batch(keys)
+        if len(sizes) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(sizes)} sizes")
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
         for i, n in enumerate(sizes):
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"sizes[{i}] (for key {keys[i]!r}) must be a byte count >= 0, got {n!r}")
         ttl_s = check_ttl_s(ttl_s)
+        account = self._slots.account(owner, check_group(group))
         out = [Status.OK] * len(keys)
         tokens: dict[int, int] = {}
         with self._call(self.metrics_counters.latency.put):  # the store's part of a slot put
             reserved = self._reserve_batch(keys, list(sizes), parents, out,
-                                           (owner, time.monotonic() + ttl_s, tokens))
+                                           (owner, time.monotonic() + ttl_s, tokens, account))
             arena = self._dram.arena.view
             res = [Reservation(st, k) for k, st in zip(keys, out)]
             for i, e in reserved:
@@ -788,7 +819,9 @@ class TieredStore:
         are dropped), IO_ERROR (its TTL had passed: nothing stored, the slot freed; or the token is
         unknown, already used, or held by another owner: nothing changes), or the reservation's
         own status when it was not OK. Each commit takes a put number (a later ``flush`` covers
-        it), publishes ``stored``, and is queued for offload as a put is. Thread-safe; no I/O."""
+        it), publishes ``stored``, and is queued for offload as a put is. Thread-safe; no I/O.
+        An item that is not a :class:`Reservation`: TypeError naming it, nothing committed."""
+        reservations = _check_items(reservations, Reservation, "reservations")
         out: list[Status] = []
         with self._call(), self._lock:
             self._expire_slots()
@@ -817,7 +850,9 @@ class TieredStore:
 
     def abort(self, reservations: Sequence[Reservation], *, owner: int = 0) -> None:
         """Give reserved slots back unstored (the key stays absent; another writer may store it).
-        A token that is unknown, used, or another owner's is left alone. Thread-safe; no I/O."""
+        A token that is unknown, used, or another owner's is left alone. Thread-safe; no I/O.
+        An item that is not a :class:`Reservation`: TypeError naming it, nothing aborted."""
+        reservations = _check_items(reservations, Reservation, "reservations")
         with self._call(), self._lock:
             self._expire_slots()
             for r in reservations:
@@ -840,15 +875,17 @@ class TieredStore:
             self._release_detached(e)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = 60.0, stage_in: bool = True,
-              wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
+              wait_pending_s: float = 0.0, owner: int = 0, group: int | None = None) -> list[SlotLease]:
         """Hold objects' bytes in the arena for the caller to read through ``SlotLease.view``,
         until :meth:`release`: neither evicted nor overwritten meanwhile (a ``remove`` takes the
         key at once; the bytes are freed by the last releaser). Thread-safe.
 
         Per key: OK (token, offset, read-only view of the object's bytes), NOT_FOUND (absent,
         still being written: reserved, or being promoted or staged in from below by another call,
-        which ``wait_pending_s`` waits for; or removed during a stage-in), INVALID_KEY, NO_SPACE (no clean room
-        to stage it in, or ``owner`` holds its share: see :meth:`reserve`), CORRUPT/IO_ERROR (the
+        which ``wait_pending_s`` waits for; or removed during a stage-in), INVALID_KEY, TOO_LARGE
+        (permanent: the object is larger than one share, see :meth:`reserve`), NO_SPACE (no clean
+        room to stage it in, or the share of ``owner``/``group`` is held: see :meth:`reserve`; a
+        stage-in counts the batch's own slots as it goes and refuses before it evicts), CORRUPT/IO_ERROR (the
         stage-in read failed). An object only in a lower tier is, with ``stage_in``, read into a
         slot first (blocks on that read; it evicts clean objects only): the slot becomes the
         object's DRAM copy when the promotion rule says so, else a transient slot freed at
@@ -858,6 +895,7 @@ class TieredStore:
         :meth:`reclaim`."""
         check_batch(keys)
         ttl_s = check_ttl_s(ttl_s)
+        account = self._slots.account(owner, check_group(group))
         if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
                 or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
             raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
@@ -884,25 +922,30 @@ class TieredStore:
                         if e is None and stage_in and self._below:
                             below.append(i)
                         continue
-                    out[i] = self._lease_entry(e, owner, ttl_s, "dram", arena)
+                    out[i] = self._lease_entry(e, owner, account, ttl_s, "dram", arena)
             if below:
-                self._stage_in(keys, below, owner, ttl_s, out)
+                self._stage_in(keys, below, owner, account, ttl_s, out)
         return out
 
-    def _lease_entry(self, e: Entry, owner: int, ttl_s: float, source: str, arena: memoryview) -> SlotLease:
+    def _lease_entry(self, e: Entry, owner: int, account: tuple[str, int], ttl_s: float, source: str,
+                     arena: memoryview) -> SlotLease:
         """(lock held) One more lease on ``e`` with a token whose TTL starts now (not before a wait
-        or a stage-in read: the TTL is the caller's time to read), or NO_SPACE past the owner's
-        limits. ``e`` must be held (indexed, or leased by this call): a freed entry's block may be
-        another object's by now, so leasing one is a bug, refused (NOT_FOUND), counted and logged."""
+        or a stage-in read: the TTL is the caller's time to read), or NO_SPACE past the share's
+        limits (TOO_LARGE: larger than a whole share). ``e`` must be held (indexed, or leased by
+        this call): a freed entry's block may be another object's by now, so leasing one is a bug,
+        refused (NOT_FOUND), counted and logged."""
         if e.freed:
             self._dram.double_frees += 1
             logger.error("lease of key %r asked for an arena block freed already; refused", e.key)
             return SlotLease(Status.NOT_FOUND, e.key)
-        if not self._slots.admits(self._slots.account(owner), e.size):
+        block = self._dram.block_bytes(e.size)
+        if self._slots.too_large(block):
+            return SlotLease(Status.TOO_LARGE, e.key)
+        if not self._slots.admits(account, block):
             self.metrics_counters.store.slot_refused += 1
             return SlotLease(Status.NO_SPACE, e.key)
         e.leases += 1
-        token = self._slots.add(SlotKind.LEASE, e, owner, time.monotonic() + ttl_s, e.size, source)
+        token = self._slots.add(SlotKind.LEASE, e, owner, time.monotonic() + ttl_s, block, source, account)
         self.metrics_counters.store.slot_leases += 1
         return SlotLease(Status.OK, e.key, e.size, token, e.offset,
                          arena[e.offset:e.offset + e.size].toreadonly())
@@ -920,7 +963,7 @@ class TieredStore:
             self._slot_changed.wait(min(left, _WAIT_SLICE_S))
             self._expire_slots()
 
-    def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
+    def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int], ttl_s: float,
                   out: list[SlotLease]) -> None:
         """Lease objects found only below DRAM by reading each into a slot (no store lock held
         while a tier is asked or reads). The slot is reserved as a WRITING entry under the key
@@ -937,21 +980,21 @@ class TieredStore:
             if lead != i:
                 repeats.setdefault(lead, []).append(i)
         leased: set[int] = set()  # leader indices whose lease was granted
-        self._stage_in_once(keys, list(first.values()), owner, ttl_s, out, repeats, leased)
+        self._stage_in_once(keys, list(first.values()), owner, account, ttl_s, out, repeats, leased)
         for lead, more in repeats.items():
             if lead not in leased:  # no lease, no entry touched: the repeats answer as their leader
                 for i in more:
                     out[i] = SlotLease(out[lead].status, keys[i])
 
-    def _lease_repeats(self, e: Entry, lead: int, more: list[int], owner: int, ttl_s: float, source: str,
-                       arena: memoryview, out: list[SlotLease]) -> None:
+    def _lease_repeats(self, e: Entry, more: list[int], owner: int, account: tuple[str, int], ttl_s: float,
+                       source: str, arena: memoryview, out: list[SlotLease]) -> None:
         """(lock held, in the section that leased ``e`` for index ``lead``) One more lease of ``e``
         for each index in ``more`` (the same key named again)."""
         for i in more:
-            out[i] = self._lease_entry(e, owner, ttl_s, source, arena)
+            out[i] = self._lease_entry(e, owner, account, ttl_s, source, arena)
 
-    def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, ttl_s: float,
-                       out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int]) -> None:
+    def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int],
+                       ttl_s: float, out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int]) -> None:
         """:meth:`_stage_in` for distinct keys; leases each key's repeats (``repeats``) with it and
         notes each leader whose lease it granted in ``leased``."""
         m = self.metrics_counters
@@ -976,6 +1019,7 @@ class TieredStore:
                     sizes[i] = (size, tier)
             todo = [i for i in todo if i not in sizes]
         staged: list[tuple[int, Entry, Tier]] = []
+        staged_bytes = staged_tokens = 0  # what the staged slots will hold against the share
         arena = self._dram.arena.view
         with self._lock:
             self._check_open()
@@ -984,14 +1028,21 @@ class TieredStore:
                 e = self._dram.entries.get(key)
                 if e is not None:  # stored (or being written) meanwhile
                     if e.state is EntryState.READY:
-                        out[i] = self._lease_entry(e, owner, ttl_s, "dram", arena)
+                        out[i] = self._lease_entry(e, owner, account, ttl_s, "dram", arena)
                         if out[i].status is Status.OK:
                             leased.add(i)
-                            self._lease_repeats(e, i, repeats.get(i, []), owner, ttl_s, "dram", arena, out)
+                            self._lease_repeats(e, repeats.get(i, []), owner, account, ttl_s, "dram", arena, out)
                     continue
                 if self._removals.hidden(key) or self._removals.changed_since(key, generation):
                     continue  # removed since its size was asked: NOT_FOUND
-                if not self._slots.admits(self._slots.account(owner), size):
+                block = self._dram.block_bytes(size)
+                if self._slots.too_large(block):
+                    out[i] = SlotLease(Status.TOO_LARGE, key)
+                    continue
+                # The slots this batch staged so far are not in the table yet: count them, so that a
+                # key past the share is refused before it evicts anything (its repeats count too).
+                n = 1 + len(repeats.get(i, ()))
+                if not self._slots.admits(account, staged_bytes + block, staged_tokens + 1):
                     out[i] = SlotLease(Status.NO_SPACE, key)
                     m.store.slot_refused += 1
                     continue
@@ -1001,6 +1052,8 @@ class TieredStore:
                     m.dram.failures.capacity += 1
                     continue
                 staged.append((i, e, tier))
+                staged_bytes += n * block
+                staged_tokens += n
         if not staged:
             return
         results: dict[int, ReadResult] = {}
@@ -1056,16 +1109,16 @@ class TieredStore:
                     # A transient slot outside the index: the lease is its only holder and its
                     # release frees it (see _unlease).
                     del self._dram.entries[e.key]
-                if not self._slots.admits(self._slots.account(owner), e.size):  # the owner took others meanwhile
+                if not self._slots.admits(account, self._dram.block_bytes(e.size)):  # the share was taken meanwhile
                     m.store.slot_refused += 1
                     if not promote:
                         self._release_detached(e)
                     out[i] = SlotLease(Status.NO_SPACE, e.key)
                     continue
-                out[i] = self._lease_entry(e, owner, ttl_s, tier.name, arena)
+                out[i] = self._lease_entry(e, owner, account, ttl_s, tier.name, arena)
                 if out[i].status is Status.OK:
                     leased.add(i)
-                    self._lease_repeats(e, i, repeats.get(i, []), owner, ttl_s, tier.name, arena, out)
+                    self._lease_repeats(e, repeats.get(i, []), owner, account, ttl_s, tier.name, arena, out)
             self._bus.publish(events)
             self._slot_changed.notify_all()  # the staged keys are not being written any more
 
@@ -1073,7 +1126,9 @@ class TieredStore:
         """Give leased bytes back; per lease True when its bytes were stable for the whole lease
         (the caller may trust what it read), False when its TTL had passed (read it as failed),
         when the token is unknown, already released or another owner's (nothing changes), or when
-        the lease's status was not OK. Thread-safe; no I/O."""
+        the lease's status was not OK. Thread-safe; no I/O. An item that is not a
+        :class:`SlotLease`: TypeError naming it, nothing released."""
+        leases = _check_items(leases, SlotLease, "leases")
         out: list[bool] = []
         m = self.metrics_counters
         with self._call(), self._lock:

@@ -497,7 +497,8 @@ def test_a_stage_in_evicts_only_clean_objects(make_store, tmp_path) -> None:
 
 
 def test_an_owner_may_hold_at_most_65536_tokens(make_store) -> None:
-    s = make_store({"dram": {"capacity_bytes": 8 * MiB}})
+    # A token counts its whole block (64 bytes here): 65536 of them hold 4 MiB of an 8 MiB share.
+    s = make_store({"dram": {"capacity_bytes": 16 * MiB, "alignment_bytes": 64}})
     assert s.put(["k"], [payload("k", 16)]) == [Status.OK]
     leases = s.lease(["k"] * 65537, owner=5)
     assert [ls.status for ls in leases[-2:]] == [Status.OK, Status.NO_SPACE]

@@ -193,3 +193,114 @@ def test_reclaim_and_stats_do_not_walk_every_owners_tokens() -> None:
         assert s.stats().slots.owners == 2
     finally:
         s.close(flush=False)
+
+
+# -- F2: the share counted requested bytes, the arena hands out whole alignment units --------------
+@pytest.mark.parametrize("size", [0, 1])
+def test_tiny_slots_count_their_whole_block_against_the_share(size: int) -> None:
+    s = TieredStore({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"}}).start()
+    try:
+        n = MiB // 4096
+        got = s.reserve([f"g{i}" for i in range(n)], [size] * n, owner=1)
+        ok = sum(r.status is Status.OK for r in got)
+        assert ok == n // 2 and s.stats().slots.held_bytes == ok * 4096
+        assert s._dram.used_bytes <= MiB // 2
+        assert s.reserve(["o"], [4096], owner=2)[0].status is Status.OK
+        assert s.put(["p"], [tagged(1, 4096)]) == [Status.OK]
+        assert s.put(["q"], [tagged(1, 8)]) == [Status.OK]
+        assert [ls.status for ls in s.lease(["q"] * 3, owner=1)] == [Status.NO_SPACE] * 3  # a lease too
+    finally:
+        s.close(flush=False)
+
+
+# -- F3: a stage-in lease checked each key against what the owner held before the batch ------------
+def test_a_stage_in_past_the_share_is_refused_before_it_evicts(tmp: str) -> None:
+    s = ssd_store(tmp)  # 1 MiB arena = 16 objects; a share: 8
+    try:
+        cold = [f"cold{i}" for i in range(16)]
+        for i, k in enumerate(cold):
+            assert s.put([k], [tagged(i)]) == [Status.OK]
+        assert s.flush(timeout_s=30)
+        hot = [f"hot{i}" for i in range(16)]
+        for i, k in enumerate(hot):
+            assert s.put([k], [tagged(100 + i)]) == [Status.OK]
+        assert s.flush(timeout_s=30)
+        assert set(s.tier_of(cold)) == {"ssd"} and set(s.tier_of(hot)) == {"dram"}
+        leases = s.lease(cold, owner=1)
+        assert [ls.status for ls in leases] == [Status.OK] * 8 + [Status.NO_SPACE] * 8
+        assert all(tags(ls.view) == {i} for i, ls in enumerate(leases[:8]))
+        assert s.stats().store.slot_stage_ins == 8  # no read for a key refused
+        assert sum(t == "dram" for t in s.tier_of(hot)) == 8  # evicted only what the 8 leases needed
+        assert s.release(leases, owner=1) == [True] * 8 + [False] * 8
+        # Repeats count too: [c, c, c, ...] of one key is one read, as many tokens.
+        leases = s.lease([cold[9]] * 3 + cold[10:16], owner=2)
+        assert [ls.status for ls in leases] == [Status.OK] * 8 + [Status.NO_SPACE]
+        s.release(leases, owner=2)
+    finally:
+        s.close(flush=False)
+
+
+# -- F5: an object larger than one share answered NO_SPACE (retry) for ever ------------------------
+def test_an_object_larger_than_a_share_is_too_large(tmp: str) -> None:
+    s = ssd_store(tmp)
+    try:
+        big = 600 * KiB  # fits the 1 MiB arena, never a share (512 KiB)
+        assert s.put(["big"], [tagged(5, big)]) == [Status.OK]  # a put holds no share
+        assert s.reserve(["big2"], [big])[0].status is Status.TOO_LARGE
+        assert s.lease(["big"])[0].status is Status.TOO_LARGE
+        assert s.flush(timeout_s=30)
+        for i in range(24):  # push big out of DRAM: a stage-in answers the same
+            s.put([f"fill{i}"], [tagged(1000 + i)])
+            assert s.flush(timeout_s=30)
+        assert s.tier_of(["big"]) == ["ssd"]
+        assert [ls.status for ls in s.lease(["big", "big"])] == [Status.TOO_LARGE] * 2
+        assert s.stats().store.slot_stage_ins == 0 and s.stats().slots.held_bytes == 0
+    finally:
+        s.close(flush=False)
+    s = TieredStore({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"}}).start()
+    try:
+        [half] = s.reserve(["half"], [512 * KiB])
+        assert half.status is Status.OK  # a whole share is not too large
+    finally:
+        s.close(flush=False)
+
+
+# -- F12 (node review): a share per process, tokens per connection ---------------------------------
+def test_owners_of_one_group_share_one_share_and_are_reclaimed_apart() -> None:
+    s = TieredStore({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"}}).start()
+    try:
+        a = s.reserve([f"a{i}" for i in range(5)], [SIZE] * 5, owner=1, group=42)
+        b = s.reserve([f"b{i}" for i in range(5)], [SIZE] * 5, owner=2, group=42)
+        assert [r.status for r in a] == [Status.OK] * 5
+        assert [r.status for r in b] == [Status.OK] * 3 + [Status.NO_SPACE] * 2  # 8 per share
+        assert s.put(["p"], [tagged(1)]) == [Status.OK]
+        assert s.lease(["p"], owner=2, group=42)[0].status is Status.NO_SPACE
+        assert s.reserve(["c"], [SIZE], owner=3)[0].status is Status.OK  # another share is not held up
+        assert s.reserve(["d"], [SIZE], owner=42)[0].status is Status.OK  # owner 42 is not group 42
+        assert s.commit(b[:1], owner=1) == [Status.IO_ERROR]  # tokens stay the owner's own
+        assert s.reclaim(1) == (5, 0)  # ends owner 1's tokens only
+        assert s.stats().slots.reservations == 5
+        [ls] = s.lease(["p"], owner=2, group=42)
+        assert ls.status is Status.OK
+        with pytest.raises(TypeError, match="group"):
+            s.reserve(["e"], [1], owner=2, group="42")  # type: ignore[arg-type]
+    finally:
+        s.close(flush=False)
+
+
+# -- minor: misuse names the argument --------------------------------------------------------------
+def test_misuse_of_slot_calls_names_the_argument() -> None:
+    s = TieredStore({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"}}).start()
+    try:
+        with pytest.raises(ValueError, match="1 sizes"):
+            s.reserve(["x", "y"], [1])
+        with pytest.raises(TypeError, match=r"reservations\[0\]"):
+            s.commit([None])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"reservations\[1\]"):
+            s.abort([s.reserve(["z"], [1])[0], 1])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"leases\[0\]"):
+            s.release([None])  # type: ignore[list-item]
+        assert s.stats().slots.reservations == 1  # the abort ended nothing
+    finally:
+        s.close(flush=False)
+
