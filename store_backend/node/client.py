@@ -171,6 +171,9 @@ class _Conn:
                  welcome: p.Welcome, mapping: SegmentMapping, owner: int = 0) -> None:
         self.sock = sock
         self.owner = owner  # 0: the pool's; else the one connection of that slot owner
+        # Opened past the pool's bound (or beside an owner's own connection) for a call that waits
+        # on purpose while every connection it could use holds tokens: closed once it holds none.
+        self.extra = False
         self.waiting = False  # in a call that waits on purpose (close interrupts it)
         self.decoder = decoder
         self.pending = pending
@@ -360,6 +363,7 @@ class NodeClient:
         self._opening = 0
         self._owned: dict[int, _Conn] = {}  # owner -> its own connection (the service's owner is a connection)
         self._opening_owners: set[int] = set()
+        self._opening_extra = 0
         self._inflight = 0
         self._backoff = Backoff()
         self._lost_since: float | None = None  # set when the service was lost, cleared at reconnect
@@ -466,17 +470,25 @@ class NodeClient:
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _checkout(self, deadline: float, strict: bool = False, owner: int = 0) -> _Conn:
+    def _checkout(self, deadline: float, strict: bool = False, owner: int = 0, clean: bool = False) -> _Conn:
         """A connection marked busy: for ``owner`` 0 an idle one of the pool (one holding no tokens
         first, so a commit or release rarely waits for it), or a new one while the pool has room;
-        for another owner, that owner's own connection (made at its first call). _Lost when the
-        service cannot be reached (with ``strict``: ConnectionError naming why)."""
+        for another owner, that owner's own connection (made at its first call). ``clean``: for a
+        call that waits on purpose (for a commit): never a connection holding tokens, since the
+        awaited commit may have to travel on it; when none is free, an extra connection is opened
+        (past the pool's bound, or beside the owner's own) and closed once it holds no tokens. _Lost
+        when the service cannot be reached (with ``strict``: ConnectionError naming why)."""
+        extra = False
         with self._cond:
             while True:
                 if self._shut:
                     raise StoreClosedError("the node client is closed")
                 if owner:
                     c = self._owned.get(owner)
+                    if clean and c is not None and not c.dead and (c.busy or c.tokens):
+                        self._opening_extra += 1
+                        extra = True
+                        break
                     if c is not None and not c.dead:
                         if not c.busy:
                             c.busy = True
@@ -487,7 +499,12 @@ class NodeClient:
                 else:
                     idle = [c for c in self._conns if c.owner == 0 and not c.busy and not c.dead]
                     free = [c for c in idle if not c.tokens]
-                    room = sum(1 for c in self._conns if c.owner == 0) + self._opening < self.max_connections
+                    room = sum(1 for c in self._conns if c.owner == 0 and not c.extra) + self._opening \
+                        < self.max_connections
+                    if clean and not free and not room:
+                        self._opening_extra += 1
+                        extra = True
+                        break
                     if free or (idle and not room):
                         c = free[0] if free else min(idle, key=lambda c: len(c.tokens))
                         c.busy = True
@@ -502,10 +519,12 @@ class NodeClient:
                     raise _Lost(f"no free connection to {self.socket_path} within the op timeout")
                 self._cond.wait(left)
         try:
-            conn = self._open(strict, owner)
+            conn = self._open(strict, owner, extra)
         finally:
             with self._cond:
-                if owner:
+                if extra:
+                    self._opening_extra -= 1
+                elif owner:
                     self._opening_owners.discard(owner)
                 else:
                     self._opening -= 1
@@ -513,12 +532,23 @@ class NodeClient:
         return conn
 
     def _checkin(self, conn: _Conn) -> None:
+        retire = False
         with self._cond:
             conn.busy = False
+            if conn.extra and not conn.dead and not conn.tokens:
+                retire = True  # an extra connection holding nothing: the pool is back to its bound
+                conn.dead = True
             if conn.dead and conn in self._conns:
                 self._conns.remove(conn)
                 MAPPINGS.release(conn.mapping)
             self._cond.notify_all()
+        if retire:
+            try:
+                conn.sock.settimeout(0.5)
+                conn.sock.sendall(p.encode(p.Goodbye(conn.next_id())))
+            except OSError:
+                pass
+            conn.close()
 
     def _acquire(self, conn: _Conn, deadline: float) -> bool:
         """Check out this particular connection (a token's); False when it is dead or stays busy."""
@@ -533,7 +563,7 @@ class NodeClient:
             conn.busy = True
             return True
 
-    def _open(self, strict: bool, owner: int) -> _Conn:
+    def _open(self, strict: bool, owner: int, extra: bool = False) -> _Conn:
         now = time.monotonic()
         with self._cond:
             if not self._backoff.ready(now) and not strict:
@@ -570,6 +600,7 @@ class NodeClient:
                        self.socket_path, e, delay)
             raise _Lost(str(e)) from None
         conn = _Conn(sock, decoder, pending, welcome, mapping, owner)
+        conn.extra = extra
         self._adopt(conn)
         return conn
 
@@ -612,7 +643,7 @@ class NodeClient:
             self._backoff.succeeded()
             self.welcome = conn.welcome
             self._conns.append(conn)
-            if conn.owner:
+            if conn.owner and not conn.extra:
                 self._owned[conn.owner] = conn
             self._conns = [c for c in self._conns if not (c.dead and not c.busy)]
         if old_mapping is not None:
@@ -646,21 +677,23 @@ class NodeClient:
             self._void(conn)
         logger.log(logging.WARNING if first else logging.DEBUG, "node service at %s lost: %s", self.socket_path, why)
 
-    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0) -> T:
+    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0,
+              clean: bool = False) -> T:
         """A public call: refused once closed, counted in flight (close waits for it), then _run."""
         self._enter()
         try:
-            return self._run(body, fail, owner)
+            return self._run(body, fail, owner, clean)
         finally:
             self._exit()
 
-    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0) -> T:
+    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0,
+             clean: bool = False) -> T:
         """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.
         A connection from the pool that fails before answering anything (closed idle by the service)
         is retried once on a new one. A call that close() cut short raises StoreClosedError."""
         for attempt in range(2):
             try:
-                conn = self._checkout(time.monotonic() + self.op_timeout_s, owner=owner)
+                conn = self._checkout(time.monotonic() + self.op_timeout_s, owner=owner, clean=clean)
             except _Lost as e:
                 return fail(str(e))
             reused = conn.answered > 0
@@ -789,7 +822,7 @@ class NodeClient:
             self._enter()
             self._exit()
             return 0
-        return self._call(body, self._failed_lookup(0))
+        return self._call(body, self._failed_lookup(0), clean=wait_s > 0)
 
     def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
         """The shortest leading run stored over several key lists (every TP rank's keys of one
@@ -1142,7 +1175,8 @@ class NodeClient:
                 self.counters.loads_failed_disconnect += len(keys)
             return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail, owner)
+        # A wait for a commit never rides a connection holding tokens: the commit may need it.
+        return self._call(body, fail, owner, clean=wait_pending_s > 0)
 
     def _by_conn(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
                  ) -> tuple[dict[int, tuple[_Conn, list[int], list[int]]], list[int]]:

@@ -6,12 +6,17 @@ SIGKILL, real sockets)."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
 import time
 
 import pytest
+import yaml
 
-from store_backend.node.client import NodeClient
+from store_backend.node import protocol as p
+from store_backend.node.autostart import ServiceProcess as Starter
+from store_backend.node.client import NodeAccessError, NodeClient, probe
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import ServiceProcess, cleanup_dir, service_config, short_dir
 
@@ -98,3 +103,48 @@ def test_token_numbers_differ_between_two_starts_of_a_store() -> None:
     from store_backend.slots import SlotTable
     firsts = {next(SlotTable(1 << 20)._numbers) for _ in range(4)}
     assert len(firsts) == 4  # a restarted service does not count from the same number again
+
+
+# -- F14: a waiting call never rides the connection that must carry the awaited commit ---------------
+@pytest.mark.parametrize("pool", [1, 4])
+@pytest.mark.parametrize("call", ["lease", "exists"])
+def test_a_waiting_call_does_not_hold_up_the_commit_it_waits_for(restartable, pool, call) -> None:
+    cfg, _d, _holder = restartable
+    c = NodeClient(cfg["socket"], max_connections=pool, op_timeout_s=10).start()
+    try:
+        rs = [c.reserve([f"K{i}"], [4096])[0] for i in range(pool)]  # one pending save per pool connection
+        assert all(r.status is Status.OK for r in rs)
+        assert sum(1 for x in c._conns if x.tokens) == pool
+        for r in rs:
+            r.view[:] = b"K" * 4096
+        out: dict = {}
+
+        def load() -> None:
+            t0 = time.monotonic()
+            if call == "lease":
+                out["got"] = c.lease(["K0"], wait_pending_s=8.0)[0]
+            else:
+                out["got"] = c.exists(["K0"], wait_s=8.0)
+            out["s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=load)
+        t.start()
+        time.sleep(0.5)  # the load waits for K0's commit now
+        t0 = time.monotonic()
+        assert c.commit([rs[0]]) == [Status.OK]
+        commit_s = time.monotonic() - t0
+        t.join(15)
+        assert not t.is_alive()
+        assert commit_s < 3.0, f"the commit waited {commit_s:.1f} s for the waiting call's connection"
+        assert out["s"] < 4.0
+        if call == "lease":
+            assert out["got"].status is Status.OK
+            assert bytes(out["got"].view) == b"K" * 4096
+            assert c.release([out["got"]]) == [True]
+        else:
+            assert out["got"] == 1
+        c.abort(rs[1:])
+        assert sum(1 for x in c._conns if not x.dead) <= pool  # the extra connection went away
+    finally:
+        c.close(flush=False)
+
