@@ -88,6 +88,9 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     idle_timeout_s: float = 300.0
     # From a frame's first byte to its last.
     frame_timeout_s: float = 2.0
+    # Longest one reply may take to go out; past it the peer (which reads nothing: stopped, wedged)
+    # is disconnected and what it held reclaimed.
+    send_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.store.dram.shm_name is None:
@@ -113,6 +116,7 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             _positive("idle_exit_s", self.idle_exit_s)
         _positive("idle_timeout_s", self.idle_timeout_s)
         _positive("frame_timeout_s", self.frame_timeout_s)
+        _positive("send_timeout_s", self.send_timeout_s)
 
     @property
     def socket_path(self) -> str:

@@ -283,6 +283,7 @@ class NodeService:
         self.op_latency: dict[str, LatencyHistogram] = {}
         self.bad_frames = 0
         self.idle_closed = 0
+        self.send_timeouts = 0  # connections closed because a reply could not be sent in time
         self.refused = collections.Counter()  # by error code (permission, busy)
         self.pid_exits = 0  # connections ended because their process exited (pidfd)
         self._logged_peers: set[int] = set()
@@ -623,14 +624,24 @@ class NodeService:
         return _DECODER.decode(c.pending.popleft())
 
     async def _send(self, c: _Conn, msg: p.Frame) -> None:
+        """Send ``msg`` within ``send_timeout_s``; past it :class:`_Closing` (the connection ends):
+        a peer that sends requests and reads no reply would otherwise hold its task forever."""
         data = p.encode(msg)
-        async with c.send_lock:
-            await asyncio.get_running_loop().sock_sendall(c.sock, data)
+        timeout_s = self.config.send_timeout_s
+        try:
+            async with c.send_lock:
+                await _within(asyncio.get_running_loop().sock_sendall(c.sock, data), timeout_s)
+        except asyncio.TimeoutError:
+            self.send_timeouts += 1
+            self._log_peer(c.pid, "closing connection %d of pid %d (%s): a reply could not be sent within "
+                           "%g s (send_timeout_s; the peer reads nothing)", c.conn_id, c.pid,
+                           c.name or "unnamed", timeout_s)
+            raise _Closing() from None
 
     async def _send_quietly(self, c: _Conn, msg: p.Frame) -> None:
         try:
             await _within(self._send(c, msg), 1.0)
-        except (OSError, asyncio.TimeoutError, FrameError):
+        except (OSError, asyncio.TimeoutError, FrameError, _Closing):
             pass
 
     def _end(self, c: _Conn) -> None:
