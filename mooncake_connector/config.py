@@ -143,10 +143,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_socket_dir: str | None = None
     # Longest a layer waits for its load before the load counts as failed (its blocks recomputed).
     load_timeout_s: float = 30.0
-    # Who writes a loaded layer into vLLM's CPU KV cache: "inline" (the forward thread, in the layer's
-    # wait_for_layer_load) or "background" (the connector's loader thread, ahead of the forward;
-    # it competes with vLLM's OpenMP threads for cores). GPU loads always run on a load stream.
-    load_copy: str = "inline"
+    # Who writes a loaded layer into vLLM's CPU KV cache: "background" (the connector's loader
+    # thread, ahead of the forward, on the cores vLLM keeps free of its OpenMP threads) or "inline"
+    # (the forward thread, in the layer's wait_for_layer_load: no extra thread, no overlap). GPU
+    # loads always run on a load stream.
+    load_copy: str = "background"
     # Lease on objects between lookup and load, so eviction cannot take them away mid-flight.
     lease_ttl_s: float = 60.0
     # Save blocks completed during decode as well as the prompt's.
