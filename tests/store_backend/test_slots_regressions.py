@@ -6,6 +6,7 @@ books), so they run against :class:`~store_backend.store.TieredStore` only.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import tempfile
@@ -304,3 +305,57 @@ def test_misuse_of_slot_calls_names_the_argument() -> None:
     finally:
         s.close(flush=False)
 
+
+def test_a_process_with_two_connections_holds_one_share_of_the_service_arena() -> None:
+    """Through the node service: a client process (forked) reserves 16 x 1 MiB on each of two
+    connections of a 16 MiB arena. Its connections share one share (8 MiB, not 8 each), so another
+    client still gets room; the slots stay each connection's own (closing one reclaims its own)."""
+    from store_backend.node import protocol as p
+    from tests.store_backend.node.server_harness import Raw, cleanup_dir, service_config, service_thread, short_dir
+
+    d = short_dir()
+    cfg = service_config(d)
+    report_r, report_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    try:
+        with service_thread(cfg) as svc:
+            pid = os.fork()
+            if pid == 0:  # the stuck client: no threads of its own, raw frames only
+                code = 1
+                try:
+                    os.close(report_r)
+                    os.close(hold_w)
+                    conns = [Raw(cfg["socket"]), Raw(cfg["socket"])]
+                    counts = []
+                    for n, c in enumerate(conns):
+                        c.hello(want_segment=False, name=f"stuck-{n}")
+                        grants = [c.ask(p.Reserve(0, [f"s{n}/{i}"], [MiB], None, 60.0)).grants[0] for i in range(16)]
+                        counts.append(sum(g.status is Status.OK for g in grants))
+                    os.write(report_w, f"{counts[0]} {counts[1]}\n".encode())
+                    conns[1].close()  # its own tokens only
+                    os.write(report_w, b"closed\n")
+                    os.read(hold_r, 1)  # hold the rest until the test is done
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(report_w)
+            os.close(hold_r)
+            with os.fdopen(report_r, "rb", buffering=0) as rep:
+                counts = rep.read(64)
+                while not counts.endswith(b"closed\n"):
+                    more = rep.read(64)
+                    assert more, "the client process ended early"
+                    counts += more
+                first, second = map(int, counts.split()[:2])
+                assert first + second == 8, (first, second)  # one share for the process
+                other = Raw(cfg["socket"])
+                other.hello(want_segment=False, name="other engine")
+                assert other.ask(p.Reserve(0, ["o/1"], [MiB], None, 60.0)).grants[0].status is Status.OK
+                st = svc.store.stats().slots
+                other.close()
+                os.close(hold_w)
+                _pid, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0
+                assert st.reservations == first + 1, st  # the closed connection's were reclaimed
+    finally:
+        cleanup_dir(d)

@@ -210,8 +210,8 @@ def service(tmp_path, sock_path):
     stores: list[TieredStore] = []
     standins: list[StandIn] = []
 
-    def make(**kw) -> StandIn:
-        s = _store(tmp_path)
+    def make(capacity: int = 8 * MiB, **kw) -> StandIn:
+        s = _store(tmp_path, capacity)
         stores.append(s)
         sv = StandIn(s, sock_path, **kw)
         standins.append(sv)
@@ -320,7 +320,9 @@ def test_a_release_answered_false_fails_the_read_with_io_error(service, sock_pat
 
 
 def test_key_lists_are_split_to_fit_the_announced_frame_size(service, sock_path) -> None:
-    sv = service(max_frame_bytes=4096)
+    # 2000 leases held at once, each counting its whole 4 KiB block against the connection's
+    # share (half the arena): 32 MiB holds them.
+    sv = service(max_frame_bytes=4096, capacity=32 * MiB)
     c = _client(sock_path)
     try:
         keys = [f"key-{i:06d}" for i in range(2000)]  # ~26 KB of keys: at least 7 frames each
