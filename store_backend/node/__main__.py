@@ -179,7 +179,7 @@ def status_document(got: Probe) -> dict[str, Any]:
         "pid": n.pid, "uptime_s": n.uptime_s, "protocol_version": got.welcome.version,
         "auto_started": n.auto_started, "started_by": n.started_by, "draining": n.draining,
         "segment": {"path": n.segment_path, "id": n.segment_id, "bytes": n.segment_bytes},
-        "metrics": n.metrics_address, "ssd_path": got.welcome.ssd_path,
+        "metrics": n.metrics_address, "metrics_off": n.metrics_off, "ssd_path": got.welcome.ssd_path,
         "tiers": {name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "objects": t.objects,
                          "hits": t.hits, "misses": t.misses, "hit_rate": _rate(t.hits, t.misses),
                          "evictions": t.evictions}
@@ -216,7 +216,8 @@ def print_status(doc: dict[str, Any]) -> None:
     head.add_row("segment", f"{doc['segment']['path']} ({_bytes(doc['segment']['bytes'])})")
     started = f"yes, by pid {doc['started_by']}" if doc["auto_started"] else "no"
     head.add_row("auto-started", started)
-    head.add_row("metrics", f"http://{doc['metrics']}/metrics" if doc["metrics"] else "off")
+    off = f"off ({doc['metrics_off']})" if doc.get("metrics_off") else "off"
+    head.add_row("metrics", f"http://{doc['metrics']}/metrics" if doc["metrics"] else off)
     head.add_row("state", "draining" if doc["draining"] else "ready")
     head.add_row("queues", ", ".join(f"{k} {v}" for k, v in doc["queues"].items()))
     console.print(head)

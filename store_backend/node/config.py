@@ -27,6 +27,9 @@ SOCKET_NAME = "node.sock"
 LOCK_NAME = "node.lock"
 # sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH_BYTES = 107
+# /metrics when `metrics.port` is unset. A host may run several services (one per user or socket
+# directory) and only one gets it: the others serve no /metrics and say so (a warning, `status`).
+DEFAULT_METRICS_PORT = 9464
 
 
 def default_socket_dir(environ: Mapping[str, str] | None = None, uid: int | None = None) -> str:
@@ -47,11 +50,13 @@ class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     # Loopback by default: the metrics name keys' counts and sizes, nothing for other hosts.
     host: str = "127.0.0.1"
-    # 0: any free port (the bound one is logged and shown by `status`).
-    port: int = 9464
+    # 0: any free port (the bound one is logged and shown by `status`). Unset (null): 9464, and
+    # when another process has that one, a warning and no /metrics; a port set here that cannot be
+    # bound stops the start.
+    port: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
+        if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
 
 

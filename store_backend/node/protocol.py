@@ -300,6 +300,7 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     loop_lag_s: float = 0.0
     metrics_address: str = ""  # host:port of /metrics, "" when not served
     clients: list[ClientInfo] = msgspec.field(default_factory=list)
+    metrics_off: str = ""  # why /metrics is not served although configured ("" otherwise)
 
 
 class StatsReply(_Frame, tag="stats_reply"):

@@ -64,7 +64,7 @@ from store_backend.config_loader import ConfigError
 from store_backend.metrics import LatencyHistogram, StoreCounters, StoreStats, TierStats
 from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameDecoder, FrameError, FrameTimeoutError
 from store_backend.node import protocol as p
-from store_backend.node.config import NodeServiceConfig, load_node_config
+from store_backend.node.config import DEFAULT_METRICS_PORT, NodeServiceConfig, load_node_config
 from store_backend.node.fdpass import may_attach, peer_credentials
 from store_backend.node.metrics import NodeCollector
 from store_backend.node.segment import segment_id, unlink_if_same
@@ -253,6 +253,7 @@ class NodeService:
         self.store: TieredStore | None = None
         self.segment: SegmentInfo | None = None
         self.metrics_address = ""
+        self.metrics_error = ""  # why /metrics is off although configured (the default port was taken)
         self.exit_status = 0
         self._lock: HeldLock | None = None
         self._segment_fd = -1
@@ -353,10 +354,17 @@ class NodeService:
         registry = CollectorRegistry()
         registry.register(StoreCollector(self.store))
         registry.register(NodeCollector(self))
+        port = DEFAULT_METRICS_PORT if m.port is None else m.port
         try:
-            self._httpd, self._httpd_thread = start_http_server(m.port, addr=m.host, registry=registry)
+            self._httpd, self._httpd_thread = start_http_server(port, addr=m.host, registry=registry)
         except OSError as e:
-            raise ConfigError(f"metrics.port: cannot serve /metrics on {m.host}:{m.port}: {e.strerror or e}") from None
+            if m.port is None and e.errno == errno.EADDRINUSE:
+                # The default port is per host, the service per user: a second service still runs.
+                self.metrics_error = (f"the default metrics port {m.host}:{port} is in use (another node "
+                                      f"service on this host?): set metrics.port (0: any free port)")
+                logger.warning("/metrics is off: %s", self.metrics_error)
+                return
+            raise ConfigError(f"metrics.port: cannot serve /metrics on {m.host}:{port}: {e.strerror or e}") from None
         host, port = self._httpd.server_address[:2]
         self.metrics_address = f"{host}:{port}"
 
@@ -1150,6 +1158,7 @@ class NodeService:
             segment_path=seg.path if seg else "", segment_id=segment_id(seg) if seg else "",
             segment_bytes=seg.nbytes if seg else 0, auto_started=self.auto_started, started_by=self.started_by,
             draining=self._draining, loop_lag_s=self._loop_lag_s, metrics_address=self.metrics_address,
+            metrics_off=self.metrics_error,
             clients=clients)
 
     @property

@@ -228,3 +228,50 @@ def test_send_timeout_s_must_be_positive(sdir):
     with pytest.raises(ConfigError) as e:
         NodeService(service_config(sdir, send_timeout_s=0))
     assert "send_timeout_s" in str(e.value)
+
+
+# -- F11: the default metrics port is per host, the service per user ------------------------------
+@pytest.fixture
+def busy_default_metrics_port():
+    """127.0.0.1:9464 listened on (by this test, or by whoever has it already)."""
+    from store_backend.node.config import DEFAULT_METRICS_PORT
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+        holder.listen(1)
+    except OSError:
+        holder.close()
+        holder = None  # another process has it: busy all the same
+    yield DEFAULT_METRICS_PORT
+    if holder is not None:
+        holder.close()
+
+
+def test_a_busy_default_metrics_port_turns_metrics_off_with_a_warning_and_status_says_so(
+        sdir, busy_default_metrics_port, caplog, capsys):
+    import json
+
+    from store_backend.node import __main__ as cli
+
+    caplog.set_level("WARNING", logger="store_backend.node.server")
+    with service_thread(service_config(sdir, metrics={})) as svc:  # the default port
+        assert svc.metrics_address == ""
+        off = svc.node_stats().metrics_off
+        assert str(busy_default_metrics_port) in off and "metrics.port" in off
+        assert any("/metrics is off" in r.getMessage() for r in caplog.records)
+        capsys.readouterr()
+        assert cli.main(["status", "--socket", svc.socket_path, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert doc["ready"] is True and doc["metrics"] == "" and doc["metrics_off"] == off
+        assert cli.main(["status", "--socket", svc.socket_path]) == 0
+        assert "off (" in capsys.readouterr().out
+
+
+def test_a_busy_metrics_port_named_in_the_config_stops_the_start(sdir, busy_default_metrics_port):
+    with pytest.raises(ConfigError) as e:
+        NodeService(service_config(sdir, metrics={"port": busy_default_metrics_port})).open()
+    assert str(e.value).startswith("metrics.port:") and str(busy_default_metrics_port) in str(e.value)
+    # Nothing was left behind: a service with metrics on a free port starts in the same directory.
+    with service_thread(service_config(sdir, metrics={"port": 0})) as svc:
+        assert svc.metrics_address.startswith("127.0.0.1:") and svc.node_stats().metrics_off == ""
