@@ -4,6 +4,9 @@ While the service is gone the engine never serves wrong tokens: its lookups miss
 its saves are dropped and counted (``saves_dropped_disconnect``). When the service is back (a new
 process, a new segment) the same engine reconnects by itself, with no restart and no call of its
 own, and the objects the service had persisted to its SSD tier before it was killed hit again.
+
+An engine SIGKILLed while it serves leaves no reservation or lease held in the service, which keeps
+serving: a fresh engine loads the first one's chunks with the baseline's tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,3 +127,46 @@ def test_after_the_restart_the_engine_reconnects_and_ssd_objects_hit_again(round
     assert [o["num_cached_tokens"] for o in back["outputs"]] == [full(PA), full(PB), 0]
     client = _client(back)
     assert client["reconnects"] >= 1 and client["remaps"] >= 1, client
+
+
+@pytest.fixture(scope="module")
+def engine_killed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """An engine SIGKILLed while it serves (saves reserved or in flight, loads leased), then a fresh
+    engine on the same service."""
+    work = tmp_path_factory.mktemp("node-engine-killed")
+    svc = ServiceRun(work, {"dram": {"capacity_bytes": "64MiB"}}).start()
+    try:
+        extra = {"chunk_tokens": CHUNK_TOKENS, "store": svc.attach()}
+        plan = [{"prompts": [PA, PB, PC], "max_tokens": MAX_TOKENS}] * 2
+        victim = Engine({"model_dir": str(tiny_model), "extra": extra, "rounds": plan}, work)
+        victim.round()  # stored: the next round loads them
+        victim.proc.stdin.write("go\n")
+        victim.proc.stdin.flush()
+        victim.proc.kill()  # mid-round: its slots are open or about to be
+        victim.proc.wait()
+        victim.log.close()
+        deadline = time.monotonic() + 30
+        while True:  # the service reclaims at the connection's end (bounded poll of its status)
+            status = svc.status()
+            if status["reservations"] == status["leases"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        fresh = Engine({"model_dir": str(tiny_model), "extra": extra, "rounds": plan[:1]}, work)
+        try:
+            after = fresh.round()
+        finally:
+            fresh.close()
+        yield {"status": status, "after": after}
+    finally:
+        svc.close()
+
+
+def test_an_engine_killed_mid_traffic_leaves_no_slot_held_and_nothing_half_written(
+        engine_killed: dict[str, Any], rounds: dict[str, Any]) -> None:
+    status, after, want = engine_killed["status"], engine_killed["after"], rounds["want"]
+    assert (status["reservations"], status["leases"], status["held_bytes"]) == (0, 0, 0), status
+    # The service kept serving: a fresh engine loads the first engine's chunks, and its tokens are
+    # the baseline's (no half-written object was visible).
+    assert _tokens(after) == [want["a"], want["b"], want["c"]]
+    full = lambda p: (len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS  # noqa: E731
+    assert [o["num_cached_tokens"] for o in after["outputs"]] == [full(PA), full(PB), full(PC)]
