@@ -77,8 +77,12 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     socket: str | None = None
     # /metrics (section `metrics`); null: not served.
     metrics: MetricsConfig | None = msgspec.field(default_factory=MetricsConfig)
-    # Threads for the calls that block (stage-in leases, remove, flush, keys, exists with a wait).
+    # Threads for the calls that may block long (remove, flush, keys, calls over long key lists).
+    # One client process, or one kind of call, holds at most half of them.
     workers: int = 8
+    # Threads kept for loads (leases that stage an object in from SSD, exists over a long list):
+    # the bulk calls above never take them. One client process holds at most half.
+    stage_in_workers: int = 4
     # Connections served at once; past it a newcomer gets error(busy).
     max_connections: int = 1024
     # Most of the arena one connection may hold in open reservations and leases (beyond: NO_SPACE).
@@ -109,6 +113,8 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                                  f"({MAX_SOCKET_PATH_BYTES} bytes)")
         if self.workers < 1:
             raise ValueError(f"workers: must be >= 1, got {self.workers}")
+        if self.stage_in_workers < 1:
+            raise ValueError(f"stage_in_workers: must be >= 1, got {self.stage_in_workers}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
         if not 0.0 < self.max_held_fraction <= 1.0:

@@ -8,10 +8,13 @@ store lock for bookkeeping (``exists``, ``contains``, ``size_of``, ``tier_of``, 
 ``reserve``, ``commit``, ``abort``, a DRAM ``lease``, ``release``, ``stats``) run inline on the loop
 when they name at most ``_INLINE_MAX_KEYS`` keys or tokens (a longer list's store call goes to the
 pool; the check a lease makes for pending commits is the service's own table, no store call);
-calls that may block (a lease that stages an object in from SSD or waits for a pending commit,
-``remove``, ``flush``, ``keys``, ``exists`` with a wait) run on a bounded thread pool of
-``workers`` threads, owned by the service. ``loop_lag_s`` (in ``status`` and ``/metrics``) says
-when an inline call blocked the loop.
+calls that may block run on two bounded thread pools owned by the service: ``remove``, ``flush``,
+``keys`` and long lists on ``workers`` threads, loads (a lease that stages an object in from SSD, a
+long ``exists``) on ``stage_in_workers`` threads of their own, so bulk calls never delay a load;
+in each pool one client process, or one kind of call, holds at most half the threads (the rest
+wait on the loop, holding none). Waits (``exists`` with ``wait_s``, a lease's ``wait_pending_s``)
+are the connection's coroutine's and hold no thread. ``loop_lag_s`` (in ``status`` and
+``/metrics``) says when an inline call blocked the loop.
 
 Start (:meth:`NodeService.open`): the socket directory (made 0700; refused when another user owns
 it or its mode is wider), ``node.lock`` (flock; a second service is refused naming the holder),
@@ -168,6 +171,44 @@ class _Mine:
 _MINE_MAX = 4096
 
 
+class _Lane:
+    """One thread pool and the shares of it: at most ``share`` of its threads for one client
+    process and as many for one kind of call (``remove``, ``flush_report``, ...), so one client's
+    or one slow kind's calls cannot take every thread. Waiting for a share is the calling
+    coroutine's (loop thread), not a thread's. Owned by the service; closed with it."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"node-{name}")
+        self.share = max(1, threads // 2) if threads > 1 else 1
+        self._by_client: collections.Counter[int] = collections.Counter()
+        self._by_kind: collections.Counter[str] = collections.Counter()
+        self._freed = asyncio.Condition()
+
+    async def run(self, pid: int, kind: str, submit: Callable[[concurrent.futures.ThreadPoolExecutor],
+                                                               concurrent.futures.Future[Any]]) -> Any:
+        """``submit(executor)`` once ``pid`` and ``kind`` are within their shares; its result."""
+        async with self._freed:
+            await self._freed.wait_for(lambda: self._by_client[pid] < self.share and self._by_kind[kind] < self.share)
+            self._by_client[pid] += 1
+            self._by_kind[kind] += 1
+        try:
+            return await asyncio.wrap_future(submit(self.executor))
+        finally:
+            # The thread is free once the call returned (a cancelled waiter leaves it running: the
+            # share stays taken until then).
+            async with self._freed:
+                self._by_client[pid] -= 1
+                self._by_kind[kind] -= 1
+                if not self._by_client[pid]:
+                    del self._by_client[pid]
+                if not self._by_kind[kind]:
+                    del self._by_kind[kind]
+                self._freed.notify_all()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
 class _PidWatch:
     __slots__ = ("fd", "conns")
 
@@ -260,7 +301,7 @@ class NodeService:
         self._listener: socket.socket | None = None
         self._httpd: Any = None
         self._httpd_thread: threading.Thread | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lanes: dict[str, _Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[int, _Conn] = {}
         self._pid_watch: dict[int, _PidWatch] = {}
@@ -461,7 +502,8 @@ class NodeService:
         self._loop = loop
         self._wake = asyncio.Event()
         self._slots_changed = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(self.config.workers, thread_name_prefix="node-call")
+        self._lanes = {"bulk": _Lane("call", self.config.workers),
+                       "fast": _Lane("fast", self.config.stage_in_workers)}
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._request_stop, signal.Signals(sig).name, False)
@@ -481,7 +523,8 @@ class NodeService:
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            for lane in self._lanes.values():
+                lane.close()
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -784,22 +827,29 @@ class NodeService:
             hist = self.op_latency[op] = LatencyHistogram()
         hist.observe(time.monotonic() - t0)
 
-    async def _blocking(self, c: _Conn, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn`` on the service's thread pool; the connection's task waits for it."""
-        assert self._executor is not None
-        fut = self._executor.submit(fn, *args, **kwargs)
-        c.in_flight = fut
-        result = await asyncio.wrap_future(fut)
+    async def _blocking(self, c: _Conn, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
+                        **kwargs: Any) -> Any:
+        """``fn`` on one of the service's pools; the connection's task waits for it. ``fast_lane``:
+        the threads kept for loads (stage-in leases, exists), which slow bulk calls (remove, flush,
+        keys) never take; in each lane a client process or a kind of call holds at most half."""
+        lane = self._lanes["fast" if fast_lane else "bulk"]
+
+        def submit(executor: concurrent.futures.ThreadPoolExecutor) -> concurrent.futures.Future[Any]:
+            fut = c.in_flight = executor.submit(fn, *args, **kwargs)
+            return fut
+
+        result = await lane.run(c.pid, getattr(fn, "__name__", "call"), submit)
         c.in_flight = None
         return result
 
-    async def _sized(self, c: _Conn, nkeys: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _sized(self, c: _Conn, nkeys: int, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
+                     **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` (a store call over ``nkeys`` keys or tokens): inline on the loop
         up to ``_INLINE_MAX_KEYS`` (bookkeeping only), on the pool beyond, so one client's long key
         list does not hold every other client's calls up."""
         if nkeys <= _INLINE_MAX_KEYS:
             return fn(*args, **kwargs)
-        return await self._blocking(c, fn, *args, **kwargs)
+        return await self._blocking(c, fn, *args, fast_lane=fast_lane, **kwargs)
 
     async def _on_hello(self, c: _Conn, m: p.Hello) -> p.Frame | None:
         if c.hello:
@@ -842,7 +892,8 @@ class NodeService:
             # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
             # leaves costs nothing once its connection ends.
             changed = self._slots_changed
-            n = await self._sized(c, len(m.keys), store.exists, m.keys, count_reserved=m.count_reserved)
+            n = await self._sized(c, len(m.keys), store.exists, m.keys, count_reserved=m.count_reserved,
+                                  fast_lane=True)
             left = end - time.monotonic()
             if n == len(m.keys) or left <= 0:
                 return p.Count(m.id, n)
@@ -975,11 +1026,11 @@ class NodeService:
             return tiers, store.lease(m.keys, **kwargs)
 
         if len(m.keys) > _INLINE_MAX_KEYS:
-            tiers, got = await self._blocking(c, lease)
+            tiers, got = await self._blocking(c, lease, fast_lane=True)
         else:
             tiers = store.tier_of(m.keys) if look_below else None
             if tiers is not None and any(t != "dram" for t in tiers):
-                got = await self._blocking(c, store.lease, m.keys, **kwargs)
+                got = await self._blocking(c, store.lease, m.keys, fast_lane=True, **kwargs)
             else:
                 got = store.lease(m.keys, **kwargs)
         now = time.monotonic()

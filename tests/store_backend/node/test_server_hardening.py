@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ from store_backend.node import protocol as p
 from store_backend.node.server import NodeService
 from store_backend.types import Status
 
-from .server_harness import Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
+from .server_harness import REPO, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
 
 
 @pytest.fixture
@@ -275,3 +277,56 @@ def test_a_busy_metrics_port_named_in_the_config_stops_the_start(sdir, busy_defa
     # Nothing was left behind: a service with metrics on a free port starts in the same directory.
     with service_thread(service_config(sdir, metrics={"port": 0})) as svc:
         assert svc.metrics_address.startswith("127.0.0.1:") and svc.node_stats().metrics_off == ""
+
+
+# -- F5: one client's slow bulk calls leave threads for others' loads and calls -------------------
+def test_one_clients_slow_flushes_do_not_starve_stage_in_leases_or_other_clients_calls(sdir, monkeypatch):
+    ssd = {"path": os.path.join(sdir, "ssd"), "capacity_bytes": 64 << 20, "io_engine": "posix",
+           "backend": "file"}
+    cfg = service_config(sdir, workers=4, store={"ssd": ssd})
+    with service_thread(cfg) as svc:
+        release = threading.Event()
+        started = []
+        real = svc.store.flush_report
+
+        def slow_flush(timeout_s=None):  # fault injection: a flush that takes long
+            started.append(time.monotonic())
+            release.wait(20)
+            return real(timeout_s)
+
+        monkeypatch.setattr(svc.store, "flush_report", slow_flush)
+        greedy = [connect(svc, name=f"greedy-{i}") for i in range(4)]  # one process, four connections
+        b = connect(svc, name="loader")
+        try:
+            for g in greedy:
+                g.sock.sendall(p.encode(p.Flush(7, None)))
+            wait_until(lambda: len(started) >= 2, what="two flushes running")
+            time.sleep(0.3)
+            # One process (and one kind of call) holds at most half of the 4 bulk threads.
+            assert len(started) == 2
+            t0 = time.monotonic()
+            # A lease with an SSD below goes to the pool (it may stage in): the load lane answers it.
+            got = b.ask(p.Lease(0, ["only/ssd"], 30.0, True, 0.0))
+            assert isinstance(got, p.Slots) and got.grants[0].status == Status.NOT_FOUND
+            assert time.monotonic() - t0 < 3.0
+            # Another process's bulk call gets one of the threads the greedy one may not take.
+            script = ("import sys, time; from tests.store_backend.node.server_harness import Raw; "
+                      "from store_backend.node import protocol as p; c = Raw(sys.argv[1], timeout_s=15); "
+                      "c.hello(want_segment=False, name='other'); t0 = time.monotonic(); "
+                      "r = c.ask(p.Remove(0, ['gone/1'])); "
+                      "print([int(v) for v in r.values], time.monotonic() - t0)")
+            out = subprocess.run([sys.executable, "-c", script, svc.socket_path], capture_output=True, text=True,
+                                 timeout=60, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
+            assert out.returncode == 0, out.stderr
+            values, took_s = out.stdout.split("]")
+            assert values.strip("[ ") == str(int(Status.NOT_FOUND)) and float(took_s) < 3.0, out.stdout
+            release.set()
+            for g in greedy:
+                reply = g.read(30)
+                assert isinstance(reply, p.FlushResult) and reply.id == 7, reply
+            assert len(started) == 4  # the waiting ones ran once threads were free
+        finally:
+            release.set()
+            for g in greedy:
+                g.close()
+            b.close()
