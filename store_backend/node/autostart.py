@@ -24,6 +24,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 from store_backend.config import ConfigError
-from store_backend.node.client import probe
+from store_backend.node.client import NodeAccessError, check_socket_dir, probe
 from store_backend.node.config import load_node_config
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,10 @@ class ServiceProcess:
         self._check_config()
         deadline = time.monotonic() + self.start_timeout_s
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # An existing directory of another user, or one others may write in, is refused: whoever
+        # can write there can serve the socket, or point node.log at one of our files.
+        check_socket_dir(self.directory)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             self._flock(fd, deadline)
             # Whoever held the lock before us may have started it.
@@ -157,7 +161,7 @@ class ServiceProcess:
             argv += ["--idle-exit-s", str(self.idle_exit_s)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_CODE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
-        with open(self.log_path, "ab") as log:
+        with self._open_log() as log:
             self._log_start = log.tell()
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts: "
                       f"{' '.join(argv)}\n".encode())
@@ -166,6 +170,20 @@ class ServiceProcess:
                                             start_new_session=True, close_fds=True, env=env, cwd="/")
         logger.info("started the node service (pid %d) for %s; its log: %s", self.process.pid, self.socket_path,
                     self.log_path)
+
+    def _open_log(self):  # -> BinaryIO
+        """node.log for appending: never through a symlink, only a regular file of this user, 0600."""
+        try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise NodeAccessError(f"cannot open the node service log {self.log_path} safely: {e.strerror} (a "
+                                  f"symlink is never followed)") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            raise NodeAccessError(f"the node service log {self.log_path} is not a regular file of uid {os.getuid()} "
+                                  f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to write it")
+        return os.fdopen(fd, "ab")
 
     def _wait_ready(self, deadline: float) -> None:
         proc = self.process
@@ -189,7 +207,7 @@ class ServiceProcess:
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines this start wrote to the log."""
         try:
-            with open(self.log_path, "rb") as f:
+            with os.fdopen(os.open(self.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
                 f.seek(getattr(self, "_log_start", 0))
                 text = f.read().decode(errors="replace")
         except OSError as e:

@@ -41,6 +41,7 @@ import itertools
 import math
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +55,7 @@ from store_backend.config import ConfigError
 from store_backend.framing import READ_PIECE_BYTES, FrameError, FrameTooLargeError, read_frame
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
-from store_backend.node.fdpass import recv_fd
+from store_backend.node.fdpass import may_attach, peer_credentials, recv_fd
 from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.slots import Reservation, SlotLease
 from store_backend.types import (
@@ -226,15 +227,56 @@ class _Conn:
             pass
 
 
+def check_socket_dir(directory: str) -> None:
+    """Refuse a socket directory another user could have put a service (or a symlink) in: it must
+    be a real directory (not a link) owned by this user or root, with no access for group or others.
+    NodeAccessError naming the path, owner and mode; FileNotFoundError when it does not exist (no
+    service there)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise NodeAccessError(f"cannot look at the node service's socket directory {directory}: {e}") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NodeAccessError(f"the node service's socket directory {directory} is not a directory (a "
+                              f"{'symlink' if stat.S_ISLNK(st.st_mode) else 'file'}, owner uid {st.st_uid}, "
+                              f"mode {mode:o}); refusing to attach")
+    if st.st_uid not in (os.getuid(), 0):
+        raise NodeAccessError(f"the node service's socket directory {directory} is owned by uid {st.st_uid} "
+                              f"(mode {mode:o}), not by this process's uid {os.getuid()} or root: another "
+                              f"user could serve that socket; refusing to attach")
+    if mode & 0o077:
+        raise NodeAccessError(f"the node service's socket directory {directory} (owner uid {st.st_uid}) has "
+                              f"mode {mode:o}: group or others have access, so another user could serve that "
+                              f"socket; make it 0700 (chmod 700 {directory}); refusing to attach")
+
+
+def _check_service_peer(sock: socket.socket, path: str) -> None:
+    """The process serving ``path`` must run as this user or root (SO_PEERCRED, as the kernel saw it
+    at listen()): else NodeAccessError, before a byte is sent to it or read from it."""
+    try:
+        creds = peer_credentials(sock)
+    except OSError as e:
+        raise NodeAccessError(f"cannot tell who serves the node service socket {path}: {e}") from None
+    if not may_attach(creds.uid, os.getuid()):
+        raise NodeAccessError(f"the node service socket {path} is served by uid {creds.uid} (pid {creds.pid}), "
+                              f"not by this process's uid {os.getuid()} or root; refusing to attach")
+
+
 def _hello(path: str, name: str, want_segment: bool, timeout_s: float,
            ) -> tuple[socket.socket, p.MessageDecoder, list[bytes], p.Welcome, int | None]:
     """Connect to ``path`` and say hello: the socket, its decoder state, the welcome and the segment
     fd that came with it (the caller owns both). Raises ConnectionRefusedError/FileNotFoundError when
-    no service listens there, NodeAccessError, ConfigError (protocol version), _Lost for the rest."""
+    no service listens there (or its directory does not exist), NodeAccessError (a socket directory
+    another user could serve from, a service run by another user), ConfigError (protocol version),
+    _Lost for the rest."""
     deadline = time.monotonic() + timeout_s
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fd: int | None = None
     try:
+        check_socket_dir(os.path.dirname(os.path.abspath(path)))
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
@@ -244,6 +286,7 @@ def _hello(path: str, name: str, want_segment: bool, timeout_s: float,
             raise
         except OSError as e:
             raise _Lost(f"connect to {path}: {e}") from None
+        _check_service_peer(sock, path)
         decoder = p.MessageDecoder(p.Reply)
         pending: list[bytes] = []
         try:

@@ -148,3 +148,109 @@ def test_a_waiting_call_does_not_hold_up_the_commit_it_waits_for(restartable, po
     finally:
         c.close(flush=False)
 
+
+# -- F2: the client attaches only to its own user's service, in a directory no one else controls -----
+@pytest.mark.parametrize("mode", [0o711, 0o755])
+def test_a_socket_directory_others_can_use_is_refused(restartable, mode) -> None:
+    cfg, d, _holder = restartable
+    os.chmod(d, mode)
+    try:
+        with pytest.raises(NodeAccessError, match=rf"{d}.*mode {mode:o}"):
+            probe(cfg["socket"])
+        with pytest.raises(NodeAccessError, match=rf"{d}.*mode {mode:o}"):
+            NodeClient(cfg["socket"]).start()
+    finally:
+        os.chmod(d, 0o700)
+    c = NodeClient(cfg["socket"]).start()  # the same service, once the directory is private again
+    c.close(flush=False)
+
+
+def _listen_as(uid: int, path: str) -> tuple[int, int]:
+    """A child that binds ``path``, becomes ``uid`` and serves a welcome to whoever says hello (a
+    service-like listener of another user). (pid, fd readable once it listens)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only sockets, then _exit
+        code = 0
+        try:
+            os.close(r)
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(path)
+            os.chmod(path, 0o666)
+            os.setgid(uid)
+            os.setuid(uid)
+            srv.listen(4)  # SO_PEERCRED of the connecting side is taken from here
+            os.write(w, b"1")
+            srv.settimeout(20)
+            while True:
+                conn, _ = srv.accept()
+                conn.settimeout(5)
+                try:
+                    conn.recv(1 << 16)
+                    conn.sendall(p.encode(p.Welcome(1, p.PROTOCOL_VERSION, os.getpid(), 1, "0:0", 1 << 20, 4096,
+                                                    8 << 20, 60.0, ["dram"])))
+                except OSError:
+                    pass
+                conn.close()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+@pytest.mark.skipif(os.getuid() != 0 and not os.environ.get("CI"), reason="needs root to run a listener as another uid")
+def test_a_service_run_by_another_user_is_refused() -> None:
+    assert os.getuid() == 0, "this test runs as root (CI runs it so)"
+    d = short_dir()
+    path = os.path.join(d, "node.sock")
+    pid, ready = _listen_as(65534, path)
+    try:
+        assert os.read(ready, 1) == b"1"
+        with pytest.raises(NodeAccessError, match=r"served by uid 65534"):
+            probe(path)
+        with pytest.raises(NodeAccessError, match=r"served by uid 65534"):
+            NodeClient(path, connect_timeout_s=3).start()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready)
+        cleanup_dir(d)
+
+
+def test_auto_start_refuses_a_socket_directory_of_wider_mode(tmp_path) -> None:
+    d = short_dir()
+    try:
+        os.chmod(d, 0o755)
+        cfg = service_config(d)
+        conf = os.path.join(d, "node.yaml")
+        with open(conf, "w") as f:
+            yaml.safe_dump(cfg, f)
+        starter = Starter(cfg["socket"], conf, start_timeout_s=20)
+        with pytest.raises(NodeAccessError, match=rf"{d}.*mode 755"):
+            starter.ensure()
+        assert not os.path.exists(os.path.join(d, "node.log"))  # nothing spawned
+    finally:
+        cleanup_dir(d)
+
+
+def test_auto_start_never_writes_its_log_through_a_symlink() -> None:
+    d = short_dir()
+    target = os.path.join(short_dir(), "victim-file")
+    try:
+        with open(target, "w") as f:
+            f.write("precious\n")
+        os.symlink(target, os.path.join(d, "node.log"))
+        cfg = service_config(d)
+        conf = os.path.join(d, "node.yaml")
+        with open(conf, "w") as f:
+            yaml.safe_dump(cfg, f)
+        starter = Starter(cfg["socket"], conf, start_timeout_s=20)
+        with pytest.raises(NodeAccessError, match="node.log"):
+            starter.ensure()
+        with open(target) as f:
+            assert f.read() == "precious\n"
+        assert starter.process is None
+    finally:
+        cleanup_dir(os.path.dirname(target))
+        cleanup_dir(d)
