@@ -843,12 +843,20 @@ class NodeService:
         return result
 
     async def _sized(self, c: _Conn, nkeys: int, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
-                     **kwargs: Any) -> Any:
+                     chunked: bool = True, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` (a store call over ``nkeys`` keys or tokens): inline on the loop
         up to ``_INLINE_MAX_KEYS`` (bookkeeping only), on the pool beyond, so one client's long key
-        list does not hold every other client's calls up."""
+        list does not hold every other client's calls up. ``chunked``: ``fn`` answers one value per
+        item of its first argument, each independent of the others, so the pool calls it a chunk at
+        a time (the store lock is let go between chunks)."""
         if nkeys <= _INLINE_MAX_KEYS:
             return fn(*args, **kwargs)
+        if chunked:
+            def in_chunks() -> Any:
+                return _in_chunks(fn, *args, **kwargs)
+
+            in_chunks.__name__ = getattr(fn, "__name__", "call")  # the pool's share is by kind of call
+            return await self._blocking(c, in_chunks, fast_lane=fast_lane)
         return await self._blocking(c, fn, *args, fast_lane=fast_lane, **kwargs)
 
     async def _on_hello(self, c: _Conn, m: p.Hello) -> p.Frame | None:
@@ -892,8 +900,8 @@ class NodeService:
             # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
             # leaves costs nothing once its connection ends.
             changed = self._slots_changed
-            n = await self._sized(c, len(m.keys), store.exists, m.keys, count_reserved=m.count_reserved,
-                                  fast_lane=True)
+            n = await self._sized(c, len(m.keys), _leading_in_chunks, store.exists, m.keys,
+                                  count_reserved=m.count_reserved, fast_lane=True, chunked=False)
             left = end - time.monotonic()
             if n == len(m.keys) or left <= 0:
                 return p.Count(m.id, n)
@@ -903,7 +911,7 @@ class NodeService:
         assert self.store is not None
         n = sum(len(keys) for keys in m.key_lists)
         return p.Count(m.id, await self._sized(c, n, self.store.exists_all, m.key_lists,
-                                               count_reserved=m.count_reserved))
+                                               count_reserved=m.count_reserved, chunked=False))
 
     async def _on_contains(self, c: _Conn, m: p.Contains) -> p.Frame:
         assert self.store is not None
@@ -923,7 +931,7 @@ class NodeService:
 
     async def _on_unpin(self, c: _Conn, m: p.Unpin) -> p.Frame:
         assert self.store is not None
-        await self._sized(c, len(m.keys), self.store.unpin, m.keys)
+        await self._sized(c, len(m.keys), self.store.unpin, m.keys, chunked=False)
         return p.Ack(m.id)
 
     @staticmethod
@@ -949,7 +957,7 @@ class NodeService:
         now = time.monotonic()
         grants: list[p.Grant] = []
         got = await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
-                                owner=c.conn_id, group=self._share_of(c))
+                                owner=c.conn_id, group=self._share_of(c), chunked=False)
         for r in got:
             if r.status is Status.EXISTS:
                 c.mine.store.put_exists += 1
@@ -981,7 +989,8 @@ class NodeService:
         mine = self._take(c, c.reservations, m.tokens)
         known = [r for r in mine if r is not None]
         try:
-            statuses = iter(await self._sized(c, len(known), self.store.commit, known, owner=c.conn_id)
+            statuses = iter(await self._sized(c, len(known), self.store.commit, known, owner=c.conn_id,
+                                              chunked=False)
                             if known else [])
         finally:
             for r in known:  # pending until the store committed: a waiting lease then finds it
@@ -1000,7 +1009,7 @@ class NodeService:
         known = [r for r in self._take(c, c.reservations, m.tokens) if r is not None]
         if known:
             try:
-                await self._sized(c, len(known), self.store.abort, known, owner=c.conn_id)
+                await self._sized(c, len(known), self.store.abort, known, owner=c.conn_id, chunked=False)
             finally:
                 for r in known:
                     self._written(r)
@@ -1022,8 +1031,9 @@ class NodeService:
         look_below = m.stage_in and self._has_below
 
         def lease() -> tuple[list[str | None] | None, list[Any]]:
-            tiers = store.tier_of(m.keys) if look_below else None
-            return tiers, store.lease(m.keys, **kwargs)
+            # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
+            tiers = _in_chunks(store.tier_of, m.keys) if look_below else None
+            return tiers, _in_chunks(store.lease, m.keys, **kwargs)
 
         if len(m.keys) > _INLINE_MAX_KEYS:
             tiers, got = await self._blocking(c, lease, fast_lane=True)
@@ -1127,7 +1137,8 @@ class NodeService:
         assert self.store is not None
         mine = self._take(c, c.leases, m.tokens)
         known = [r for r in mine if r is not None]
-        answers = iter(await self._sized(c, len(known), self.store.release, known, owner=c.conn_id)
+        answers = iter(await self._sized(c, len(known), self.store.release, known, owner=c.conn_id,
+                                             chunked=False)
                        if known else [])
         out = [False if r is None else bool(next(answers)) for r in mine]
         for r, ok in zip(mine, out):
@@ -1320,6 +1331,29 @@ class NodeService:
 def _nbytes(c: _Conn, token: int) -> int:
     obj = c.reservations.get(token) or c.leases.get(token)
     return 0 if obj is None else int(obj.nbytes)
+
+
+def _in_chunks(fn: Callable[..., list[Any]], items: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    """``fn`` over ``items`` a chunk of ``_INLINE_MAX_KEYS`` at a time, answers concatenated
+    (blocking; on a pool thread). Each store call holds the store lock for its chunk only, so the
+    loop's inline calls get the lock between chunks."""
+    out: list[Any] = []
+    for i in range(0, len(items), _INLINE_MAX_KEYS):
+        out.extend(fn(items[i:i + _INLINE_MAX_KEYS], *args, **kwargs))
+    return out
+
+
+def _leading_in_chunks(exists: Callable[..., int], keys: Sequence[str], **kwargs: Any) -> int:
+    """``exists(keys)`` (the leading run of present keys) a chunk at a time, stopping at the
+    first chunk with a miss."""
+    n = 0
+    for i in range(0, len(keys), _INLINE_MAX_KEYS):
+        chunk = keys[i:i + _INLINE_MAX_KEYS]
+        got = exists(chunk, **kwargs)
+        n += got
+        if got < len(chunk):
+            break
+    return n
 
 
 def _sorted_keys(store: TieredStore, prefix: str) -> list[str]:
