@@ -295,6 +295,7 @@ class MooncakeTieredStorage(HiCacheStorage):
                                          ttl_s=self.settings.connector.lease_ttl_s)
             filled: list[int] = []
             refused: list[int] = []
+            settled = False
             try:
                 for j, r in enumerate(reservations):
                     if r.status is Status.OK:
@@ -305,16 +306,39 @@ class MooncakeTieredStorage(HiCacheStorage):
                         refused.append(part[j])
                     else:
                         done[part[j]] = r.status is Status.EXISTS
-            except BaseException:
-                store.abort([r for r in reservations if r.status is Status.OK])
-                raise
-            statuses = store.commit([reservations[j] for j in filled]) if filled else []
+                statuses = store.commit([reservations[j] for j in filled]) if filled else []
+                settled = True
+            finally:
+                if not settled:
+                    # A copy or the commit raised: give every slot back (abort leaves a token the
+                    # commit did use alone), or it stays held until the store closes.
+                    self._end_tokens(store.abort, [r for r in reservations if r.status is Status.OK], "abort")
             for j, st in zip(filled, statuses):
                 done[part[j]] = st.ok
                 written += st is Status.OK
             if refused and filled:
                 todo = refused + todo
         return done, written
+
+    @staticmethod
+    def _end_tokens(call: Any, items: list[Any], what: str) -> list[bool] | None:
+        """End slot tokens with ``call`` (the store's ``abort`` or ``release``); never raises.
+
+        A call that raises is made again one token at a time (a token it did end is then left
+        alone: unknown to the store), so neither a broken call nor one bad item leaves the rest
+        held: with the embedded store every thread is owner 0, and a token nobody ends holds its
+        bytes and the owner's share until the store closes. Returns the call's answer, or None
+        when it raised (the caller treats every item as failed)."""
+        try:
+            return call(items)
+        except Exception:
+            logger.exception("%s of %d slot tokens failed; ending them one at a time", what, len(items))
+        for item in items:
+            try:
+                call([item])
+            except Exception as e:  # nothing more can be done here; the store's reclaim is the owner's
+                logger.warning("%s of the slot token of %s failed: %s", what, item.key, e)
+        return None
 
     def _set_staged(self, okeys: list[str], starts: list[int],
                     parents: list[str | None]) -> tuple[list[bool], int]:
@@ -367,7 +391,9 @@ class MooncakeTieredStorage(HiCacheStorage):
                     pages.scatter_from(starts[lo + copied], ls.view)
                     copied += 1
             finally:
-                stable = store.release(held) if held else []
+                # A release that raised: nothing read can be trusted, but no lease stays held.
+                answer = self._end_tokens(store.release, held, "release") if held else []
+                stable = answer if answer is not None else [False] * len(held)
             # The leading ``copied`` leases are all OK, so they are held[:copied], in order.
             for j in range(copied):
                 if not stable[j]:

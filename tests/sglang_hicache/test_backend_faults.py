@@ -1,0 +1,90 @@
+"""The v1 slot paths when a store call raises: no reservation or lease is left held (the
+embedded store's owner 0 is shared by every thread of the process, so a token left behind stays
+until the store closes and eats the share), and no page whose copy or release failed is True."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+
+from mooncake_connector.keys import chunk_hashes  # noqa: E402
+from tests.sglang_hicache.harness import PAGE, extra_config, fill_pages, make_pools  # noqa: E402
+from tests.sglang_hicache.test_backend import backends, build, same_pages  # noqa: E402,F401
+
+pytestmark = pytest.mark.sglang
+
+
+class _RaisesOnce:
+    """Fault injection: the real store, except that the first call of each method in ``fail``
+    raises OSError before the store sees it (as a call whose transport broke)."""
+
+    def __init__(self, store, fail: set[str]) -> None:
+        self._store, self._fail = store, set(fail)
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if name not in self._fail:
+            return attr
+
+        def once(*a, **kw):
+            if name not in self._fail:  # a later call through the same bound method
+                return attr(*a, **kw)
+            self._fail.discard(name)
+            raise OSError(f"injected {name} failure")
+        return once
+
+
+def _setup(backends, seed: int, n: int = 3):
+    pools = make_pools("page_first")
+    backend = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}), pools, backends)
+    keys = chunk_hashes(list(range(seed, seed + n * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(n * PAGE)
+    fill_pages(pools.host, src, seed=seed)
+    return pools, backend, keys, src
+
+
+def test_a_commit_that_raises_leaves_no_reservation_held(backends):
+    pools, backend, keys, src = _setup(backends, 31)
+    real = backend.store
+    backend._store = _RaisesOnce(real, {"commit"})
+    try:
+        assert backend.batch_set_v1(keys, src) == [False] * 3
+    finally:
+        backend._store = real
+    assert len(real._slots) == 0
+    assert real.contains(backend.object_keys(keys)) == [False] * 3
+    assert backend.batch_set_v1(keys, src) == [True] * 3  # the keys are free to store again
+
+
+def test_an_abort_that_raises_leaves_no_reservation_held(backends, monkeypatch):
+    pools, backend, keys, src = _setup(backends, 32)
+
+    def broken(start, dest):
+        raise OSError("injected copy failure")
+
+    monkeypatch.setattr(backend._pages, "gather_into", broken)
+    real = backend.store
+    backend._store = _RaisesOnce(real, {"abort"})
+    try:
+        assert backend.batch_set_v1(keys, src) == [False] * 3
+    finally:
+        backend._store = real
+    assert len(real._slots) == 0
+    monkeypatch.undo()
+    assert backend.batch_set_v1(keys, src) == [True] * 3
+
+
+def test_a_release_that_raises_leaves_no_lease_held_and_its_pages_false(backends):
+    pools, backend, keys, src = _setup(backends, 33)
+    assert backend.batch_set_v1(keys, src) == [True] * 3
+    real = backend.store
+    backend._store = _RaisesOnce(real, {"release"})
+    dst = pools.host.alloc(3 * PAGE)
+    try:
+        assert backend.batch_get_v1(keys, dst) == [False] * 3
+    finally:
+        backend._store = real
+    assert len(real._slots) == 0
+    assert backend.batch_get_v1(keys, dst) == [True] * 3
+    assert same_pages(pools.host, src, dst)
