@@ -76,6 +76,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TTL_S = 60.0
+# A remove deletes SSD copies (milliseconds each on a loaded disk): it is sent in frames of at most
+# this many keys, each given op_timeout_s plus REMOVE_FRAME_EXTRA_S, so that every frame completes
+# well within its timeout however many keys the call names (one frame of 5000 file-backend keys took
+# longer than op_timeout_s: the service was taken for lost and removed keys answered IO_ERROR).
+REMOVE_BATCH_KEYS = 256
+REMOVE_FRAME_EXTRA_S = 30.0
 # Statuses a read may answer (ReadResult); any other lease status is served as IO_ERROR.
 _READ_STATUSES = frozenset({Status.NOT_FOUND, Status.CORRUPT, Status.INVALID_KEY, Status.IO_ERROR})
 
@@ -953,11 +959,27 @@ class NodeClient:
 
     # -- writes, removes, flush ----------------------------------------------------------------------
     def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Remove objects from every tier; per key its status. Sent in batches of at most
+        ``REMOVE_BATCH_KEYS`` keys (each with its own longer timeout, see there); keys of batches
+        the service answered keep their answers when it is lost later, the rest are IO_ERROR."""
         check_batch(keys)
         keys = list(keys)
-        return self._call(lambda c: [Status(v) for v in self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: p.Remove(rid, keys[lo:hi]), p.Statuses), len(keys))],
-            lambda _why: [Status.IO_ERROR] * len(keys))
+        out = [Status.IO_ERROR] * len(keys)
+        timeout_s = self.op_timeout_s + REMOVE_FRAME_EXTRA_S
+
+        def body(conn: _Conn) -> list[Status]:
+            for lo in range(0, len(keys), REMOVE_BATCH_KEYS):
+                part = keys[lo:lo + REMOVE_BATCH_KEYS]
+                replies = self._ask_split(conn, len(part), lambda rid, a, b: p.Remove(rid, part[a:b]), p.Statuses,
+                                          timeout_s)
+                out[lo:lo + len(part)] = [Status(v) for v in self._values(replies, len(part))]
+            return out
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return []
+        return self._call(body, lambda _why: out)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.flush_report(timeout_s).ok

@@ -254,3 +254,34 @@ def test_auto_start_never_writes_its_log_through_a_symlink() -> None:
     finally:
         cleanup_dir(os.path.dirname(target))
         cleanup_dir(d)
+
+
+# -- F6: a remove of many keys is sent in batches that each finish within their timeout --------------
+def test_a_remove_longer_than_the_op_timeout_answers_what_the_service_removed(monkeypatch) -> None:
+    import store_backend.node.client as client_module
+    d = short_dir()
+    ssd = {"path": os.path.join(d, "ssd"), "capacity_bytes": 64 << 20, "io_engine": "posix", "backend": "file",
+           "admission_policy": "all"}
+    cfg = service_config(d, store={"ssd": ssd})
+    svc = ServiceProcess(cfg, d)
+    try:
+        svc.wait_ready()
+        c = NodeClient(cfg["socket"], op_timeout_s=0.5).start()
+        keys = [f"obj/{i}" for i in range(600)]
+        for i in range(0, len(keys), 100):
+            assert c.put(keys[i:i + 100], [b"r" * 4096] * 100) == [Status.OK] * 100
+        assert c.flush(120)
+        monkeypatch.setattr(client_module, "REMOVE_BATCH_KEYS", 100, raising=False)
+        before = c.service_stats()[1].frames.get("remove", 0)
+        t0 = time.monotonic()
+        assert c.remove(keys) == [Status.OK] * len(keys)
+        took_s = time.monotonic() - t0
+        assert c.counters.disconnects == 0
+        assert c.service_stats()[1].frames.get("remove", 0) - before == 6  # in frames of at most 100 keys
+        assert not any(c.contains(keys))
+        print(f"remove of {len(keys)} file-backend keys: {took_s:.1f} s (op_timeout_s 0.5)")
+        c.close(flush=False)
+    finally:
+        svc.close()
+        cleanup_dir(d)
+
