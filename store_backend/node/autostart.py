@@ -59,7 +59,8 @@ class ServiceProcess:
         if idle_exit_s is not None and idle_exit_s <= 0:
             raise ConfigError(f"node.idle_exit_s: must be > 0 or null, got {idle_exit_s}")
         self.socket_path = socket_path
-        self.config_file = str(config_file)
+        # The service runs in "/": a relative config file is resolved against the caller's cwd now.
+        self.config_file = os.path.abspath(str(config_file))
         self.idle_exit_s = idle_exit_s
         self.start_timeout_s = start_timeout_s
         self.probe_timeout_s = probe_timeout_s

@@ -285,3 +285,33 @@ def test_a_remove_longer_than_the_op_timeout_answers_what_the_service_removed(mo
         svc.close()
         cleanup_dir(d)
 
+
+# -- F9: a relative config file names the file in the caller's cwd, whatever cwd the service runs in --
+def _stop_service_at(path: str) -> None:
+    w = probe(path)
+    if w is None:
+        return
+    os.kill(w.service_pid, signal.SIGTERM)
+    end = time.monotonic() + 30
+    while probe(path) is not None and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+def test_auto_start_with_a_relative_config_file(monkeypatch) -> None:
+    d = short_dir()
+    cfg = service_config(d)
+    try:
+        with open(os.path.join(d, "node.yaml"), "w") as f:
+            yaml.safe_dump(cfg, f)
+        monkeypatch.chdir(d)
+        starter = Starter(cfg["socket"], "node.yaml", idle_exit_s=30, start_timeout_s=30)
+        try:
+            assert starter.ensure() is True
+            assert probe(cfg["socket"]) is not None
+        finally:
+            _stop_service_at(cfg["socket"])
+            starter.close()
+    finally:
+        cleanup_dir(d)
+
+
