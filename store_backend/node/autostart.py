@@ -6,7 +6,12 @@ socket, :meth:`ServiceProcess.ensure` takes ``<socket dir>/autostart.lock`` (flo
 ranks and engines that find it missing at once exactly one starts it), asks again (another may just
 have started it), and else runs ``python -m store_backend.node serve --config F --idle-exit-s N
 --started-by PID`` in a session of its own (so the engine terminal's Ctrl-C does not reach it),
-its output appended to ``<socket dir>/node.log``. It returns once the service answers ``hello``;
+its output appended to ``<socket dir>/node.log`` (opened O_NOFOLLOW, 0600; a socket directory of
+another user, or with group/other access, is refused). While another process holds the service's
+``node.lock`` without answering (a service still opening whose starter died, or one stopping), it
+waits for that one to answer or exit (within ``start_timeout_s``) instead of spawning a service that
+node.lock would refuse; a relative ``config_file`` is resolved against the caller's cwd. It returns
+once the service answers ``hello``;
 if the service exits first, :class:`~store_backend.config.ConfigError` carries the log's last lines.
 
 The service is *owned*: one reaper thread per started service (bounded: ``close()`` stops it within
@@ -33,6 +38,7 @@ from pathlib import Path
 
 from store_backend.config import ConfigError
 from store_backend.node.client import NodeAccessError, check_socket_dir, probe
+from store_backend.node.config import LOCK_NAME as SERVICE_LOCK_NAME
 from store_backend.node.config import load_node_config
 
 logger = logging.getLogger(__name__)
@@ -43,6 +49,10 @@ _LOG_TAIL_LINES = 20
 _POLL_S = 0.05
 # The repository root (the directory holding store_backend/): the child imports the same code.
 _CODE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class _LockHeld(Exception):
+    """The spawned service exited because another one holds node.lock."""
 
 
 class ServiceProcess:
@@ -71,6 +81,7 @@ class ServiceProcess:
         self.python = python
         self.directory = os.path.dirname(socket_path)
         self.lock_path = os.path.join(self.directory, LOCK_NAME)
+        self.service_lock_path = os.path.join(self.directory, SERVICE_LOCK_NAME)
         self.log_path = os.path.join(self.directory, LOG_NAME)
         self.process: subprocess.Popen[bytes] | None = None  # the service this object started, if any
         self._lock = threading.Lock()
@@ -126,12 +137,22 @@ class ServiceProcess:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             self._flock(fd, deadline)
-            # Whoever held the lock before us may have started it.
-            if probe(self.socket_path, self.probe_timeout_s) is not None:
-                return False
-            self._spawn()
-            self._wait_ready(deadline)
-            return True
+            while True:
+                # Whoever held the lock before us may have started it; a service may be opening
+                # (its starter died meanwhile) or draining (node.lock held, socket closed): wait
+                # for it to answer or to exit, rather than spawn one that node.lock refuses.
+                if self._wait_for_holder(deadline):
+                    return False
+                self._spawn()
+                try:
+                    self._wait_ready(deadline)
+                    return True
+                except _LockHeld:
+                    if time.monotonic() >= deadline:
+                        raise ConfigError(f"the node service (config {self.config_file}) could not take "
+                                          f"{self.service_lock_path} within {self.start_timeout_s} s: another "
+                                          f"service held it; last lines of {self.log_path}:\n{self.log_tail()}")
+                    continue  # another service took node.lock first: wait for that one
         finally:
             os.close(fd)  # releases the flock
 
@@ -186,12 +207,60 @@ class ServiceProcess:
                                   f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to write it")
         return os.fdopen(fd, "ab")
 
+    def _lock_holder(self) -> int | None:
+        """The pid holding the service's node.lock (a service opening, serving or draining), or None.
+        Read from /proc/locks, so looking never takes the lock from a service about to."""
+        try:
+            st = os.stat(self.service_lock_path)
+            with open("/proc/locks") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in lines:
+            parts = line.split()
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == ident:
+                try:
+                    return int(parts[4])
+                except ValueError:
+                    return None
+        return None
+
+    def _wait_for_holder(self, deadline: float) -> bool:
+        """True once a service answers; False when none answers and none holds node.lock (one may
+        be spawned). ConfigError when the holder neither answers nor exits by ``deadline``."""
+        announced = False
+        while True:
+            if probe(self.socket_path, self.probe_timeout_s) is not None:
+                return True
+            holder = self._lock_holder()
+            if holder is None:
+                return False
+            if not announced:
+                logger.info("node service pid %d holds %s but does not answer yet (opening or draining): "
+                            "waiting for it", holder, self.service_lock_path)
+                announced = True
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"the node service pid {holder} holds {self.service_lock_path} but did not "
+                                  f"answer at {self.socket_path} nor exit within {self.start_timeout_s} s "
+                                  f"(opening or draining); see {self.log_path}")
+            time.sleep(_POLL_S)
+
     def _wait_ready(self, deadline: float) -> None:
+        """Until the spawned service answers. _LockHeld when it exited because another service holds
+        node.lock (that one is opening or draining); ConfigError for any other exit or the deadline."""
         proc = self.process
         assert proc is not None
         while True:
             rc = proc.poll()
             if rc is not None:
+                holder = self._lock_holder()
+                tail = self.log_tail()
+                if (holder is not None and holder != proc.pid) or any(
+                        "another node service" in line and SERVICE_LOCK_NAME in line for line in tail.splitlines()):
+                    logger.info("the node service this process started exited: pid %s holds %s; waiting for it",
+                                holder, self.service_lock_path)
+                    raise _LockHeld()
                 raise ConfigError(f"the node service (config {self.config_file}) exited with status {rc} before "
                                   f"it answered at {self.socket_path}; last lines of {self.log_path}:\n"
                                   f"{self.log_tail()}")

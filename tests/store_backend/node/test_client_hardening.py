@@ -315,3 +315,37 @@ def test_auto_start_with_a_relative_config_file(monkeypatch) -> None:
         cleanup_dir(d)
 
 
+
+# -- F7: auto-start waits for a process that holds node.lock (a service opening or stopping) ---------
+def test_auto_start_waits_while_node_lock_is_held_then_starts() -> None:
+    """The holder stands for a service still opening whose starter died, or one in its shutdown
+    flush (listener closed, node.lock held): it holds node.lock for 2 s and exits."""
+    import subprocess
+    import sys
+    d = short_dir()
+    cfg = service_config(d)
+    conf = os.path.join(d, "node.yaml")
+    with open(conf, "w") as f:
+        yaml.safe_dump(cfg, f)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({os.path.join(d, 'node.lock')!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, str(os.getpid()).encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)
+    starter = Starter(cfg["socket"], conf, idle_exit_s=30, start_timeout_s=30)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        assert starter.ensure() is True
+        took_s = time.monotonic() - t0
+        assert holder.poll() is not None  # it started once the holder let go
+        assert probe(cfg["socket"]) is not None
+        print(f"started after {took_s:.1f} s")
+    finally:
+        holder.kill()
+        holder.wait()
+        _stop_service_at(cfg["socket"])
+        starter.close()
+        cleanup_dir(d)
