@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
 from mooncake_connector.keys import chunk_hashes  # noqa: E402
+from store_backend.types import Status  # noqa: E402
 from tests.sglang_hicache.harness import PAGE, extra_config, fill_pages, make_pools  # noqa: E402
 from tests.sglang_hicache.test_backend import backends, build, same_pages  # noqa: E402,F401
 
@@ -88,3 +89,34 @@ def test_a_release_that_raises_leaves_no_lease_held_and_its_pages_false(backends
     assert len(real._slots) == 0
     assert backend.batch_get_v1(keys, dst) == [True] * 3
     assert same_pages(pools.host, src, dst)
+
+
+def test_a_page_larger_than_one_share_is_not_saved_and_a_miss_at_once(backends):
+    """TOO_LARGE (a page over one owner's share of the arena) is permanent: the set answers False
+    and the get a miss, each in one round, never asked again."""
+    pools = make_pools("page_first")
+    page_bytes = 2 * 3 * PAGE * 2 * 16 * 2
+    # An arena of one page's blocks: the share (half of it) cannot hold one page.
+    backend = build(extra_config({"dram": {"capacity_bytes": -(-page_bytes // 4096) * 4096}}), pools, backends)
+    keys = chunk_hashes(list(range(34, 34 + 2 * PAGE)), PAGE, scheme="sglang")
+    src = pools.host.alloc(2 * PAGE)
+    fill_pages(pools.host, src, seed=34)
+    calls: list[str] = []
+    real = backend.store
+
+    class Counting:
+        def __getattr__(self, name):
+            if name in ("reserve", "lease"):
+                calls.append(name)
+            return getattr(real, name)
+
+    backend._store = Counting()
+    try:
+        assert backend.batch_set_v1(keys, src) == [False, False]
+        # put holds no slot, so page 0 can be stored; its lease is still TOO_LARGE.
+        assert real.put(backend.object_keys(keys[:1]), [bytes(page_bytes)]) == [Status.OK]
+        assert backend.batch_get_v1(keys, pools.host.alloc(2 * PAGE)) == [False, False]
+    finally:
+        backend._store = real
+    assert calls == ["reserve", "lease"]
+    assert len(real._slots) == 0
