@@ -765,12 +765,23 @@ class WorkerSide:
         return self.store.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # -- results -----------------------------------------------------------------------------------
+    def _settle_loads_for_output(self) -> None:
+        """The step's output is being built: its loads end now (every layer written, leases
+        released, a release that said the bytes were not stable failing its chunks), so the output
+        names every failed load. With speculative decoding vLLM builds the output before it calls
+        ``wait_for_save`` (after the draft model), and a non-last pipeline rank never calls it; the
+        forward is over in both cases, and the draft's layers were written here too."""
+        if self._job is not None and self._meta is not None:
+            self._finish_loads(late=False)
+
     def take_load_errors(self) -> set[int]:
+        self._settle_loads_for_output()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_worker_meta(self) -> TieredWorkerMetadata:
         """This step's report: the step it closes, and every save outcome since the last report."""
+        self._settle_loads_for_output()
         with self._io_lock:
             reports, self._save_reports = self._save_reports, []
         steps = [] if self._report_step is None else [self._report_step]
