@@ -349,3 +349,26 @@ def test_auto_start_waits_while_node_lock_is_held_then_starts() -> None:
         _stop_service_at(cfg["socket"])
         starter.close()
         cleanup_dir(d)
+
+
+def test_an_owners_waiting_lease_does_not_hold_up_that_owners_commit(restartable) -> None:
+    cfg, _d, _holder = restartable
+    c = NodeClient(cfg["socket"], op_timeout_s=10).start()
+    try:
+        [r] = c.reserve(["K"], [4096], owner=7)  # on owner 7's own connection
+        r.view[:] = b"K" * 4096
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("got", c.lease(["K"], wait_pending_s=8.0, owner=7)[0]))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert c.commit([r], owner=7) == [Status.OK]
+        commit_s = time.monotonic() - t0
+        t.join(15)
+        assert commit_s < 3.0, f"the owner's commit waited {commit_s:.1f} s behind its own waiting lease"
+        assert out["got"].status is Status.OK and bytes(out["got"].view) == b"K" * 4096
+        assert c.reclaim(7) == (0, 1)  # the lease on the extra connection is the owner's too
+        assert c.release([out["got"]], owner=7) == [False]
+        assert c.service_stats()[1].leases == 0
+    finally:
+        c.close(flush=False)
