@@ -57,6 +57,7 @@ import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -104,6 +105,14 @@ def _check_wait_s(name: str, value: float) -> None:
     if not math.isfinite(value) or not 0 <= value <= MAX_PIN_TTL_S:
         raise ValueError(f"{name} must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {value!r}")
 
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """A reservation that ended outside a commit or an abort (a remove detached it): what
+    :meth:`NodeService._written` needs of it."""
+    key: str
+    token: int
 
 class _Closing(Exception):
     """Raised inside a connection's task to end it quietly (idle, goodbye, refused)."""
@@ -1152,7 +1161,17 @@ class NodeService:
 
     async def _on_remove(self, c: _Conn, m: p.Remove) -> p.Frame:
         assert self.store is not None
-        return p.Statuses(m.id, [Status(s) for s in await self._blocking(c, self.store.remove, m.keys)])
+        # A remove detaches a reservation still being written: its commit can no longer make the
+        # key visible, so a lease waiting for it must stop waiting. Only the reservations open
+        # before the remove began are forgotten (a reserve that arrives meanwhile is a new writer).
+        before = {k: list(t) for k in m.keys if (t := self._writing.get(k))}
+        out = [Status(s) for s in await self._blocking(c, self.store.remove, m.keys)]
+        if before:
+            for k, tokens in before.items():
+                for token in tokens:
+                    self._written(_Ended(k, token))
+            self._kick()
+        return p.Statuses(m.id, out)
 
     async def _on_keys(self, c: _Conn, m: p.Keys) -> p.Frame:
         assert self.store is not None
