@@ -49,6 +49,7 @@ for a save's device-to-host copies before putting it. Not tested on a GPU yet.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -94,6 +95,46 @@ logger = logging.getLogger(__name__)
 SLOT_TTL_S = 600.0
 
 
+class _SlotCalls:
+    """One owned thread that makes this worker's slot calls on the store (reserve, release, abort,
+    remove) in submission order, so the forward thread waits for one bounded (``submit`` then
+    ``Future.result(timeout)``) or not at all. In order: a damaged copy's removal lands before the
+    reserve of its recomputed chunk, a later step's. Thread-safe."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Future, Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter (the client's calls never raise)
+                fut.set_exception(e)
+
+    def close(self, timeout_s: float) -> int:
+        """Stop after the calls queued so far (at most ``timeout_s``); 1 when still running then."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("thread %s still running %.1f s after close", self.name, timeout_s)
+            return 1
+        return 0
+
+
 @dataclass
 class _SaveJob:
     """One chunk to save: gathered into ``res`` (a reserved slot of the store, committed in
@@ -126,6 +167,9 @@ class WorkerSide:
         self.store = acquire_connector_store(cfg, self.position, name=f"vllm-worker-{self.position.suffix}")
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
+        # Slot calls never block the forward thread past load_timeout_s (a node service that hangs
+        # would hold each one its op_timeout_s): they run on this thread.
+        self._slot_calls = _SlotCalls("kv-worker-slots")
         self._stats_source: StatsSource | None = None  # made once the rank is known
         self._stats_failed = False
         self.paged: list[PagedLayer] = []
@@ -230,7 +274,8 @@ class WorkerSide:
         if self.loader is not None:
             stuck += self.loader.close(timeout_s=self.cfg.load_timeout_s)
         held, self._held = list(self._held.values()), {}
-        self.client.abort([job.res for job in held if job.res is not None])  # their slots go back
+        self._give_back(held)  # their slots go back
+        stuck += self._slot_calls.close(timeout_s=self.cfg.flush_timeout_s)
         stuck += self.client.close(timeout_s=self.cfg.flush_timeout_s)
         self.store.note_stuck_threads(stuck)
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
@@ -398,7 +443,18 @@ class WorkerSide:
 
     def _release_leases(self, job: LoadJob) -> list[bool]:
         held = [c for c in job.chunks if c.lease is not None]
-        stable = iter(self.client.release([c.lease for c in held]))
+        if not held:
+            return [True] * len(job.chunks)
+        fut = self._slot_calls.submit(self.client.release, [c.lease for c in held])
+        try:
+            answers = fut.result(timeout=self.cfg.load_timeout_s)
+        except FutureTimeout:
+            # The leases go back when the call ends; whether the bytes were stable is not known in
+            # time, so the chunks are recomputed.
+            logger.warning("release of %d leases not answered within %.1f s; recomputing them",
+                           len(held), self.cfg.load_timeout_s)
+            answers = [False] * len(held)
+        stable = iter(answers)
         return [next(stable) if c.lease is not None else True for c in job.chunks]
 
     def _fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
@@ -447,8 +503,11 @@ class WorkerSide:
                 damaged.append(object_key(self.digest, c.plan.chunk_hash))
         if damaged:
             # NOT_FOUND: the store already dropped the record that failed its checksum.
-            statuses = self.client.remove(damaged)
-            self.counters["damaged_removed"] += sum(st in (Status.OK, Status.NOT_FOUND) for st in statuses)
+            # On the slot thread (not waited for), ahead of any later step's reserve of the keys.
+            def removed(f: Future) -> None:
+                if f.exception() is None:
+                    self.counters["damaged_removed"] += sum(st in (Status.OK, Status.NOT_FOUND) for st in f.result())
+            self._slot_calls.submit(self.client.remove, damaged).add_done_callback(removed)
             logger.warning("removed %d damaged chunk copies (they are saved again when recomputed)",
                            len(damaged))
 
@@ -563,8 +622,17 @@ class WorkerSide:
                 todo.append((plan.req_id, chunk, key, parent))
         if not todo:
             return []
-        reservations = self.client.reserve([t[2] for t in todo], self.layout.chunk_bytes, [t[3] for t in todo],
-                                           ttl_s=SLOT_TTL_S)
+        fut = self._slot_calls.submit(lambda: self.client.reserve(
+            [t[2] for t in todo], self.layout.chunk_bytes, [t[3] for t in todo], ttl_s=SLOT_TTL_S))
+        try:
+            reservations = fut.result(timeout=self.cfg.load_timeout_s)
+        except FutureTimeout:
+            # Reported not saved (the scheduler plans them again); the slots that come later go back.
+            logger.warning("reserve of %d chunks not answered within %.1f s; not saving them",
+                           len(todo), self.cfg.load_timeout_s)
+            fut.add_done_callback(lambda f: self.client.abort(
+                [r for r in f.result() if r.status is Status.OK]) if f.exception() is None else None)
+            reservations = [Reservation(Status.IO_ERROR, t[2]) for t in todo]
         jobs: list[_SaveJob] = []
         for (req_id, chunk, key, parent), res in zip(todo, reservations):
             if res.status is Status.OK:
@@ -665,7 +733,9 @@ class WorkerSide:
 
     def _give_back(self, jobs: list[_SaveJob]) -> None:
         """Saves that will not be stored: their slots aborted, their staging returned."""
-        self.client.abort([job.res for job in jobs if job.res is not None])
+        reservations = [job.res for job in jobs if job.res is not None]
+        if reservations:
+            self._slot_calls.submit(self.client.abort, reservations)  # not waited for
         for job in jobs:
             if job.buf is not None:
                 assert self.staging is not None
