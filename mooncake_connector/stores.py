@@ -30,6 +30,7 @@ from mooncake_connector.ranks import RankPosition, rank_store_config
 from mooncake_connector.shared_ssd import SharedDirectoryBackend
 from store_backend.api import KVStore
 from store_backend.config import ConfigError, StoreConfig
+from store_backend.metrics import StoreStats
 from store_backend.node.autostart import ServiceProcess
 from store_backend.node.client import NodeClient
 from store_backend.node.config import default_socket_path
@@ -199,3 +200,13 @@ def release_store(store: KVStore, *, flush: bool = True, flush_timeout_s: float 
         _close_node(store, starter, flush=flush, timeout_s=flush_timeout_s)
     else:
         store.close(flush=flush, timeout_s=flush_timeout_s)
+
+
+def engine_stats(store: KVStore) -> StoreStats:
+    """What one engine process reports of ``store`` in its own metrics: an embedded store's
+    stats, or, attached to a node service, this process's own counters with the store's gauges
+    (``stats(mine=True)``), so that summing every engine's report counts each hit once. Raises
+    what ``store.stats()`` raises (:class:`StoreClosedError`)."""
+    if isinstance(store, NodeClient):
+        return store.stats(mine=True)
+    return store.stats()

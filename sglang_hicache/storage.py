@@ -51,7 +51,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from mooncake_connector.engine_versions import check_engine_version
 from mooncake_connector.keys import ModelFingerprint, object_key
-from mooncake_connector.stores import acquire_connector_store, release_store
+from mooncake_connector.stores import acquire_connector_store, engine_stats, release_store
 from sglang_hicache.config import BackendSettings, load_backend_settings
 from sglang_hicache.metrics import StoreMetricsExporter, TieredStorageMetrics
 from sglang_hicache.pages import HostPages, PoolGeometry, UnsupportedHostPoolError, geometry_of
@@ -549,7 +549,7 @@ class MooncakeTieredStorage(HiCacheStorage):
         store = self._store
         if store is not None:
             try:
-                stats.store = store.stats()
+                stats.store = engine_stats(store)
             except StoreClosedError:
                 return stats
             self._exporter.export(stats.store)

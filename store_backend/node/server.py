@@ -107,6 +107,18 @@ def _check_wait_s(name: str, value: float) -> None:
 
 
 
+
+def _with_gauges(mine: StoreStats, whole: StoreStats) -> StoreStats:
+    """A client process's own counters (``mine``) with the store's gauges as they are now (from
+    ``whole``): what an engine's stats hook reports, so summing engines counts each hit once while
+    the usage gauges (the same for every engine: the one store) stay true."""
+    for name, tier in mine.tiers.items():
+        w = whole.tiers[name]
+        tier.capacity_bytes, tier.used_bytes, tier.objects = w.capacity_bytes, w.used_bytes, w.objects
+    mine.queues = whole.queues
+    mine.slots = whole.slots
+    return mine
+
 @dataclass(frozen=True, slots=True)
 class _Ended:
     """A reservation that ended outside a commit or an abort (a remove detached it): what
@@ -1195,7 +1207,8 @@ class NodeService:
 
     async def _on_stats(self, c: _Conn, m: p.Stats) -> p.Frame:
         assert self.store is not None
-        return p.StatsReply(m.id, c.mine.stats() if m.mine else self.store.stats(), self.node_stats())
+        whole = self.store.stats()
+        return p.StatsReply(m.id, _with_gauges(c.mine.stats(), whole) if m.mine else whole, self.node_stats())
 
     async def _on_shutdown(self, c: _Conn, m: p.Shutdown) -> p.Frame:
         logger.warning("shutdown requested by pid %d (%s)", c.pid, c.name or "unnamed")

@@ -107,5 +107,10 @@ def test_stats_mine_counts_this_process_only_and_stats_the_whole_store() -> None
         assert mine.store.puts == 3 and whole.store.puts == 4
         assert mine.store.thread_join_timeouts == 1 == whole.store.thread_join_timeouts
         assert c.metrics(mine=True)["store"]["puts"] == 3 and "client" in c.metrics()
+        # The gauges are the one store's, in both: an engine's report of its own counters still
+        # shows how full the store is.
+        assert mine.dram.objects == whole.dram.objects == 4
+        assert mine.dram.used_bytes == whole.dram.used_bytes > 0
+        assert mine.dram.capacity_bytes == whole.dram.capacity_bytes > 0
     finally:
         c.close(flush=False)
