@@ -13,7 +13,11 @@ room, else anonymous memory):
   ``pin_memory`` tensor (figures: ``h2d_gbps_registered``, ``h2d_gbps_pin_memory``, ``d2h_gbps_registered``);
 - ``round_trip_<format>``: ``PagedLayer.gather_into`` from CUDA pages into slot bytes inside the
   mapping, then ``scatter_from`` back into other CUDA pages (side stream, non_blocking, first_block,
-  kernel-block ratio 2, a caller's scratch) gives the same bytes as the CPU path.
+  kernel-block ratio 2, a caller's scratch) gives the same bytes as the CPU path;
+- ``store_slot_round_trip``: the worker's path on a real ``TieredStore``: its ``host_mapping()``
+  registered, a slot reserved (pinned), every layer ``gather_into`` it from CUDA pages on a side
+  stream, committed, leased back, ``scatter_from`` into other CUDA pages on a load stream, released
+  (stable): the pages' bytes equal the source's, and the slot's bytes the CPU path's.
 
 The last line of stdout is one JSON object (``ok``, ``checks``, figures). Exit status 1 when a check
 fails. Without CUDA it prints a skip notice (``"skipped": "no CUDA"``) and exits 0.
@@ -37,6 +41,8 @@ import torch
 
 from mooncake_connector.cuda_host import register_host
 from mooncake_connector.layout import ChunkLayout, PagedLayer, PageFormat, kernel_block_ids
+from store_backend.store import TieredStore
+from store_backend.types import Status
 
 GIB = 1 << 30
 
@@ -132,6 +138,70 @@ def _round_trip(fmt: PageFormat, segment: memoryview, figures: dict[str, Any], d
     return bool(ok)
 
 
+def _store_round_trip(figures: dict[str, Any], device: str = "cuda") -> bool:
+    """The worker's one-copy path against a real TieredStore (see the module docstring).
+    (``device="cpu"`` runs the same steps without registering anything.)"""
+    fmt, blocks, n, h, d, layers = PageFormat.KV_HALVES, 32, 16, 8, 128, 4
+    kv_layers = [_pages(fmt, blocks, n, h, d, device, seed=100 + layer)[0] for layer in range(layers)]
+    ids = kernel_block_ids([5, 2, 11], 2)
+    lay = ChunkLayout(num_layers=layers, chunk_tokens=len(ids) * n, num_heads=h, head_size=d,
+                      element_bytes=2, num_planes=2)
+    store = TieredStore({"dram": {"capacity_bytes": 64 << 20}}).start()
+    reg = None
+    try:
+        mapping = store.host_mapping()
+        if mapping is None:
+            raise AssertionError("TieredStore.host_mapping() is None")
+        if device == "cuda":
+            reg = register_host(mapping)
+            figures["store_registration"] = repr(reg)
+            if not reg.registered:
+                return False
+        del mapping
+        [res] = store.reserve(["gpu-check"], [lay.chunk_bytes])
+        if res.status is not Status.OK:
+            raise AssertionError(f"reserve answered {res.status}")
+        if device == "cuda" and not torch.frombuffer(res.view, dtype=torch.uint8).is_pinned():
+            raise AssertionError("the reserved slot is not pinned memory")
+        side = torch.cuda.Stream() if device == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        src = [PagedLayer(kv, fmt, num_heads=h, head_size=d) for kv in kv_layers]
+        t0 = time.perf_counter()
+        for i, paged in enumerate(src):
+            paged.gather_into(ids, res.layer(*lay.layer_range(i)), non_blocking=True, stream=side)
+        _synchronize(side)
+        figures["store_gather_into_s"] = time.perf_counter() - t0
+        want = np.zeros(lay.chunk_bytes, dtype=np.uint8)
+        for i, kv in enumerate(kv_layers):
+            PagedLayer(kv.cpu(), fmt, num_heads=h, head_size=d).gather_into(ids, want[slice(*lay.layer_range(i))])
+        ok = bytes(res.view) == want.tobytes()
+        if store.commit([res]) != [Status.OK]:
+            raise AssertionError("commit of the gathered slot failed")
+        [ls] = store.lease(["gpu-check"])
+        if ls.status is not Status.OK:
+            raise AssertionError(f"lease answered {ls.status}")
+        targets = [b + 1 for b in ids[::-1]]  # other blocks, other order: chunk block j -> targets[j]
+        out = [PagedLayer(torch.zeros_like(kv), fmt, num_heads=h, head_size=d) for kv in kv_layers]
+        load = torch.cuda.Stream() if device == "cuda" else None
+        if load is not None:
+            load.wait_stream(torch.cuda.current_stream())
+        t0 = time.perf_counter()
+        for i, paged in enumerate(out):
+            paged.scatter_from(targets, ls.layer(*lay.layer_range(i)), non_blocking=True, stream=load)
+        _synchronize(load)
+        figures["store_scatter_from_s"] = time.perf_counter() - t0
+        ok = ok and store.release([ls]) == [True]
+        for got, s in zip(out, src):
+            ok = ok and torch.equal(got.planes[:, targets].view(torch.int16),
+                                    s.planes[:, ids].view(torch.int16))
+        return bool(ok)
+    finally:
+        if reg is not None:
+            reg.close()  # before the store unmaps its arena
+        store.close(flush=False, timeout_s=30)
+
+
 def _synchronize(stream: torch.cuda.Stream | None) -> None:
     if stream is not None:
         stream.synchronize()
@@ -199,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         del dev
         for fmt in PageFormat:
             check(f"round_trip_{fmt.value}", lambda fmt=fmt: _round_trip(fmt, segment, figures))
+    check("store_slot_round_trip", lambda: _store_round_trip(figures))
     reg.close()
     check("unregistered", lambda: not host.is_pinned())
     del host

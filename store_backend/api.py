@@ -170,6 +170,16 @@ class KVStore(Protocol):
         aborted, leases released)."""
         ...
 
+    def host_mapping(self) -> memoryview | None:
+        """The whole host mapping (the embedded arena, or this process's mapping of the node
+        service's segment) that every ``Reservation.view`` and ``SlotLease.view`` handed out now
+        lies in, or None when there is none (not connected yet). Optional for a store without
+        slots; an engine's worker uses it once to register the mapping with CUDA (pinned), so a
+        layer's copy between a slot and the GPU is one DMA. The view is a borrow: it stays valid
+        until ``close`` (node: until the service restarts with another segment; slot views of the
+        new one then lie outside it, and the caller checks). Never blocks; thread-safe."""
+        ...
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Persist what is held in volatile tiers; True only when every object put before the call
         that the admission policy accepts is persisted. Blocking, bounded by ``timeout_s``."""

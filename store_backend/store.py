@@ -1160,6 +1160,14 @@ class TieredStore:
         else:
             self._unlease(e)
 
+    def host_mapping(self) -> memoryview | None:
+        """The whole DRAM arena (one mmap: a shared-memory segment, or anonymous), which every
+        reservation's and lease's view is a slice of: for registering it with CUDA once
+        (``mooncake_connector.cuda_host.register_host``). A borrow, valid until ``close``; never
+        blocks. Raises StoreClosedError after close."""
+        self._check_open()
+        return self._dram.arena.view
+
     def reclaim(self, owner: int) -> tuple[int, int]:
         """End every token ``owner`` holds, as if it aborted its reservations and released its
         leases (its connection ended, its process exited): their bytes are free again. Returns

@@ -1323,6 +1323,17 @@ class NodeClient:
         _release_views(leases)
         return [bool(v) for v in out]
 
+    def host_mapping(self) -> memoryview | None:
+        """This process's whole mapping of the service's segment, which every reservation's and
+        lease's view is a slice of (for registering it with CUDA once), or None before the first
+        connection. A borrow: after the service restarts with a new segment, slot views lie in the
+        new mapping and no longer inside this one. Never blocks on the service; raises
+        StoreClosedError after close."""
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError("the node client is closed")
+            return None if self._mapping is None else self._mapping.view
+
     def reclaim(self, owner: int) -> tuple[int, int]:
         """End every reservation and lease this client holds for ``owner``: each connection holding
         some says ``goodbye``, so the service reclaims them as it does for a connection that ended

@@ -65,7 +65,7 @@ def test_the_protocol_holds_what_the_plugins_call() -> None:
     assert protocol_methods(KVStore) == sorted([
         "put", "get_into", "contains", "exists", "tier_of", "size_of", "keys", "remove", "pin", "unpin",
         "flush", "flush_report", "stats", "metrics", "note_stuck_threads", "note_worker_error", "close",
-        "exists_all", "reserve", "commit", "abort", "lease", "release", "reclaim",
+        "exists_all", "reserve", "commit", "abort", "lease", "release", "reclaim", "host_mapping",
     ])
 
 
