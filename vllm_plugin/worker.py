@@ -5,10 +5,12 @@ calls run on its :class:`mooncake_connector.client.KVClient`'s I/O threads and o
 :class:`vllm_plugin.loader.LayerLoader`'s thread.
 
 Bytes move in **one copy** each way when the store has the slot API (``reserve``/``commit``,
-``lease``/``release``; the embedded store and the node client both do) and the cache is on the CPU:
+``lease``/``release``; the embedded store and the node client both do) and the cache is on the CPU,
+or on a GPU once the store's ``host_mapping()`` is registered with CUDA (pinned, so each copy is a DMA):
 a load copies each layer straight from the leased slot into the engine's pages, a save gathers each
-layer straight from the pages into a reserved slot. Otherwise (a store without slots; a GPU, whose
-host memory must be pinned) the copies go through host staging buffers, as a second copy.
+layer straight from the pages into a reserved slot. Otherwise (a store without slots; a GPU whose
+store mapping could not be registered, or whose node segment changed since) the copies go through
+host staging buffers, as a second copy.
 
 One step, as vLLM drives it:
 
@@ -43,7 +45,8 @@ One step, as vLLM drives it:
 
 On a GPU the staging buffers are pinned, gathers run on a side stream and loads on a load stream;
 the forward's stream waits on per-layer events, and the I/O thread (not the forward thread) waits
-for a save's device-to-host copies before putting it. Not tested on a GPU yet.
+for a save's device-to-host copies before putting (or committing) it; a slot is aborted only after
+the side stream is synchronized. Not tested on a GPU yet (scripts/gpu_check_node.py is the check).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ import msgspec
 import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+from mooncake_connector import cuda_host
 from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile, EpochSweeper
@@ -186,6 +190,11 @@ class WorkerSide:
         # Copy straight between the store's slots and the engine's pages when the store has slots
         # (else, and on a GPU without registered host memory, through staging).
         self.use_slots = True
+        # GPU: the store's host mapping registered with CUDA (pinned), so slot copies are one DMA;
+        # the slot path is used on a GPU only while slot views lie in that mapping.
+        self._host_reg: cuda_host.HostRegistration | None = None
+        self._host_view: memoryview | None = None
+        self._host_warned = False
         # Step state (reset every step).
         self._meta: TieredConnectorMetadata | None = None
         self._job: LoadJob | None = None
@@ -252,6 +261,7 @@ class WorkerSide:
         if device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=device)
             self._load_stream = torch.cuda.Stream(device=device)
+            self._register_host_mapping()
         # The scheduler (maybe another process) asks this worker's store what it holds; in node
         # mode it asks the node service directly.
         if self.cfg.node is None:
@@ -261,6 +271,51 @@ class WorkerSide:
             self.lookup_server.start()
         logger.info("tiered connector: %d layers, %d-token chunks of %d bytes, %d staging bytes, device %s",
                     len(paged), self.cfg.chunk_tokens, self.layout.chunk_bytes, self.staging.capacity_bytes, device)
+
+    def _register_host_mapping(self) -> None:
+        """GPU: register the store's whole host mapping with CUDA once, so the slot path's copies
+        are DMA from and to page-locked memory; else (a store without slots or without
+        ``host_mapping``, or the driver refused) warn once and keep staging. Blocking (the driver
+        locks every page)."""
+        store = self.client.store
+        if not (self.use_slots and callable(getattr(store, "reserve", None))):
+            return
+        get_mapping = getattr(store, "host_mapping", None)
+        view = get_mapping() if callable(get_mapping) else None
+        if view is None:
+            self._warn_staging("the store exposes no host mapping to register")
+            return
+        reg = cuda_host.register_host(view)
+        if not reg.registered:
+            reg.close()
+            self._warn_staging(f"its host mapping could not be registered with CUDA ({reg.reason})")
+            return
+        self._host_reg, self._host_view = reg, view
+        logger.info("tiered connector: %d bytes of store memory registered with CUDA in %.2f s; "
+                    "slots are copied to and from the GPU directly", reg.nbytes, reg.elapsed_s)
+
+    def _warn_staging(self, why: str) -> None:
+        if not self._host_warned:
+            self._host_warned = True
+            logger.warning("tiered connector: GPU copies go through pinned staging (a second copy): %s", why)
+
+    def _slots_on_device(self) -> bool:
+        """Whether this step may copy between slots and the GPU directly: on the CPU always; on a
+        GPU while the store's host mapping is the one registered (a node service that restarted
+        with a new segment hands out slots outside it: staging from then on)."""
+        if self._load_stream is None and self._side_stream is None:
+            return True
+        if self._host_reg is None or not self._host_reg.registered:
+            return False
+        try:
+            current = self.client.store.host_mapping()
+        except StoreClosedError:
+            return False
+        if current is not self._host_view:
+            self._warn_staging("the store's host mapping changed since it was registered")
+            self._host_reg.close()
+            return False
+        return True
 
     def close(self) -> None:
         """Stop this worker's threads and release the store; blocking, each step bounded. Threads
@@ -278,6 +333,10 @@ class WorkerSide:
         stuck += self._slot_calls.close(timeout_s=self.cfg.flush_timeout_s)
         stuck += self.client.close(timeout_s=self.cfg.flush_timeout_s)
         self.store.note_stuck_threads(stuck)
+        if self._host_reg is not None:
+            # Unregister before the store (the mapping's owner) may unmap it.
+            self._host_reg.close()
+            self._host_reg = self._host_view = None
         release_store(self.store, flush=self.cfg.flush_on_close, flush_timeout_s=self.cfg.flush_timeout_s)
 
     # -- cache epochs ------------------------------------------------------------------------------
@@ -411,7 +470,7 @@ class WorkerSide:
     def _slot_loads(self) -> bool:
         """Loads read the store's slots in place (one copy) rather than through staging: on the CPU,
         with a store that has the slot API."""
-        return self.use_slots and callable(getattr(self.client.store, "lease", None)) and self._load_stream is None
+        return self.use_slots and callable(getattr(self.client.store, "lease", None)) and self._slots_on_device()
 
     # Loader thread: one per job, before any layer is written.
     def _resolve_reads(self, job: LoadJob, fut: Future) -> None:
@@ -604,7 +663,7 @@ class WorkerSide:
     def _slot_saves(self) -> bool:
         """Saves are gathered straight into reserved slots of the store (one copy): on the CPU,
         with a store that has the slot API."""
-        return self.use_slots and callable(getattr(self.client.store, "reserve", None)) and self._side_stream is None
+        return self.use_slots and callable(getattr(self.client.store, "reserve", None)) and self._slots_on_device()
 
     def _reserve_saves(self, meta: TieredConnectorMetadata) -> list[_SaveJob]:
         """A slot per chunk to save (one store call). A chunk the store holds already (EXISTS) is
@@ -655,9 +714,15 @@ class WorkerSide:
             self._side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._side_stream):
                 for job in self._saves:
+                    ids = kernel_block_ids(job.chunk.block_ids, self.ratio)
+                    if job.res is not None:
+                        # One D2H DMA into the reserved slot (registered memory); committed only
+                        # after the side stream's event (``_put``).
+                        paged.gather_into(ids, job.res.layer(start, end), non_blocking=True, stream=self._side_stream)
+                        continue
                     assert job.buf is not None
                     dest = canonical_layer(job.buf, self.layout, layer, self.dtype)
-                    paged.gather(kernel_block_ids(job.chunk.block_ids, self.ratio), dest, non_blocking=True)
+                    paged.gather(ids, dest, non_blocking=True)
         else:
             # One copy from the pages into the chunk's layer range: the reserved slot itself, or
             # staging without slots.
@@ -733,6 +798,8 @@ class WorkerSide:
 
     def _give_back(self, jobs: list[_SaveJob]) -> None:
         """Saves that will not be stored: their slots aborted, their staging returned."""
+        if self._side_stream is not None and any(job.res is not None for job in jobs):
+            self._side_stream.synchronize()  # a gather may still be writing into the slot
         reservations = [job.res for job in jobs if job.res is not None]
         if reservations:
             self._slot_calls.submit(self.client.abort, reservations)  # not waited for
@@ -749,7 +816,15 @@ class WorkerSide:
         slotted = [job for job in jobs if job.res is not None]
         staged = [job for job in jobs if job.res is None]
         if slotted:
-            fut = self.client.commit([job.res for job in slotted if job.res is not None])
+            # GPU: the slots are committed once the device-to-host copies into them are done.
+            events = list({id(job.done): job.done for job in slotted if job.done is not None}.values())
+
+            def gathered() -> None:
+                for ev in events:
+                    ev.synchronize()
+
+            fut = self.client.commit([job.res for job in slotted if job.res is not None],
+                                     after=gathered if events else None)
             self._report_when_done(fut, [job.chunk.save_id for job in slotted])
         if staged:
             self._put_staged(staged)
