@@ -1124,28 +1124,15 @@ class NodeClient:
         done = [False] * len(keys)
 
         def body(conn: _Conn) -> list[ReadResult]:
-            replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
-                rid, keys[lo:hi], DEFAULT_TTL_S, True, 0.0), p.Slots)
-            grants = self._grants(conn, replies, len(keys), None)
-            held: list[int] = []
-            copied: set[int] = set()
-            try:
-                for i, g in enumerate(grants):
-                    if g.status is not Status.OK:
-                        out[i], done[i] = ReadResult(g.status if g.status in _READ_STATUSES else Status.IO_ERROR), True
-                        continue
-                    held.append(i)
-                    if nbytes_of(buffers[i]) < g.nbytes:
-                        out[i] = ReadResult(Status.BUFFER_TOO_SMALL, g.nbytes)
-                        continue
-                    copy_bytes(byte_view(buffers[i]), conn.mapping.slot(g.offset, g.nbytes))
-                    copied.add(i)
-            finally:
-                stable = self._release_on(conn, [grants[i].token for i in held])
-            for i, ok in zip(held, stable):
-                done[i] = True
-                if i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
-                    out[i] = ReadResult(Status.OK, grants[i].nbytes) if ok else ReadResult(Status.IO_ERROR)
+            todo = list(range(len(keys)))
+            while todo:
+                # A batch larger than this process's share of the arena is read in rounds, as put
+                # stores in rounds: the keys refused NO_SPACE go again once this round's leases are
+                # released. A round that leased nothing means no room at all: those stay misses.
+                again = self._lease_round(conn, keys, buffers, todo, out, done)
+                if len(again) == len(todo):
+                    break
+                todo = again
             return out
 
         def fail(why: str) -> list[ReadResult]:
@@ -1163,6 +1150,39 @@ class NodeClient:
             self._exit()
             return []
         return self._call(body, fail)
+
+    def _lease_round(self, conn: _Conn, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
+                     out: list[ReadResult], done: list[bool]) -> list[int]:
+        """One lease -> copy -> release round of ``get_into`` over the indices ``todo``; fills
+        ``out``/``done`` for what it answered and returns the indices refused NO_SPACE (to go again)."""
+        sub = [keys[i] for i in todo]
+        replies = self._ask_split(conn, len(sub), lambda rid, lo, hi: p.Lease(
+            rid, sub[lo:hi], DEFAULT_TTL_S, True, 0.0), p.Slots)
+        grants = self._grants(conn, replies, len(sub), None)
+        held: list[int] = []
+        copied: set[int] = set()
+        again: list[int] = []
+        try:
+            for i, g in zip(todo, grants):
+                if g.status is not Status.OK:
+                    if g.status is Status.NO_SPACE:
+                        again.append(i)
+                    out[i], done[i] = ReadResult(g.status if g.status in _READ_STATUSES else Status.IO_ERROR), True
+                    continue
+                held.append(i)
+                if nbytes_of(buffers[i]) < g.nbytes:
+                    out[i] = ReadResult(Status.BUFFER_TOO_SMALL, g.nbytes)
+                    continue
+                copy_bytes(byte_view(buffers[i]), conn.mapping.slot(g.offset, g.nbytes))
+                copied.add(i)
+        finally:
+            by_index = dict(zip(todo, grants))
+            stable = self._release_on(conn, [by_index[i].token for i in held])
+        for i, ok in zip(held, stable):
+            done[i] = True
+            if i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
+                out[i] = ReadResult(Status.OK, by_index[i].nbytes) if ok else ReadResult(Status.IO_ERROR)
+        return again
 
     # -- the slot API --------------------------------------------------------------------------------
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,

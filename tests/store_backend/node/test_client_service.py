@@ -114,3 +114,20 @@ def test_stats_mine_counts_this_process_only_and_stats_the_whole_store() -> None
         assert mine.dram.capacity_bytes == whole.dram.capacity_bytes > 0
     finally:
         c.close(flush=False)
+
+
+def test_a_get_larger_than_this_process_share_is_read_in_rounds() -> None:
+    """One client process may hold at most half the arena in leases: a get_into of more than that
+    is leased, copied and released in rounds (as put stores in rounds), never answered IO_ERROR for
+    the keys past the share."""
+    c = serve_node({"dram": {"capacity_bytes": 1 * MiB}})
+    try:
+        keys = [f"r{i}" for i in range(12)]  # 12 x 64 KiB = 768 KiB, over the 512 KiB share
+        assert c.put(keys, [payload(k, 64 * 1024) for k in keys]) == [Status.OK] * 12
+        bufs = [bytearray(64 * 1024) for _ in keys]
+        got = c.get_into(keys, bufs)
+        assert got == [ReadResult(Status.OK, 64 * 1024)] * 12
+        assert all(bytes(b) == payload(k, 64 * 1024).tobytes() for k, b in zip(keys, bufs))
+        assert c.stats().slots.leases == 0
+    finally:
+        c.close(flush=False)
