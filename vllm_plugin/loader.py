@@ -21,12 +21,14 @@ A step that ends before every layer was written (vLLM never called ``wait_for_sa
 written when it was called is finished first, so nothing writes into the engine's blocks once the
 step is over. The job's sources (staging buffers, leases) are given back exactly once, through the
 job's ``release`` callable: by :meth:`LayerLoader.retire` on the caller's thread when the job was
-resolved by then (its answer says whether the bytes were stable), else by the loader's thread as
+resolved by then (its answer says whether the bytes were stable), else by the job's resolver thread as
 soon as the resolve returns.
 
-Threads: one loader thread per worker (``start()``/``close()``), jobs in a bounded queue. A job's
-fields are written by the loader's thread under ``job.lock`` and read by the forward thread after
-the matching event is set.
+Threads: one loader thread per worker (``start()``/``close()``) writes the jobs' layers in order
+(jobs in a bounded queue); each job is resolved on a thread of its own (at most ``max_jobs`` at
+once), so a resolve that is slow (a lease waiting for a save, a node round trip) fails only its own
+step's loads: the loader thread moves past a job cancelled before it resolved. A job's fields are
+written under ``job.lock`` and read by the forward thread after the matching event is set.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class LoadJob:
     release: Callable[[LoadJob], list[bool]]
     ready: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    settled: threading.Event = field(default_factory=threading.Event)  # ready, or cancelled first
     lock: threading.Lock = field(default_factory=threading.Lock)
     layer_ready: list[threading.Event] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)  # GPU: the load stream's event after layer i
@@ -136,6 +139,8 @@ class LayerLoader:
         self._queue: queue.Queue[LoadJob | None] = queue.Queue(maxsize=max_jobs)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._max_jobs = max_jobs
+        self._resolving: set[threading.Thread] = set()  # guarded by _lock
         self.copied_bytes = 0  # written by whichever thread copies; read for stats only
         self.copy_s = 0.0
 
@@ -162,9 +167,15 @@ class LayerLoader:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:
             pass
+        deadline = time.monotonic() + timeout_s
         thread.join(timeout_s)
-        if thread.is_alive():
-            logger.warning("thread %s still running %.1f s after close", self.name, timeout_s)
+        with self._lock:
+            resolving = list(self._resolving)
+        for t in resolving:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in [thread, *resolving] if t.is_alive()]
+        if stuck:
+            logger.warning("threads %s still running %.1f s after close", stuck, timeout_s)
             return 1
         return 0
 
@@ -179,13 +190,24 @@ class LayerLoader:
             # Blocks this step writes may have been read by earlier work on the forward's stream.
             job.start_event = torch.cuda.Event()
             job.start_event.record(torch.cuda.current_stream())
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            logger.warning("%s: %d load jobs still queued; failing this step's %d chunk loads",
-                           self.name, self._queue.qsize(), len(job.chunks))
-            self._fail_resolve(job)
-            self._mark_ready(job)
+        resolver = None
+        with self._lock:
+            if len(self._resolving) < self._max_jobs:
+                try:
+                    self._queue.put_nowait(job)
+                except queue.Full:
+                    pass
+                else:
+                    resolver = threading.Thread(target=self._resolve, args=(job,), name=f"{self.name}-resolve",
+                                                daemon=True)
+                    self._resolving.add(resolver)
+        if resolver is not None:
+            resolver.start()
+            return
+        logger.warning("%s: %d load jobs still resolving or queued; failing this step's %d chunk loads",
+                       self.name, self._max_jobs, len(job.chunks))
+        self._fail_resolve(job)
+        self._mark_ready(job)
 
     def wait_ready(self, job: LoadJob, timeout_s: float) -> bool:
         """Block until ``job`` is resolved (its chunks' ``ok`` are final); False on timeout."""
@@ -200,7 +222,11 @@ class LayerLoader:
             if not job.ready.wait(timeout_s):
                 return False
             for i in range(job.written, layer + 1):
-                if not self._write(job, i):
+                try:
+                    if not self._write(job, i):
+                        return False
+                except Exception:  # as in background mode: the chunks fail, the forward goes on
+                    logger.exception("%s: writing layer %d of %d chunks failed", self.name, i, len(job.chunks))
                     return False
             return True
         if not job.layer_ready[layer].wait(max(0.0, deadline - time.monotonic())):
@@ -223,6 +249,7 @@ class LayerLoader:
         finished first (one layer's copy). On a GPU the current stream waits for the last layer
         enqueued, so blocks vLLM reuses never race the load stream. Returns the layers written."""
         job.cancelled.set()
+        job.settled.set()
         with job.lock:
             written = job.written
             for ev in job.layer_ready:
@@ -236,6 +263,7 @@ class LayerLoader:
         its sources are released now and the answer is ``job.release``'s (per chunk: were the
         bytes stable); else the loader's thread releases them when the resolve returns and the
         answer is None (the caller has failed those chunks already)."""
+        job.settled.set()
         with job.lock:
             job.cancelled.set()  # nothing is written from here on (a no-op for a complete job)
             if not job.ready.is_set():
@@ -264,19 +292,27 @@ class LayerLoader:
                     for ev in job.layer_ready:
                         ev.set()
 
-    def _process(self, job: LoadJob) -> None:
+    def _resolve(self, job: LoadJob) -> None:
+        """A job's own thread: its resolve, then (when the caller gave up on it first) its release."""
         try:
-            job.resolve(job)
+            try:
+                job.resolve(job)
+            except Exception:
+                logger.exception("%s: resolving %d chunk loads failed", self.name, len(job.chunks))
+                self._fail_resolve(job)
+            if self._mark_ready(job):
+                # The step was over before its loads resolved: nothing is written, the sources go back.
+                job.release(job)
         except Exception:
-            logger.exception("%s: resolving %d chunk loads failed", self.name, len(job.chunks))
-            self._fail_resolve(job)
-        abandoned = self._mark_ready(job)
-        if abandoned:
-            # The step was over before its loads resolved: nothing is written, the sources go back.
-            job.release(job)
-            return
-        if not self.background:
-            return
+            logger.exception("%s: releasing %d chunk loads failed", self.name, len(job.chunks))
+        finally:
+            with self._lock:
+                self._resolving.discard(threading.current_thread())
+
+    def _process(self, job: LoadJob) -> None:
+        job.settled.wait()
+        if not self.background or not job.ready.is_set() or job.cancelled.is_set():
+            return  # inline copies, or a job the caller gave up on (its resolver releases it)
         if self.load_stream is not None and job.start_event is not None:
             self.load_stream.wait_event(job.start_event)
         for i in range(job.num_layers):
@@ -304,6 +340,7 @@ class LayerLoader:
             else:
                 abandoned = False
             job.ready.set()
+            job.settled.set()
         return abandoned
 
     def _write(self, job: LoadJob, layer: int) -> bool:

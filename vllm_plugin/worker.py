@@ -217,7 +217,7 @@ class WorkerSide:
         self.counters = {
             "chunks_loaded": 0, "chunks_load_failed": 0, "load_error_blocks": 0, "chunks_saved": 0,
             "saves_dropped_staging": 0, "saves_skipped_failed_load": 0, "saves_not_stored": 0, "saves_held": 0,
-            "saves_discarded": 0, "saves_exists": 0, "saves_not_reserved": 0, "saves_dropped_unfinished": 0, "loads_failed_staging": 0, "damaged_removed": 0,
+            "saves_discarded": 0, "saves_exists": 0, "saves_not_reserved": 0, "saves_dropped_unfinished": 0, "loads_failed_staging": 0, "loads_own_held": 0, "damaged_removed": 0,
             "load_wait_s": 0.0, "load_jobs": 0, "load_first_layer_s": 0.0, "load_s": 0.0, "load_bytes": 0,
             "staging_wait_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0,
         }
@@ -328,6 +328,14 @@ class WorkerSide:
             stuck += self.lookup_server.close()
         if self.loader is not None:
             stuck += self.loader.close(timeout_s=self.cfg.load_timeout_s)
+        # A step left open (wait_for_save never came) gives back its leases and reservations too:
+        # the store may outlive this worker (another holder of it in this process).
+        job, self._job = self._job, None
+        if job is not None and self.loader is not None:
+            self.loader.cancel(job)
+            self.loader.retire(job)  # when not resolved yet, its resolver releases it on return
+        open_saves, self._saves = self._saves or [], None
+        self._give_back(open_saves)
         held, self._held = list(self._held.values()), {}
         self._give_back(held)  # their slots go back
         stuck += self._slot_calls.close(timeout_s=self.cfg.flush_timeout_s)
@@ -436,8 +444,16 @@ class WorkerSide:
         # Wait (bounded, once for the whole step) for staging rather than fail a load: saves
         # landing free it.
         deadline = time.monotonic() + self.cfg.load_timeout_s
+        # Keys this worker holds reserved (held saves awaiting the scheduler's decision): a lookup
+        # in node mode counts them as present, but only this worker commits them, at a later step's
+        # start, so a lease would wait for a commit that cannot come while it waits.
+        own = {job.key for job in self._held.values()}
         for plan in meta.requests:
             for chunk in plan.loads:
+                if object_key(self.digest, chunk.chunk_hash) in own:
+                    self.counters["loads_own_held"] += 1
+                    self._fail_load(plan.req_id, chunk)
+                    continue
                 buf = None
                 if not slots:
                     buf = self._acquire(deadline)

@@ -137,6 +137,10 @@ def test_close_gives_back_the_open_steps_leases_and_reservations(make_worker: An
     import vllm_plugin.worker as worker_mod
 
     w = _worker(make_worker, copy="background")
+    deadline = time.monotonic() + 10
+    while _slots_held(w) and time.monotonic() < deadline:
+        time.sleep(0.05)  # earlier tests' stalled calls (on this module's shared store) end
+    assert _slots_held(w) == 0
     _save(w, "g-load", [0, 1], step=1)
     store = w.store
     meta = TieredConnectorMetadata(requests=[RequestPlan("r", loads=[ChunkLoad("g-load", [4, 5])],
@@ -148,12 +152,13 @@ def test_close_gives_back_the_open_steps_leases_and_reservations(make_worker: An
         w.save_kv_layer(meta, layer)
     assert _slots_held(w) > 0
     # Another holder (the scheduler's connector in the same process) keeps the store open.
+    release = worker_mod.release_store
     monkeypatch.setattr(worker_mod, "release_store", lambda *a, **k: None)
     w.close()
     try:
         assert store.stats().slots.held_bytes == 0
     finally:
-        store.close(flush=False, timeout_s=10)
+        release(store, flush=False, flush_timeout_s=10)  # the reference the worker left
 
 
 def test_a_load_of_this_workers_own_held_reservation_fails_at_once(make_worker: Any) -> None:
