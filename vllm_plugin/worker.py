@@ -41,7 +41,12 @@ One step, as vLLM drives it:
    then) and their slots or staging given back.
 5. ``build_connector_worker_meta``: the step's report to the scheduler (the step it closes, every
    save outcome since the last report); ``get_finished`` names the finished requests whose blocks
-   the scheduler released.
+   the scheduler released. vLLM reads the step's output (``get_finished``, the load errors, this
+   report) after ``wait_for_save`` normally, but before it with speculative decoding, and on a
+   non-last pipeline rank without it: whichever comes first ends the step's loads (every layer
+   written, the leases released, a release saying False failing its chunks), so a load whose
+   bytes were not stable is always in the same step's load errors, and a save computed over it is
+   discarded rather than committed.
 
 On a GPU the staging buffers are pinned, gathers run on a side stream and loads on a load stream;
 the forward's stream waits on per-layer events, and the I/O thread (not the forward thread) waits
@@ -72,7 +77,7 @@ from mooncake_connector.keys import ModelFingerprint, object_key
 from mooncake_connector.layout import PagedLayer, canonical_layer, kernel_block_ids
 from mooncake_connector.lookup_service import LookupServer, socket_path
 from mooncake_connector.staging import StagingPool
-from mooncake_connector.stores import acquire_connector_store, epoch_directory, release_store
+from mooncake_connector.stores import acquire_connector_store, engine_stats, epoch_directory, release_store
 from store_backend.config import ConfigError
 from store_backend.slots import Reservation
 from store_backend.store import StoreClosedError
@@ -965,7 +970,7 @@ class WorkerSide:
         if self._stats_source is None:
             self._stats_source = StatsSource(f"rank{self.rank}")
         try:
-            return self._stats_source.take(self.store.stats(), self.client.snapshot())
+            return self._stats_source.take(engine_stats(self.store), self.client.snapshot())
         except StoreClosedError:
             return None
         except Exception:  # metrics must never fail a step: logged, and this step reports nothing
