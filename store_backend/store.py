@@ -1094,14 +1094,7 @@ class TieredStore:
                                              self.config.promotion.enabled, policy_uses(self._dram.policy, e.key))
                 if promote:
                     self._ssd_hits.pop(e.key, None)
-                    e.persisted = tier is self._backing
-                    if e.persisted and self._evictions.changed_since(e.key, evicted_at):
-                        self._lost_below(e)
-                    self._dram.commit(e)
-                    self._known_below.discard(e.key)
-                    m.dram.promotions += 1
-                    m.dram.bytes_written += e.size
-                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier=tier.name))
+                    self._commit_promoted(e, tier, evicted_at, events)
                 else:
                     if len(self._ssd_hits) >= _HIT_TABLE_MAX:
                         self._ssd_hits.pop(next(iter(self._ssd_hits)))
@@ -2104,6 +2097,19 @@ class TieredStore:
         if chunk:
             self._offload_batch(chunk, demote=True)
 
+    def _commit_promoted(self, e: Entry, tier: Tier, evicted_at: int, events: list[ResidencyEvent]) -> None:
+        """(store lock held) Make ``e``, just read from ``tier`` into its DRAM slot, the DRAM copy:
+        clean when read from the backing tier, unless the backing tier evicted the copy since the
+        read was planned (generation ``evicted_at``); counted as a promotion and published."""
+        e.persisted = tier is self._backing
+        if e.persisted and self._evictions.changed_since(e.key, evicted_at):
+            self._lost_below(e)
+        self._dram.commit(e)
+        self._known_below.discard(e.key)
+        self.metrics_counters.dram.promotions += 1
+        self.metrics_counters.dram.bytes_written += e.size
+        events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier=tier.name))
+
     def _promote_batch(self, keys: list[str]) -> None:
         """Worker thread: copy hot SSD objects back into DRAM, evicting only clean objects.
 
@@ -2163,16 +2169,7 @@ class TieredStore:
                     self._release_detached(e)
                     m.store.promotions_skipped += 1
                 elif res.status is Status.OK and res.nbytes == e.size:
-                    # Clean when read from the backing tier, unless it evicted the copy since the
-                    # read was planned.
-                    e.persisted = tier is self._backing
-                    if e.persisted and self._evictions.changed_since(e.key, evicted_at):
-                        self._lost_below(e)
-                    self._dram.commit(e)
-                    self._known_below.discard(e.key)
-                    m.dram.promotions += 1
-                    m.dram.bytes_written += e.size
-                    events.append(ResidencyEvent("moved", e.key, "dram", e.size, src_tier=tier.name))
+                    self._commit_promoted(e, tier, evicted_at, events)
                 else:
                     self._dram.drop(e.key)
                     m.store.promotions_skipped += 1

@@ -143,7 +143,7 @@ def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
         pool.data["q"] = b"x"
         assert s.put(["q"], [payload("q", CHUNK)]) == [Status.OK]
         # Stats keep their fixed shape: a tier StoreStats has no field for yet is counted, not reported.
-        assert set(s.metrics()) == {"dram", "ssd", "store", "queues", "latency"}
+        assert set(s.metrics()) == {"dram", "ssd", "store", "queues", "latency", "slots"}
 
 
 def test_remove_is_ok_only_when_every_tier_deleted_and_hides_the_key_across_both(tmp_path) -> None:
