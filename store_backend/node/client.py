@@ -784,20 +784,8 @@ class NodeClient:
                    timeout_s: float | None = None) -> list[tuple[int, int, Any]]:
         """Round trips for items [0, n) in as few frames as fit ``max_frame_bytes`` (halving a range
         whose frame would be over it); (lo, hi, reply) per frame, in order."""
-        out: list[tuple[int, int, Any]] = []
-
-        def go(lo: int, hi: int) -> None:
-            try:
-                out.append((lo, hi, self._ask(conn, lambda rid: build(rid, lo, hi), reply_type, timeout_s)))
-            except FrameTooLargeError:
-                if hi - lo <= 1:
-                    raise ValueError(f"one key's request is over the {conn.max_frame_bytes}-byte frame limit") from None
-                mid = (lo + hi) // 2
-                go(lo, mid)
-                go(mid, hi)
-
-        go(0, n)
-        return out
+        return _by_halving(n, conn.max_frame_bytes, lambda lo, hi: (
+            lo, hi, self._ask(conn, lambda rid: build(rid, lo, hi), reply_type, timeout_s)))
 
     @staticmethod
     def _values(replies: list[tuple[int, int, Any]], n: int) -> list[Any]:
@@ -908,21 +896,11 @@ class NodeClient:
     @staticmethod
     def _ranges(conn: _Conn, n: int, build: Callable[[int, int, int], p.Frame]) -> list[tuple[int, int]]:
         """[lo, hi) ranges of [0, n) whose frames fit, found by halving (encoding only, nothing sent)."""
-        out: list[tuple[int, int]] = []
+        def fits(lo: int, hi: int) -> tuple[int, int]:
+            p.encode(build(2 ** 62, lo, hi), conn.max_frame_bytes)  # FrameTooLargeError: halve
+            return lo, hi
 
-        def go(lo: int, hi: int) -> None:
-            try:
-                p.encode(build(2 ** 62, lo, hi), conn.max_frame_bytes)
-                out.append((lo, hi))
-            except FrameTooLargeError:
-                if hi - lo <= 1:
-                    raise ValueError(f"one key's request is over the {conn.max_frame_bytes}-byte frame limit") from None
-                mid = (lo + hi) // 2
-                go(lo, mid)
-                go(mid, hi)
-
-        go(0, n)
-        return out
+        return _by_halving(n, conn.max_frame_bytes, fits)
 
     def keys(self, prefix: str = "") -> list[str]:
         if not isinstance(prefix, str):
@@ -1427,6 +1405,26 @@ class NodeClient:
         with self._cond:
             snap["client"] = msgspec.to_builtins(self.counters)
         return snap
+
+
+def _by_halving(n: int, max_frame_bytes: int, attempt: Callable[[int, int], T]) -> list[T]:
+    """``attempt(lo, hi)`` over [0, n), in order: once for the whole range, and for each half of a
+    range whose frame was too large (``attempt`` raised FrameTooLargeError), down to one item, which
+    is then ValueError (one key's request over the frame limit). The results, in order."""
+    out: list[T] = []
+
+    def go(lo: int, hi: int) -> None:
+        try:
+            out.append(attempt(lo, hi))
+        except FrameTooLargeError:
+            if hi - lo <= 1:
+                raise ValueError(f"one key's request is over the {max_frame_bytes}-byte frame limit") from None
+            mid = (lo + hi) // 2
+            go(lo, mid)
+            go(mid, hi)
+
+    go(0, n)
+    return out
 
 
 def _release_views(items: Sequence[Reservation | SlotLease]) -> None:
