@@ -36,6 +36,20 @@ from store_backend.types import Buffer, ReadResult, Status
 logger = logging.getLogger(__name__)
 
 
+# A lease refused for want of room, not for the object: the object is read instead (see KVClient.lease).
+_NO_ROOM = frozenset({Status.NO_SPACE, Status.TOO_LARGE})
+
+
+class CopiedLease(SlotLease):
+    """What :meth:`KVClient.lease` hands out for an object the store could not lease for want of
+    room (NO_SPACE: no slot could be made for an object on SSD only, or this process's share of the
+    arena is held; TOO_LARGE: larger than that share): the object read with ``get_into`` into a
+    private buffer of this process. ``layer``/``view`` read that buffer; its bytes are stable by
+    construction, so :meth:`KVClient.release` answers True for it without asking the store."""
+
+    __slots__ = ()
+
+
 class ClientClosedError(RuntimeError):
     """A save or load submitted to a client that is not started, or already closed."""
 
@@ -344,6 +358,8 @@ class KVClient:
         self.wait_for_saves(keys, wait_pending_s)
         try:
             leases = list(self.store.lease(keys, ttl_s=ttl_s, wait_pending_s=wait_pending_s))
+            if any(ls.status in _NO_ROOM for ls in leases):
+                leases = self._read_unleased(leases, size)
         except Exception:
             logger.exception("lease of %d objects failed", len(keys))
             leases = [SlotLease(Status.IO_ERROR, k) for k in keys]
@@ -366,6 +382,25 @@ class KVClient:
             self.latency.load.observe(time.perf_counter() - t0)
         return leases
 
+    def _read_unleased(self, leases: list[SlotLease], size: int | None) -> list[SlotLease]:
+        """The leases refused for want of room, read instead with one ``get_into`` into private
+        buffers (``size`` bytes each, or the size the store names): a DRAM tier smaller than what
+        one step loads, or a batch over this process's share, still loads from SSD rather than
+        recomputing. The other leases are kept as they are."""
+        idx = [i for i, ls in enumerate(leases) if ls.status in _NO_ROOM]
+        sizes = self.store.size_of([leases[i].key for i in idx]) if size is None else [size] * len(idx)
+        todo = [(i, n) for i, n in zip(idx, sizes) if n is not None]
+        bufs = [bytearray(n) for _, n in todo]
+        results = self.store.get_into([leases[i].key for i, _ in todo], bufs) if todo else []
+        out = list(leases)
+        for (i, _), buf, res in zip(todo, bufs, results):
+            key = leases[i].key
+            if res.ok:
+                out[i] = CopiedLease(Status.OK, key, res.nbytes, view=memoryview(buf)[:res.nbytes].toreadonly())
+            else:
+                out[i] = SlotLease(res.status, key, res.nbytes)
+        return out
+
     def release(self, leases: Sequence[SlotLease]) -> list[bool]:
         """Give back leases taken with :meth:`lease` after reading them; per lease True when its
         bytes were stable for the whole lease (counted loaded), False when not (counted a failed
@@ -374,11 +409,13 @@ class KVClient:
         leases = list(leases)
         if not leases:
             return []
+        slots = [ls for ls in leases if not isinstance(ls, CopiedLease)]
         try:
-            stable = list(self.store.release(leases))
+            answers = iter(self.store.release(slots) if slots else [])
+            stable = [True if isinstance(ls, CopiedLease) else next(answers) for ls in leases]
         except Exception:
             logger.exception("release of %d leases failed", len(leases))
-            stable = [False] * len(leases)
+            stable = [isinstance(ls, CopiedLease) for ls in leases]
         with self._lock:
             c = self.counters
             for ls, ok in zip(leases, stable):
@@ -392,11 +429,12 @@ class KVClient:
 
     def release_quietly(self, leases: Sequence[SlotLease]) -> None:
         """Give back leases whose bytes will not be used (nothing counted; never raises)."""
+        slots = [ls for ls in leases if not isinstance(ls, CopiedLease)]
         try:
-            if leases:
-                self.store.release(list(leases))
+            if slots:
+                self.store.release(slots)
         except Exception:
-            logger.exception("release of %d leases failed", len(leases))
+            logger.exception("release of %d leases failed", len(slots))
 
     def reserve(self, keys: Sequence[str], size: int, parents: Sequence[str | None] | None = None, *,
                 ttl_s: float) -> list[Reservation]:

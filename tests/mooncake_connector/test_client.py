@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_connector.client import ClientClosedError, KVClient, KVStore
+from mooncake_connector.client import ClientClosedError, CopiedLease, KVClient, KVStore
 from mooncake_connector.config import load_connector_config
 from mooncake_connector.stores import acquire_store, release_store
 from store_backend.store import TieredStore
@@ -165,3 +165,24 @@ def test_a_load_behind_stuck_saves_fails_within_its_timeout(store: TieredStore) 
     finally:
         slow.gate.set()
         client.close()
+
+
+def test_a_lease_refused_for_want_of_room_is_read_instead(tmp_path: Path) -> None:
+    """A step may load more than the DRAM tier holds (every object on SSD only, eight fit): the
+    store refuses the leases it cannot make room for (NO_SPACE), and the client reads those
+    objects with get_into instead, so a small DRAM tier costs a copy, never a recompute."""
+    with TieredStore({"dram": {"capacity_bytes": 8 * SIZE}, "ssd": {"path": str(tmp_path / "ssd")}}) as s:
+        keys = [f"k{i}" for i in range(24)]
+        for i, k in enumerate(keys):
+            assert s.put([k], [obj(i)]) == [Status.OK]
+            assert s.flush(timeout_s=60)  # on SSD before DRAM needs its room
+        assert s.contains(keys) == [True] * 24
+        with KVClient(s) as client:
+            leases = client.lease(keys, ttl_s=30, size=SIZE)
+            assert [ls.status for ls in leases] == [Status.OK] * 24
+            assert any(isinstance(ls, CopiedLease) for ls in leases)  # the fallback was taken
+            for i, ls in enumerate(leases):
+                assert bytes(ls.layer(0, SIZE)) == obj(i).tobytes()
+            assert client.release(leases) == [True] * 24
+            assert client.counters.loaded_objects == 24 and client.counters.load_failed == 0
+        assert s.stats().slots.leases == 0
