@@ -1,0 +1,192 @@
+"""The pool's directory: which node holds which object, which nodes are alive, where they listen.
+
+One :class:`Directory` Protocol, two implementations beside it: ``EmbeddedDirectory`` (one
+process, no server; the default, and what tests of one node use) in
+:mod:`store_backend.pool.directory_embedded`, and ``RedisDirectory`` (redis-py against a real
+Redis, Sentinel-addressed for HA) in :mod:`store_backend.pool.directory_redis`. Both pass one
+contract suite (``tests/store_backend/pool/test_directory_contract.py``).
+
+What a directory holds:
+
+- per object key, its *locations*: one :class:`Location` per node holding it (the node's best
+  local tier, the object's size and xxh3-64 checksum);
+- per node, a :class:`NodeInfo` (its transport address, capacity, usage, hit counters for
+  ``status``) and a *liveness* mark with a TTL, refreshed by :meth:`Directory.heartbeat`. A node
+  whose mark expired is dead: lookups stop returning its locations at once (the check is made
+  at lookup time, not by a sweeper), and :meth:`Directory.nodes` reports it ``alive=False``;
+- per removed key, a *tombstone* (for ``tombstone_ttl_s``), so a node that was down during a
+  pool-wide :meth:`Directory.remove` and comes back with the old copy on SSD cannot re-register
+  it (:meth:`Directory.register` with ``resync=True`` refuses tombstoned keys and names them, and
+  the node deletes its copy).
+
+Two-phase puts. A location becomes visible only in phase 2. A node registering what it already
+committed locally (its residency events) calls :meth:`register` (phase 2 alone: the bytes are
+there). A writer placing a replica on a peer calls :meth:`put_start` for the peer first (pending:
+invisible to every lookup, expires after ``ttl_s`` if the writer dies), streams the bytes, and calls
+:meth:`put_end` once the peer committed them. Every batch call is atomic (one Lua script in Redis,
+one lock hold embedded): a reader sees all of a batch's locations or none of them, never a half.
+
+Lookups are batched: :meth:`locate` and :meth:`leading` answer a whole list of keys in one round
+trip (one script call), never one per key.
+
+Invalidations: :meth:`subscribe` delivers, on a thread owned by the directory (or synchronously,
+embedded), the keys whose locations were dropped (unregister, remove, clear_node), so a node's
+location cache (:mod:`store_backend.pool.cache`) forgets them. A delivery may be lost (Redis
+pub/sub is at-most-once): the cache bounds every entry's age too, and a read from a node that no
+longer holds the key is a clean miss, never wrong bytes (frames are checksummed against the
+location's checksum).
+
+Contract of every method: thread-safe; may block on the network (bounded by the directory's
+``op_timeout_s``); raises :class:`DirectoryUnavailable` when the directory cannot be reached (the
+caller treats the pool as a miss and keeps serving locally), ``ValueError`` for misuse. Node ids
+and keys are text (keys as :func:`store_backend.types.check_key` allows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+# A location's tier: the best copy the node holds (DRAM before SSD).
+TIER_DRAM = "dram"
+TIER_SSD = "ssd"
+TIER_RANK = {TIER_DRAM: 0, TIER_SSD: 1}
+
+# How long a removed key's tombstone refuses re-registration by a node that was down.
+DEFAULT_TOMBSTONE_TTL_S = 24 * 3600.0
+
+
+class DirectoryError(RuntimeError):
+    """Base of the directory's own errors."""
+
+
+class DirectoryUnavailable(DirectoryError):
+    """The directory could not be reached or answered in time (Redis down, a failover under way).
+    Nothing was changed that the caller must undo; it may retry later."""
+
+
+class Location(msgspec.Struct, frozen=True, array_like=True):
+    """One node's copy of one object."""
+
+    node: str
+    tier: str  # TIER_DRAM or TIER_SSD: the best copy on that node
+    size: int  # bytes
+    checksum: int = 0  # xxh3_64 of the bytes; 0: not recorded (a reader then relies on frame checksums)
+
+
+class TierUsage(msgspec.Struct, frozen=True):
+    objects: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """What a node publishes about itself (refreshed with each heartbeat)."""
+
+    node_id: str
+    address: str  # "host:port" of its transport listener
+    started_ns: int = 0  # this start of the node (a restart has a new one)
+    capacity_bytes: int = 0  # DRAM + SSD
+    used_bytes: int = 0
+    tiers: dict[str, TierUsage] = msgspec.field(default_factory=dict)
+    # Counters for `status` (hits, misses, bytes served, failures by kind): names as in /metrics.
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+    alive: bool = True  # filled in by nodes(): the liveness mark was present
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+
+Invalidation = Callable[[list[str]], None]
+
+
+@runtime_checkable
+class Directory(Protocol):
+    # -- nodes -------------------------------------------------------------------------------------
+    def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
+        """Publish ``info`` and (re)set the node's liveness mark to expire in ``ttl_s``. Returns
+        False when the directory did not know this node before this call (first start, its mark
+        had expired, or the directory lost its data: a restarted empty Redis, a failover to a
+        replica that missed writes): the caller must then re-register what it holds
+        (:meth:`register` with ``resync=True``)."""
+        ...
+
+    def deregister_node(self, node_id: str) -> None:
+        """A clean leave: the node's liveness mark and every location of it are dropped (and
+        invalidated)."""
+        ...
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node the directory knows (alive or not: ``alive`` tells), sorted by node_id."""
+        ...
+
+    # -- placing objects ---------------------------------------------------------------------------
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+        """Record (or update: a new tier, a checksum) ``node_id``'s copies; one atomic batch.
+        ``Location.node`` must equal ``node_id`` (ValueError). Clears a pending put_start of the
+        same node. ``resync`` False (a fresh store event): clears the key's tombstone (a put after
+        a remove is legitimate). ``resync`` True (re-registration after a restart or a directory
+        loss): tombstoned keys are refused and returned, so the caller deletes its copies."""
+        ...
+
+    def unregister(self, node_id: str, keys: Sequence[str]) -> None:
+        """``node_id`` no longer holds ``keys`` (evicted, lost, removed locally); others' copies stay."""
+        ...
+
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+        """Phase 1 of a replica write onto ``node_id``: mark each key pending there (invisible to
+        lookups; expires after ``ttl_s``). Per key False when ``node_id`` already holds it or it is
+        pending there already (another writer: do not send it)."""
+        ...
+
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+        """Phase 2: the pending copies became visible, all of the batch at once. Per key False
+        when its pending mark was gone (expired, aborted): nothing recorded for it."""
+        ...
+
+    def put_abort(self, node_id: str, keys: Sequence[str]) -> None:
+        """Drop pending marks (the write failed)."""
+        ...
+
+    def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
+        """Pool-wide remove: tombstone each key, drop every location of it (invalidated) and
+        return, per key that had any, the node ids that held it (alive or not), so the caller
+        deletes the copies on the live ones."""
+        ...
+
+    def clear_node(self, node_id: str) -> int:
+        """Drop every location of ``node_id`` (before a restarted node re-registers); returns how
+        many."""
+        ...
+
+    # -- lookups -----------------------------------------------------------------------------------
+    def locate(self, keys: Sequence[str], *, exclude: str | None = None) -> list[list[Location]]:
+        """Per key, the copies on live nodes (never ``exclude``), best first: DRAM before SSD,
+        then by node id. One round trip."""
+        ...
+
+    def leading(self, keys: Sequence[str], *, exclude: str | None = None) -> int:
+        """How many of ``keys``, from the first, have a copy on a live node other than
+        ``exclude`` (a prefix lookup). One round trip; stops at the first miss."""
+        ...
+
+    def node_keys(self, node_id: str) -> list[str]:
+        """Every key ``node_id`` has a location for (alive or not)."""
+        ...
+
+    def address_of(self, node_ids: Sequence[str]) -> dict[str, str]:
+        """Transport addresses of the live ones among ``node_ids``."""
+        ...
+
+    # -- invalidations and lifecycle ---------------------------------------------------------------
+    def subscribe(self, fn: Invalidation) -> Callable[[], None]:
+        """Call ``fn(keys)`` with keys whose locations were dropped anywhere in the pool; returns
+        the unsubscribe function. ``fn`` must be quick and never call back into the directory."""
+        ...
+
+    def close(self) -> None:
+        """Stop the directory's threads and connections (idempotent)."""
+        ...
