@@ -804,26 +804,23 @@ class NodeClient:
         return fail
 
     # -- lookups -------------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def _lookup(self, keys: Sequence[str], request: Any, reply: Any, absent: Any) -> list[Any]:
+        """One per-key lookup (``request(rid, keys)`` answered by ``reply``), split to fit the frame
+        limit; ``absent`` for every key when the service cannot be asked."""
         check_batch(keys)
         keys = list(keys)
-        return self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: p.Contains(rid, keys[lo:hi]), p.Bools), len(keys))],
-            self._failed_lookup([False] * len(keys)))
+        return self._call(lambda c: self._values(self._ask_split(
+            c, len(keys), lambda rid, lo, hi: request(rid, keys[lo:hi]), reply), len(keys)),
+            self._failed_lookup([absent] * len(keys)))
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(v) for v in self._lookup(keys, p.Contains, p.Bools, False)]
 
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
-        check_batch(keys)
-        keys = list(keys)
-        return self._call(lambda c: self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: p.SizeOf(rid, keys[lo:hi]), p.Sizes), len(keys)),
-            self._failed_lookup([None] * len(keys)))
+        return self._lookup(keys, p.SizeOf, p.Sizes, None)
 
     def tier_of(self, keys: Sequence[str]) -> list[str | None]:
-        check_batch(keys)
-        keys = list(keys)
-        return self._call(lambda c: self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: p.TierOf(rid, keys[lo:hi]), p.Names), len(keys)),
-            self._failed_lookup([None] * len(keys)))
+        return self._lookup(keys, p.TierOf, p.Names, None)
 
     def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
         """Leading keys stored (``count_reserved``: saves in flight count); ``wait_s`` > 0 waits that
