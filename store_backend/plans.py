@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +91,27 @@ def evict_pass_order(has_ssd: bool) -> tuple[bool, ...]:
     pass drops objects that never reached SSD; the store counts those as ``dropped_unpersisted``.
     """
     return (False,) if not has_ssd else (True, False)
+
+
+def replica_targets(key_sizes: Sequence[tuple[str, int]], nodes: Sequence[Any], self_id: str,
+                    replicas: int) -> dict[str, list[str]]:
+    """Where the extra copies of newly stored objects go: ``{node_id: [keys]}``.
+
+    ``key_sizes`` are (key, size in bytes) in the order they were stored; ``nodes`` the
+    directory's :class:`~store_backend.pool.directory.NodeInfo` list (``node_id``, ``alive``,
+    ``free_bytes``); ``replicas`` counts the local copy, so each key gets ``replicas - 1`` peers.
+    A key goes to the live peers (never ``self_id``, never a dead node) with the most free
+    bytes left after what this plan already placed on them (ties: the smaller node id), each at
+    most once, and only where it still fits; a key with too few such peers gets fewer copies.
+    Deterministic: the same facts give the same plan."""
+    extra = replicas - 1
+    if extra <= 0 or not key_sizes:
+        return {}
+    free = {n.node_id: int(n.free_bytes) for n in nodes if n.alive and n.node_id != self_id}
+    plan: dict[str, list[str]] = {}
+    for key, size in key_sizes:
+        ranked = sorted((node for node, room in free.items() if room >= size), key=lambda node: (-free[node], node))
+        for node in ranked[:extra]:
+            free[node] -= size
+            plan.setdefault(node, []).append(key)
+    return plan

@@ -19,6 +19,7 @@ import msgspec
 
 from store_backend.config import StoreConfig
 from store_backend.config_loader import ConfigError, decode, merge, read_file
+from store_backend.pool.config import PoolConfig
 
 # The node service's segment name unless its config names another (a fresh segment per start is
 # named "<shm_name>-<start_ns>").
@@ -100,6 +101,9 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # Longest one reply may take to go out; past it the peer (which reads nothing: stopped, wedged)
     # is disconnected and what it held reclaimed.
     send_timeout_s: float = 10.0
+    # The pool across nodes (section `pool`: transport listener, directory, replicas); null: this
+    # node serves its own engines only.
+    pool: PoolConfig | None = None
 
     def __post_init__(self) -> None:
         if self.store.dram.shm_name is None:

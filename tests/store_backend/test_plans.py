@@ -81,3 +81,37 @@ def test_demotion_split_drops_clean_and_writes_the_rest() -> None:
                                   f("dirty"), f("failed", offload_failures=2)])
     assert drop == ["p", "d"] and write == ["dr", "dirty", "failed"]
     assert demotion_split([]) == ([], [])
+
+
+# -- replica placement ---------------------------------------------------------------------------
+from store_backend.plans import replica_targets  # noqa: E402
+from store_backend.pool.directory import NodeInfo  # noqa: E402
+
+
+def _node(node_id: str, free: int, alive: bool = True) -> NodeInfo:
+    return NodeInfo(node_id, f"127.0.0.1:{1000 + len(node_id)}", capacity_bytes=free, used_bytes=0, alive=alive)
+
+
+def test_replicas_go_to_the_peers_with_most_room_never_self_nor_dead() -> None:
+    nodes = [_node("self", 10_000), _node("a", 300), _node("b", 500), _node("dead", 9_000, alive=False)]
+    plan = replica_targets([("k1", 100), ("k2", 100), ("k3", 100)], nodes, "self", 2)
+    # b has most room: k1 there (b 400 left), then k2 to b again (400 > 300), then k3: b 300 = a 300, tie -> a.
+    assert plan == {"b": ["k1", "k2"], "a": ["k3"]}
+    assert "self" not in plan and "dead" not in plan
+
+
+def test_each_key_gets_distinct_peers_and_only_where_it_fits() -> None:
+    nodes = [_node("a", 1000), _node("b", 1000), _node("c", 150)]
+    plan = replica_targets([("big", 200), ("small", 100)], nodes, "self", 3)
+    assert plan == {"a": ["big", "small"], "b": ["big", "small"]}
+    # c could hold 'small' only, but two peers with more room are taken first.
+    assert replica_targets([("big", 200)], [_node("c", 150)], "self", 2) == {}
+
+
+def test_one_replica_or_no_peer_places_nothing_and_the_plan_is_deterministic() -> None:
+    nodes = [_node("b", 500), _node("a", 500)]
+    assert replica_targets([("k", 1)], nodes, "self", 1) == {}
+    assert replica_targets([("k", 1)], [_node("self", 500)], "self", 2) == {}
+    once = replica_targets([(f"k{i}", 10) for i in range(20)], nodes, "self", 2)
+    assert once == replica_targets([(f"k{i}", 10) for i in range(20)], list(reversed(nodes)), "self", 2)
+    assert sorted(once) == ["a", "b"] and len(once["a"]) == len(once["b"]) == 10
