@@ -25,6 +25,9 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "vllm": ("mooncake_kv.bench.vllm", "TTFT with a full external hit versus recompute on vLLM (CPU build)"),
     "sglang": ("mooncake_kv.bench.sglang", "HiCache backend throughput against SGLang's file backend"),
     "node": ("mooncake_kv.bench.node", "node service put/get and lookups against the embedded store and memcpy"),
+    "serve": ("mooncake_kv.bench.serve", "TTFT and hit ratio of vllm serve on the conversation trace, with and without the tiers"),
+    "pool": ("mooncake_kv.bench.pool", "remote get/put through the pool (two node services, Redis) against the "
+             "raw socket and Mooncake Store; directory lookups"),
 }
 
 
