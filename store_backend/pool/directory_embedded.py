@@ -1,0 +1,308 @@
+"""The embedded directory: one process, no server (the default; a pool of one node, and tests).
+
+:class:`EmbeddedDirectory` implements :class:`store_backend.pool.directory.Directory` with plain
+dicts under one lock. Liveness marks, pending puts and tombstones carry ``time.monotonic()``
+deadlines, checked at lookup time (no sweeper thread). Every batch call holds the lock once, so a
+reader sees all of a batch or none of it. Invalidations are delivered synchronously on the caller's
+thread after the lock is released (a subscriber may take its own locks without ordering against
+ours); a subscriber must not call back into the directory.
+
+Lookups are the hot path (``leading`` over a batch should reach millions of keys per second): the
+set of live nodes is cached until the earliest liveness deadline among them, so a lookup costs one
+dict probe per key plus a membership test per holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from store_backend.pool.directory import (
+    DEFAULT_TOMBSTONE_TTL_S,
+    TIER_RANK,
+    Invalidation,
+    Location,
+    NodeInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def best_first(loc: Location) -> tuple[int, str]:
+    return (TIER_RANK.get(loc.tier, len(TIER_RANK)), loc.node)
+
+
+def check_entries(node_id: str, entries: Sequence[tuple[str, Location]]) -> None:
+    """ValueError naming the first entry whose location is not ``node_id``'s or not a Location."""
+    for key, loc in entries:
+        if not isinstance(loc, Location):
+            raise ValueError(f"location of key {key!r} must be a Location, got {type(loc).__name__}")
+        if loc.node != node_id:
+            raise ValueError(f"location of key {key!r} names node {loc.node!r}, not the registering node {node_id!r}")
+        if loc.tier not in TIER_RANK:
+            raise ValueError(f"location of key {key!r} has tier {loc.tier!r}; expected one of {sorted(TIER_RANK)}")
+
+
+class EmbeddedDirectory:
+    """In-process directory. Thread-safe; never blocks on I/O; never raises DirectoryUnavailable."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._locs: dict[str, dict[str, Location]] = {}  # key -> node -> Location
+        self._node_keys: dict[str, set[str]] = {}
+        self._pending: dict[str, dict[str, float]] = {}  # key -> node -> deadline
+        self._tombstones: dict[str, float] = {}  # key -> deadline
+        self._infos: dict[str, NodeInfo] = {}
+        self._deadlines: dict[str, float] = {}  # node -> liveness deadline
+        self._live: frozenset[str] = frozenset()
+        self._live_until = float("-inf")  # _live is valid while clock() < this
+        self._subscribers: list[Invalidation] = []
+        self._closed = False
+
+    # -- helpers (lock held) ---------------------------------------------------------------------
+    def _live_nodes(self, now: float) -> frozenset[str]:
+        if now < self._live_until:
+            return self._live
+        live = [n for n, d in self._deadlines.items() if d > now]
+        self._live = frozenset(live)
+        self._live_until = min((self._deadlines[n] for n in live), default=float("inf"))
+        return self._live
+
+    def _drop_location(self, key: str, node_id: str) -> bool:
+        locs = self._locs.get(key)
+        if locs is None or locs.pop(node_id, None) is None:
+            return False
+        if not locs:
+            del self._locs[key]
+        keys = self._node_keys.get(node_id)
+        if keys is not None:
+            keys.discard(key)
+        return True
+
+    def _set_location(self, key: str, loc: Location) -> bool:
+        """Record ``loc``; True when it replaced a different object (size or checksum changed)."""
+        locs = self._locs.get(key)
+        if locs is None:
+            locs = self._locs[key] = {}
+        old = locs.get(loc.node)
+        locs[loc.node] = loc
+        self._node_keys.setdefault(loc.node, set()).add(key)
+        return old is not None and (old.size != loc.size or old.checksum != loc.checksum)
+
+    def _clear_pending(self, key: str, node_id: str) -> float | None:
+        pend = self._pending.get(key)
+        if pend is None:
+            return None
+        deadline = pend.pop(node_id, None)
+        if not pend:
+            del self._pending[key]
+        return deadline
+
+    def _clear_node_locked(self, node_id: str) -> list[str]:
+        keys = self._node_keys.pop(node_id, set())
+        for key in keys:
+            locs = self._locs.get(key)
+            if locs is not None:
+                locs.pop(node_id, None)
+                if not locs:
+                    del self._locs[key]
+        return list(keys)
+
+    def _notify(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for fn in subscribers:
+            try:
+                fn(keys)
+            except Exception:  # a subscriber's bug must not fail the mutation that already happened
+                logger.exception("directory invalidation subscriber %r failed", fn)
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        with self._lock:
+            now = self._clock()
+            known = self._deadlines.get(info.node_id, float("-inf")) > now
+            self._deadlines[info.node_id] = now + ttl_s
+            self._infos[info.node_id] = msgspec.structs.replace(info, alive=True)
+            self._live_until = float("-inf")
+        return known
+
+    def deregister_node(self, node_id: str) -> None:
+        with self._lock:
+            dropped = self._clear_node_locked(node_id)
+            self._deadlines.pop(node_id, None)
+            self._infos.pop(node_id, None)
+            self._live_until = float("-inf")
+        self._notify(dropped)
+
+    def nodes(self) -> list[NodeInfo]:
+        with self._lock:
+            live = self._live_nodes(self._clock())
+            infos = [msgspec.structs.replace(info, alive=n in live) for n, info in self._infos.items()]
+        return sorted(infos, key=lambda i: i.node_id)
+
+    # -- placing objects -------------------------------------------------------------------------
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+        check_entries(node_id, entries)
+        refused: list[str] = []
+        changed: list[str] = []
+        with self._lock:
+            now = self._clock()
+            for key, loc in entries:
+                tomb = self._tombstones.get(key)
+                if tomb is not None:
+                    if tomb <= now:
+                        del self._tombstones[key]
+                    elif resync:
+                        refused.append(key)
+                        continue
+                    else:
+                        del self._tombstones[key]
+                self._clear_pending(key, node_id)
+                if self._set_location(key, loc):
+                    changed.append(key)
+        self._notify(changed)
+        return refused
+
+    def unregister(self, node_id: str, keys: Sequence[str]) -> None:
+        with self._lock:
+            dropped = [k for k in keys if self._drop_location(k, node_id)]
+        self._notify(dropped)
+
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+        if len(keys) != len(sizes):
+            raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        out: list[bool] = []
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                locs = self._locs.get(key)
+                if locs is not None and node_id in locs:
+                    out.append(False)
+                    continue
+                pend = self._pending.setdefault(key, {})
+                if pend.get(node_id, float("-inf")) > now:
+                    out.append(False)
+                    continue
+                pend[node_id] = now + ttl_s
+                out.append(True)
+        return out
+
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+        check_entries(node_id, entries)
+        out: list[bool] = []
+        changed: list[str] = []
+        with self._lock:
+            now = self._clock()
+            for key, loc in entries:
+                deadline = self._clear_pending(key, node_id)
+                if deadline is None or deadline <= now:
+                    out.append(False)
+                    continue
+                if self._set_location(key, loc):
+                    changed.append(key)
+                out.append(True)
+        self._notify(changed)
+        return out
+
+    def put_abort(self, node_id: str, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._clear_pending(key, node_id)
+
+    def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
+        holders: dict[str, list[str]] = {}
+        with self._lock:
+            deadline = self._clock() + tombstone_ttl_s
+            for key in keys:
+                self._tombstones[key] = deadline
+                # An in-flight replica write of a removed key must not become visible afterwards.
+                self._pending.pop(key, None)
+                locs = self._locs.pop(key, None)
+                if not locs:
+                    continue
+                holders[key] = sorted(locs)
+                for node_id in locs:
+                    nk = self._node_keys.get(node_id)
+                    if nk is not None:
+                        nk.discard(key)
+        self._notify(list(holders))
+        return holders
+
+    def clear_node(self, node_id: str) -> int:
+        with self._lock:
+            dropped = self._clear_node_locked(node_id)
+        self._notify(dropped)
+        return len(dropped)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def locate(self, keys: Sequence[str], *, exclude: str | None = None) -> list[list[Location]]:
+        out: list[list[Location]] = []
+        with self._lock:
+            live = self._live_nodes(self._clock())
+            get = self._locs.get
+            for key in keys:
+                locs = get(key)
+                if not locs:
+                    out.append([])
+                    continue
+                found = [loc for n, loc in locs.items() if n in live and n != exclude]
+                if len(found) > 1:
+                    found.sort(key=best_first)
+                out.append(found)
+        return out
+
+    def leading(self, keys: Sequence[str], *, exclude: str | None = None) -> int:
+        with self._lock:
+            live = self._live_nodes(self._clock())
+            if exclude is not None and exclude in live:
+                live = live - {exclude}
+            get = self._locs.get
+            isdisjoint = live.isdisjoint
+            n = 0
+            for locs in map(get, keys):
+                # isdisjoint walks the holders in C; an absent key (None) needs no probe.
+                if locs is None or isdisjoint(locs):
+                    break
+                n += 1
+        return n
+
+    def node_keys(self, node_id: str) -> list[str]:
+        with self._lock:
+            return list(self._node_keys.get(node_id, ()))
+
+    def address_of(self, node_ids: Sequence[str]) -> dict[str, str]:
+        with self._lock:
+            live = self._live_nodes(self._clock())
+            return {n: self._infos[n].address for n in node_ids if n in live and n in self._infos}
+
+    # -- invalidations and lifecycle -------------------------------------------------------------
+    def subscribe(self, fn: Invalidation) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                try:
+                    self._subscribers.remove(fn)
+                except ValueError:
+                    pass
+
+        return unsubscribe
+
+    def close(self) -> None:
+        """Drops the subscribers; the data stays (other users of the same instance keep working)."""
+        with self._lock:
+            self._closed = True
+            self._subscribers.clear()

@@ -1,0 +1,684 @@
+"""The Redis directory: the pool's metadata in a real Redis (redis-py), Sentinel-addressed for HA.
+
+:class:`RedisDirectory` implements :class:`store_backend.pool.directory.Directory`. Every batch
+call is one Lua script (``register_script``: EVALSHA, reloaded by redis-py after a restart or a
+failover), so a batch is atomic and costs one round trip; lookups filter dead nodes inside the
+script. Layout under ``<ns>`` (the configured namespace):
+
+``<ns>:k:<key>``      hash node -> "tier|size|checksum": the key's locations
+``<ns>:p:<key>``      hash node -> deadline (ms, Redis clock): pending put_start marks
+``<ns>:t:<key>``      tombstone (PX tombstone_ttl_s)
+``<ns>:nk:<node>``    set of the keys the node has a location for (node_keys, clear_node)
+``<ns>:live:<node>``  liveness mark (PX ttl_s, set by heartbeat)
+``<ns>:info:<node>``  the node's NodeInfo as JSON
+``<ns>:gen:<node>``   counter bumped by each of the node's own mutations (lost-write detection)
+``<ns>:nodes``        set of node ids
+``<ns>:inval``        pub/sub channel: NUL-joined keys whose locations were dropped or replaced
+
+Lost data. ``heartbeat`` returns False when the liveness mark was absent (first start, expiry,
+a Redis restarted empty) *or* when the node's generation counter is behind the last value this
+instance saw (a failover to a replica that missed some of this node's writes): the caller
+resyncs. Only this instance's own writes are tracked, so run one directory per node process.
+
+Connections: ``redis://`` / ``rediss://`` URLs (user, password and db from the URL, the password
+from ``password_file`` instead when given; TLS options as URL query arguments, e.g.
+``?ssl_ca_certs=/path/ca.pem``) or Sentinel addressing (``sentinels`` + ``sentinel_master``; the
+URL then only names db, auth and TLS). redis-py's SentinelConnectionPool asks the Sentinels for the
+primary on every new connection, so after a failover the next calls reach the new primary by
+themselves. Every socket operation is bounded by ``op_timeout_s``; a call retries once on a fresh
+connection after a connection error (a stale pooled connection, the old primary gone), never after
+a timeout, so a call takes at most about 2 x ``op_timeout_s``. Every Redis error becomes
+:class:`DirectoryUnavailable` naming the address (:class:`DirectoryAuthError` when the
+credentials were refused).
+
+Invalidations: the first :meth:`RedisDirectory.subscribe` starts one daemon thread owned by the
+directory; it subscribes to ``<ns>:inval``, calls the subscribers with each message's keys,
+reconnects by itself (bounded backoff) and stops in :meth:`close`. Messages published while it was
+disconnected are lost (pub/sub is at-most-once): caches bound their entries' age.
+
+Thread-safety: every method may be called from any thread (redis-py's pool hands each call its own
+connection). Callers should keep batches to thousands of keys: a script blocks Redis while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import redis
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from store_backend.pool.directory import (
+    DEFAULT_TOMBSTONE_TTL_S,
+    TIER_RANK,
+    DirectoryUnavailable,
+    Invalidation,
+    Location,
+    NodeInfo,
+)
+from store_backend.pool.directory_embedded import best_first, check_entries
+
+logger = logging.getLogger(__name__)
+
+_SEP = "\x00"  # joins keys in an invalidation message: the one character a key cannot hold
+_PUBLISH_CHUNK = 4096  # keys per invalidation message
+
+
+class DirectoryAuthError(DirectoryUnavailable):
+    """Redis refused the credentials (wrong password, unknown ACL user) or the ACL user may not run
+    the directory's commands. A configuration error: retrying will not help."""
+
+
+# Shared Lua prelude. ARGV[1] is always the namespace; a script's list of keys (or key, value
+# pairs) comes as its last argument, NUL-joined: packing one argument per key costs the client
+# more than the whole script costs the server.
+_PRELUDE = """
+local ns = ARGV[1]
+local function split(s)
+  local out = {}
+  if s == nil or s == '' then return out end
+  local i = 1
+  while true do
+    local j = string.find(s, '\\0', i, true)
+    if not j then out[#out + 1] = string.sub(s, i); return out end
+    out[#out + 1] = string.sub(s, i, j - 1)
+    i = j + 1
+  end
+end
+local L = split(ARGV[#ARGV])
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function publish(keys)
+  local n = #keys
+  local i = 1
+  while i <= n do
+    local j = math.min(n, i + %d - 1)
+    redis.call('PUBLISH', ns .. ':inval', table.concat(keys, '\\0', i, j))
+    i = j + 1
+  end
+end
+local function object_of(packed)
+  return string.match(packed, '^[^|]*|(.*)$')
+end
+""" % _PUBLISH_CHUNK
+
+# ARGV: ns, node, resync ('1'/'0'), key/packed pairs. Returns {gen, refused keys}.
+_REGISTER = _PRELUDE + """
+local node = ARGV[2]
+local resync = ARGV[3] == '1'
+local nk = ns .. ':nk:' .. node
+local refused, changed = {}, {}
+for i = 1, #L, 2 do
+  local key, packed = L[i], L[i + 1]
+  local tk = ns .. ':t:' .. key
+  if resync and redis.call('EXISTS', tk) == 1 then
+    refused[#refused + 1] = key
+  else
+    if not resync then redis.call('DEL', tk) end
+    redis.call('HDEL', ns .. ':p:' .. key, node)
+    local kk = ns .. ':k:' .. key
+    local old = redis.call('HGET', kk, node)
+    redis.call('HSET', kk, node, packed)
+    redis.call('SADD', nk, key)
+    if old and object_of(old) ~= object_of(packed) then changed[#changed + 1] = key end
+  end
+end
+local gen = redis.call('INCR', ns .. ':gen:' .. node)
+publish(changed)
+return {gen, refused}
+"""
+
+# ARGV: ns, node, keys. Returns gen.
+_UNREGISTER = _PRELUDE + """
+local node = ARGV[2]
+local nk = ns .. ':nk:' .. node
+local dropped = {}
+for i = 1, #L do
+  local key = L[i]
+  if redis.call('HDEL', ns .. ':k:' .. key, node) == 1 then
+    redis.call('SREM', nk, key)
+    dropped[#dropped + 1] = key
+  end
+end
+local gen = redis.call('INCR', ns .. ':gen:' .. node)
+publish(dropped)
+return gen
+"""
+
+# ARGV: ns, node, ttl_ms, keys. Returns a 0/1 per key.
+_PUT_START = _PRELUDE + """
+local node = ARGV[2]
+local ttl = tonumber(ARGV[3])
+local now = now_ms()
+local out = {}
+for i = 1, #L do
+  local key = L[i]
+  local ok = 0
+  if redis.call('HEXISTS', ns .. ':k:' .. key, node) == 0 then
+    local pk = ns .. ':p:' .. key
+    local d = redis.call('HGET', pk, node)
+    if not d or tonumber(d) <= now then
+      redis.call('HSET', pk, node, now + ttl)
+      if redis.call('PTTL', pk) < ttl then redis.call('PEXPIRE', pk, ttl) end
+      ok = 1
+    end
+  end
+  out[#out + 1] = ok
+end
+return out
+"""
+
+# ARGV: ns, node, key/packed pairs. Returns {gen, 0/1 per key}.
+_PUT_END = _PRELUDE + """
+local node = ARGV[2]
+local nk = ns .. ':nk:' .. node
+local now = now_ms()
+local out, changed = {}, {}
+for i = 1, #L, 2 do
+  local key, packed = L[i], L[i + 1]
+  local pk = ns .. ':p:' .. key
+  local d = redis.call('HGET', pk, node)
+  local ok = 0
+  if d then
+    redis.call('HDEL', pk, node)
+    if tonumber(d) > now then
+      local kk = ns .. ':k:' .. key
+      local old = redis.call('HGET', kk, node)
+      redis.call('HSET', kk, node, packed)
+      redis.call('SADD', nk, key)
+      if old and object_of(old) ~= object_of(packed) then changed[#changed + 1] = key end
+      ok = 1
+    end
+  end
+  out[#out + 1] = ok
+end
+local gen = redis.call('INCR', ns .. ':gen:' .. node)
+publish(changed)
+return {gen, out}
+"""
+
+# ARGV: ns, node, keys.
+_PUT_ABORT = _PRELUDE + """
+local node = ARGV[2]
+for i = 1, #L do redis.call('HDEL', ns .. ':p:' .. L[i], node) end
+return 0
+"""
+
+# ARGV: ns, tombstone_ms, keys. Returns {key, {holders}, ...} for the keys that had any.
+_REMOVE = _PRELUDE + """
+local tomb = tonumber(ARGV[2])
+local out, dropped = {}, {}
+for i = 1, #L do
+  local key = L[i]
+  if tomb > 0 then redis.call('SET', ns .. ':t:' .. key, '1', 'PX', tomb) end
+  -- an in-flight replica write of a removed key must not become visible afterwards
+  redis.call('DEL', ns .. ':p:' .. key)
+  local kk = ns .. ':k:' .. key
+  local holders = redis.call('HKEYS', kk)
+  if #holders > 0 then
+    redis.call('DEL', kk)
+    for j = 1, #holders do redis.call('SREM', ns .. ':nk:' .. holders[j], key) end
+    out[#out + 1] = key
+    out[#out + 1] = holders
+    dropped[#dropped + 1] = key
+  end
+end
+publish(dropped)
+return out
+"""
+
+# ARGV: ns, node, forget ('1': also drop the node's mark, info and counter), ''. Returns the count.
+_CLEAR_NODE = _PRELUDE + """
+local node = ARGV[2]
+local nk = ns .. ':nk:' .. node
+local keys = redis.call('SMEMBERS', nk)
+for i = 1, #keys do redis.call('HDEL', ns .. ':k:' .. keys[i], node) end
+redis.call('DEL', nk)
+if ARGV[3] == '1' then
+  redis.call('DEL', ns .. ':live:' .. node, ns .. ':info:' .. node, ns .. ':gen:' .. node)
+  redis.call('SREM', ns .. ':nodes', node)
+else
+  redis.call('INCR', ns .. ':gen:' .. node)
+end
+publish(keys)
+return #keys
+"""
+
+_ALIVE = """
+local exclude = ARGV[2]
+local live = {}
+local function alive(n)
+  local v = live[n]
+  if v == nil then
+    v = n ~= exclude and redis.call('EXISTS', ns .. ':live:' .. n) == 1
+    live[n] = v
+  end
+  return v
+end
+"""
+
+# ARGV: ns, exclude ('' for none), keys. Returns one NUL-joined string: per key the count of
+# live holders, then "tier|size|checksum|node" for each (one bulk string parses far faster than
+# nested arrays).
+_LOCATE = _PRELUDE + _ALIVE + """
+local out = {}
+for i = 1, #L do
+  local h = redis.call('HGETALL', ns .. ':k:' .. L[i])
+  local at = #out + 1
+  out[at] = 0
+  local n = 0
+  for j = 1, #h, 2 do
+    if alive(h[j]) then out[#out + 1] = h[j + 1] .. '|' .. h[j]; n = n + 1 end
+  end
+  out[at] = n
+end
+return table.concat(out, '\\0')
+"""
+
+# ARGV: ns, exclude, keys. Returns the length of the leading run with a live holder.
+_LEADING = _PRELUDE + _ALIVE + """
+local n = 0
+for i = 1, #L do
+  local h = redis.call('HKEYS', ns .. ':k:' .. L[i])
+  local found = false
+  for j = 1, #h do
+    if alive(h[j]) then found = true; break end
+  end
+  if not found then break end
+  n = n + 1
+end
+return n
+"""
+
+# ARGV: ns, node, ttl_ms, info json. Returns {known 0/1, gen}.
+_HEARTBEAT = """
+local ns = ARGV[1]
+local node = ARGV[2]
+local lk = ns .. ':live:' .. node
+local known = redis.call('EXISTS', lk)
+redis.call('SET', lk, '1', 'PX', tonumber(ARGV[3]))
+redis.call('SET', ns .. ':info:' .. node, ARGV[4])
+redis.call('SADD', ns .. ':nodes', node)
+local gen = redis.call('GET', ns .. ':gen:' .. node)
+return {known, tonumber(gen or '0')}
+"""
+
+# ARGV: ns, ''. Returns {node, info json, alive 0/1, ...} flattened.
+_NODES = _PRELUDE + """
+local out = {}
+local members = redis.call('SMEMBERS', ns .. ':nodes')
+for i = 1, #members do
+  local n = members[i]
+  local info = redis.call('GET', ns .. ':info:' .. n)
+  if info then
+    out[#out + 1] = n
+    out[#out + 1] = info
+    out[#out + 1] = redis.call('EXISTS', ns .. ':live:' .. n)
+  end
+end
+return out
+"""
+
+# ARGV: ns, nodes. Returns {node, info json, ...} for the live ones.
+_ADDRESS_OF = _PRELUDE + """
+local out = {}
+for i = 1, #L do
+  local n = L[i]
+  if redis.call('EXISTS', ns .. ':live:' .. n) == 1 then
+    local info = redis.call('GET', ns .. ':info:' .. n)
+    if info then out[#out + 1] = n; out[#out + 1] = info end
+  end
+end
+return out
+"""
+
+
+def _joined(items: Sequence[str], what: str = "key") -> str:
+    """NUL-join a script's list argument; ValueError when an item holds NUL (it would split)."""
+    joined = _SEP.join(items)
+    if joined.count(_SEP) != len(items) - 1:
+        bad = next(x for x in items if _SEP in x)
+        raise ValueError(f"{what} {bad!r} contains NUL")
+    return joined
+
+
+def _check_node_id(node_id: object) -> str:
+    if not isinstance(node_id, str) or not node_id or _SEP in node_id or "|" in node_id:
+        raise ValueError(f"node_id must be non-empty text without NUL or '|', got {node_id!r}")
+    return node_id
+
+
+def _parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"sentinel address must be 'host:port', got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class RedisDirectory:
+    """A Directory in Redis. Thread-safe; every call blocks on one round trip, bounded by
+    ``op_timeout_s``; raises DirectoryUnavailable (DirectoryAuthError) on any Redis failure."""
+
+    def __init__(self, *, url: str | None = None, sentinels: Sequence[str] = (),
+                 sentinel_master: str = "mymaster", password_file: str | None = None,
+                 namespace: str = "mkv", op_timeout_s: float = 1.0) -> None:
+        if op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s!r}")
+        if not namespace or _SEP in namespace:
+            raise ValueError(f"namespace must be non-empty text without NUL, got {namespace!r}")
+        if not url and not sentinels:
+            raise ValueError("a redis directory needs a url (redis://host:port/db) or sentinels")
+        self._ns = namespace
+        self._op_timeout_s = float(op_timeout_s)
+        conn: dict[str, Any] = {}
+        if url:
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+            conn = parse_url(url) if not sentinels else self._auth_from_url(url)
+        if password_file:
+            path = Path(password_file)
+            try:
+                conn["password"] = path.read_text().strip("\r\n")
+            except OSError as e:
+                raise ValueError(f"password_file {str(path)!r} cannot be read: {e}") from e
+        self._username = conn.get("username") or "default"
+        common: dict[str, Any] = dict(
+            socket_timeout=self._op_timeout_s, socket_connect_timeout=self._op_timeout_s,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
+        if sentinels:
+            addrs = [_parse_hostport(s) for s in sentinels]
+            self.address = f"sentinel master {sentinel_master!r} via " + ",".join(f"{h}:{p}" for h, p in addrs)
+            self._sentinel = Sentinel(addrs, sentinel_kwargs=dict(socket_timeout=self._op_timeout_s,
+                                                                  socket_connect_timeout=self._op_timeout_s),
+                                      socket_timeout=self._op_timeout_s,
+                                      socket_connect_timeout=self._op_timeout_s)
+            self._r = self._sentinel.master_for(sentinel_master, **common, **conn)
+        else:
+            parts = urlsplit(url or "")
+            self.address = f"{parts.scheme}://{parts.hostname or ''}:{parts.port or 6379}{parts.path or ''}"
+            self._sentinel = None
+            conn.update(common)
+            # parse_url may name a connection_class (rediss://, unix://): only a pool takes it.
+            self._r = redis.Redis(connection_pool=redis.ConnectionPool(**conn))
+        self._scripts = {name: self._r.register_script(src) for name, src in (
+            ("register", _REGISTER), ("unregister", _UNREGISTER), ("put_start", _PUT_START),
+            ("put_end", _PUT_END), ("put_abort", _PUT_ABORT), ("remove", _REMOVE),
+            ("clear_node", _CLEAR_NODE), ("locate", _LOCATE), ("leading", _LEADING),
+            ("heartbeat", _HEARTBEAT), ("nodes", _NODES), ("address_of", _ADDRESS_OF))}
+        self._gen_lock = threading.Lock()
+        self._gens: dict[str, int] = {}  # node -> the highest generation this instance saw
+        self._locations: dict[str, Location] = {}  # script text -> Location, bounded
+        self._sub_lock = threading.Lock()
+        self._subscribers: list[Invalidation] = []
+        self._sub_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RedisDirectory:
+        """Build from a DirectoryConfig-like object (attributes url, sentinels, sentinel_master,
+        password_file, namespace, op_timeout_s)."""
+        return cls(url=cfg.url, sentinels=list(cfg.sentinels or ()), sentinel_master=cfg.sentinel_master,
+                   password_file=cfg.password_file, namespace=cfg.namespace, op_timeout_s=cfg.op_timeout_s)
+
+    @staticmethod
+    def _auth_from_url(url: str) -> dict[str, Any]:
+        """Sentinel mode: the URL names only db, credentials and TLS (the Sentinels name the host)."""
+        parsed = parse_url(url)
+        out = {k: v for k, v in parsed.items() if k not in ("host", "port", "path", "connection_class")}
+        if url.startswith("rediss://"):
+            out["ssl"] = True
+        return out
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _call(self, name: str, args: list[Any]) -> Any:
+        if self._closed:
+            raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
+        try:
+            return self._scripts[name](args=[self._ns, *args])
+        except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as e:
+            raise DirectoryAuthError(f"redis directory at {self.address}: authentication failed for user "
+                                     f"{self._username!r} ({type(e).__name__}: {e})") from e
+        except redis.exceptions.RedisError as e:
+            raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
+                                       f"({type(e).__name__}: {e})") from e
+        except OSError as e:  # TLS handshake errors and the like surface raw from some paths
+            raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
+                                       f"({type(e).__name__}: {e})") from e
+
+    def _saw_gen(self, node_id: str, gen: int) -> None:
+        with self._gen_lock:
+            if gen > self._gens.get(node_id, 0):
+                self._gens[node_id] = gen
+
+    def _location(self, text: str) -> Location:
+        """Location of a script's "tier|size|checksum|node" (cached: the same few repeat)."""
+        loc = self._locations.get(text)
+        if loc is None:
+            tier, size, checksum, node = text.split("|", 3)
+            loc = Location(node, tier, int(size), int(checksum))
+            if len(self._locations) >= 1 << 16:
+                self._locations.clear()
+            self._locations[text] = loc
+        return loc
+
+    @staticmethod
+    def _packed(entries: Sequence[tuple[str, Location]]) -> str:
+        flat: list[str] = []
+        for key, loc in entries:
+            flat.append(key)
+            flat.append(f"{loc.tier}|{int(loc.size)}|{int(loc.checksum)}")
+        return _joined(flat)
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
+        node_id = _check_node_id(info.node_id)
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        blob = msgspec.json.encode(msgspec.structs.replace(info, alive=True)).decode()
+        known, gen = self._call("heartbeat", [node_id, max(1, int(ttl_s * 1000)), blob])
+        with self._gen_lock:
+            expected = self._gens.get(node_id, 0)
+            intact = gen >= expected
+            # After a loss the counter restarts from what Redis has: the caller's resync then
+            # establishes a new baseline instead of staying "behind" forever.
+            self._gens[node_id] = gen
+        if known and not intact:
+            logger.warning("redis directory at %s lost writes of node %s (generation %d, expected >= %d): resync",
+                           self.address, node_id, gen, expected)
+        return bool(known) and intact
+
+    def deregister_node(self, node_id: str) -> None:
+        self._call("clear_node", [_check_node_id(node_id), "1", ""])
+        with self._gen_lock:
+            self._gens.pop(node_id, None)
+
+    def nodes(self) -> list[NodeInfo]:
+        flat = self._call("nodes", [""])
+        out = []
+        for i in range(0, len(flat), 3):
+            try:
+                info = msgspec.json.decode(flat[i + 1], type=NodeInfo)
+            except msgspec.DecodeError:
+                logger.warning("redis directory at %s: node %r has an unreadable info record", self.address, flat[i])
+                continue
+            out.append(msgspec.structs.replace(info, alive=bool(flat[i + 2])))
+        return sorted(out, key=lambda n: n.node_id)
+
+    # -- placing objects -------------------------------------------------------------------------
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+        _check_node_id(node_id)
+        check_entries(node_id, entries)
+        gen, refused = self._call("register", [node_id, "1" if resync else "0", self._packed(entries)])
+        self._saw_gen(node_id, gen)
+        return list(refused)
+
+    def unregister(self, node_id: str, keys: Sequence[str]) -> None:
+        _check_node_id(node_id)
+        if keys:
+            self._saw_gen(node_id, self._call("unregister", [node_id, _joined(keys)]))
+
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+        _check_node_id(node_id)
+        if len(keys) != len(sizes):
+            raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        if not keys:
+            return []
+        return [bool(x) for x in self._call("put_start", [node_id, max(1, int(ttl_s * 1000)), _joined(keys)])]
+
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+        _check_node_id(node_id)
+        check_entries(node_id, entries)
+        if not entries:
+            return []
+        gen, out = self._call("put_end", [node_id, self._packed(entries)])
+        self._saw_gen(node_id, gen)
+        return [bool(x) for x in out]
+
+    def put_abort(self, node_id: str, keys: Sequence[str]) -> None:
+        _check_node_id(node_id)
+        if keys:
+            self._call("put_abort", [node_id, _joined(keys)])
+
+    def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
+        if tombstone_ttl_s < 0:
+            raise ValueError(f"tombstone_ttl_s must be >= 0, got {tombstone_ttl_s!r}")
+        if not keys:
+            return {}
+        flat = self._call("remove", [int(tombstone_ttl_s * 1000), _joined(keys)])
+        return {flat[i]: sorted(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def clear_node(self, node_id: str) -> int:
+        return int(self._call("clear_node", [_check_node_id(node_id), "0", ""]))
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def locate(self, keys: Sequence[str], *, exclude: str | None = None) -> list[list[Location]]:
+        if not keys:
+            return []
+        parts = self._call("locate", [exclude or "", _joined(keys)]).split(_SEP)
+        loc_of = self._location
+        out: list[list[Location]] = []
+        i = 0
+        for _ in range(len(keys)):
+            n = int(parts[i])
+            i += 1
+            if n == 0:
+                out.append([])
+                continue
+            if n == 1:
+                out.append([loc_of(parts[i])])
+                i += 1
+                continue
+            found = [loc_of(x) for x in parts[i:i + n]]
+            i += n
+            if n > 1:
+                found.sort(key=best_first)
+            out.append(found)
+        return out
+
+    def leading(self, keys: Sequence[str], *, exclude: str | None = None) -> int:
+        if not keys:
+            return 0
+        return int(self._call("leading", [exclude or "", _joined(keys)]))
+
+    def node_keys(self, node_id: str) -> list[str]:
+        try:
+            return list(self._r.smembers(f"{self._ns}:nk:{_check_node_id(node_id)}"))
+        except redis.exceptions.RedisError as e:
+            raise DirectoryUnavailable(f"redis directory at {self.address}: node_keys failed "
+                                       f"({type(e).__name__}: {e})") from e
+
+    def address_of(self, node_ids: Sequence[str]) -> dict[str, str]:
+        if not node_ids:
+            return {}
+        flat = self._call("address_of", [_joined([_check_node_id(n) for n in node_ids], "node_id")])
+        out = {}
+        for i in range(0, len(flat), 2):
+            try:
+                out[flat[i]] = msgspec.json.decode(flat[i + 1], type=NodeInfo).address
+            except msgspec.DecodeError:
+                logger.warning("redis directory at %s: node %r has an unreadable info record", self.address, flat[i])
+        return out
+
+    # -- invalidations and lifecycle -------------------------------------------------------------
+    def subscribe(self, fn: Invalidation) -> Callable[[], None]:
+        with self._sub_lock:
+            if self._closed:
+                raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
+            self._subscribers.append(fn)
+            if self._sub_thread is None:
+                self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
+                self._sub_thread.start()
+
+        def unsubscribe() -> None:
+            with self._sub_lock:
+                try:
+                    self._subscribers.remove(fn)
+                except ValueError:
+                    pass
+
+        return unsubscribe
+
+    def _listen(self) -> None:
+        channel = f"{self._ns}:inval"
+        backoff_s = 0.05
+        while not self._stop.is_set():
+            pubsub = None
+            try:
+                pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(channel)
+                backoff_s = 0.05
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.2)
+                    if msg is not None and msg.get("type") == "message":
+                        self._deliver(msg["data"].split(_SEP))
+            except Exception as e:  # noqa: BLE001 - any failure: reconnect, never die
+                if self._stop.is_set():
+                    break
+                logger.warning("redis directory at %s: invalidation channel lost (%s: %s); reconnecting",
+                               self.address, type(e).__name__, e)
+                self._stop.wait(backoff_s)
+                backoff_s = min(2.0, backoff_s * 2)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:  # noqa: BLE001 - closing a broken connection
+                        pass
+
+    def _deliver(self, keys: list[str]) -> None:
+        with self._sub_lock:
+            subscribers = list(self._subscribers)
+        for fn in subscribers:
+            try:
+                fn(keys)
+            except Exception:
+                logger.exception("directory invalidation subscriber %r failed", fn)
+
+    def close(self) -> None:
+        with self._sub_lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread, self._sub_thread = self._sub_thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(timeout=5.0)
+        try:
+            self._r.close()
+        except Exception:  # noqa: BLE001 - closing
+            pass
