@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# A pool of two node services on one machine (loopback), a Redis directory, and one vLLM server
+# attached to each node: a prefix computed by the first server is loaded by the second from the
+# first node over the pool's TCP transport.
+#
+#   MODEL=meta-llama/Llama-3.2-1B bash examples/pool/run_two_nodes.sh
+#   curl -s localhost:8101/v1/completions -H 'Content-Type: application/json' \
+#        -d '{"model": "'"$MODEL"'", "prompt": "<a long prompt>", "max_tokens": 16}'   # computed on node 1
+#   curl -s localhost:8102/v1/completions -H 'Content-Type: application/json' \
+#        -d '{"model": "'"$MODEL"'", "prompt": "<the same prompt>", "max_tokens": 16}' # loaded from node 1
+#
+# On real machines run one node service per machine instead (listen on the address the nodes share,
+# the same secret file on each, directory.url naming the shared Redis): docs/POOL.md. Ctrl-C (or
+# SIGTERM) stops everything: the servers, then the node services, then Redis.
+# tests/vllm_plugin/test_e2e_pool.py checks the same arrangement on vLLM's CPU build with a tiny model.
+set -euo pipefail
+VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
+PY="$VENV/bin/python"
+MODEL=${MODEL:?set MODEL to a model name or a local model directory}
+PORT1=${PORT1:-8101}
+PORT2=${PORT2:-8102}
+REDIS_PORT=${REDIS_PORT:-0}   # 0: a free port
+CHUNK_TOKENS=${CHUNK_TOKENS:-256}
+DRAM=${DRAM:-4GiB}            # each node's DRAM arena
+EXTRA_ARGS=${EXTRA_ARGS:-}    # e.g. "--block-size 32 --max-model-len 8192" (CPU build: block size a multiple of 32)
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+RUN_DIR=$(mktemp -d /tmp/mkv-pool-XXXXXX)   # sockets, configs, the secret, Redis' directory (private)
+chmod 700 "$RUN_DIR"
+
+if [ "$REDIS_PORT" = 0 ]; then
+  REDIS_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+fi
+head -c 32 /dev/urandom | base64 >"$RUN_DIR/pool.secret"
+chmod 600 "$RUN_DIR/pool.secret"
+
+node_config() {  # $1: node name
+  cat >"$RUN_DIR/$1.json" <<JSON
+{"socket": "$RUN_DIR/$1/node.sock", "metrics": null,
+ "store": {"dram": {"capacity_bytes": "$DRAM", "shm_name": "mkv-example-$1-$$"}},
+ "pool": {"node_id": "$1", "listen": "127.0.0.1:0", "secret_file": "$RUN_DIR/pool.secret",
+          "directory": {"kind": "redis", "url": "redis://127.0.0.1:$REDIS_PORT/0"}}}
+JSON
+}
+engine_config() {  # $1: node name
+  echo '{"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
+         "kv_role": "kv_both",
+         "kv_connector_extra_config": {"chunk_tokens": '"$CHUNK_TOKENS"',
+                                       "store": {"node": {"socket": "'"$RUN_DIR/$1/node.sock"'"}}}}'
+}
+
+pids=()
+services=()
+redis=""
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait "${pids[@]}" 2>/dev/null || true
+  for n in "${services[@]}"; do "$PY" -m store_backend.node stop --socket "$RUN_DIR/$n/node.sock" --wait 120 || true; done
+  if [ -n "$redis" ]; then kill "$redis" 2>/dev/null || true; wait "$redis" 2>/dev/null || true; fi
+  rm -rf "$RUN_DIR"
+}
+trap cleanup EXIT INT TERM
+
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$RUN_DIR" \
+    --logfile "$RUN_DIR/redis.log" &
+redis=$!
+for n in node1 node2; do
+  mkdir -m 700 "$RUN_DIR/$n"
+  node_config "$n"
+  "$PY" -m store_backend.node serve --config "$RUN_DIR/$n.json" &
+  services+=("$n")
+done
+for n in node1 node2; do
+  "$PY" -m store_backend.node status --socket "$RUN_DIR/$n/node.sock" --wait 120 >/dev/null
+done
+
+port_of() { if [ "$1" = node1 ]; then echo "$PORT1"; else echo "$PORT2"; fi; }
+for n in node1 node2; do
+  # shellcheck disable=SC2086
+  "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$(port_of "$n")" $EXTRA_ARGS \
+      --kv-transfer-config "$(engine_config "$n")" &
+  pids+=($!)
+done
+healthy() {  # $1: port; $2: pid of the server behind it
+  until "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then echo "the server on port $1 exited before it was healthy" >&2; exit 1; fi
+    sleep 2
+  done
+}
+healthy "$PORT1" "${pids[0]}"
+healthy "$PORT2" "${pids[1]}"
+echo "pool ready: vLLM on ports $PORT1 (node1) and $PORT2 (node2), Redis on 127.0.0.1:$REDIS_PORT"
+echo "  $PY -m store_backend.node status --pool --socket $RUN_DIR/node2/node.sock   # the pool as node2 sees it"
+wait "${pids[@]}"
