@@ -5,8 +5,11 @@ A frame is a 4-byte big-endian header length (at most :data:`MAX_HEADER_BYTES`),
 order and sizes the header names. Exchanges (``req`` numbers a request; its answers repeat it):
 
 - get: ``get`` (keys, sizes = the reader's buffer capacities) -> ``get_reply`` (statuses, sizes)
-  -> the payload of every OK key -> ``get_end`` (statuses: OK, or IO_ERROR where the lease's
-  release said the bytes may have changed while they were sent; checksums: xxh3-64 per OK key).
+  -> the payload of every OK key -> ``get_ack`` from the reader once it has all of it ->
+  ``get_end`` (statuses: OK, or IO_ERROR where the lease's release said the bytes may have
+  changed while they were sent; checksums: xxh3-64 per OK key). The server releases its leases
+  only after ``get_ack``: ``sendfile`` queues references to the arena's pages, not copies, so a
+  slot released (and reused) before the reader copied them out would change bytes in flight.
 - put: ``put`` (keys, sizes) -> ``put_accept`` (statuses: OK = send it) -> the payload of every
   accepted key -> ``put_end`` (checksums of the sent keys) -> ``put_reply`` (statuses).
 - remove: ``remove`` (keys) -> ``remove_reply`` (statuses).
@@ -41,7 +44,7 @@ MAX_U64 = (1 << 64) - 1
 # One recv_into asks for at most this much: large enough to drain a big socket buffer in one call.
 RECV_PIECE_BYTES = 8 << 20
 
-OPS = ("get", "get_reply", "get_end", "put", "put_accept", "put_end", "put_reply", "remove", "remove_reply",
+OPS = ("get", "get_reply", "get_ack", "get_end", "put", "put_accept", "put_end", "put_reply", "remove", "remove_reply",
        "error", "auth_ok")
 REQUEST_OPS = ("get", "put", "remove")
 _STATUSES = frozenset(int(s) for s in Status)

@@ -8,8 +8,9 @@ past that a connection gets an ``error`` header and is closed). Each connection 
 back whatever it still held, so a peer that dies mid-transfer leaves nothing leased or reserved.
 A get leases its keys (stage_in), sends the leased bytes (``os.sendfile`` from the arena's shared
 segment when the store has one: no copy in this process; else ``send`` of the lease views), hashes
-each object on the server's hash threads while the next is on the wire, releases, and sends the
-checksums and the release verdicts last. A put reserves, receives straight into the reserved
+each object on the server's hash threads while the next is on the wire, releases once the reader
+acknowledged every byte (sendfile queues page references, not copies), and sends the checksums and
+the release verdicts last. A put reserves, receives straight into the reserved
 slots, verifies the sender's checksums and commits (or aborts).
 
 Client: a bounded pool of authenticated connections per peer, reused across calls; a connection
@@ -374,6 +375,11 @@ class TcpTransportServer:
             for lease in sent:
                 self._send_object(sock, lease, deadline)
                 self._count("bytes_sent", lease.nbytes)
+            if sent:
+                # The leases stay held until the reader has every byte (see get_ack in frames).
+                ack = read_header(sock, self.max_object_bytes, deadline)
+                if ack.op != "get_ack" or ack.req != h.req:
+                    raise FrameError(f"expected get_ack of request {h.req}, got {ack.op} of request {ack.req}")
             sums = [f.result() for f in hashes]  # type: ignore[union-attr]
             valid = dict(zip((id(x) for x in held), self._store.release(held, owner=owner)))
             released = True
@@ -689,6 +695,8 @@ class TcpTransport:
                     recv_exactly_into(conn.sock, view, deadline)
                     self._count("bytes_received", size)
                     hashes.append(self._hasher.submit(checksum, view))
+                if incoming:
+                    send_header(conn.sock, Header(op="get_ack", req=req), deadline)
                 end = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "get_end", req, address)
                 if len(end.statuses) != len(incoming):
                     raise _Failure("protocol", f"{address}: get_end has {len(end.statuses)} statuses for "

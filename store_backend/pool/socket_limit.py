@@ -1,0 +1,86 @@
+"""The raw limit a Python TCP stream reaches on this machine: a plain ``sendall`` -> ``recv_into``
+between two processes over loopback, what the pool transport is measured against.
+
+:func:`raw_socket_limit_gbps` starts one sender process (multiprocessing, spawn), connects to it
+on 127.0.0.1 and, per object size, times receiving ``total_bytes`` in objects of that size into
+one preallocated buffer (no hashing, no headers: the ceiling). Blocking; owns its child process
+and ends it before returning. Used by the pool benchmark (``mooncake_kv.bench.pool``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import struct
+import time
+from collections.abc import Sequence
+
+_REQ = struct.Struct(">QQ")  # object size, object count; (0, 0) ends the sender
+
+
+def _sender(port: int, buffer_bytes: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        data: memoryview | None = None
+        while True:
+            head = sock.recv(_REQ.size, socket.MSG_WAITALL)
+            if len(head) < _REQ.size:
+                return
+            size, count = _REQ.unpack(head)
+            if count == 0:
+                return
+            if data is None or data.nbytes < size:
+                data = memoryview(bytearray(size))
+            for _ in range(count):
+                sock.sendall(data[:size])
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("sender closed early")
+        got += k
+
+
+def raw_socket_limit_gbps(sizes_bytes: Sequence[int], total_bytes: int, *, repeats: int = 3,
+                          buffer_bytes: int = 0) -> dict[int, float]:
+    """GB/s (1e9 bytes/s) of one plain Python stream per object size in ``sizes_bytes``, moving
+    ``total_bytes`` (at least one object) per repeat; the best of ``repeats``. ``buffer_bytes``:
+    SO_SNDBUF/SO_RCVBUF to set (0: the kernel's default, as a plain socket has)."""
+    ctx = multiprocessing.get_context("spawn")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        proc = ctx.Process(target=_sender, args=(listener.getsockname()[1], buffer_bytes), daemon=True)
+        proc.start()
+        try:
+            listener.settimeout(60)
+            sock, _ = listener.accept()
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if buffer_bytes:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+                sock.settimeout(120)
+                out: dict[int, float] = {}
+                for size in sizes_bytes:
+                    count = max(1, total_bytes // size)
+                    buf = memoryview(bytearray(size))
+                    best = 0.0
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        sock.sendall(_REQ.pack(size, count))
+                        for _ in range(count):
+                            _recv_into(sock, buf)
+                        best = max(best, size * count / (time.perf_counter() - t0) / 1e9)
+                    out[size] = best
+                sock.sendall(_REQ.pack(0, 0))
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return out

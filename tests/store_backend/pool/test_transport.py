@@ -1,0 +1,287 @@
+"""TcpTransport against a TcpTransportServer serving a real TieredStore over real loopback sockets."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from store_backend.pool.tcp import TcpTransport, TcpTransportServer, split_by_bytes
+from store_backend.pool.transport import FAILURE_KINDS, Transport, TransportServer
+from store_backend.types import ReadResult, Status
+from tests.store_backend.pool.transport_helpers import MiB, SECRET, payload, served, slots_held, transport, wait_for
+
+SIZES = [0, 1, 4097, 1 * MiB, 3 * MiB + 5, 2 * MiB + 512 * 1024, 7, 65536]
+
+
+@pytest.fixture(params=["sendfile", "private-arena"])
+def server(request):
+    with served(shared=request.param == "sendfile") as (store, srv):
+        yield store, srv
+
+
+def test_implements_the_protocols(server):
+    _, srv = server
+    t = transport()
+    try:
+        assert isinstance(t, Transport)
+        assert isinstance(srv, TransportServer)
+        assert set(t.stats()) >= {"bytes_received", "bytes_sent", "requests", *(f"failures_{k}" for k in FAILURE_KINDS)}
+        assert set(srv.stats()) >= {"connections", "auth_failures", "bytes_sent", "bytes_received", "requests",
+                                    "bad_frames"}
+    finally:
+        t.close()
+
+
+def test_put_get_remove_round_trip_is_byte_identical(server):
+    store, srv = server
+    t = transport(streams=2, min_stream_bytes=64 * 1024)
+    keys = [f"rt/{i}" for i in range(len(SIZES))]
+    data = [payload(k, s) for k, s in zip(keys, SIZES)]
+    try:
+        assert t.put(srv.address, keys, data) == [Status.OK] * len(keys)
+        # The server's store holds exactly what was sent.
+        for k, d in zip(keys, data):
+            out = np.zeros(d.nbytes, np.uint8)
+            assert store.get_into([k], [out])[0] == ReadResult(Status.OK, d.nbytes)
+            assert np.array_equal(out, d)
+        bufs = [np.full(d.nbytes + 3, 0xAB, np.uint8) for d in data]
+        res = t.get_into(srv.address, keys, bufs)
+        assert res == [ReadResult(Status.OK, d.nbytes) for d in data]
+        for b, d in zip(bufs, data):
+            assert np.array_equal(b[:d.nbytes], d)
+            assert (b[d.nbytes:] == 0xAB).all()  # nothing written past the object
+        # The batch was larger than one stream's share: it went over two connections.
+        assert t.stats()["connections"] == 2
+        if store.segment() is not None:
+            assert srv.stats()["sendfile_bytes"] >= sum(SIZES)
+        assert t.remove(srv.address, keys[:3] + ["rt/never"]) == [Status.OK] * 3 + [Status.NOT_FOUND]
+        res = t.get_into(srv.address, keys[:4], [np.zeros(8, np.uint8) for _ in range(4)])
+        assert [r.status for r in res] == [Status.NOT_FOUND] * 3 + [Status.BUFFER_TOO_SMALL]
+        assert res[3].nbytes == SIZES[3]
+        assert wait_for(lambda: slots_held(store) == (0, 0))
+        assert t.stats()["bytes_received"] >= sum(SIZES)
+    finally:
+        t.close()
+
+
+def test_not_found_buffer_too_small_exists_and_invalid_key(server):
+    store, srv = server
+    t = transport()
+    try:
+        d = payload("a", 1000)
+        assert t.put(srv.address, ["a"], [d]) == [Status.OK]
+        assert t.put(srv.address, ["a", ""], [payload("a2", 5), d]) == [Status.EXISTS, Status.INVALID_KEY]
+        out = np.zeros(1000, np.uint8)
+        assert t.get_into(srv.address, ["a"], [out]) == [ReadResult(Status.OK, 1000)]
+        assert np.array_equal(out, d)  # EXISTS kept the first bytes
+        res = t.get_into(srv.address, ["nope", "a", "x\x00"], [np.zeros(10, np.uint8)] * 3)
+        assert res == [ReadResult(Status.NOT_FOUND), ReadResult(Status.BUFFER_TOO_SMALL, 1000),
+                       ReadResult(Status.INVALID_KEY)]
+        with pytest.raises(TypeError):
+            t.get_into(srv.address, ["a"], [bytes(1000)])
+        assert slots_held(store) == (0, 0)
+    finally:
+        t.close()
+
+
+def test_directory_checksum_mismatch_is_corrupt(server):
+    _, srv = server
+    t = transport()
+    try:
+        d = payload("c", 4096)
+        assert t.put(srv.address, ["c"], [d]) == [Status.OK]
+        import xxhash
+        good = xxhash.xxh3_64_intdigest(d)
+        out = np.zeros(4096, np.uint8)
+        assert t.get_into(srv.address, ["c"], [out], checksums=[good]) == [ReadResult(Status.OK, 4096)]
+        assert t.get_into(srv.address, ["c"], [out], checksums=[good ^ 1]) == [ReadResult(Status.CORRUPT)]
+        assert t.stats()["failures_checksum"] == 1
+    finally:
+        t.close()
+
+
+def test_no_space_from_a_full_store():
+    with served(capacity_bytes=8 * MiB) as (store, srv):
+        keys = [f"full/{i}" for i in range(4)]
+        assert all(s is Status.OK for s in store.put(keys, [payload(k, 2 * MiB) for k in keys]))
+        # Everything is leased (two local owners, each within its share): nothing can be evicted.
+        held = store.lease(keys[:2], owner=1), store.lease(keys[2:], owner=2)
+        assert all(x.status is Status.OK for h in held for x in h)
+        t = transport()
+        try:
+            assert t.put(srv.address, ["new"], [payload("new", 2 * MiB)]) == [Status.NO_SPACE]
+            assert store.contains(["new"]) == [False]
+            store.release(held[0], owner=1)
+            store.release(held[1], owner=2)
+            assert t.put(srv.address, ["new"], [payload("new", 2 * MiB)]) == [Status.OK]
+        finally:
+            t.close()
+        assert wait_for(lambda: slots_held(store) == (0, 0))
+
+
+def test_a_wrong_secret_is_refused_and_counted(server):
+    store, srv = server
+    bad = TcpTransport("not-the-secret")
+    good = transport()
+    try:
+        assert good.put(srv.address, ["s"], [payload("s", 10)]) == [Status.OK]
+        assert bad.get_into(srv.address, ["s"], [np.zeros(10, np.uint8)]) == [ReadResult(Status.IO_ERROR)]
+        assert bad.put(srv.address, ["s2"], [payload("s2", 10)]) == [Status.IO_ERROR]
+        assert bad.stats()["failures_refused"] == 2
+        assert wait_for(lambda: srv.stats()["auth_failures"] == 2)
+        assert store.contains(["s2"]) == [False]
+        out = np.zeros(10, np.uint8)
+        assert good.get_into(srv.address, ["s"], [out]) == [ReadResult(Status.OK, 10)]
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_binds_loopback_by_default():
+    with served() as (_, srv):
+        assert srv.address.startswith("127.0.0.1:")
+        assert int(srv.address.rsplit(":", 1)[1]) > 0
+
+
+def test_connections_are_reused(server):
+    _, srv = server
+    t = transport(streams=1)
+    try:
+        t.put(srv.address, ["r"], [payload("r", 100)])
+        out = np.zeros(100, np.uint8)
+        for _ in range(20):
+            assert t.get_into(srv.address, ["r"], [out]) == [ReadResult(Status.OK, 100)]
+        assert t.stats()["connections"] == 1
+        assert srv.stats()["connections"] == 1
+        assert srv.stats()["requests"] == 21
+    finally:
+        t.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced():
+    with served(idle_timeout_s=0.3) as (store, srv):
+        t = transport(streams=1)
+        try:
+            assert t.put(srv.address, ["i"], [payload("i", 100)]) == [Status.OK]
+            time.sleep(0.8)  # the server ends the idle connection
+            out = np.zeros(100, np.uint8)
+            assert t.get_into(srv.address, ["i"], [out]) == [ReadResult(Status.OK, 100)]
+            assert t.stats()["connections"] == 2
+            assert all(v == 0 for k, v in t.stats().items() if k.startswith("failures_"))
+        finally:
+            t.close()
+
+
+def test_connections_past_max_connections_are_refused():
+    with served(max_connections=1) as (_, srv):
+        a, b = transport(streams=1), transport(streams=1)
+        try:
+            assert a.put(srv.address, ["m"], [payload("m", 10)]) == [Status.OK]  # a keeps its connection
+            assert b.get_into(srv.address, ["m"], [np.zeros(10, np.uint8)]) == [ReadResult(Status.IO_ERROR)]
+            assert b.stats()["failures_refused"] == 1
+            assert srv.stats()["refused_connections"] == 1
+            a.close()
+            assert wait_for(lambda: b.get_into(srv.address, ["m"], [np.zeros(10, np.uint8)])[0].ok)
+        finally:
+            a.close()
+            b.close()
+
+
+def _versioned(key: str, version: int, size: int) -> np.ndarray:
+    """Bytes that say which key and version they are and verify themselves."""
+    body = payload(f"{key}#{version}", size - 24)
+    head = struct.pack("<QQ", version, int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
+    digest = hashlib.blake2b(head + body.tobytes(), digest_size=8).digest()
+    return np.frombuffer(head + digest + body.tobytes(), np.uint8).copy()
+
+
+def _check_versioned(key: str, buf: np.ndarray) -> int:
+    head, digest, body = buf[:16].tobytes(), buf[16:24].tobytes(), buf[24:].tobytes()
+    assert hashlib.blake2b(head + body, digest_size=8).digest() == digest, f"{key}: bytes do not verify"
+    version, kh = struct.unpack("<QQ", head)
+    assert kh == int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"), f"{key}: other key"
+    return version
+
+
+def test_many_threads_at_once_read_only_bytes_that_verify():
+    with served(capacity_bytes=128 * MiB) as (store, srv):
+        t = transport(streams=2, min_stream_bytes=128 * 1024)
+        errors: list[BaseException] = []
+        size = 256 * 1024
+        keys = [f"v/{i}" for i in range(16)]
+        stop = threading.Event()
+        seen = {"ok": 0}
+
+        def writer(w: int) -> None:
+            try:
+                for version in range(1, 6):
+                    mine = [k for j, k in enumerate(keys) if j % 4 == w]
+                    t.remove(srv.address, mine)
+                    st = t.put(srv.address, mine, [_versioned(k, version, size) for k in mine])
+                    assert all(s in (Status.OK, Status.EXISTS) for s in st), st
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def reader() -> None:
+            bufs = [np.zeros(size, np.uint8) for _ in keys]
+            try:
+                while not stop.is_set():
+                    for k, b, r in zip(keys, bufs, t.get_into(srv.address, keys, bufs)):
+                        assert r.status in (Status.OK, Status.NOT_FOUND), (k, r)
+                        if r.ok:
+                            assert 1 <= _check_versioned(k, b) <= 5
+                            seen["ok"] += 1
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+        readers = [threading.Thread(target=reader) for _ in range(3)]
+        for th in readers + writers:
+            th.start()
+        for th in writers:
+            th.join(60)
+        stop.set()
+        for th in readers:
+            th.join(60)
+        t.close()
+        assert not errors, errors[:3]
+        assert seen["ok"] > 0
+        assert wait_for(lambda: slots_held(store) == (0, 0))
+
+
+def test_split_by_bytes():
+    assert split_by_bytes([], 2) == []
+    assert split_by_bytes([10, 10], 2, 1 << 20) == [range(2)]
+    assert split_by_bytes([4 << 20] * 4, 2, 1 << 20) == [range(0, 2), range(2, 4)]
+    parts = split_by_bytes([1 << 20] * 64, 4, 1 << 20)
+    assert [len(p) for p in parts] == [16, 16, 16, 16]
+    assert split_by_bytes([64 << 20], 4, 1 << 20) == [range(1)]
+
+
+def test_close_is_idempotent_and_a_closed_transport_answers_io_error():
+    with served() as (_, srv):
+        t = transport()
+        t.put(srv.address, ["z"], [payload("z", 10)])
+        t.close()
+        t.close()
+        with pytest.raises(RuntimeError):  # its workers are shut down
+            t.get_into(srv.address, ["z"] * 600, [np.zeros(10, np.uint8)] * 600)
+
+
+def test_server_rejects_bad_config():
+    from tests.store_backend.pool.transport_helpers import make_store
+    store = make_store(8 * MiB, shared=False)
+    try:
+        with pytest.raises(ValueError, match="max_connections"):
+            TcpTransportServer(store, SECRET, max_connections=0)
+        with pytest.raises(ValueError, match="secret"):
+            TcpTransportServer(store, "")
+        with pytest.raises(ValueError, match="frame_timeout_s"):
+            TcpTransportServer(store, SECRET, frame_timeout_s=0)
+    finally:
+        store.close(flush=False)

@@ -1,0 +1,174 @@
+"""Shared pieces of the transport tests: a served store, a server in its own process, payloads
+that verify themselves, and a byte-flipping TCP proxy (fault injection)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.store import TieredStore
+
+MiB = 1 << 20
+SECRET = "test-pool-secret"
+
+
+def payload(key: str, size: int) -> np.ndarray:
+    """Deterministic bytes for a key, so any reader can check what it got."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def make_store(capacity_bytes: int = 64 * MiB, shared: bool = True) -> TieredStore:
+    """A real TieredStore; ``shared``: its arena is a fresh /dev/shm segment (sendfile applies)."""
+    dram: dict[str, Any] = {"capacity_bytes": capacity_bytes}
+    if shared:
+        dram["shm_name"] = f"mkv-test-{uuid.uuid4().hex[:12]}"
+    return TieredStore({"dram": dram}, fresh_segment=shared)
+
+
+@contextmanager
+def served(capacity_bytes: int = 64 * MiB, shared: bool = True, **server_kw: Any
+           ) -> Iterator[tuple[TieredStore, TcpTransportServer]]:
+    store = make_store(capacity_bytes, shared)
+    server = TcpTransportServer(store, SECRET, **server_kw)
+    try:
+        server.start()
+        yield store, server
+    finally:
+        server.close()
+        store.close(flush=False)
+
+
+def _serve_process(q: Any, stop: Any, capacity_bytes: int, keys_sizes: list[tuple[str, int]]) -> None:
+    store = make_store(capacity_bytes)
+    st = store.put([k for k, _ in keys_sizes], [payload(k, s) for k, s in keys_sizes])
+    assert all(s.ok for s in st), st
+    server = TcpTransportServer(store, SECRET)
+    server.start()
+    q.put(server.address)
+    stop.wait(120)
+    server.close()
+    store.close(flush=False)
+
+
+class ServerProcess:
+    """A TcpTransportServer over a real TieredStore in its own (spawned) process, preloaded with
+    ``payload(key, size)`` for each of ``keys_sizes``. ``kill()`` is SIGKILL."""
+
+    def __init__(self, keys_sizes: list[tuple[str, int]], capacity_bytes: int = 128 * MiB) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._q, self._stop = ctx.Queue(), ctx.Event()
+        self.proc = ctx.Process(target=_serve_process, args=(self._q, self._stop, capacity_bytes, keys_sizes),
+                                daemon=True)
+        self.proc.start()
+        self.address: str = self._q.get(timeout=60)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
+
+
+class FlipProxy:
+    """A TCP proxy in front of ``upstream`` that flips (XOR 0xFF) the byte at stream offset
+    ``flip_at`` of one direction (``"down"``: server to client, ``"up"``: client to server) of
+    every connection. Owned threads; ``close()`` ends them."""
+
+    def __init__(self, upstream: str, flip_at: int, direction: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._up = (host, int(port))
+        self._flip_at, self._dir = flip_at, direction
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self.flipped = 0
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            s = socket.create_connection(self._up)
+            self._socks += [c, s]
+            for src, dst, d in ((s, c, "down"), (c, s, "up")):
+                t = threading.Thread(target=self._pump, args=(src, dst, d == self._dir), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
+        seen = 0
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if flip and seen <= self._flip_at < seen + len(data):
+                    b = bytearray(data)
+                    b[self._flip_at - seen] ^= 0xFF
+                    data = bytes(b)
+                    self.flipped += 1
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(5)
+
+
+def wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def slots_held(store: TieredStore) -> tuple[int, int]:
+    g = store.stats().slots
+    return g.reservations, g.leases
+
+
+def transport(**kw: Any) -> TcpTransport:
+    return TcpTransport(SECRET, **kw)
+
+
+__all__ = ["MiB", "SECRET", "FlipProxy", "ServerProcess", "make_store", "payload", "served", "slots_held",
+           "transport", "wait_for"]
