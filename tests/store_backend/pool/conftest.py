@@ -1,0 +1,66 @@
+"""Fixtures of the pool's tests: a real Redis, and directories of both kinds over one backend.
+
+- ``redis_server``: a fresh ``redis-server`` (RedisProcess, random port) for the test.
+- ``directory_kind``: "embedded" or "redis" (parametrized: a test using ``directory`` or
+  ``make_directory_for`` runs once per kind).
+- ``make_directory_for()``: a new Directory over the test's backend (another node's view: the
+  same EmbeddedDirectory instance, or a new RedisDirectory on the same Redis and namespace);
+  keyword arguments go to RedisDirectory (op_timeout_s, ...) and are ignored for embedded.
+  Every directory made is closed at teardown.
+- ``directory``: the first one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from store_backend.pool.directory import Directory
+from store_backend.pool.directory_embedded import EmbeddedDirectory
+from store_backend.pool.directory_redis import RedisDirectory
+from tests.store_backend.pool.redis_server import RedisProcess
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def directory_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_directory_for(request: pytest.FixtureRequest, directory_kind: str) -> Iterator[Callable[..., Directory]]:
+    made: list[Directory] = []
+    if directory_kind == "embedded":
+        shared = EmbeddedDirectory()
+        made.append(shared)
+
+        def make(**_: Any) -> Directory:
+            return shared
+    else:
+        server: RedisProcess = request.getfixturevalue("redis_server")
+        namespace = f"t{next(_namespaces)}"
+
+        def make(**kw: Any) -> Directory:
+            kw.setdefault("url", server.url)
+            kw.setdefault("namespace", namespace)
+            d = RedisDirectory(**kw)
+            made.append(d)
+            return d
+    yield make
+    for d in made:
+        d.close()
+
+
+@pytest.fixture
+def directory(make_directory_for: Callable[..., Directory]) -> Directory:
+    return make_directory_for()

@@ -1,0 +1,299 @@
+"""One contract suite for every Directory: embedded and Redis (a real redis-server) both pass it."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from store_backend.pool.directory import TIER_DRAM, TIER_SSD, Directory, Location, NodeInfo
+
+TTL_S = 30.0
+
+
+def loc(node: str, tier: str = TIER_DRAM, size: int = 100, checksum: int = 1) -> Location:
+    return Location(node, tier, size, checksum)
+
+
+def up(d: Directory, *nodes: str, ttl_s: float = TTL_S) -> None:
+    for n in nodes:
+        d.heartbeat(NodeInfo(n, f"127.0.0.1:{1000 + len(n)}"), ttl_s)
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_register_then_locate_best_first_and_leading(directory: Directory) -> None:
+    up(directory, "a", "b", "c")
+    directory.register("c", [("k1", loc("c", TIER_SSD)), ("k2", loc("c"))])
+    directory.register("b", [("k1", loc("b", TIER_SSD))])
+    directory.register("a", [("k1", loc("a", TIER_DRAM, checksum=9))])
+    got = directory.locate(["k1", "k2", "k3"])
+    assert [[x.node for x in row] for row in got] == [["a", "b", "c"], ["c"], []]
+    assert got[0][0] == Location("a", TIER_DRAM, 100, 9)
+    assert directory.locate(["k1"], exclude="a") == [[loc("b", TIER_SSD), loc("c", TIER_SSD)]]
+    assert directory.leading(["k1", "k2", "k3", "k1"]) == 2
+    assert directory.leading(["k2", "k1"], exclude="c") == 0
+    assert directory.leading([]) == 0 and directory.locate([]) == []
+
+
+def test_register_rejects_a_location_of_another_node(directory: Directory) -> None:
+    with pytest.raises(ValueError, match="'b'"):
+        directory.register("a", [("k", loc("b"))])
+    with pytest.raises(ValueError, match="tier"):
+        directory.register("a", [("k", Location("a", "tape", 1))])
+
+
+def test_unregister_keeps_other_copies_and_invalidates(directory: Directory) -> None:
+    up(directory, "a", "b")
+    seen: list[str] = []
+    directory.subscribe(seen.extend)
+    time.sleep(0.2)  # the Redis subscriber thread is connected
+    directory.register("a", [("k", loc("a")), ("j", loc("a"))])
+    directory.register("b", [("k", loc("b"))])
+    directory.unregister("a", ["k", "missing"])
+    assert directory.locate(["k", "j"]) == [[loc("b")], [loc("a")]]
+    assert sorted(directory.node_keys("a")) == ["j"]
+    assert wait_for(lambda: "k" in seen)
+    assert "missing" not in seen
+
+
+def test_a_re_registration_with_another_object_is_invalidated(directory: Directory) -> None:
+    up(directory, "a")
+    seen: list[str] = []
+    directory.subscribe(seen.extend)
+    time.sleep(0.2)
+    directory.register("a", [("k", loc("a", checksum=1))])
+    directory.register("a", [("k", loc("a", TIER_SSD, checksum=1))])  # moved to SSD: same object
+    directory.register("a", [("k", loc("a", TIER_SSD, checksum=2))])  # other bytes: caches must forget
+    assert wait_for(lambda: seen == ["k"])
+
+
+def test_two_phase_put_pending_is_invisible_and_put_end_commits(directory: Directory) -> None:
+    up(directory, "a", "b")
+    directory.register("a", [("k1", loc("a"))])
+    assert directory.put_start("b", ["k1", "k2", "k3"], [100, 100, 100], 10.0) == [True, True, True]
+    assert directory.put_start("b", ["k1", "k2"], [100, 100], 10.0) == [False, False]  # another writer
+    assert directory.put_start("a", ["k1"], [100], 10.0) == [False]  # a already holds it
+    assert directory.locate(["k1", "k2", "k3"]) == [[loc("a")], [], []]
+    assert directory.leading(["k2"]) == 0
+    assert directory.put_end("b", [("k1", loc("b")), ("k2", loc("b"))]) == [True, True]
+    assert directory.locate(["k1", "k2"]) == [[loc("a"), loc("b")], [loc("b")]]
+    directory.put_abort("b", ["k3"])
+    assert directory.put_end("b", [("k3", loc("b"))]) == [False]
+    assert directory.locate(["k3"]) == [[]]
+    assert directory.put_end("b", [("k4", loc("b"))]) == [False]  # never started
+
+
+def test_pending_marks_expire(directory: Directory) -> None:
+    up(directory, "b")
+    assert directory.put_start("b", ["k"], [1], 0.2) == [True]
+    time.sleep(0.35)
+    assert directory.put_end("b", [("k", loc("b"))]) == [False]
+    assert directory.locate(["k"]) == [[]]
+    assert directory.put_start("b", ["k"], [1], 5.0) == [True]  # the expired mark no longer blocks
+
+
+def test_register_clears_a_pending_mark_of_the_same_node(directory: Directory) -> None:
+    up(directory, "b")
+    assert directory.put_start("b", ["k"], [1], 10.0) == [True]
+    directory.register("b", [("k", loc("b"))])
+    assert directory.put_end("b", [("k", loc("b"))]) == [False]
+    assert directory.locate(["k"]) == [[loc("b")]]
+
+
+def test_remove_returns_holders_tombstones_and_drops_pending(directory: Directory) -> None:
+    up(directory, "a", "b", "c")
+    seen: list[str] = []
+    directory.subscribe(seen.extend)
+    time.sleep(0.2)
+    directory.register("a", [("k", loc("a")), ("j", loc("a"))])
+    directory.register("b", [("k", loc("b"))])
+    assert directory.put_start("c", ["k"], [100], 10.0) == [True]
+    assert directory.remove(["k", "nothing"]) == {"k": ["a", "b"]}
+    assert directory.locate(["k", "j"]) == [[], [loc("a")]]
+    assert directory.node_keys("b") == []
+    assert directory.put_end("c", [("k", loc("c"))]) == [False]  # removed while in flight
+    # A node that was down comes back with its old copy: refused, named.
+    assert directory.register("b", [("k", loc("b")), ("j", loc("b"))], resync=True) == ["k"]
+    assert directory.locate(["k", "j"]) == [[], [loc("a"), loc("b")]]
+    # A fresh put of the key after the remove is legitimate and clears the tombstone.
+    assert directory.register("a", [("k", loc("a"))]) == []
+    assert directory.register("b", [("k", loc("b"))], resync=True) == []
+    assert directory.locate(["k"]) == [[loc("a"), loc("b")]]
+    assert wait_for(lambda: "k" in seen)
+
+
+def test_tombstones_expire(directory: Directory) -> None:
+    up(directory, "a")
+    directory.register("a", [("k", loc("a"))])
+    directory.remove(["k"], tombstone_ttl_s=0.2)
+    assert directory.register("a", [("k", loc("a"))], resync=True) == ["k"]
+    time.sleep(0.35)
+    assert directory.register("a", [("k", loc("a"))], resync=True) == []
+
+
+def test_clear_node_and_deregister_node(directory: Directory) -> None:
+    up(directory, "a", "b")
+    seen: list[str] = []
+    directory.subscribe(seen.extend)
+    time.sleep(0.2)
+    directory.register("a", [(f"k{i}", loc("a")) for i in range(5)])
+    directory.register("b", [("k0", loc("b")), ("x", loc("b"))])
+    assert sorted(directory.node_keys("a")) == [f"k{i}" for i in range(5)]
+    assert directory.clear_node("a") == 5
+    assert directory.node_keys("a") == []
+    assert directory.locate(["k0", "k1"]) == [[loc("b")], []]
+    assert wait_for(lambda: {f"k{i}" for i in range(5)} <= set(seen))
+    directory.deregister_node("b")
+    assert directory.locate(["k0", "x"]) == [[], []]
+    assert [n.node_id for n in directory.nodes()] == ["a"]
+    assert directory.address_of(["a", "b"]) == {"a": "127.0.0.1:1001"}
+
+
+def test_dead_nodes_are_filtered_within_their_ttl(directory: Directory) -> None:
+    up(directory, "a")
+    up(directory, "b", ttl_s=0.3)
+    directory.register("a", [("k", loc("a", TIER_SSD))])
+    directory.register("b", [("k", loc("b")), ("only_b", loc("b"))])
+    assert [x.node for x in directory.locate(["k"])[0]] == ["b", "a"]
+    assert directory.address_of(["a", "b", "zz"]) == {"a": "127.0.0.1:1001", "b": "127.0.0.1:1001"}
+    time.sleep(0.45)
+    assert directory.locate(["k", "only_b"]) == [[loc("a", TIER_SSD)], []]
+    assert directory.leading(["k", "only_b"]) == 1
+    assert {n.node_id: n.alive for n in directory.nodes()} == {"a": True, "b": False}
+    assert directory.address_of(["a", "b"]) == {"a": "127.0.0.1:1001"}
+    assert sorted(directory.node_keys("b")) == ["k", "only_b"]  # alive or not
+    # A heartbeat brings it back, and says the directory had lost it (its mark expired).
+    assert directory.heartbeat(NodeInfo("b", "127.0.0.1:1001"), TTL_S) is False
+    assert directory.leading(["k", "only_b"]) == 2
+
+
+def test_heartbeat_false_the_first_time_true_after(directory: Directory) -> None:
+    info = NodeInfo("n1", "127.0.0.1:7", capacity_bytes=10, used_bytes=3, counters={"hits": 4})
+    assert directory.heartbeat(info, TTL_S) is False
+    assert directory.heartbeat(info, TTL_S) is True
+    (got,) = directory.nodes()
+    assert got == info and got.alive and got.free_bytes == 7
+
+
+def test_a_second_instance_sees_the_same_directory(make_directory_for: Callable[..., Directory]) -> None:
+    a, b = make_directory_for(), make_directory_for()
+    up(a, "a")
+    seen: list[str] = []
+    b.subscribe(seen.extend)
+    time.sleep(0.2)
+    a.register("a", [("k", loc("a"))])
+    assert b.locate(["k"]) == [[loc("a")]]
+    a.unregister("a", ["k"])
+    assert wait_for(lambda: seen == ["k"])
+
+
+def test_unsubscribe_stops_deliveries(directory: Directory) -> None:
+    up(directory, "a")
+    seen: list[str] = []
+    unsub = directory.subscribe(seen.extend)
+    time.sleep(0.2)
+    unsub()
+    directory.register("a", [("k", loc("a"))])
+    directory.unregister("a", ["k"])
+    time.sleep(0.3)
+    assert seen == []
+
+
+def test_batches_are_atomic_to_a_concurrent_reader(make_directory_for: Callable[..., Directory]) -> None:
+    writer, reader = make_directory_for(), make_directory_for()
+    up(writer, "w")
+    batch = 64
+    rounds = 40
+    halves: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            for r in range(rounds):
+                found = sum(1 for row in reader.locate([f"r{r}-{i}" for i in range(batch)]) if row)
+                if found not in (0, batch):
+                    halves.append(found)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for r in range(rounds):
+            writer.register("w", [(f"r{r}-{i}", loc("w")) for i in range(batch)])
+        for r in range(rounds):
+            writer.unregister("w", [f"r{r}-{i}" for i in range(batch)])
+    finally:
+        stop.set()
+        t.join(30)
+    assert halves == []
+
+
+def test_matches_a_dict_model_over_random_operations(directory: Directory) -> None:
+    """A randomized model check: every answer equals that of a plain dict model."""
+    rng = random.Random(1234)
+    nodes = ["n0", "n1", "n2"]
+    up(directory, *nodes)
+    keys = [f"k{i}" for i in range(12)]
+    model: dict[str, dict[str, Location]] = {}
+    pending: set[tuple[str, str]] = set()
+    tombs: set[str] = set()
+    for step in range(300):
+        op = rng.choice(["register", "resync", "unregister", "put", "remove", "clear", "look"])
+        node = rng.choice(nodes)
+        ks = rng.sample(keys, rng.randint(1, 5))
+        if op in ("register", "resync"):
+            entries = [(k, loc(node, rng.choice([TIER_DRAM, TIER_SSD]), rng.randint(1, 9))) for k in ks]
+            refused = directory.register(node, entries, resync=op == "resync")
+            want_refused = [k for k in ks if k in tombs] if op == "resync" else []
+            assert refused == want_refused, step
+            for k, l in entries:
+                if k in want_refused:
+                    continue
+                tombs.discard(k)
+                pending.discard((k, node))
+                model.setdefault(k, {})[node] = l
+        elif op == "unregister":
+            directory.unregister(node, ks)
+            for k in ks:
+                model.get(k, {}).pop(node, None)
+        elif op == "put":
+            started = directory.put_start(node, ks, [1] * len(ks), 30.0)
+            assert started == [(k, node) not in pending and node not in model.get(k, {}) for k in ks], step
+            pending.update((k, node) for k, ok in zip(ks, started) if ok)
+            done = ks[: rng.randint(0, len(ks))]
+            ended = directory.put_end(node, [(k, loc(node)) for k in done])
+            assert ended == [(k, node) in pending for k in done], step
+            for k, ok in zip(done, ended):
+                pending.discard((k, node))
+                if ok:
+                    model.setdefault(k, {})[node] = loc(node)
+            directory.put_abort(node, ks)
+            pending.difference_update((k, node) for k in ks)
+        elif op == "remove":
+            got = directory.remove(ks)
+            assert got == {k: sorted(model[k]) for k in ks if model.get(k)}, step
+            for k in ks:
+                model.pop(k, None)
+                tombs.add(k)
+                pending.difference_update((k, n) for n in nodes)
+        elif op == "clear":
+            assert directory.clear_node(node) == sum(1 for v in model.values() if node in v), step
+            for v in model.values():
+                v.pop(node, None)
+        exclude = rng.choice([None, *nodes])
+        want = [sorted((l for n, l in model.get(k, {}).items() if n != exclude),
+                       key=lambda x: (x.tier != TIER_DRAM, x.node)) for k in keys]
+        assert directory.locate(keys, exclude=exclude) == want, step
+        lead = next((i for i, w in enumerate(want) if not w), len(keys))
+        assert directory.leading(keys, exclude=exclude) == lead, step
+        assert sorted(directory.node_keys(node)) == sorted(k for k, v in model.items() if node in v), step
