@@ -448,9 +448,17 @@ class RedisDirectory:
             raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
         try:
             return self._scripts[name](args=[self._ns, *args])
-        except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as e:
+        except redis.exceptions.AuthenticationError as e:
             raise DirectoryAuthError(f"redis directory at {self.address}: authentication failed for user "
                                      f"{self._username!r} ({type(e).__name__}: {e})") from e
+        except redis.exceptions.ResponseError as e:
+            text = str(e)
+            if isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in text or "can't access" in text:
+                raise DirectoryAuthError(f"redis directory at {self.address}: permission denied to user "
+                                         f"{self._username!r}: it needs the scripting commands, keys "
+                                         f"'{self._ns}:*' and channel '{self._ns}:inval' ({text})") from e
+            raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
+                                       f"({type(e).__name__}: {text})") from e
         except redis.exceptions.RedisError as e:
             raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
                                        f"({type(e).__name__}: {e})") from e

@@ -1,0 +1,230 @@
+"""RedisDirectory against real redis-server processes: AUTH, ACL users, TLS, restarts, outages."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
+from store_backend.pool.directory_redis import DirectoryAuthError, RedisDirectory
+from store_backend.pool.factory import make_directory
+from tests.store_backend.pool.redis_server import RedisProcess, free_port
+
+
+def loc(node: str) -> Location:
+    return Location(node, "dram", 10, 5)
+
+
+def roundtrip(d: RedisDirectory, node: str = "a") -> None:
+    d.heartbeat(NodeInfo(node, "127.0.0.1:1"), 30.0)
+    d.register(node, [("k", loc(node))])
+    assert d.locate(["k"]) == [[loc(node)]]
+
+
+class Cfg:
+    """A DirectoryConfig-shaped object (make_directory is duck typed)."""
+
+    def __init__(self, **kw: object) -> None:
+        self.kind = "redis"
+        self.url: str | None = None
+        self.sentinels: list[str] = []
+        self.sentinel_master = "mymaster"
+        self.password_file: str | None = None
+        self.namespace = "mkv"
+        self.op_timeout_s = 1.0
+        self.__dict__.update(kw)
+
+
+def test_requirepass_from_the_url_and_from_a_password_file(tmp_path: Path) -> None:
+    with RedisProcess(password="s3cret") as server:
+        d = RedisDirectory(url=server.url)
+        roundtrip(d)
+        d.close()
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret\n")
+        pw.chmod(0o600)
+        d = make_directory(Cfg(url=f"redis://127.0.0.1:{server.port}/0", password_file=str(pw)), node_id="a")
+        assert isinstance(d, RedisDirectory)
+        assert d.locate(["k"]) == [[loc("a")]]
+        d.close()
+
+
+def test_a_wrong_password_is_a_clear_auth_error(redis_server: RedisProcess) -> None:
+    with RedisProcess(password="right") as server:
+        for url in (f"redis://:wrong@127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/0"):
+            d = RedisDirectory(url=url)
+            with pytest.raises(DirectoryAuthError, match=r"authentication failed for user 'default'") as e:
+                d.locate(["k"])
+            assert f"127.0.0.1:{server.port}" in str(e.value)
+            assert "wrong" not in str(e.value).replace("WRONGPASS", "")  # the password is never echoed
+            d.close()
+
+
+def test_an_acl_user(redis_server: RedisProcess) -> None:
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "pool", "on", ">pool-pw", "~mkv:*", "&mkv:*", "+@all")
+    admin.execute_command("ACL", "SETUSER", "narrow", "on", ">narrow-pw", "~elsewhere:*", "+@all")
+    admin.close()
+    d = RedisDirectory(url=f"redis://pool:pool-pw@127.0.0.1:{redis_server.port}/0")
+    roundtrip(d)
+    seen: list[str] = []
+    d.subscribe(seen.extend)
+    time.sleep(0.3)
+    d.unregister("a", ["k"])
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert seen == ["k"]  # the channel is allowed by &mkv:*
+    d.close()
+    bad = RedisDirectory(url=f"redis://pool:nope@127.0.0.1:{redis_server.port}/0")
+    with pytest.raises(DirectoryAuthError, match="authentication failed for user 'pool'"):
+        bad.locate(["k"])
+    bad.close()
+    narrow = RedisDirectory(url=f"redis://narrow:narrow-pw@127.0.0.1:{redis_server.port}/0")
+    with pytest.raises(DirectoryAuthError, match="permission denied to user 'narrow'"):
+        narrow.locate(["k"])
+    narrow.close()
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    crypto = pytest.importorskip("cryptography")
+    del crypto
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    os.chmod(key_path, 0o600)
+    return cert_path, key_path
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
+    cert, key = _self_signed(tmp_path)
+    tls_port = free_port()
+    extra = [f"tls-port {tls_port}", f"tls-cert-file {cert}", f"tls-key-file {key}",
+             f"tls-ca-cert-file {cert}", "tls-auth-clients no"]
+    with RedisProcess(password="tls-pw", extra=extra) as server:
+        yield server, tls_port, cert
+
+
+def test_rediss_with_a_self_signed_certificate(tls_server: tuple[RedisProcess, int, Path]) -> None:
+    _, tls_port, cert = tls_server
+    d = RedisDirectory(url=f"rediss://:tls-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required")
+    assert d.address.startswith("rediss://127.0.0.1")
+    roundtrip(d)
+    d.close()
+    # Without the CA the certificate is refused: a clear DirectoryUnavailable, not a hang.
+    untrusting = RedisDirectory(url=f"rediss://:tls-pw@127.0.0.1:{tls_port}/0", op_timeout_s=2.0)
+    with pytest.raises(DirectoryUnavailable, match=f"127.0.0.1:{tls_port}.*(?i:certificate)"):
+        untrusting.locate(["k"])
+    untrusting.close()
+
+
+def test_redis_restarted_empty_heartbeat_false_then_resync(redis_server: RedisProcess) -> None:
+    d = RedisDirectory(url=redis_server.url)
+    info = NodeInfo("a", "127.0.0.1:1")
+    assert d.heartbeat(info, 30.0) is False
+    d.register("a", [("k1", loc("a")), ("k2", loc("a"))])
+    assert d.heartbeat(info, 30.0) is True
+    redis_server.restart_empty()
+    # The same object reconnects by itself (pooled connections are stale) and reports the loss.
+    assert d.heartbeat(info, 30.0) is False
+    assert d.locate(["k1"]) == [[]]
+    assert d.register("a", [("k1", loc("a")), ("k2", loc("a"))], resync=True) == []
+    assert d.leading(["k1", "k2"]) == 2
+    assert d.heartbeat(info, 30.0) is True
+    d.close()
+
+
+def test_lost_writes_after_a_failover_are_detected_by_the_generation(redis_server: RedisProcess) -> None:
+    """A replica promoted before it got the node's last writes: the mark is there, the writes are
+    not. Simulated by rolling the node's counter back, as such a replica would have it."""
+    d = RedisDirectory(url=redis_server.url, namespace="g")
+    info = NodeInfo("a", "127.0.0.1:1")
+    d.heartbeat(info, 30.0)
+    d.register("a", [("k1", loc("a"))])
+    d.register("a", [("k2", loc("a"))])
+    assert d.heartbeat(info, 30.0) is True
+    admin = redis.Redis(port=redis_server.port)
+    admin.decr("g:gen:a")
+    admin.close()
+    assert d.heartbeat(info, 30.0) is False
+    d.register("a", [("k1", loc("a")), ("k2", loc("a"))], resync=True)
+    assert d.heartbeat(info, 30.0) is True
+    d.close()
+
+
+def test_unreachable_redis_fails_fast() -> None:
+    d = RedisDirectory(url=f"redis://127.0.0.1:{free_port()}/0", op_timeout_s=0.5)
+    t = time.monotonic()
+    with pytest.raises(DirectoryUnavailable, match=r"redis://127.0.0.1:\d+/0"):
+        d.locate(["k"])
+    assert time.monotonic() - t < 1.5
+    d.close()
+
+
+def test_a_server_that_never_answers_times_out_within_op_timeout() -> None:
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # accepts (the kernel does) and never replies
+        port = mute.getsockname()[1]
+        d = RedisDirectory(url=f"redis://127.0.0.1:{port}/0", op_timeout_s=0.5)
+        t = time.monotonic()
+        with pytest.raises(DirectoryUnavailable, match="Timeout"):
+            d.leading(["k"])
+        elapsed = time.monotonic() - t
+        assert 0.4 < elapsed < 1.5, elapsed
+        d.close()
+
+
+def test_the_subscriber_reconnects_after_a_restart(redis_server: RedisProcess) -> None:
+    d = RedisDirectory(url=redis_server.url)
+    seen: list[str] = []
+    d.subscribe(seen.extend)
+    time.sleep(0.3)
+    redis_server.restart_empty()
+    d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 30.0)
+    d.register("a", [("k", loc("a"))])
+    deadline = time.monotonic() + 10
+    while "k" not in seen and time.monotonic() < deadline:
+        d.unregister("a", ["k"])  # until the subscriber is back, deliveries are lost
+        d.register("a", [("k", loc("a"))])
+        time.sleep(0.1)
+    assert "k" in seen
+    d.close()
+    assert all(t.name != "mkv-directory-inval" or not t.is_alive() for t in __import__("threading").enumerate())
+
+
+def test_bad_configuration_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="pool.directory.kind"):
+        make_directory(Cfg(kind="etcd"), node_id="a")
+    with pytest.raises(ValueError, match="url"):
+        make_directory(Cfg(url=None), node_id="a")
+    with pytest.raises(ValueError, match="password_file .*missing"):
+        make_directory(Cfg(url="redis://127.0.0.1:1/0", password_file=str(tmp_path / "missing")), node_id="a")
+    with pytest.raises(ValueError, match="host:port"):
+        make_directory(Cfg(sentinels=["nohost"]), node_id="a")
+    with pytest.raises(ValueError, match="NUL"):
+        RedisDirectory(url="redis://127.0.0.1:1/0").locate(["a\x00b"])
