@@ -14,6 +14,7 @@ import os
 import sys
 
 from store_backend.node import __main__ as node_main
+from store_backend.pool import status as pool_status
 
 _RUNNERS = {
     "serve": (node_main.add_serve_arguments, node_main.run_serve),
@@ -26,10 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     command = parser.prog.split()[-1]
     add, run = _RUNNERS[command]
     add(parser)
+    if command == "status":  # --pool: every node of the pool's directory instead of this service
+        pool_status.add_pool_status_arguments(parser)
     parser.set_defaults(_node_run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "status" and getattr(args, "pool", False):
+        return pool_status.run_pool_status(args)
     if args.command != "serve":
         return int(args._node_run(args))
     if not args.verbose:

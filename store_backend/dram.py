@@ -34,7 +34,7 @@ class EntryState(enum.Enum):
 
 class Entry:
     __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "offload_failures",
-                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq", "freed")
+                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq", "freed", "replica")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -51,11 +51,13 @@ class Entry:
         self.parent = parent
         self.put_seq = 0  # the store's number of the put that stored it (0: not numbered)
         self.freed = False  # its block went back to the allocator (it may belong to another entry now)
+        self.replica = False  # a copy read from another node (the pool): dropping it loses nothing
 
     @property
     def clean(self) -> bool:
-        """Nothing is lost by dropping it: it is on the tier below, or that tier did not want it."""
-        return self.persisted or self.declined
+        """Nothing is lost by dropping it: it is on the tier below, that tier did not want it, or
+        it is a copy of another node's object."""
+        return self.persisted or self.declined or self.replica
 
     def evictable(self, now: float) -> bool:
         return (

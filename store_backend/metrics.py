@@ -19,10 +19,10 @@ import msgspec
 LATENCY_BOUNDS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# Tier names as they appear in stats and metric labels ("pool" is reserved for the pooled tier).
-# Every store reports these (a store without an SSD tier reports zeros for it); a tier below
-# DRAM of another name adds its own entry, keyed by its ``Tier.name``.
-TIERS: tuple[str, ...] = ("dram", "ssd")
+# Tier names as they appear in stats and metric labels ("pool": the other nodes of a pool, read
+# through the pool tier). Every store reports these (a store without an SSD tier or a pool reports
+# zeros for it); a tier below DRAM of another name adds its own entry, keyed by its ``Tier.name``.
+TIERS: tuple[str, ...] = ("dram", "ssd", "pool")
 
 
 class FailureCounters(msgspec.Struct):
@@ -31,6 +31,14 @@ class FailureCounters(msgspec.Struct):
     checksum: int = 0
     io_error: int = 0
     capacity: int = 0
+    # The pool tier's own kinds (zero for local tiers): the peer went away or could not be reached,
+    # it did not answer in time, it refused the request (authentication), it broke the protocol,
+    # the directory could not be reached.
+    peer_gone: int = 0
+    timeout: int = 0
+    refused: int = 0
+    protocol: int = 0
+    directory: int = 0
 
 
 class TierCounters(msgspec.Struct):
@@ -156,6 +164,7 @@ class StoreStats(msgspec.Struct):
 
     dram: TierStats = msgspec.field(default_factory=TierStats)
     ssd: TierStats = msgspec.field(default_factory=TierStats)
+    pool: TierStats = msgspec.field(default_factory=TierStats)
     store: StoreCounters = msgspec.field(default_factory=StoreCounters)
     queues: QueueGauges = msgspec.field(default_factory=QueueGauges)
     latency: StoreLatency = msgspec.field(default_factory=StoreLatency)

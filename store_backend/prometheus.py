@@ -115,11 +115,18 @@ LABEL_VALUES: dict[str, dict[str, str]] = {
     "tier": {
         "dram": "host DRAM arena of this node",
         "ssd": "SSD tier of this node",
+        "pool": "the other nodes of the pool (their DRAM and SSD, read over the transport)",
     },
     "kind": {
         "checksum": "a record failed its checksum or was torn (served as a miss, never as bytes)",
         "io_error": "the backend answered an I/O error or raised",
         "capacity": "no room: a write the tier refused (full disk, DRAM with nothing evictable)",
+        "peer_gone": "pool: the node holding the object could not be reached or dropped the connection",
+        "timeout": "pool: the node holding the object did not answer within pool.timeout_s",
+        "refused": "pool: the peer refused the connection (authentication failed, too busy)",
+        "protocol": "pool: the peer broke the wire protocol (a bad frame; the connection was closed)",
+        "directory": ("pool: the directory (Redis) could not be reached; the pool answered misses for "
+                      "pool.retry_after_s"),
     },
     "queue": {
         "offload": "objects waiting to be written from DRAM to SSD",

@@ -673,7 +673,8 @@ class TieredStore:
     def _victim_facts(self, e: Entry, now: float) -> VictimFacts:
         """(lock held) What a victim decision needs to know of ``e``; admission is asked only for a
         declined entry (the only one whose verdict depends on it)."""
-        return VictimFacts(key=e.key, size=e.size, evictable=e.evictable(now), persisted=e.persisted,
+        # A copy of another node's object (e.replica) goes as a persisted one does: nothing is lost.
+        return VictimFacts(key=e.key, size=e.size, evictable=e.evictable(now), persisted=e.persisted or e.replica,
                            declined=e.declined, readmit=e.declined and self._admitted(e, self._parent_stored(e)),
                            offload_failures=e.offload_failures, offload_queued=e.offload_queued)
 
@@ -696,7 +697,12 @@ class TieredStore:
         events: list[ResidencyEvent] = []
         entry = None
         now = time.monotonic()
-        for persisted_only in evict_pass_order(self._backing is not None):
+        passes = evict_pass_order(self._backing is not None)
+        if promotion and True not in passes:
+            # No backing tier (a pool alone below DRAM): a promotion still evicts clean entries
+            # only (replicas of other nodes' objects), never the only copy of something.
+            passes = (True,)
+        for persisted_only in passes:
             if promotion and not persisted_only:
                 break
 
@@ -875,7 +881,8 @@ class TieredStore:
             self._release_detached(e)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = 60.0, stage_in: bool = True,
-              wait_pending_s: float = 0.0, owner: int = 0, group: int | None = None) -> list[SlotLease]:
+              wait_pending_s: float = 0.0, owner: int = 0, group: int | None = None,
+              local_only: bool = False) -> list[SlotLease]:
         """Hold objects' bytes in the arena for the caller to read through ``SlotLease.view``,
         until :meth:`release`: neither evicted nor overwritten meanwhile (a ``remove`` takes the
         key at once; the bytes are freed by the last releaser). Thread-safe.
@@ -892,7 +899,8 @@ class TieredStore:
         release. ``wait_pending_s`` > 0: a key being written (reserved, not committed) is waited
         for up to that long (an abort or expiry meanwhile: NOT_FOUND). ``ttl_s`` bounds the result:
         a release after it answers False, but the bytes stay held until the release or
-        :meth:`reclaim`."""
+        :meth:`reclaim`. ``local_only``: stage in from this node's tiers only, never from the pool
+        (what a peer's transport asks: the pool's read must not go round the pool again)."""
         check_batch(keys)
         ttl_s = check_ttl_s(ttl_s)
         account = self._slots.account(owner, check_group(group))
@@ -924,7 +932,8 @@ class TieredStore:
                         continue
                     out[i] = self._lease_entry(e, owner, account, ttl_s, "dram", arena)
             if below:
-                self._stage_in(keys, below, owner, account, ttl_s, out)
+                self._stage_in(keys, below, owner, account, ttl_s, out,
+                               self._local_tiers() if local_only else self._below)
         return out
 
     def _lease_entry(self, e: Entry, owner: int, account: tuple[str, int], ttl_s: float, source: str,
@@ -964,7 +973,7 @@ class TieredStore:
             self._expire_slots()
 
     def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int], ttl_s: float,
-                  out: list[SlotLease]) -> None:
+                  out: list[SlotLease], tiers: Sequence[Tier]) -> None:
         """Lease objects found only below DRAM by reading each into a slot (no store lock held
         while a tier is asked or reads). The slot is reserved as a WRITING entry under the key
         (evicting clean entries only, as a promotion does), so it stays invisible and a put of the
@@ -980,7 +989,7 @@ class TieredStore:
             if lead != i:
                 repeats.setdefault(lead, []).append(i)
         leased: set[int] = set()  # leader indices whose lease was granted
-        self._stage_in_once(keys, list(first.values()), owner, account, ttl_s, out, repeats, leased)
+        self._stage_in_once(keys, list(first.values()), owner, account, ttl_s, out, repeats, leased, tiers)
         for lead, more in repeats.items():
             if lead not in leased:  # no lease, no entry touched: the repeats answer as their leader
                 for i in more:
@@ -994,7 +1003,8 @@ class TieredStore:
             out[i] = self._lease_entry(e, owner, account, ttl_s, source, arena)
 
     def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int],
-                       ttl_s: float, out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int]) -> None:
+                       ttl_s: float, out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int],
+                       tiers: Sequence[Tier]) -> None:
         """:meth:`_stage_in` for distinct keys; leases each key's repeats (``repeats``) with it and
         notes each leader whose lease it granted in ``leased``."""
         m = self.metrics_counters
@@ -1004,7 +1014,7 @@ class TieredStore:
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
         sizes: dict[int, tuple[int, Tier]] = {}
         todo = list(idx)
-        for tier in self._below:
+        for tier in tiers:
             if not todo:
                 break
             try:
@@ -1089,6 +1099,8 @@ class TieredStore:
                 hits = self._ssd_hits.get(e.key, 0) + 1
                 if self._closing:
                     promote = False
+                elif not tier.traits.local_index:  # from another node: kept as a local replica at once
+                    promote = self.config.promotion.enabled
                 else:
                     promote = should_promote(hits, self.config.promotion.admission_hits,
                                              self.config.promotion.enabled, policy_uses(self._dram.policy, e.key))
@@ -1288,7 +1300,9 @@ class TieredStore:
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
             m.tier(self._below[0].name).misses += len(hidden)
             evicted_at = self._evictions.generation()
+            generation = self._removals.generation()
         promote: list[str] = []
+        remote: list[tuple[int, Tier]] = []  # hits in a tier of another node: kept as local replicas
         for tier in self._below:
             if not idx:
                 break
@@ -1321,6 +1335,9 @@ class TieredStore:
                     if res.status is Status.OK:
                         tm.hits += 1
                         tm.bytes_read += res.nbytes
+                        if not tier.traits.local_index:
+                            remote.append((i, tier))
+                            continue
                         if tier is self._backing and keys[i] not in self._dram.entries \
                                 and not self._evictions.changed_since(keys[i], evicted_at):
                             self._known_below.add(keys[i])  # seen stored: a parent admission may ask of
@@ -1340,11 +1357,50 @@ class TieredStore:
                     if res.status in (Status.NOT_FOUND, Status.CORRUPT, Status.IO_ERROR):
                         missed.append(i)
             idx = missed
+        if remote and self.config.promotion.enabled:
+            self._keep_replicas(keys, buffers, out, remote, generation, evicted_at)
         if promote and self._started:
             refused = self._promoter.submit(promote)
             if refused:
                 with self._lock:
                     m.store.promotion_queue_full += refused
+
+    def _keep_replicas(self, keys: Sequence[str], buffers: Sequence[Buffer], out: list[ReadResult],
+                       hits: list[tuple[int, Tier]], generation: int, evicted_at: int) -> None:
+        """Keep objects just read from another node (into the caller's ``buffers``) as local DRAM
+        replicas: a slot reserved as a promotion does (clean victims only), the bytes copied from
+        the caller's buffer (no store lock held), committed unless a remove came in between. Best
+        effort: no room, a key stored or being removed meanwhile, and the copy is simply not kept."""
+        staged: list[tuple[int, Entry, Tier]] = []
+        with self._lock:
+            if self._closing:
+                return
+            for i, tier in hits:
+                key = keys[i]
+                if key in self._dram.entries or self._removals.hidden(key) \
+                        or self._removals.changed_since(key, generation):
+                    continue
+                e = self._reserve(key, out[i].nbytes, None, promotion=True)
+                if e is not None:
+                    staged.append((i, e, tier))
+        if not staged:
+            return
+        arena = self._dram.arena.view
+        copied = 0
+        try:
+            for i, e, _tier in staged:
+                copy_bytes(arena[e.offset:e.offset + e.size], byte_view(buffers[i])[:e.size])
+                copied += 1
+        finally:
+            with self._lock:
+                events: list[ResidencyEvent] = []
+                for n, (_i, e, tier) in enumerate(staged):
+                    if not self._live(e) or self._removals.changed_since(e.key, generation) or n >= copied:
+                        self._end_reservation(e)
+                    else:
+                        self._commit_promoted(e, tier, evicted_at, events)
+                self._bus.publish(events)
+                self._slot_changed.notify_all()
 
     def _tier_raised(self, tier: Tier, method: str, nkeys: int) -> None:
         """(no lock held; called from an ``except`` block) ``tier.method`` raised for ``nkeys``
@@ -1492,8 +1548,10 @@ class TieredStore:
             at += len(keys)
         return n or 0
 
-    def tier_of(self, keys: Sequence[str]) -> list[str | None]:
-        """"dram", a lower tier's name ("ssd") or None for each key (the fastest tier holding it)."""
+    def tier_of(self, keys: Sequence[str], *, local_only: bool = False) -> list[str | None]:
+        """"dram", a lower tier's name ("ssd", "pool") or None for each key (the fastest tier
+        holding it). ``local_only``: this node's tiers only (those answering from memory; the
+        pool's lookup, a network round trip, is not made)."""
         check_batch(keys)
         with self._call():
             with self._lock:
@@ -1502,18 +1560,24 @@ class TieredStore:
                 ]
             rest = [i for i, t in enumerate(out) if t is None and check_key(keys[i]) is None]
             if rest and self._below:
-                for i, (_hit, tier) in zip(rest, self._ask_below("contains", [keys[i] for i in rest], False)):
+                tiers = self._local_tiers() if local_only else None
+                for i, (_hit, tier) in zip(rest, self._ask_below("contains", [keys[i] for i in rest], False, tiers)):
                     out[i] = None if tier is None else tier.name
             return out
 
+    def _local_tiers(self) -> list[Tier]:
+        """The tiers below DRAM that are this node's own (they answer from memory: not a pool)."""
+        return [t for t in self._below if t.traits.local_index]
+
     def keys(self, prefix: str = "") -> list[str]:
-        """Every stored key starting with ``prefix`` (in any tier, each once). A snapshot: O(objects)."""
+        """Every stored key starting with ``prefix`` (in any tier of this node, each once; not what
+        other nodes of a pool hold). A snapshot: O(objects)."""
         with self._call():
             with self._lock:
                 out = [k for k, e in self._dram.entries.items()
                        if e.state is EntryState.READY and k.startswith(prefix)]
             seen = set(out)
-            for tier in self._below:
+            for tier in self._local_tiers():
                 with self._lock:
                     generation = self._removals.generation()
                 below = [k for k in tier.keys() if k.startswith(prefix) and k not in seen]
@@ -1544,8 +1608,10 @@ class TieredStore:
             return out
 
     # -- removal and leases ------------------------------------------------------------------------
-    def remove(self, keys: Sequence[str]) -> list[Status]:
-        """Delete objects from every tier; blocks until their SSD copies are deleted.
+    def remove(self, keys: Sequence[str], *, local_only: bool = False) -> list[Status]:
+        """Delete objects from every tier; blocks until their SSD copies are deleted. With a pool
+        tier, every other node's copy too (through the directory); ``local_only``: this node's
+        tiers only (what a peer's transport asks for its part of a pool-wide remove).
 
         Per key: OK (it was stored and is gone), NOT_FOUND, INVALID_KEY, IO_ERROR (its SSD copy
         could not be deleted, or an offload that was writing it when the remove began has not
@@ -1589,7 +1655,7 @@ class TieredStore:
                 if not below:
                     self._publish_removed(keys, out, sizes)
             if below:
-                statuses = self._delete_below([keys[i] for i in below])
+                statuses = self._delete_below([keys[i] for i in below], self._local_tiers() if local_only else None)
                 with self._lock:
                     again: list[str] = []
                     for i, st in zip(below, statuses):
@@ -1844,7 +1910,7 @@ class TieredStore:
                     continue  # removed since (a loss from eviction is in the ledger)
                 if e.declined:
                     declined += 1
-                elif not e.persisted:
+                elif not e.persisted and not e.replica:  # a replica's copy is another node's
                     unpersisted[e.key] = problems.get(e.key) or ("the flush timed out before it was written"
                                                                  if timed_out else "its SSD write did not finish")
             for key, why in self._losses.items(put_seq):
@@ -2102,6 +2168,7 @@ class TieredStore:
         clean when read from the backing tier, unless the backing tier evicted the copy since the
         read was planned (generation ``evicted_at``); counted as a promotion and published."""
         e.persisted = tier is self._backing
+        e.replica = not tier.traits.local_index  # read from another node: a local replica of it
         if e.persisted and self._evictions.changed_since(e.key, evicted_at):
             self._lost_below(e)
         self._dram.commit(e)
@@ -2208,6 +2275,8 @@ class TieredStore:
                 continue
             ts.used_bytes, ts.capacity_bytes, ts.objects, ts.evictions = (
                 g.used_bytes, g.capacity_bytes, g.objects, g.evictions)
+            if g.failures is not None:
+                ts.failures = msgspec.structs.replace(g.failures)
         return stats
 
     def metrics(self) -> dict[str, Any]:

@@ -73,6 +73,9 @@ from store_backend.node.fdpass import may_attach, peer_credentials
 from store_backend.node.metrics import NodeCollector
 from store_backend.node.segment import segment_id, unlink_if_same
 from store_backend.ownership import HeldLock, OwnershipError, flock_or_raise
+from store_backend.pool.service import PoolService
+from store_backend.pool.tier import PoolTier
+from store_backend.pool.transport import TransportError
 from store_backend.prometheus import StoreCollector
 from store_backend.slots import SegmentInfo
 from store_backend.store import TieredStore
@@ -180,12 +183,13 @@ class _Mine:
     __slots__ = ("tiers", "store")
 
     def __init__(self) -> None:
-        self.tiers: dict[str, TierStats] = {"dram": TierStats(), "ssd": TierStats()}
+        self.tiers: dict[str, TierStats] = {"dram": TierStats(), "ssd": TierStats(), "pool": TierStats()}
         self.store = StoreCounters()
 
     def stats(self) -> StoreStats:
         return StoreStats(dram=msgspec.structs.replace(self.tiers["dram"]),
-                          ssd=msgspec.structs.replace(self.tiers["ssd"]), store=msgspec.structs.replace(self.store))
+                          ssd=msgspec.structs.replace(self.tiers["ssd"]),
+                          pool=msgspec.structs.replace(self.tiers["pool"]), store=msgspec.structs.replace(self.store))
 
 
 # Client processes whose counters are kept (the oldest go first past it).
@@ -340,6 +344,13 @@ class NodeService:
         self._last_client_left = time.monotonic()
         self._loop_lag_s = 0.0
         self._has_below = False
+        # The pool across nodes (config section `pool`): its tier is the store's last, the service
+        # (directory, transport listener, registrar) starts beside the socket.
+        self.pool: PoolService | None = None
+        self._pool_tier: PoolTier | None = None
+        # Calls naming more keys than this run on the threads; with a pool every lookup may be a
+        # network round trip, so none runs on the loop.
+        self._inline_max_keys = _INLINE_MAX_KEYS if self.config.pool is None else 0
         # Counters (read by stats and /metrics from other threads: plain ints).
         self.frames: collections.Counter[str] = collections.Counter()
         # Time from a request's arrival to its reply being sent, by op (waits and pool calls included).
@@ -365,14 +376,19 @@ class NodeService:
         self._lock = _take_lock(cfg.lock_path)
         try:
             # The store unlinks leftover segments of a killed service whose lock is free.
-            self.store = TieredStore(cfg.store, fresh_segment=True, max_held_fraction=cfg.max_held_fraction)
+            if cfg.pool is not None:
+                self._pool_tier = PoolService.make_tier(cfg.pool, self.socket_path)
+            self.store = TieredStore(cfg.store, fresh_segment=True, max_held_fraction=cfg.max_held_fraction,
+                                     tiers=[self._pool_tier] if self._pool_tier is not None else ())
             self.store.start()
             self.segment = self.store.segment()
             assert self.segment is not None  # fresh_segment always makes one
             self._segment_id = segment_id(self.segment)
             self._segment_fd = self.store.open_segment_fd()
-            self._has_below = cfg.store.ssd is not None
+            self._has_below = cfg.store.ssd is not None or cfg.pool is not None
             self._listener = self._bind()
+            if cfg.pool is not None:
+                self._start_pool()
             if cfg.metrics is not None:
                 self._start_metrics()
         except BaseException:
@@ -410,6 +426,26 @@ class NodeService:
             raise ConfigError(f"socket: cannot listen on {path}: {e.strerror}") from None
         return sock
 
+    def _start_pool(self) -> None:
+        """The pool beside the socket: directory, transport listener, registrar (blocking: binds,
+        first heartbeat on its own thread). A bad secret file or listen address: ConfigError."""
+        assert self.store is not None and self.config.pool is not None and self._pool_tier is not None
+        try:
+            self.pool = PoolService(self.store, self.config.pool, self.socket_path, self._pool_tier).start()
+        except ValueError as e:
+            raise ConfigError(f"pool.{e}" if not str(e).startswith("pool") else str(e)) from None
+        except TransportError as e:
+            raise ConfigError(f"pool.listen: {e}") from None
+
+    def _stop_pool(self) -> None:
+        """Leave the pool (listener, registrar, deregister, client, directory); idempotent."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            try:
+                pool.close()
+            except Exception:
+                logger.exception("closing the pool failed")
+
     def _start_metrics(self) -> None:
         m = self.config.metrics
         assert m is not None and self.store is not None
@@ -432,6 +468,7 @@ class NodeService:
 
     def _release(self) -> None:
         """Undo open(), in reverse (idempotent; used on a failed open and at the end of serve)."""
+        self._stop_pool()
         if self._httpd is not None:
             try:
                 self._httpd.shutdown()
@@ -870,7 +907,7 @@ class NodeService:
         list does not hold every other client's calls up. ``chunked``: ``fn`` answers one value per
         item of its first argument, each independent of the others, so the pool calls it a chunk at
         a time (the store lock is let go between chunks)."""
-        if nkeys <= _INLINE_MAX_KEYS:
+        if nkeys <= self._inline_max_keys:
             return fn(*args, **kwargs)
         if chunked:
             def in_chunks() -> Any:
@@ -894,7 +931,8 @@ class NodeService:
         ssd = self.config.store.ssd
         welcome = p.Welcome(
             m.id, p.PROTOCOL_VERSION, os.getpid(), c.conn_id, self._segment_id, self.segment.nbytes,
-            self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S, ["dram", *(["ssd"] if ssd else [])],
+            self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S,
+            ["dram", *(["ssd"] if ssd else []), *(["pool"] if self.config.pool is not None else [])],
             ssd.path if ssd else None)
         if not m.want_segment:
             if not self._draining:
@@ -1053,13 +1091,14 @@ class NodeService:
 
         def lease() -> tuple[list[str | None] | None, list[Any]]:
             # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
-            tiers = _in_chunks(store.tier_of, m.keys) if look_below else None
+            tiers = _in_chunks(store.tier_of, m.keys, local_only=True) if look_below else None
             return tiers, _in_chunks(store.lease, m.keys, **kwargs)
 
         if len(m.keys) > _INLINE_MAX_KEYS:
             tiers, got = await self._blocking(c, lease, fast_lane=True)
         else:
-            tiers = store.tier_of(m.keys) if look_below else None
+            # This node's tiers only (no pool lookup on the loop); a key none holds may be in the pool.
+            tiers = store.tier_of(m.keys, local_only=True) if look_below else None
             if tiers is not None and any(t != "dram" for t in tiers):
                 got = await self._blocking(c, store.lease, m.keys, fast_lane=True, **kwargs)
             else:
@@ -1068,9 +1107,20 @@ class NodeService:
         grants: list[p.Grant] = []
         mine = c.mine
         mine.store.gets += len(m.keys)
+        pool = self.config.pool is not None
         for i, r in enumerate(got):
             tier = (tiers[i] if tiers is not None else None) or "dram"
-            if tier != "dram":
+            if pool and tiers is not None and tiers[i] is None:
+                # Held by no tier of this node: a hit came from the pool, a miss missed every tier.
+                mine.tiers["dram"].misses += 1
+                if r.status is not Status.OK and self.config.store.ssd is not None:
+                    mine.tiers["ssd"].misses += 1
+                if r.status is not Status.OK:
+                    mine.tiers["pool"].misses += 1
+                    grants.append(p.Grant(Status(r.status)))
+                    continue
+                tier = "pool"
+            elif tier != "dram":
                 mine.tiers["dram"].misses += 1  # it was below: DRAM missed it first
             if r.status is Status.OK:
                 r.view = None
@@ -1287,6 +1337,9 @@ class NodeService:
         for c in self._conn_list():
             if c.hello:
                 self._spawn(self._send_quietly(c, p.Draining(0, deadline_s)))
+        loop = asyncio.get_running_loop()
+        if self.pool is not None:  # peers first: no new remote reads of a node that is leaving
+            await loop.run_in_executor(None, self.pool.stop_serving)
         while self.open_tokens and not self._skip_waits and time.monotonic() < end:
             await self._sleep_or_wake(min(0.05, max(0.0, end - time.monotonic())))
         left = self.open_tokens
@@ -1298,6 +1351,8 @@ class NodeService:
         for c in self._conn_list():
             self._end(c)
         tick.cancel()
+        if self.pool is not None:  # leave the directory before the store goes (deregister_node)
+            await loop.run_in_executor(None, self._stop_pool)
         self._close_store()
         await self._await_close()
         accept.cancel()

@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from store_backend.metrics import FailureCounters
 from store_backend.types import Buffer, ReadResult, Status
 
 
@@ -41,6 +42,10 @@ class TierGauges(msgspec.Struct):
     used_bytes: int = 0
     capacity_bytes: int = 0
     evictions: int = 0
+    # A tier that tells its failures apart better than its read statuses do (the pool: peer gone,
+    # timeout, directory ...) reports them here, and the store reports these instead of its own
+    # count by status; None: the store's count stands.
+    failures: FailureCounters | None = None
 
 
 @runtime_checkable

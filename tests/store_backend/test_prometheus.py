@@ -72,6 +72,7 @@ def test_every_stats_field_becomes_a_family() -> None:
         section = section.split(".")[0] if section else ""
         want = {
             "dram": f"mooncake_kv_tier_{exported.get(name, name)}", "ssd": f"mooncake_kv_tier_{exported.get(name, name)}",
+            "pool": f"mooncake_kv_tier_{exported.get(name, name)}",
             "store": f"mooncake_kv_store_{name}", "queues": "mooncake_kv_queue_depth",
             "latency": f"mooncake_kv_store_{name}_seconds", "slots": f"mooncake_kv_slot_{name}",
         }[section]

@@ -1,0 +1,317 @@
+"""The registrar: keeps the directory's record of this node's objects true, and this node alive in it.
+
+:class:`Registrar` subscribes to the store's :class:`~store_backend.residency.ResidencyBus`. The bus
+thread only appends the events' keys to a bounded queue (never blocks; a full queue turns into a
+resync). The registrar's own thread ("mkv-pool-registrar") takes them in batches, asks the store
+where each key is now (``tier_of(local_only=True)``: dram, ssd or gone), hashes newly stored DRAM
+objects (xxh3-64, through a lease of its own owner id: ``lease`` -> hash -> ``release``; skipped
+with ``checksum`` False), and calls ``directory.register`` / ``unregister`` once per batch. New
+objects (``stored`` events) are then offered to the replicator, when there is one.
+
+Resync (``register(resync=True)`` of everything ``store.keys()`` lists, the tombstoned keys it
+returns removed locally, stale locations of this node unregistered) runs at start, after the
+bus dropped events (``on_gap``), when a heartbeat answers False (the directory did not know this
+node: Redis restarted empty, a failover lost writes, the mark expired) and after any directory
+outage. A second thread ("mkv-pool-heartbeat") publishes :class:`NodeInfo` every ``heartbeat_s``
+with ``node_ttl_s``. :class:`DirectoryUnavailable` never escapes: a failed batch is kept and tried
+again (with a resync once the directory answers). ``start()``/``close()``; thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from store_backend.api import StoreClosedError
+from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location, NodeInfo, TierUsage
+from store_backend.residency import ResidencyEvent
+from store_backend.types import Status
+
+logger = logging.getLogger(__name__)
+
+# The registrar's slot owner (its leases for hashing); below the transport's owners, far above the
+# node service's connection ids.
+REGISTRAR_OWNER = 1 << 47
+QUEUE_MAX = 65536
+BATCH_MAX = 512
+# Objects leased at once for hashing (a small share of the arena).
+_HASH_BATCH = 16
+# Checksums remembered for objects this node holds (so a move to SSD keeps its checksum).
+_CHECKSUMS_MAX = 1 << 20
+
+
+class Registrar:
+    def __init__(self, store: Any, directory: Directory, node_id: str, *, info: Callable[[], NodeInfo],
+                 heartbeat_s: float = 1.0, node_ttl_s: float = 5.0, checksum: bool = True,
+                 on_stored: Callable[[list[tuple[str, int]]], None] | None = None,
+                 queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX) -> None:
+        """``info()`` builds this node's :class:`NodeInfo` for each heartbeat; ``on_stored`` gets
+        (key, size) of objects newly stored here once registered (the replicator's offer)."""
+        self.store = store
+        self.directory = directory
+        self.node_id = node_id
+        self._info = info
+        self.heartbeat_s = heartbeat_s
+        self.node_ttl_s = node_ttl_s
+        self.checksum = checksum
+        self._on_stored = on_stored
+        self._queue_max = queue_max
+        self._batch_max = batch_max
+        self._cond = threading.Condition()
+        self._queue: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()  # key -> (size, new)
+        self._resync = True  # at start
+        self._stopping = False
+        self._checksums: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._threads: list[threading.Thread] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self._stop_event = threading.Event()
+        self.counters = dict.fromkeys(("registered", "unregistered", "resyncs", "directory_errors", "gaps",
+                                       "tombstoned", "heartbeats", "hashed"), 0)
+        self.directory_ok = True
+        self.last_resync_ns = 0
+        self._busy = False  # the thread is working on a batch (wait_idle)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> Registrar:
+        """Subscribe to the store and start both threads (the first heartbeat and resync follow at once)."""
+        self._unsubscribe = self.store.subscribe(self._on_events, self._on_gap)
+        for name, target in (("mkv-pool-registrar", self._run), ("mkv-pool-heartbeat", self._beat)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Unsubscribe and stop both threads (a batch in flight finishes; what is queued is
+        dropped: the next start resyncs). Idempotent."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._stop_event.set()
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                logger.warning("pool registrar: thread %s still running after %.1f s", t.name, timeout_s)
+        self._threads = []
+
+    def request_resync(self) -> None:
+        with self._cond:
+            self._resync = True
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether nothing is queued and no resync is owed within ``timeout_s`` (tests, drain)."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._resync or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    # -- the bus thread (quick, never blocks) --------------------------------------------------------
+    def _on_events(self, events: list[ResidencyEvent]) -> None:
+        with self._cond:
+            for ev in events:
+                new = ev.kind == "stored"
+                old = self._queue.pop(ev.key, None)
+                if len(self._queue) >= self._queue_max:
+                    self._resync = True  # too far behind: the resync covers everything
+                    continue
+                self._queue[ev.key] = (ev.size or (old[0] if old else 0), new or bool(old and old[1]))
+            self._cond.notify_all()
+
+    def _on_gap(self) -> None:
+        with self._cond:
+            self.counters["gaps"] += 1
+            self._resync = True
+            self._cond.notify_all()
+
+    # -- the registrar thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        retry_s = max(0.05, min(self.heartbeat_s, 1.0))
+        while True:
+            with self._cond:
+                while not self._stopping and not self._queue and not self._resync:
+                    self._busy = False
+                    self._cond.notify_all()
+                    self._cond.wait()
+                if self._stopping:
+                    self._busy = False
+                    return
+                self._busy = True
+                resync = self._resync
+                self._resync = False
+                batch: list[tuple[str, int, bool]] = []
+                if not resync:
+                    while self._queue and len(batch) < self._batch_max:
+                        key, (size, new) = self._queue.popitem(last=False)
+                        batch.append((key, size, new))
+            try:
+                if resync:
+                    self._do_resync()
+                else:
+                    self._apply(batch)
+                self.directory_ok = True
+            except DirectoryUnavailable as e:
+                self.counters["directory_errors"] += 1
+                if self.directory_ok:
+                    logger.warning("pool registrar: the directory is unavailable (%s); retrying, then resyncing", e)
+                self.directory_ok = False
+                with self._cond:
+                    self._resync = True  # whatever was lost meanwhile, the resync covers it
+                if self._stop_event.wait(retry_s):
+                    return
+            except StoreClosedError:
+                with self._cond:
+                    self._busy = False
+                return
+            except Exception:
+                logger.exception("pool registrar: a batch failed; resyncing")
+                with self._cond:
+                    self._resync = True
+                if self._stop_event.wait(retry_s):
+                    return
+
+    def _locations(self, keys: list[str], sizes: dict[str, int], hash_new: set[str]) -> tuple[
+            list[tuple[str, Location]], list[str]]:
+        """(entries to register, keys to unregister) for ``keys`` as the store holds them now."""
+        tiers = self.store.tier_of(keys, local_only=True)
+        held = [(k, t) for k, t in zip(keys, tiers) if t is not None]
+        gone = [k for k, t in zip(keys, tiers) if t is None]
+        unknown = [k for k, _t in held if not sizes.get(k)]
+        if unknown:
+            for k, s in zip(unknown, self.store.size_of(unknown)):
+                if s is not None:
+                    sizes[k] = s
+        if self.checksum:
+            self._hash([k for k, t in held if t == TIER_DRAM and (k in hash_new or k not in self._checksums)])
+        entries = [(k, Location(self.node_id, t, sizes.get(k, 0), self._checksums.get(k, 0))) for k, t in held
+                   if t in ("dram", "ssd")]
+        for k in gone:
+            self._checksums.pop(k, None)
+        return entries, gone
+
+    def _hash(self, keys: list[str]) -> None:
+        """xxh3-64 of DRAM objects, read through leases of this registrar's own owner id."""
+        for at in range(0, len(keys), _HASH_BATCH):
+            chunk = keys[at:at + _HASH_BATCH]
+            leases = self.store.lease(chunk, ttl_s=30.0, stage_in=False, owner=REGISTRAR_OWNER, local_only=True)
+            try:
+                sums = {ls.key: xxhash.xxh3_64_intdigest(ls.view) for ls in leases if ls.status is Status.OK}
+            finally:
+                valid = self.store.release(leases, owner=REGISTRAR_OWNER)
+            for ls, ok in zip(leases, valid):
+                if ok and ls.key in sums:
+                    self._checksums[ls.key] = sums[ls.key]
+                    self._checksums.move_to_end(ls.key)
+                    self.counters["hashed"] += 1
+            while len(self._checksums) > _CHECKSUMS_MAX:
+                self._checksums.popitem(last=False)
+
+    def _apply(self, batch: list[tuple[str, int, bool]]) -> None:
+        keys = [k for k, _s, _n in batch]
+        sizes = {k: s for k, s, _n in batch}
+        new = {k for k, _s, n in batch if n}
+        try:
+            entries, gone = self._locations(keys, sizes, new)
+            if entries:
+                self.directory.register(self.node_id, entries)
+                self.counters["registered"] += len(entries)
+            if gone:
+                self.directory.unregister(self.node_id, gone)
+                self.counters["unregistered"] += len(gone)
+        except DirectoryUnavailable:
+            with self._cond:  # tried again after the outage (the resync covers them too)
+                for k, s, n in batch:
+                    self._queue.setdefault(k, (s, n))
+            raise
+        if self._on_stored is not None:
+            offered = [(k, loc.size) for k, loc in entries if k in new]
+            if offered:
+                self._on_stored(offered)
+
+    def _do_resync(self) -> None:
+        """Register everything this node holds (``resync=True``); delete tombstoned keys locally;
+        unregister what the directory still lists for this node but the node no longer holds."""
+        with self._cond:
+            self._queue.clear()  # covered by the resync
+        keys = self.store.keys()
+        held: set[str] = set()
+        tombstoned: list[str] = []
+        for at in range(0, len(keys), self._batch_max):
+            chunk = keys[at:at + self._batch_max]
+            entries, _gone = self._locations(chunk, {}, set())
+            if entries:
+                refused = self.directory.register(self.node_id, entries, resync=True)
+                tombstoned += refused
+                held.update(k for k, _l in entries)
+        held.difference_update(tombstoned)
+        if tombstoned:
+            statuses = self.store.remove(tombstoned, local_only=True)
+            self.counters["tombstoned"] += len(tombstoned)
+            logger.info("pool registrar: %d keys removed from the pool while this node was away deleted here "
+                        "(%d not deletable)", len(tombstoned), sum(1 for s in statuses if s not in
+                                                                 (Status.OK, Status.NOT_FOUND)))
+        stale = [k for k in self.directory.node_keys(self.node_id) if k not in held]
+        if stale:
+            self.directory.unregister(self.node_id, stale)
+        self.counters["resyncs"] += 1
+        self.counters["registered"] += len(held)
+        self.last_resync_ns = time.time_ns()
+        logger.info("pool registrar: resynced %d objects (%d stale locations dropped)", len(held), len(stale))
+
+    # -- the heartbeat thread ------------------------------------------------------------------------
+    def _beat(self) -> None:
+        was_down = False
+        while True:
+            try:
+                known = self.directory.heartbeat(self._info(), self.node_ttl_s)
+                self.counters["heartbeats"] += 1
+                if not known or was_down:
+                    if not known and self.counters["heartbeats"] > 1:
+                        logger.warning("pool: the directory did not know this node (restarted empty, failed "
+                                       "over, or the mark expired): resyncing")
+                    self.request_resync()
+                was_down = False
+            except DirectoryUnavailable as e:
+                if not was_down:
+                    logger.warning("pool heartbeat: the directory is unavailable (%s)", e)
+                was_down = True
+                self.counters["directory_errors"] += 1
+            except StoreClosedError:
+                return
+            except Exception:
+                logger.exception("pool heartbeat failed")
+            if self._stop_event.wait(self.heartbeat_s):
+                return
+
+
+def node_info(store: Any, node_id: str, address: str, started_ns: int,
+              counters: Callable[[], dict[str, int]] | None = None) -> NodeInfo:
+    """This node's :class:`NodeInfo` now: its address, capacity and use per tier (from the store's
+    stats) and counters for ``status`` (hits and misses per tier, plus ``counters()``)."""
+    st = store.stats()
+    tiers = {name: TierUsage(objects=t.objects, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
+             for name, t in (("dram", st.dram), ("ssd", st.ssd)) if t.capacity_bytes or name == "dram"}
+    out: dict[str, int] = {}
+    for name, t in (("dram", st.dram), ("ssd", st.ssd), ("pool", st.pool)):
+        out[f"{name}_hits"], out[f"{name}_misses"], out[f"{name}_bytes_read"] = t.hits, t.misses, t.bytes_read
+    for kind in ("peer_gone", "timeout", "checksum", "refused", "protocol", "directory"):
+        out[f"pool_failures_{kind}"] = getattr(st.pool.failures, kind)
+    if counters is not None:
+        out.update(counters())
+    return NodeInfo(node_id, address, started_ns=started_ns,
+                    capacity_bytes=sum(t.capacity_bytes for t in tiers.values()),
+                    used_bytes=sum(t.used_bytes for t in tiers.values()), tiers=tiers, counters=out)

@@ -1,0 +1,158 @@
+"""Extra copies on peers (``pool.replicas`` > 1): the registrar offers each newly stored object, the
+replicator places it.
+
+:class:`Replicator` owns one thread ("mkv-pool-replicator") and a bounded queue (past it an offer is
+dropped and counted: the object simply has fewer copies). Per batch: the directory's nodes and the
+batch's current holders (``locate``, every node), so an object that already has its copies (one
+a peer received is offered by that peer's registrar too) is left alone; the plan is the pure
+:func:`store_backend.plans.replica_targets` over the live nodes that do not hold it; per target
+``put_start`` (phase 1: pending, invisible) -> the bytes leased from the local store (this node's
+tiers only) -> ``transport.put`` -> ``put_end`` for what the peer committed, ``put_abort`` for the
+rest. Failures are counted and logged, never raised. ``start()``/``close()``; thread-safe ``offer``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+from store_backend.plans import replica_targets
+from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
+from store_backend.pool.transport import Transport
+from store_backend.types import Status
+
+logger = logging.getLogger(__name__)
+
+# The replicator's slot owner (its leases of the bytes it sends).
+REPLICATOR_OWNER = (1 << 47) + 1
+QUEUE_MAX = 16384
+BATCH_MAX = 64
+
+
+class Replicator:
+    def __init__(self, store: Any, directory: Directory, transport: Transport, node_id: str, replicas: int, *,
+                 timeout_s: float = 10.0, queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX) -> None:
+        self.store = store
+        self.directory = directory
+        self.transport = transport
+        self.node_id = node_id
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self._queue_max = queue_max
+        self._batch_max = batch_max
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, int]] = collections.deque()
+        self._stopping = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.counters = dict.fromkeys(("replicas_sent", "replicas_failed", "replicas_dropped", "replicas_skipped"), 0)
+
+    def start(self) -> Replicator:
+        self._thread = threading.Thread(target=self._run, name="mkv-pool-replicator", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("pool replicator still running after %.1f s", timeout_s)
+            self._thread = None
+
+    def offer(self, key_sizes: list[tuple[str, int]]) -> None:
+        """Queue objects just stored here for their extra copies (never blocks; past the bound the
+        rest are dropped and counted)."""
+        with self._cond:
+            room = self._queue_max - len(self._queue)
+            self._queue.extend(key_sizes[:max(0, room)])
+            self.counters["replicas_dropped"] += max(0, len(key_sizes) - max(0, room))
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._queue:
+                    self._busy = False
+                    self._cond.notify_all()
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._busy = True
+                batch = [self._queue.popleft() for _ in range(min(self._batch_max, len(self._queue)))]
+            try:
+                self._place(batch)
+            except DirectoryUnavailable as e:
+                self.counters["replicas_failed"] += len(batch)
+                logger.warning("pool replicator: the directory is unavailable (%s); %d objects keep one copy",
+                               e, len(batch))
+            except Exception:
+                self.counters["replicas_failed"] += len(batch)
+                logger.exception("pool replicator: a batch of %d failed", len(batch))
+
+    def _place(self, batch: list[tuple[str, int]]) -> None:
+        keys = [k for k, _s in batch]
+        nodes = self.directory.nodes()
+        holders = [{loc.node for loc in locs} | {self.node_id} for locs in self.directory.locate(keys)]
+        groups: dict[frozenset[str], list[tuple[str, int]]] = {}
+        for (key, size), held in zip(batch, holders):
+            if len(held) >= self.replicas:
+                self.counters["replicas_skipped"] += 1
+                continue
+            groups.setdefault(frozenset(held), []).append((key, size))
+        address = {n.node_id: n.address for n in nodes if n.alive}
+        for held, items in groups.items():
+            others = [n for n in nodes if n.node_id not in held]
+            plan = replica_targets(items, others, self.node_id, self.replicas - len(held) + 1)
+            sizes = dict(items)
+            for target, tkeys in plan.items():
+                self._send(target, address[target], tkeys, sizes)
+
+    def _send(self, target: str, address: str, keys: list[str], sizes: dict[str, int]) -> None:
+        ok = self.directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * self.timeout_s)
+        send = [k for k, fresh in zip(keys, ok) if fresh]
+        if not send:
+            return
+        leases = self.store.lease(send, ttl_s=2 * self.timeout_s, stage_in=True, owner=REPLICATOR_OWNER,
+                                  local_only=True)
+        held = [ls for ls in leases if ls.status is Status.OK]
+        failed = [ls.key for ls in leases if ls.status is not Status.OK]
+        committed: list[tuple[str, Location]] = []
+        try:
+            if held:
+                statuses = self.transport.put(address, [ls.key for ls in held], [ls.view for ls in held],
+                                              timeout_s=self.timeout_s)
+                for ls, st in zip(held, statuses):
+                    if st in (Status.OK, Status.EXISTS):
+                        committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes, 0)))
+                    else:
+                        failed.append(ls.key)
+        finally:
+            valid = self.store.release(leases, owner=REPLICATOR_OWNER)
+        del valid  # the bytes are immutable while leased; the peer verified the frame checksum
+        if committed:
+            # The peer's own registrar registers them too (with its checksum); put_end makes them
+            # visible now, whichever comes first.
+            self.directory.put_end(target, committed)
+        if failed:
+            self.directory.put_abort(target, failed)
+        self.counters["replicas_sent"] += len(committed)
+        self.counters["replicas_failed"] += len(failed)
+        if failed:
+            logger.warning("pool replicator: %d of %d copies to %s failed", len(failed), len(send), target)

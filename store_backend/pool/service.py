@@ -1,0 +1,152 @@
+"""The pool beside a node service: :class:`PoolService` owns this node's part in the pool.
+
+Made by the node service when its config has a ``pool`` section: :meth:`PoolService.make_tier`
+first (the :class:`~store_backend.pool.tier.PoolTier` the store is opened with, appended after
+its ssd tier), then ``PoolService(store, cfg, socket_path, tier)`` and :meth:`start`: the
+directory (embedded or Redis, behind a location cache), the transport listener (TCP, serving
+this node's tiers only: :func:`local_view`), the transport client the tier reads through, the
+replicator (``replicas`` > 1) and the registrar (residency events -> directory, heartbeats).
+:meth:`close` undoes it in the order a stop needs: the listener first (peers' leases reclaimed),
+then the registrar, the node's leave from the directory (``deregister_node``), the tier unbound,
+the client and the directory. :meth:`stop_serving` is the listener's part alone, for the start of
+a drain. Blocking (binds, joins); call from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from store_backend.pool.cache import CachedDirectory
+from store_backend.pool.config import PoolConfig
+from store_backend.pool.directory import Directory, DirectoryUnavailable, NodeInfo
+from store_backend.pool.factory import make_directory
+from store_backend.pool.registrar import Registrar, node_info
+from store_backend.pool.replicator import Replicator
+from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tier import PoolTier
+
+logger = logging.getLogger(__name__)
+
+
+class _LocalStore:
+    """A store as a peer's transport sees it: ``lease`` stages in and ``remove`` deletes from this
+    node's own tiers only (``local_only``), so a peer's read or remove never goes round the pool
+    again; everything else is the store's."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def lease(self, keys: Any, **kwargs: Any) -> Any:
+        return self._store.lease(keys, local_only=True, **kwargs)
+
+    def remove(self, keys: Any, **kwargs: Any) -> Any:
+        return self._store.remove(keys, local_only=True, **kwargs)
+
+
+def local_view(store: Any) -> Any:
+    """``store`` with reads and removes limited to this node's tiers (what the transport server serves)."""
+    return _LocalStore(store)
+
+
+class PoolService:
+    def __init__(self, store: Any, cfg: PoolConfig, socket_path: str, tier: PoolTier | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.node_id = cfg.node_id_for(socket_path)
+        self.tier = tier if tier is not None else self.make_tier(cfg, socket_path)
+        self.directory: Directory | None = None
+        self.server: TcpTransportServer | None = None
+        self.transport: TcpTransport | None = None
+        self.registrar: Registrar | None = None
+        self.replicator: Replicator | None = None
+        self.address = ""
+        self.started_ns = 0
+
+    @staticmethod
+    def make_tier(cfg: PoolConfig, socket_path: str) -> PoolTier:
+        """The tier a store is opened with before the service starts (bound by :meth:`start`)."""
+        return PoolTier(cfg.node_id_for(socket_path), timeout_s=cfg.timeout_s, retry_after_s=cfg.retry_after_s,
+                        checksum=cfg.checksum)
+
+    def start(self) -> PoolService:
+        """Open the directory, bind the listener, start the registrar (and replicator). ValueError
+        naming the field for a bad secret file or listen address; what was opened is closed again."""
+        cfg = self.cfg
+        secret = cfg.read_secret()
+        host, _sep, port_text = cfg.listen.rpartition(":")  # checked by PoolConfig; port 0: any free one
+        host, port = host.strip("[]"), int(port_text)
+        self.started_ns = time.time_ns()
+        try:
+            self.directory = CachedDirectory(make_directory(cfg.directory, node_id=self.node_id),
+                                             max_entries=cfg.cache_entries, cache_ttl_s=cfg.cache_ttl_s)
+            self.server = TcpTransportServer(local_view(self.store), secret, host, port)
+            self.server.start()
+            self.address = cfg.advertise or self.server.address
+            self.transport = TcpTransport(secret, streams=cfg.streams)
+            if cfg.replicas > 1:
+                self.replicator = Replicator(self.store, self.directory, self.transport, self.node_id, cfg.replicas,
+                                             timeout_s=cfg.timeout_s).start()
+            self.tier.bind(self.directory, self.transport)
+            self.registrar = Registrar(
+                self.store, self.directory, self.node_id, info=self.info, heartbeat_s=cfg.heartbeat_s,
+                node_ttl_s=cfg.node_ttl_s, checksum=cfg.checksum,
+                on_stored=self.replicator.offer if self.replicator is not None else None).start()
+        except BaseException:
+            self.close()
+            raise
+        logger.info("pool: node %s serving on %s (directory %s, %d replicas)", self.node_id, self.address,
+                    cfg.directory.kind, cfg.replicas)
+        return self
+
+    def info(self) -> NodeInfo:
+        """This node's NodeInfo now (for the heartbeat)."""
+        return node_info(self.store, self.node_id, self.address, self.started_ns, self.counters)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in (self.registrar, self.replicator):
+            if part is not None:
+                out.update(part.counters)
+        if self.server is not None:
+            out.update({f"server_{k}": v for k, v in self.server.stats().items()})
+        return out
+
+    def stop_serving(self, timeout_s: float = 5.0) -> None:
+        """Stop the listener (the start of a drain): peers' connections end, what they held is
+        reclaimed; this node's reads from peers go on. Idempotent."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.close(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Leave the pool: listener, registrar and replicator stopped, the node deregistered (its
+        locations dropped at once, not after its TTL), the tier unbound, client and directory
+        closed. Idempotent; a directory that cannot be reached is logged, not raised."""
+        self.stop_serving(timeout_s)
+        for part in (self.registrar, self.replicator):
+            if part is not None:
+                part.close(timeout_s)
+        self.registrar = self.replicator = None
+        directory, self.directory = self.directory, None
+        if directory is not None:
+            try:
+                directory.deregister_node(self.node_id)
+            except DirectoryUnavailable as e:
+                logger.warning("pool: could not leave the directory (%s); this node's entries expire with its "
+                               "liveness mark", e)
+            except Exception:
+                logger.exception("pool: deregister_node failed")
+        self.tier.bind(None, None)
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.close()
+        if directory is not None:
+            try:
+                directory.close()
+            except Exception:
+                logger.exception("pool: closing the directory failed")

@@ -1,0 +1,323 @@
+"""The pool tier: the other nodes of the pool as the last tier below this node's DRAM and SSD.
+
+:class:`PoolTier` implements :class:`store_backend.tiers.base.Tier`; the node service appends it to
+its store's tiers (after ssd) when ``pool`` is configured, so a local miss falls through to it.
+It never backs DRAM, is not durable, not exclusive and has no local index: put's EXISTS check and
+``keys()`` skip it, and no lookup of it is made under the store lock.
+
+Read (``get_into``): the locations of the batch from the directory (one round trip, this node
+excluded; the directory is usually a :mod:`store_backend.pool.cache` in front of Redis), each key
+assigned to its best live replica (DRAM before SSD, then node id: the directory's order), one
+``transport.get_into`` per peer with the directory's checksums, peers in parallel on this tier's
+owned bounded thread pool; a key whose replica failed (IO_ERROR, CORRUPT, NOT_FOUND) is asked once
+more of its next replica. Directory outages: a lookup that raises
+:class:`~store_backend.pool.directory.DirectoryUnavailable` makes the tier answer misses at once
+for ``retry_after_s`` (no stall per call), each key counted under ``directory``.
+
+The directory and transport are bound late (:meth:`bind`): the store is opened first, the pool
+service that owns them binds them once they are up; until then every call is a miss. Thread-safe;
+blocks on the network (bounded by ``timeout_s`` per peer and the directory's op timeout). The
+buffers are the caller's and are written only by the transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from store_backend.metrics import FailureCounters
+from store_backend.pool.directory import Directory, DirectoryUnavailable, Location
+from store_backend.pool.transport import FAILURE_KINDS, Transport
+from store_backend.threads import Deadline, shutdown_pool
+from store_backend.tiers.base import TierGauges, TierTraits
+from store_backend.types import Buffer, ReadResult, Status, nbytes_of
+
+logger = logging.getLogger(__name__)
+
+# Statuses of a replica's read after which the next replica is asked.
+_RETRY = (Status.IO_ERROR, Status.CORRUPT, Status.NOT_FOUND)
+# How long a peer's address is reused before the directory is asked again.
+_ADDRESS_TTL_S = 5.0
+
+
+class PoolTier:
+    """The Tier Protocol over the pool's directory and transport (see the module docstring)."""
+
+    name = "pool"
+    traits = TierTraits(backs_dram=False, durable=False, exclusive=False, local_index=False)
+
+    def __init__(self, node_id: str, *, timeout_s: float = 10.0, retry_after_s: float = 1.0,
+                 checksum: bool = True, peer_threads: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
+        """``peer_threads``: the owned threads reading from peers in parallel (made at the first
+        read that names more than one peer; closed by :meth:`close`)."""
+        if peer_threads < 1:
+            raise ValueError(f"peer_threads must be >= 1, got {peer_threads}")
+        self.node_id = node_id
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.checksum = checksum
+        self._peer_threads = peer_threads
+        self._clock = clock
+        self._directory: Directory | None = None
+        self._transport: Transport | None = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._down_until = 0.0  # monotonic: the directory failed; misses until then
+        self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
+        self._counts = dict.fromkeys(("hits", "misses", "bytes_read", "retries", "directory_errors",
+                                      "failures_directory", "removes"), 0)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def bind(self, directory: Directory | None, transport: Transport | None) -> None:
+        """Attach (or, with None, detach) the directory and transport this tier reads through.
+        The caller owns both and closes them after this tier stops using them."""
+        with self._lock:
+            self._directory, self._transport = directory, transport
+            self._addresses.clear()
+
+    def close(self) -> None:
+        """Stop the peer threads (idempotent). The directory and transport are the binder's."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+            self._directory = self._transport = None
+        shutdown_pool(pool, Deadline(5.0), owner="pool tier")
+
+    def _parts(self) -> tuple[Directory, Transport] | None:
+        with self._lock:
+            if self._closed or self._directory is None or self._transport is None:
+                return None
+            return self._directory, self._transport
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] = self._counts.get(name, 0) + n
+
+    # -- the directory, with the back-off after an outage --------------------------------------------
+    def _ask(self, fn: Callable[[], Any], nkeys: int) -> Any:
+        """``fn()`` (a directory call), or None when the directory is down or backing off: then the
+        ``nkeys`` keys are counted as failed under ``directory`` and the caller answers misses."""
+        if self._clock() < self._down_until:
+            self._count("failures_directory", nkeys)
+            return None
+        try:
+            return fn()
+        except DirectoryUnavailable as e:
+            self._down_until = self._clock() + self.retry_after_s
+            self._count("directory_errors")
+            self._count("failures_directory", nkeys)
+            logger.warning("pool: the directory is unavailable (%s); the pool answers misses for %.1f s",
+                           e, self.retry_after_s)
+            return None
+
+    def _locate(self, directory: Directory, keys: Sequence[str]) -> list[list[Location]] | None:
+        return self._ask(lambda: directory.locate(keys, exclude=self.node_id), len(keys))
+
+    def _address_map(self, directory: Directory, nodes: set[str]) -> dict[str, str]:
+        now = self._clock()
+        with self._lock:
+            known = {n: a for n, (a, t) in self._addresses.items() if n in nodes and now - t < _ADDRESS_TTL_S}
+        want = sorted(nodes - set(known))
+        if want:
+            got = self._ask(lambda: directory.address_of(want), 0)
+            if got:
+                with self._lock:
+                    for n, a in got.items():
+                        self._addresses[n] = (a, now)
+                known.update(got)
+        return known
+
+    def _forget_address(self, node: str) -> None:
+        with self._lock:
+            self._addresses.pop(node, None)
+
+    # -- reads -------------------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        out = [ReadResult(Status.NOT_FOUND)] * len(keys)
+        parts = self._parts()
+        if parts is None or not keys:
+            self._count("misses", len(keys))
+            return out
+        directory, transport = parts
+        locs = self._locate(directory, keys)
+        if locs is None:
+            self._count("misses", len(keys))
+            return out
+        # Per key, its replicas in the directory's order (best first), and which one is tried next.
+        todo: dict[int, list[Location]] = {}
+        for i, replicas in enumerate(locs):
+            if not replicas:
+                continue
+            if nbytes_of(buffers[i]) < replicas[0].size:
+                out[i] = ReadResult(Status.BUFFER_TOO_SMALL, replicas[0].size)
+                continue
+            todo[i] = list(replicas)
+        for attempt in range(2):
+            if not todo:
+                break
+            if attempt:
+                self._count("retries", len(todo))
+            groups: dict[str, list[int]] = {}
+            for i, replicas in todo.items():
+                groups.setdefault(replicas[0].node, []).append(i)
+            addresses = self._address_map(directory, set(groups))
+            results = self._read_groups(transport, addresses, groups, keys, buffers, todo)
+            forget = getattr(directory, "forget_node", None)  # a CachedDirectory: drop a failed peer's entries
+            if forget is not None:
+                for node, idx in groups.items():
+                    if all(results[i].status is Status.IO_ERROR for i in idx):
+                        forget(node)
+            again: dict[int, list[Location]] = {}
+            for i, res in results.items():
+                if res.status in _RETRY and len(todo[i]) > 1 and attempt == 0:
+                    again[i] = todo[i][1:]
+                    if res.status is not Status.NOT_FOUND:
+                        out[i] = res  # kept if the next replica misses too
+                    continue
+                if res.status is not Status.NOT_FOUND or out[i].status is Status.NOT_FOUND:
+                    out[i] = res
+            todo = again
+        hits = [r for r in out if r.status is Status.OK]
+        self._count("hits", len(hits))
+        self._count("bytes_read", sum(r.nbytes for r in hits))
+        self._count("misses", len(keys) - len(hits))
+        return out
+
+    def _read_groups(self, transport: Transport, addresses: dict[str, str], groups: dict[str, list[int]],
+                     keys: Sequence[str], buffers: Sequence[Buffer], todo: dict[int, list[Location]],
+                     ) -> dict[int, ReadResult]:
+        """One transport read per peer (in parallel on the owned threads when several); a peer
+        with no known address (it died) fails its keys with IO_ERROR."""
+        results: dict[int, ReadResult] = {}
+
+        def read(node: str, idx: list[int]) -> None:
+            address = addresses.get(node)
+            if address is None:
+                got = [ReadResult(Status.IO_ERROR)] * len(idx)
+            else:
+                sums = [todo[i][0].checksum if self.checksum else 0 for i in idx]
+                try:
+                    got = transport.get_into(address, [keys[i] for i in idx], [buffers[i] for i in idx],
+                                             checksums=sums, timeout_s=self.timeout_s)
+                except Exception:
+                    logger.exception("pool: a read of %d keys from %s raised", len(idx), node)
+                    got = [ReadResult(Status.IO_ERROR)] * len(idx)
+                if all(r.status is Status.IO_ERROR for r in got):
+                    self._forget_address(node)  # it may have moved (restarted on another port)
+            for i, r in zip(idx, got):
+                results[i] = r
+
+        items = list(groups.items())
+        if len(items) == 1:
+            read(*items[0])
+            return results
+        pool = self._executor()
+        if pool is None:
+            for node, idx in items:
+                results.update((i, ReadResult(Status.IO_ERROR)) for i in idx)
+            return results
+        futures = [pool.submit(read, node, idx) for node, idx in items[1:]]
+        read(*items[0])  # the caller's thread takes one peer
+        for f in futures:
+            f.result()
+        return results
+
+    def _executor(self) -> ThreadPoolExecutor | None:
+        with self._lock:
+            if self._closed:
+                return None
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._peer_threads, thread_name_prefix="mkv-pool-read")
+            return self._pool
+
+    # -- lookups -------------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        parts = self._parts()
+        locs = self._locate(parts[0], keys) if parts is not None and keys else None
+        return [False] * len(keys) if locs is None else [bool(r) for r in locs]
+
+    def size_of(self, keys: Sequence[str]) -> list[int | None]:
+        parts = self._parts()
+        locs = self._locate(parts[0], keys) if parts is not None and keys else None
+        return [None] * len(keys) if locs is None else [r[0].size if r else None for r in locs]
+
+    def keys(self) -> Iterator[str]:
+        """Nothing: a node's ``keys()`` lists what it holds itself."""
+        return iter(())
+
+    # -- writes and removal --------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
+        """Never the offload target (it does not back DRAM): extra copies go through the replicator."""
+        return [Status.IO_ERROR] * len(keys)
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Pool-wide: the directory drops (and tombstones) every location, then each live holder
+        but this node deletes its copy. Per key OK (some node held it and every live holder
+        deleted it), NOT_FOUND (nobody held it), IO_ERROR (the directory is unreachable, or a live
+        holder could not be asked: its copy may stay until it re-registers and the tombstone
+        refuses it)."""
+        parts = self._parts()
+        if parts is None or not keys:
+            return [Status.NOT_FOUND] * len(keys)
+        directory, transport = parts
+        self._count("removes", len(keys))
+        try:
+            holders = directory.remove(keys)
+        except DirectoryUnavailable as e:
+            self._down_until = self._clock() + self.retry_after_s
+            self._count("directory_errors")
+            logger.warning("pool: remove of %d keys: the directory is unavailable (%s)", len(keys), e)
+            return [Status.IO_ERROR] * len(keys)
+        out = [Status.OK if holders.get(k) else Status.NOT_FOUND for k in keys]
+        by_node: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            for node in holders.get(k, []):
+                if node != self.node_id:
+                    by_node.setdefault(node, []).append(i)
+        if not by_node:
+            return out
+        addresses = self._address_map(directory, set(by_node))  # dead holders: tombstoned, not asked
+        for node, idx in by_node.items():
+            address = addresses.get(node)
+            if address is None:
+                continue
+            try:
+                got = transport.remove(address, [keys[i] for i in idx], timeout_s=self.timeout_s)
+            except Exception:
+                logger.exception("pool: remove of %d keys on %s raised", len(idx), node)
+                got = [Status.IO_ERROR] * len(idx)
+            for i, st in zip(idx, got):
+                if st not in (Status.OK, Status.NOT_FOUND):
+                    out[i] = Status.IO_ERROR
+        return out
+
+    # -- observability -------------------------------------------------------------------------------
+    def gauges(self) -> TierGauges:
+        """No objects of its own; the failures by kind (the transport's and the directory's)."""
+        return TierGauges(failures=self.failure_counters())
+
+    def failure_counters(self) -> FailureCounters:
+        parts = self._parts()
+        t = parts[1].stats() if parts is not None else {}
+        with self._lock:
+            directory = self._counts["failures_directory"]
+        return FailureCounters(**{k: int(t.get(f"failures_{k}", 0)) for k in FAILURE_KINDS}, directory=directory)
+
+    def extra_stats(self) -> dict[str, int]:
+        """``hits``, ``misses``, ``bytes_read``, ``retries`` (keys asked of a second replica),
+        ``directory_errors`` (lookups that found the directory down), ``removes`` and
+        ``failures_<kind>`` (peer_gone, timeout, checksum, refused, protocol, directory)."""
+        with self._lock:
+            out = dict(self._counts)
+        f = self.failure_counters()
+        out.update({f"failures_{k}": getattr(f, k) for k in (*FAILURE_KINDS, "directory")})
+        return out
+
+    def set_eviction_listener(self, fn: Callable[[list[str]], None] | None) -> None:
+        """The pool never evicts on this node's behalf: nothing to report."""

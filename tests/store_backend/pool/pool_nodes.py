@@ -1,0 +1,153 @@
+"""Node services in a pool, each a separate process (``python -m store_backend.node serve``), for the
+multi-node tests: a config with a ``pool`` section over one Redis, payloads that verify themselves
+(key and version in the bytes, xxh3 of the rest last), and helpers to wait on the directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from store_backend.node.client import NodeClient
+from store_backend.pool.directory_redis import RedisDirectory
+from tests.store_backend.node.server_harness import ServiceProcess, service_config, short_dir, wait_until
+
+MiB = 1 << 20
+SECRET = "pool-nodes-test-secret"
+_HEAD = 64
+
+
+def make_payload(key: str, version: int, size: int) -> bytes:
+    """``size`` bytes that name ``key`` and ``version`` and carry their own checksum."""
+    head = f"{key}|{version}|".encode().ljust(_HEAD, b"\0")
+    seed = xxhash.xxh3_64_intdigest(f"{key}/{version}".encode())
+    body = np.random.default_rng(seed).integers(0, 256, size - _HEAD - 8, dtype=np.uint8).tobytes()
+    data = head + body
+    return data + xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+
+
+def check_payload(key: str, data: bytes | bytearray | memoryview, version: int | None = None) -> int:
+    """The version ``data`` holds for ``key``; AssertionError on any wrong byte."""
+    data = bytes(data)
+    assert xxhash.xxh3_64_intdigest(data[:-8]).to_bytes(8, "little") == data[-8:], f"{key}: checksum"
+    name, ver, _rest = data[:_HEAD].split(b"|", 2)
+    assert name.decode() == key, f"{key}: holds {name!r}"
+    got = int(ver)
+    assert version is None or got == version, f"{key}: version {got}, wanted {version}"
+    assert data == make_payload(key, got, len(data)), f"{key}: bytes differ"
+    return got
+
+
+def secret_file(directory: str) -> str:
+    path = os.path.join(directory, "pool.secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(SECRET)
+    return path
+
+
+class PoolNode:
+    """One node service process in the pool (``node_id`` = ``name``), with an SSD tier."""
+
+    def __init__(self, name: str, redis_url: str, *, dram_bytes: int = 16 * MiB, replicas: int = 1,
+                 ssd: bool = True, **pool: Any) -> None:
+        self.name = name
+        self.dir = short_dir()
+        store: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes,
+                                          "shm_name": f"mkn-pool-{uuid.uuid4().hex[:10]}"}}
+        if ssd:
+            store["ssd"] = {"path": os.path.join(self.dir, "ssd"), "capacity_bytes": 256 * MiB}
+        self.cfg = service_config(self.dir, store=store, pool={
+            "node_id": name, "secret_file": secret_file(self.dir),
+            "directory": {"kind": "redis", "url": redis_url, "op_timeout_s": 0.5},
+            "replicas": replicas, "heartbeat_s": 0.25, "node_ttl_s": 1.5, "timeout_s": 5.0,
+            "cache_ttl_s": 1.0, "retry_after_s": 0.5, **pool})
+        self.cfg["drain_timeout_s"] = 1.0
+        self.cfg["shutdown_flush_s"] = 20.0
+        self.proc: ServiceProcess | None = None
+        self.clients: list[NodeClient] = []
+        self.runs = 0
+
+    @property
+    def socket(self) -> str:
+        return self.cfg["socket"]
+
+    def start(self) -> PoolNode:
+        self.runs += 1
+        self.proc = ServiceProcess(self.cfg, self.dir)
+        self.proc.wait_ready(60)
+        return self
+
+    def client(self) -> NodeClient:
+        c = NodeClient(self.socket, name=f"test-{self.name}", op_timeout_s=20.0).start()
+        self.clients.append(c)
+        return c
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is flushed, the directory is not told."""
+        assert self.proc is not None
+        self.proc.signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.proc.close()
+        self.proc = None
+
+    def close(self) -> None:
+        for c in self.clients:
+            try:
+                c.close(flush=False, timeout_s=5)
+            except Exception:
+                pass
+        self.clients = []
+        if self.proc is not None:
+            self.proc.close()
+            self.proc = None
+
+    def log(self) -> str:
+        return self.proc.log_text() if self.proc is not None else ""
+
+
+def put_all(client: NodeClient, items: dict[str, bytes]) -> None:
+    keys = list(items)
+    st = client.put(keys, [items[k] for k in keys])
+    assert all(s.ok for s in st), st
+
+
+def read(client: NodeClient, keys: list[str], size: int) -> tuple[list[Any], list[bytearray]]:
+    bufs = [bytearray(size) for _ in keys]
+    return client.get_into(keys, bufs), bufs
+
+
+def directory_of(redis_url: str) -> RedisDirectory:
+    return RedisDirectory(url=redis_url, op_timeout_s=2.0)
+
+
+def wait_located(directory: RedisDirectory, keys: list[str], node: str, timeout_s: float = 20.0,
+                 tier: str | None = None) -> None:
+    """Until the directory lists ``node`` (in ``tier``) as holding every key of ``keys``."""
+    def located() -> bool:
+        try:
+            locs = directory.locate(keys)
+        except Exception:
+            return False
+        return all(any(loc.node == node and (tier is None or loc.tier == tier) for loc in ls) for ls in locs)
+
+    wait_until(located, timeout_s, f"{len(keys)} keys located on {node}")
+
+
+def wait_nodes_alive(directory: RedisDirectory, names: list[str], timeout_s: float = 20.0) -> None:
+    def alive() -> bool:
+        try:
+            return {n.node_id for n in directory.nodes() if n.alive} >= set(names)
+        except Exception:
+            return False
+
+    wait_until(alive, timeout_s, f"nodes {names} alive")
+
+
+def monotonic_s() -> float:
+    return time.monotonic()

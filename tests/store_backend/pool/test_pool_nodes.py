@@ -1,0 +1,136 @@
+"""Three node services as separate processes, one Redis directory: objects written on one node are
+read through the others, byte-identical, from its DRAM and from its SSD; a remote read leaves a
+registered local copy; ``replicas: 2`` places a second copy on another node; ``status --pool``
+lists every node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from store_backend.types import Status
+from tests.store_backend.node.server_harness import REPO, wait_until
+from tests.store_backend.pool.pool_nodes import (
+    MiB,
+    PoolNode,
+    check_payload,
+    directory_of,
+    make_payload,
+    put_all,
+    read,
+    wait_located,
+    wait_nodes_alive,
+)
+from tests.store_backend.pool.redis_server import RedisProcess
+
+SIZE = 1 * MiB
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisProcess]:
+    with RedisProcess() as r:
+        yield r
+
+
+@pytest.fixture
+def nodes(redis: RedisProcess, request: pytest.FixtureRequest) -> Iterator[list[PoolNode]]:
+    replicas = getattr(request, "param", 1)
+    made = [PoolNode(name, redis.url, replicas=replicas) for name in ("A", "B", "C")]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.close()
+
+
+def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    ca = a.client()
+    # 24 MiB into A's 16 MiB of DRAM: the first ones are on A's SSD only by the end (eager offload).
+    keys = [f"obj-{i:02d}" for i in range(24)]
+    for at in range(0, len(keys), 6):  # flushed as it goes, so DRAM drops only persisted ones
+        put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys[at:at + 6]})
+        report = ca.flush_report(timeout_s=30)
+        assert report.ok, report
+    tiers = ca.tier_of(keys)
+    on_ssd = [k for k, t in zip(keys, tiers) if t == "ssd"]
+    in_dram = [k for k, t in zip(keys, tiers) if t == "dram"]
+    assert on_ssd and in_dram, tiers
+    wait_located(d, on_ssd, "A", tier="ssd")
+    wait_located(d, in_dram, "A", tier="dram")
+    cb, cc = b.client(), c.client()
+    # B reads every object, SSD ones and DRAM ones, in one batch; C a few of each.
+    assert cb.exists(keys) == len(keys)
+    got, bufs = read(cb, keys, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(keys)
+    for k, buf in zip(keys, bufs):
+        check_payload(k, buf, 1)
+    few = [*on_ssd[:3], *in_dram[:3]]
+    got, bufs = read(cc, few, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(few)
+    for k, buf in zip(few, bufs):
+        check_payload(k, buf, 1)
+    # The remote reads left local copies on B (registered in the directory), read locally now.
+    b_local = cb.tier_of(keys)
+    kept = [k for k, t in zip(keys, b_local) if t == "dram"]
+    assert len(kept) >= 8, b_local  # B's DRAM (16 MiB) keeps the latest of them
+    wait_located(d, kept, "B", tier="dram")
+    st = cb.stats()
+    assert st.pool.hits >= len(keys) and st.pool.bytes_read >= len(keys) * SIZE
+    got, bufs = read(cb, kept, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(kept)
+    assert cb.stats().pool.hits == st.pool.hits  # served from B's own DRAM this time
+    for k, buf in zip(kept, bufs):
+        check_payload(k, buf, 1)
+    # A key nobody holds is a clean miss everywhere.
+    got, _ = read(cc, ["nobody-has-it"], SIZE)
+    assert got[0].status is Status.NOT_FOUND
+    # status --pool lists the three nodes, alive, with their tiers.
+    out = subprocess.run([sys.executable, "-c", "import sys; from mooncake_kv.cli import main; sys.exit(main())",
+                          "status", "--pool", "--json", "--config", a.proc.config_path], capture_output=True,
+                         text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    by_id = {n["node_id"]: n for n in doc["nodes"]}
+    assert set(by_id) == {"A", "B", "C"} and all(n["alive"] for n in by_id.values())
+    assert by_id["A"]["tiers"]["ssd"]["objects"] >= len(on_ssd)
+    assert by_id["B"]["counters"]["pool_hits"] >= len(keys)
+    d.close()
+
+
+@pytest.mark.parametrize("nodes", [2], indirect=True)
+def test_two_replicas_place_a_second_copy_on_another_node(redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    ca = a.client()
+    keys = [f"rep-{i}" for i in range(6)]
+    put_all(ca, {k: make_payload(k, 7, SIZE) for k in keys})
+
+    def two_copies() -> bool:
+        return all(len({loc.node for loc in ls}) == 2 for ls in d.locate(keys))
+
+    wait_until(two_copies, 20, "two copies of each key")
+    locs = d.locate(keys)
+    assert all(ls and {loc.node for loc in ls} - {"A"} for ls in locs)
+    # The copies are real: each other holder serves the key from its own tier.
+    holders = {"B": b.client(), "C": c.client()}
+    for k, ls in zip(keys, locs):
+        other = next(loc.node for loc in ls if loc.node != "A")
+        assert holders[other].tier_of([k]) == ["dram"]
+        got, bufs = read(holders[other], [k], SIZE)
+        assert got[0].status is Status.OK
+        check_payload(k, bufs[0], 7)
+    # And no third copy was made (a received copy is not replicated again).
+    assert all(len(ls) == 2 for ls in d.locate(keys))
+    d.close()
