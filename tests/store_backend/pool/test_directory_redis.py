@@ -228,3 +228,15 @@ def test_bad_configuration_names_the_field(tmp_path: Path) -> None:
         make_directory(Cfg(sentinels=["nohost"]), node_id="a")
     with pytest.raises(ValueError, match="NUL"):
         RedisDirectory(url="redis://127.0.0.1:1/0").locate(["a\x00b"])
+
+
+def test_make_directory_from_the_pool_config(redis_server: RedisProcess) -> None:
+    config = pytest.importorskip("store_backend.pool.config")
+    from store_backend.pool.directory_embedded import EmbeddedDirectory
+
+    assert isinstance(make_directory(config.DirectoryConfig(), node_id="a"), EmbeddedDirectory)
+    d = make_directory(config.DirectoryConfig(kind="redis", url=redis_server.url, namespace="cfg", op_timeout_s=0.5),
+                       node_id="a")
+    assert isinstance(d, RedisDirectory) and d.address == f"redis://127.0.0.1:{redis_server.port}/0"
+    roundtrip(d)
+    d.close()
