@@ -5,7 +5,7 @@ call is one Lua script (``register_script``: EVALSHA, reloaded by redis-py after
 failover), so a batch is atomic and costs one round trip; lookups filter dead nodes inside the
 script. Layout under ``<ns>`` (the configured namespace):
 
-``<ns>:k:<key>``      hash node -> "tier|size|checksum": the key's locations
+``<ns>:k:<key>``      hash node -> "tier|size|checksum|node": the key's locations
 ``<ns>:p:<key>``      hash node -> deadline (ms, Redis clock): pending put_start marks
 ``<ns>:t:<key>``      tombstone (PX tombstone_ttl_s)
 ``<ns>:nk:<node>``    set of the keys the node has a location for (node_keys, clear_node)
@@ -269,17 +269,18 @@ end
 """
 
 # ARGV: ns, exclude ('' for none), keys. Returns one NUL-joined string: per key the count of
-# live holders, then "tier|size|checksum|node" for each (one bulk string parses far faster than
-# nested arrays).
+# live holders, then each one's "tier|size|checksum|node" as stored (one bulk string parses far
+# faster than nested arrays).
 _LOCATE = _PRELUDE + _ALIVE + """
 local out = {}
+local call, prefix = redis.call, ns .. ':k:'
 for i = 1, #L do
-  local h = redis.call('HGETALL', ns .. ':k:' .. L[i])
+  local h = call('HGETALL', prefix .. L[i])
   local at = #out + 1
   out[at] = 0
   local n = 0
   for j = 1, #h, 2 do
-    if alive(h[j]) then out[#out + 1] = h[j + 1] .. '|' .. h[j]; n = n + 1 end
+    if alive(h[j]) then out[#out + 1] = h[j + 1]; n = n + 1 end
   end
   out[at] = n
 end
@@ -289,8 +290,9 @@ return table.concat(out, '\\0')
 # ARGV: ns, exclude, keys. Returns the length of the leading run with a live holder.
 _LEADING = _PRELUDE + _ALIVE + """
 local n = 0
+local call, prefix = redis.call, ns .. ':k:'
 for i = 1, #L do
-  local h = redis.call('HKEYS', ns .. ':k:' .. L[i])
+  local h = call('HKEYS', prefix .. L[i])
   local found = false
   for j = 1, #h do
     if alive(h[j]) then found = true; break end
@@ -419,7 +421,7 @@ class RedisDirectory:
             ("heartbeat", _HEARTBEAT), ("nodes", _NODES), ("address_of", _ADDRESS_OF))}
         self._gen_lock = threading.Lock()
         self._gens: dict[str, int] = {}  # node -> the highest generation this instance saw
-        self._locations: dict[str, Location] = {}  # script text -> Location, bounded
+        self._locations: dict[str, tuple[tuple[int, str], Location]] = {}  # script text -> (order, Location)
         self._sub_lock = threading.Lock()
         self._subscribers: list[Invalidation] = []
         self._sub_thread: threading.Thread | None = None
@@ -471,23 +473,25 @@ class RedisDirectory:
             if gen > self._gens.get(node_id, 0):
                 self._gens[node_id] = gen
 
-    def _location(self, text: str) -> Location:
-        """Location of a script's "tier|size|checksum|node" (cached: the same few repeat)."""
-        loc = self._locations.get(text)
-        if loc is None:
+    def _location(self, text: str) -> tuple[tuple[int, str], Location]:
+        """(best-first order, Location) of a script's "tier|size|checksum|node" (cached: the same
+        few repeat, and parsing dominates a lookup's client side)."""
+        hit = self._locations.get(text)
+        if hit is None:
             tier, size, checksum, node = text.split("|", 3)
             loc = Location(node, tier, int(size), int(checksum))
+            hit = (best_first(loc), loc)
             if len(self._locations) >= 1 << 16:
                 self._locations.clear()
-            self._locations[text] = loc
-        return loc
+            self._locations[text] = hit
+        return hit
 
     @staticmethod
     def _packed(entries: Sequence[tuple[str, Location]]) -> str:
         flat: list[str] = []
         for key, loc in entries:
             flat.append(key)
-            flat.append(f"{loc.tier}|{int(loc.size)}|{int(loc.checksum)}")
+            flat.append(f"{loc.tier}|{int(loc.size)}|{int(loc.checksum)}|{loc.node}")
         return _joined(flat)
 
     # -- nodes -----------------------------------------------------------------------------------
@@ -578,6 +582,7 @@ class RedisDirectory:
         if not keys:
             return []
         parts = self._call("locate", [exclude or "", _joined(keys)]).split(_SEP)
+        cached = self._locations.get
         loc_of = self._location
         out: list[list[Location]] = []
         i = 0
@@ -586,16 +591,18 @@ class RedisDirectory:
             i += 1
             if n == 0:
                 out.append([])
-                continue
-            if n == 1:
-                out.append([loc_of(parts[i])])
+            elif n == 1:
+                out.append([(cached(parts[i]) or loc_of(parts[i]))[1]])
                 i += 1
-                continue
-            found = [loc_of(x) for x in parts[i:i + n]]
-            i += n
-            if n > 1:
-                found.sort(key=best_first)
-            out.append(found)
+            elif n == 2:
+                a = cached(parts[i]) or loc_of(parts[i])
+                b = cached(parts[i + 1]) or loc_of(parts[i + 1])
+                out.append([a[1], b[1]] if a[0] < b[0] else [b[1], a[1]])
+                i += 2
+            else:
+                found = sorted(cached(x) or loc_of(x) for x in parts[i:i + n])
+                out.append([loc for _, loc in found])
+                i += n
         return out
 
     def leading(self, keys: Sequence[str], *, exclude: str | None = None) -> int:
