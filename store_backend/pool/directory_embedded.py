@@ -63,6 +63,9 @@ class EmbeddedDirectory:
         self._live_until = float("-inf")  # _live is valid while clock() < this
         self._subscribers: list[Invalidation] = []
         self._closed = False
+        # Expired tombstones and pending marks are dropped when touched, and by a sweep once their
+        # count doubled since the last one (amortized O(1); no sweeper thread).
+        self._tomb_sweep_at = self._pend_sweep_at = 1024
 
     # -- helpers (lock held) ---------------------------------------------------------------------
     def _live_nodes(self, now: float) -> frozenset[str]:
@@ -102,6 +105,15 @@ class EmbeddedDirectory:
         if not pend:
             del self._pending[key]
         return deadline
+
+    def _sweep(self, now: float) -> None:
+        if len(self._tombstones) > self._tomb_sweep_at:
+            self._tombstones = {k: d for k, d in self._tombstones.items() if d > now}
+            self._tomb_sweep_at = max(1024, 2 * len(self._tombstones))
+        if len(self._pending) > self._pend_sweep_at:
+            for key in [k for k, p in self._pending.items() if all(d <= now for d in p.values())]:
+                del self._pending[key]
+            self._pend_sweep_at = max(1024, 2 * len(self._pending))
 
     def _clear_node_locked(self, node_id: str) -> list[str]:
         keys = self._node_keys.pop(node_id, set())
@@ -197,6 +209,7 @@ class EmbeddedDirectory:
                     continue
                 pend[node_id] = now + ttl_s
                 out.append(True)
+            self._sweep(now)
         return out
 
     def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
@@ -222,9 +235,12 @@ class EmbeddedDirectory:
                 self._clear_pending(key, node_id)
 
     def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
+        if tombstone_ttl_s < 0:
+            raise ValueError(f"tombstone_ttl_s must be >= 0, got {tombstone_ttl_s!r}")
         holders: dict[str, list[str]] = {}
         with self._lock:
-            deadline = self._clock() + tombstone_ttl_s
+            now = self._clock()
+            deadline = now + tombstone_ttl_s
             for key in keys:
                 self._tombstones[key] = deadline
                 # An in-flight replica write of a removed key must not become visible afterwards.
@@ -237,6 +253,7 @@ class EmbeddedDirectory:
                     nk = self._node_keys.get(node_id)
                     if nk is not None:
                         nk.discard(key)
+            self._sweep(now)
         self._notify(list(holders))
         return holders
 

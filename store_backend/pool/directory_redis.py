@@ -446,10 +446,15 @@ class RedisDirectory:
 
     # -- plumbing --------------------------------------------------------------------------------
     def _call(self, name: str, args: list[Any]) -> Any:
+        """Run script ``name`` (one round trip) with the errors translated."""
+        script = self._scripts[name]
+        return self._guard(name, lambda: script(args=[self._ns, *args]))
+
+    def _guard(self, name: str, fn: Callable[[], Any]) -> Any:
         if self._closed:
             raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
         try:
-            return self._scripts[name](args=[self._ns, *args])
+            return fn()
         except redis.exceptions.AuthenticationError as e:
             raise DirectoryAuthError(f"redis directory at {self.address}: authentication failed for user "
                                      f"{self._username!r} ({type(e).__name__}: {e})") from e
@@ -461,10 +466,7 @@ class RedisDirectory:
                                          f"'{self._ns}:*' and channel '{self._ns}:inval' ({text})") from e
             raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
                                        f"({type(e).__name__}: {text})") from e
-        except redis.exceptions.RedisError as e:
-            raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
-                                       f"({type(e).__name__}: {e})") from e
-        except OSError as e:  # TLS handshake errors and the like surface raw from some paths
+        except (redis.exceptions.RedisError, OSError) as e:  # OSError: TLS handshakes and the like
             raise DirectoryUnavailable(f"redis directory at {self.address}: {name} failed "
                                        f"({type(e).__name__}: {e})") from e
 
@@ -611,11 +613,8 @@ class RedisDirectory:
         return int(self._call("leading", [exclude or "", _joined(keys)]))
 
     def node_keys(self, node_id: str) -> list[str]:
-        try:
-            return list(self._r.smembers(f"{self._ns}:nk:{_check_node_id(node_id)}"))
-        except redis.exceptions.RedisError as e:
-            raise DirectoryUnavailable(f"redis directory at {self.address}: node_keys failed "
-                                       f"({type(e).__name__}: {e})") from e
+        name = f"{self._ns}:nk:{_check_node_id(node_id)}"
+        return list(self._guard("node_keys", lambda: self._r.smembers(name)))
 
     def address_of(self, node_ids: Sequence[str]) -> dict[str, str]:
         if not node_ids:
@@ -664,8 +663,10 @@ class RedisDirectory:
             except Exception as e:  # noqa: BLE001 - any failure: reconnect, never die
                 if self._stop.is_set():
                     break
-                logger.warning("redis directory at %s: invalidation channel lost (%s: %s); reconnecting",
-                               self.address, type(e).__name__, e)
+                # Warn once per outage; the retries of one outage go to debug.
+                logger.log(logging.WARNING if backoff_s <= 0.05 else logging.DEBUG,
+                           "redis directory at %s: invalidation channel lost (%s: %s); reconnecting",
+                           self.address, type(e).__name__, e)
                 self._stop.wait(backoff_s)
                 backoff_s = min(2.0, backoff_s * 2)
             finally:

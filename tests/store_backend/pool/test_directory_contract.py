@@ -297,3 +297,25 @@ def test_matches_a_dict_model_over_random_operations(directory: Directory) -> No
         lead = next((i for i, w in enumerate(want) if not w), len(keys))
         assert directory.leading(keys, exclude=exclude) == lead, step
         assert sorted(directory.node_keys(node)) == sorted(k for k, v in model.items() if node in v), step
+
+
+def test_embedded_expired_tombstones_and_pending_marks_do_not_pile_up() -> None:
+    from store_backend.pool.directory_embedded import EmbeddedDirectory
+
+    now = [0.0]
+    d = EmbeddedDirectory(clock=lambda: now[0])
+    for r in range(5):
+        d.remove([f"r{r}-{i}" for i in range(1000)], tombstone_ttl_s=1.0)
+        d.put_start("w", [f"p{r}-{i}" for i in range(1000)], [1] * 1000, 1.0)
+        now[0] += 2.0
+    assert len(d._tombstones) <= 2000 and len(d._pending) <= 2000
+    assert d.register("w", [("r4-1", loc("w"))], resync=True) == []  # expired: no longer refused
+
+
+def test_misuse_is_a_value_error(directory: Directory) -> None:
+    with pytest.raises(ValueError, match="sizes"):
+        directory.put_start("a", ["k"], [], 1.0)
+    with pytest.raises(ValueError, match="ttl_s"):
+        directory.heartbeat(NodeInfo("a", "x:1"), 0)
+    with pytest.raises(ValueError, match="tombstone_ttl_s"):
+        directory.remove(["k"], tombstone_ttl_s=-1)
