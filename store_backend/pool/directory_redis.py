@@ -502,13 +502,16 @@ class RedisDirectory:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         blob = msgspec.json.encode(msgspec.structs.replace(info, alive=True)).decode()
-        known, gen = self._call("heartbeat", [node_id, max(1, int(ttl_s * 1000)), blob])
+        # The expectation is read before the call: a write whose reply arrives while the heartbeat
+        # is in flight may have run after it on the server, and must not read as lost.
         with self._gen_lock:
             expected = self._gens.get(node_id, 0)
-            intact = gen >= expected
+        known, gen = self._call("heartbeat", [node_id, max(1, int(ttl_s * 1000)), blob])
+        intact = gen >= expected
+        with self._gen_lock:
             # After a loss the counter restarts from what Redis has: the caller's resync then
             # establishes a new baseline instead of staying "behind" forever.
-            self._gens[node_id] = gen
+            self._gens[node_id] = max(gen, self._gens.get(node_id, 0)) if intact else gen
         if known and not intact:
             logger.warning("redis directory at %s lost writes of node %s (generation %d, expected >= %d): resync",
                            self.address, node_id, gen, expected)

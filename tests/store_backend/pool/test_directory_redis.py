@@ -240,3 +240,28 @@ def test_make_directory_from_the_pool_config(redis_server: RedisProcess) -> None
     assert isinstance(d, RedisDirectory) and d.address == f"redis://127.0.0.1:{redis_server.port}/0"
     roundtrip(d)
     d.close()
+
+
+def test_writes_racing_heartbeats_never_read_as_lost(redis_server: RedisProcess) -> None:
+    import threading
+
+    d = RedisDirectory(url=redis_server.url)
+    info = NodeInfo("a", "127.0.0.1:1")
+    d.heartbeat(info, 30.0)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            d.register("a", [("k", loc("a"))])
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        answers = [d.heartbeat(info, 30.0) for _ in range(300)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    d.close()
+    assert all(answers), answers.count(False)
