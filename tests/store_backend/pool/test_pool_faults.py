@@ -1,0 +1,194 @@
+"""Failures of a pool of three node services (separate processes) over one Redis: a node killed
+(SIGKILL) in the middle of a stream of reads from it, with one replica and with two; a node
+restarted (its SSD objects registered and served again); Redis restarted empty (nodes re-register
+by themselves) and Redis down (each node keeps serving its own objects). Every byte read is
+checked against a versioned, self-verifying payload."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from store_backend.types import Status
+from tests.store_backend.node.server_harness import wait_until
+from tests.store_backend.pool.pool_nodes import (
+    PoolNode,
+    check_payload,
+    directory_of,
+    make_payload,
+    put_all,
+    read,
+    wait_located,
+    wait_nodes_alive,
+)
+from tests.store_backend.pool.redis_server import RedisProcess
+
+SIZE = 256 << 10
+NODE_TTL_S = 1.5  # PoolNode's pool.node_ttl_s
+RETRY_AFTER_S = 0.5  # and its pool.retry_after_s
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisProcess]:
+    with RedisProcess() as r:
+        yield r
+
+
+@pytest.fixture
+def nodes(redis: RedisProcess, request: pytest.FixtureRequest) -> Iterator[list[PoolNode]]:
+    replicas = getattr(request, "param", 1)
+    made = [PoolNode(name, redis.url, replicas=replicas) for name in ("A", "B", "C")]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.close()
+
+
+def _stream_reads(client, keys: list[str], version: int, batch: int, outcomes: list[tuple[str, Status]],
+                  started: threading.Event) -> None:
+    """Read ``keys`` once each, ``batch`` at a time, checking every byte of every OK read."""
+    for at in range(0, len(keys), batch):
+        chunk = keys[at:at + batch]
+        got, bufs = read(client, chunk, SIZE)
+        for k, r, buf in zip(chunk, got, bufs):
+            if r.status is Status.OK:
+                check_payload(k, buf, version)
+            outcomes.append((k, r.status))
+        started.set()
+        time.sleep(0.02)
+
+
+def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_the_node(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, _c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    keys = [f"k9-{i:03d}" for i in range(48)]  # 12 MiB: all in A's DRAM
+    put_all(a.client(), {k: make_payload(k, 3, SIZE) for k in keys})
+    wait_located(d, keys, "A")
+    cb = b.client()
+    outcomes: list[tuple[str, Status]] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            _stream_reads(cb, keys, 3, 2, outcomes, started)
+        except BaseException as e:  # a wrong byte: reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(30)
+    while len(outcomes) < 12:
+        time.sleep(0.005)
+    a.kill()
+    killed_at = time.monotonic()
+    t.join(120)
+    assert not t.is_alive() and not errors, errors
+    statuses = [s for _k, s in outcomes]
+    assert len(statuses) == len(keys)
+    assert statuses[:12] == [Status.OK] * 12
+    assert all(s in (Status.OK, Status.NOT_FOUND, Status.IO_ERROR) for s in statuses), set(statuses)
+    assert statuses[-1] is not Status.OK  # the reads after the kill missed (the engine recomputes)
+    # The directory stops returning the dead node's copies within its TTL (and a little slack).
+    wait_until(lambda: all(not ls for ls in d.locate(keys[-8:])), NODE_TTL_S + 2.0, "A's locations dropped")
+    assert time.monotonic() - killed_at < NODE_TTL_S + 2.0
+    assert not next(n for n in d.nodes() if n.node_id == "A").alive
+    # The reader's node counted the failures by kind.
+    st = cb.stats().pool.failures
+    assert st.peer_gone + st.timeout + st.protocol > 0, st
+    d.close()
+
+
+@pytest.mark.parametrize("nodes", [2], indirect=True)
+def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    keys = [f"r2-{i:03d}" for i in range(60)]
+    put_all(a.client(), {k: make_payload(k, 5, SIZE) for k in keys})
+    wait_until(lambda: all(len({loc.node for loc in ls}) == 2 for ls in d.locate(keys)), 30, "two copies each")
+    # C reads what A and B hold; kill A (the first replica of each: DRAM ties go by node id).
+    on_b = [k for k, ls in zip(keys, d.locate(keys)) if {loc.node for loc in ls} == {"A", "B"}]
+    assert len(on_b) >= 10, d.locate(keys)
+    cc = c.client()
+    outcomes: list[tuple[str, Status]] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            _stream_reads(cc, on_b, 5, 2, outcomes, started)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(30)
+    a.kill()
+    t.join(120)
+    assert not errors, errors
+    assert [s for _k, s in outcomes] == [Status.OK] * len(on_b)
+    d.close()
+
+
+def test_a_restarted_node_registers_its_ssd_objects_again_and_serves_them(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, _c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    keys = [f"rs-{i:02d}" for i in range(12)]
+    ca = a.client()
+    put_all(ca, {k: make_payload(k, 9, SIZE) for k in keys})
+    assert ca.flush(timeout_s=30)
+    a.kill()
+    wait_until(lambda: all(not ls for ls in d.locate(keys)), NODE_TTL_S + 2.0, "A's locations dropped")
+    cb = b.client()
+    got, _ = read(cb, keys[:2], SIZE)
+    assert [r.status for r in got] == [Status.NOT_FOUND] * 2  # nobody live holds them now
+    a.start()  # the same node id and SSD directory: recovery, then a resync
+    wait_located(d, keys, "A", tier="ssd")
+    got, bufs = read(cb, keys, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(keys)
+    for k, buf in zip(keys, bufs):
+        check_payload(k, buf, 9)
+    d.close()
+
+
+def test_redis_down_then_back_empty_nodes_serve_their_own_and_re_register_by_themselves(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, _c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    keys = [f"rd-{i:02d}" for i in range(10)]
+    ca, cb = a.client(), b.client()
+    put_all(ca, {k: make_payload(k, 2, SIZE) for k in keys})
+    wait_located(d, keys, "A")
+    redis.stop()
+    # Redis is down: A serves its own objects (and takes new ones); B answers a clean miss, quickly.
+    got, bufs = read(ca, keys, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(keys)
+    for k, buf in zip(keys, bufs):
+        check_payload(k, buf, 2)
+    late = [f"rd-late-{i}" for i in range(3)]
+    put_all(ca, {k: make_payload(k, 4, SIZE) for k in late})
+    t0 = time.monotonic()
+    got, _ = read(cb, keys[:3], SIZE)
+    assert [r.status for r in got] == [Status.NOT_FOUND] * 3 and time.monotonic() - t0 < 5.0
+    assert cb.stats().pool.failures.directory >= 3
+    # Back, empty: no node is restarted; their heartbeats find themselves unknown and resync.
+    redis.start()
+    wait_located(d, [*keys, *late], "A", timeout_s=30)
+    time.sleep(RETRY_AFTER_S + 0.1)  # B answers misses for retry_after_s after its last failed lookup
+    got, bufs = read(cb, [*keys, *late], SIZE)
+    assert [r.status for r in got] == [Status.OK] * (len(keys) + len(late))
+    for k, buf in zip([*keys, *late], bufs):
+        check_payload(k, buf, 4 if k in late else 2)
+    d.close()
