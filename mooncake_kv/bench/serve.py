@@ -1,0 +1,546 @@
+"""``mooncake-kv bench serve``: TTFT and KV hit ratio of real ``vllm serve`` processes on the
+FAST'25 multi-turn conversation trace, with and without the tiers.
+
+Configurations, one after the other, each on a fresh server and a fresh SSD directory:
+
+- ``alone``: vLLM with its own prefix cache only (a deliberately small KV space:
+  ``--num-gpu-blocks-override``, so its cache holds a few requests, as a GPU's HBM holds a few
+  thousand conversations out of a day's traffic).
+- ``dram``: the tiered connector on a DRAM tier too small for the working set (``--dram-fraction``
+  of the run's distinct KV bytes), no SSD.
+- ``dram_ssd``: the same DRAM tier with an SSD tier under it that holds the whole working set.
+
+They run sequentially, not interleaved: on this 2-core machine two servers at once would take cores
+from each other and the TTFT of each would measure the other's load; and a server's caches would see
+only part of the trace. The order is always alone first, so any warm-up of the machine favours the
+baseline, never the tiers.
+
+Requests go over the OpenAI-compatible HTTP API (``/v1/completions``, token-id prompts, greedy,
+streaming): each is sent at its trace arrival time divided by ``--time-scale``, concurrently. Per
+request: TTFT (send to first streamed token), prompt tokens and cached tokens
+(``usage.prompt_tokens_details.cached_tokens``, vLLM's own count: its prefix cache plus the
+connector's hits), and the tokens the cache tiers served, from vLLM's
+``vllm:prompt_tokens_cached_by_source_total`` (``device``: vLLM's own cache, ``host``: our DRAM,
+``disk``: our SSD) scraped from ``/metrics`` when the request ends (the delta since the previous
+scrape: exact when requests do not overlap, shared among those that finished together when they
+do; the per-configuration totals are exact). Every request's generated tokens are compared with
+``alone``'s (``--check-every``): one difference fails the run (exit 1). float32 weights: in bf16
+a prefix loaded from any cache, vLLM's own included, can round differently from a full prefill.
+
+With a CUDA device the same run adds vLLM's ``OffloadingConnector`` (CPU offload) and LMCache as
+peers on a real model (``--model``); vLLM's CPU build runs neither (the first refuses CPU
+platforms, the second falls back to recompute), so on CPU they are skipped and the JSON says why.
+
+Progress (a tqdm bar per configuration) goes to stderr; with ``--json`` the last stdout line is one
+JSON object. Logs, the model and the SSD directories go under ``--work-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from mooncake_kv.bench.serve_plot import write_plot
+from mooncake_kv.bench.serve_workload import ServeRequest, build_workload
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 600
+MODEL_NAME = "bench"
+BLOCK_SIZE = 32  # vLLM's KV block; one trace block is tokens_per_block / 32 of them, and one stored chunk
+BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+CPU_PEERS_SKIPPED = ("vLLM's OffloadingConnector and LMCache are not run: no CUDA device here, and vLLM's CPU "
+                     "build runs neither (OffloadingConnector refuses CPU platforms at start, LMCache falls back "
+                     "to recompute)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--trace", type=Path, default=ROOT / "traces" / "conversation_trace.jsonl")
+    p.add_argument("--requests", type=int, default=200, help="requests taken from the trace")
+    p.add_argument("--start", type=int, default=0, help="index of the first trace request taken")
+    p.add_argument("--tokens-per-block", type=int, default=32,
+                   help="tokens per 512-token trace block (< 512; a multiple of 32)")
+    p.add_argument("--time-scale", type=float, default=0.5,
+                   help="the trace's clock runs this many times faster (arrival time / time scale)")
+    p.add_argument("--max-tokens", type=int, default=4, help="generated tokens per request (greedy)")
+    p.add_argument("--vllm-blocks", type=int, default=256,
+                   help="vLLM's own KV blocks (--num-gpu-blocks-override): its prefix cache's size")
+    p.add_argument("--dram-fraction", type=float, default=0.1,
+                   help="the DRAM tier's size as a fraction of the run's distinct KV bytes")
+    p.add_argument("--configs", default="alone,dram,dram_ssd",
+                   help="comma-separated subset of alone,dram,dram_ssd (alone is required: the token check)")
+    p.add_argument("--check-every", type=int, default=1,
+                   help="compare the tokens of every N-th request with alone's (1: all)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--model", type=Path, default=None,
+                   help="a real model directory (the CUDA path); default on CPU: seeded random weights")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="cores kept free of vLLM's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU)")
+    p.add_argument("--work-dir", type=Path, default=None, help="model, SSD directories and logs (default: temp)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: WORK_DIR/bench_serve.png)")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the model -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 1024
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4  # K and V, float32
+
+
+def write_seeded_llama(path: Path, shape: ModelShape, seed: int = 0) -> Path:
+    """A Llama checkpoint (config.json, model.safetensors) with seeded random weights scaled so
+    attention is sharp: greedy tokens depend on every earlier token's KV, so a wrong byte loaded
+    from a cache changes them (vLLM's ``dummy`` weights would hide it). Returns ``path``."""
+    import torch  # the CPU path only; heavy, and the parent process needs it for nothing else
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "num_hidden_layers": shape.layers,
+        "vocab_size": shape.vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32", "tie_word_embeddings": False, "rope_theta": 10000.0,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*dims: int, std: float) -> torch.Tensor:
+        return torch.randn(*dims, generator=g) * std
+
+    h, q, kv, m = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    tensors = {"model.embed_tokens.weight": w(shape.vocab, h, std=1.0), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": w(shape.vocab, h, std=0.08)}
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(q, h, std=0.12), p + "self_attn.k_proj.weight": w(kv, h, std=0.12),
+                    p + "self_attn.v_proj.weight": w(kv, h, std=0.12), p + "self_attn.o_proj.weight": w(h, q, std=0.12),
+                    p + "mlp.gate_proj.weight": w(m, h, std=0.06), p + "mlp.up_proj.weight": w(m, h, std=0.06),
+                    p + "mlp.down_proj.weight": w(h, m, std=0.06),
+                    p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)}
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+# -- configurations --------------------------------------------------------------------------------
+@dataclass
+class ServerConfig:
+    """One configuration: the connector config vLLM gets (None: vLLM alone) and extra environment."""
+
+    name: str
+    kv_transfer: dict[str, Any] | None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _ours(chunk_tokens: int, dram_bytes: int, ssd: Path | None, ssd_bytes: int) -> dict[str, Any]:
+    store: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes}}
+    if ssd is not None:
+        store |= {"ssd": {"path": str(ssd), "capacity_bytes": ssd_bytes}, "offload": {"policy": "eager"}}
+    return {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_tokens": chunk_tokens, "store": store}}
+
+
+def configurations(names: list[str], *, work: Path, chunk_tokens: int, dram_bytes: int, ssd_bytes: int,
+                   cuda: bool) -> list[ServerConfig]:
+    """The configurations to run, in order (alone first). With ``cuda`` the peers follow ours."""
+    table = {
+        "alone": ServerConfig("alone", None),
+        "dram": ServerConfig("dram", _ours(chunk_tokens, dram_bytes, None, 0)),
+        "dram_ssd": ServerConfig("dram_ssd", _ours(chunk_tokens, dram_bytes, work / "ssd-dram_ssd", ssd_bytes)),
+    }
+    unknown = [n for n in names if n not in table]
+    if unknown or "alone" not in names:
+        raise ValueError(f"--configs: need alone and only alone,dram,dram_ssd; got {','.join(names)}")
+    out = [table[n] for n in table if n in names]
+    if cuda:
+        # The peers on the same DRAM budget (and LMCache on the same SSD budget).
+        out.append(ServerConfig("offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                               "kv_connector_extra_config": {"cpu_bytes_to_use": dram_bytes,
+                                                                             "block_size": chunk_tokens}}))
+        disk = work / "ssd-lmcache"
+        out.append(ServerConfig("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, env={
+            "LMCACHE_CHUNK_SIZE": str(chunk_tokens), "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{dram_bytes / 2**30:.3f}",
+            "LMCACHE_LOCAL_DISK": f"file://{disk}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": f"{ssd_bytes / 2**30:.3f}"}))
+    return out
+
+
+# -- one server ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_command(model: Path) -> list[str]:
+    # The server ``vllm serve MODEL`` runs. The ``vllm`` console script itself reads vLLM's package
+    # metadata, which a source build of the CPU wheel may lack; the module needs none.
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+
+
+def start_server(cfg: ServerConfig, *, model: Path, port: int, block_size: int, max_model_len: int,
+                 vllm_blocks: int, reserved_cpus: int, cuda: bool, log: Path) -> subprocess.Popen:
+    """Start ``vllm serve`` for ``cfg`` (output to ``log``); the caller waits for health and stops it."""
+    cmd = [*_vllm_command(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--block-size", str(block_size), "--dtype", "float32",
+           "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
+           "--num-gpu-blocks-override", str(vllm_blocks), "--seed", "0", "--disable-uvicorn-access-log"]
+    if cfg.kv_transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(cfg.kv_transfer)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TOKENIZERS_PARALLELISM": "false", **cfg.env}
+    if not cuda:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if reserved_cpus:
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    """Block until ``url/health`` answers 200; raise RuntimeError with the log's tail if the server
+    exits or does not answer within STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; {log}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- the client ------------------------------------------------------------------------------------
+def parse_metrics(text: str) -> dict[str, float]:
+    """``source:NAME`` -> tokens of vLLM's by-source counter, ``tier_hits:TIER`` -> our objects."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == BY_SOURCE:
+                key = "source:" + s.labels.get("source", "?")
+            elif s.name == "mooncake_kv_tier_hits_total":
+                key = "tier_hits:" + s.labels.get("tier", "?")
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+class _Scraper:
+    """Deltas of the cache counters between consecutive scrapes, one scrape at a time (asyncio)."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+        self._client, self._url = client, url
+        self._lock = asyncio.Lock()
+        self.last: dict[str, float] = {}
+
+    async def delta(self) -> dict[str, float]:
+        async with self._lock:
+            now = parse_metrics((await self._client.get(self._url + "/metrics")).text)
+            d = {k: v - self.last.get(k, 0.0) for k, v in now.items() if v - self.last.get(k, 0.0)}
+            self.last = now
+            return d
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: ServeRequest, max_tokens: int, t0: float,
+               scraper: _Scraper | None) -> dict[str, Any]:
+    await asyncio.sleep(max(0.0, t0 + req.send_at_s - time.perf_counter()))
+    body = {"model": MODEL_NAME, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request {req.index}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                got = choice.get("token_ids") or []
+                if got and first is None:
+                    first = time.perf_counter()
+                tokens += got
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    done = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"request {req.index}: no token streamed")
+    details = usage.get("prompt_tokens_details") or {}
+    rec = {"index": req.index, "sent_s": sent - t0, "ttft_s": first - sent, "e2e_s": done - sent,
+           "prompt_tokens": usage.get("prompt_tokens", len(req.prompt)),
+           "cached_tokens": int(details.get("cached_tokens") or 0), "max_hit_tokens": req.max_hit_tokens,
+           "tokens": tokens}
+    if scraper is not None:
+        d = await scraper.delta()
+        rec["source_delta"] = {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("source:")}
+        rec["scraped_s"] = time.perf_counter() - t0
+    return rec
+
+
+async def _drive(url: str, workload: list[ServeRequest], max_tokens: int, name: str) -> tuple[list[dict], float]:
+    """Send every request at its time, concurrently; return the records in arrival order and the
+    wall time from the first send to the last answer."""
+    limits = httpx.Limits(max_connections=len(workload) + 4, max_keepalive_connections=16)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        scraper = _Scraper(client, url)
+        await scraper.delta()
+        bar = tqdm(total=len(workload), desc=f"{name:>9}", unit="req", file=sys.stderr, leave=True)
+        t0 = time.perf_counter()
+
+        async def tracked(req: ServeRequest) -> dict[str, Any]:
+            rec = await _one(client, url, req, max_tokens, t0, scraper)
+            bar.update(1)
+            return rec
+
+        recs = await asyncio.gather(*(tracked(r) for r in workload))
+        wall_s = time.perf_counter() - t0
+        bar.close()
+    return list(recs), wall_s
+
+
+def _warm_up(url: str, vocab: int) -> None:
+    """Two short requests of their own tokens: the first calls' one-time costs are no request's TTFT."""
+    for seed in (1, 2):
+        prompt = [(7919 * seed * i) % (vocab - 3) + 3 for i in range(1, 200)]
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            r.read()
+
+
+# -- summary ---------------------------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def attribute_sources(recs: list[dict], totals: dict[str, float]) -> None:
+    """Set each record's ``tier_tokens`` (source -> tokens): the by-source counter deltas, in the
+    order they were scraped, consumed by the requests in arrival order, each taking its
+    ``cached_tokens``. vLLM counts a request's hits when it admits it and admits in arrival order,
+    so this is exact when no two requests' counts fall into one scrape; when they do, the split
+    between those requests follows the order of the sources in the delta."""
+    queue: list[list] = []  # [source, tokens left]
+    seen: dict[str, int] = {}
+    for r in sorted(recs, key=lambda r: r.get("scraped_s", 0.0)):
+        for src, n in r.get("source_delta", {}).items():
+            queue.append([src, n])
+            seen[src] = seen.get(src, 0) + n
+    for key, v in totals.items():  # what the engine published after the last request's scrape
+        if key.startswith("source:") and int(v) > seen.get(key[7:], 0):
+            queue.append([key[7:], int(v) - seen.get(key[7:], 0)])
+    pos = 0
+    for r in sorted(recs, key=lambda r: r["index"]):
+        want, got = r["cached_tokens"], {}
+        while want > 0 and pos < len(queue):
+            take = min(want, queue[pos][1])
+            if take > 0:
+                got[queue[pos][0]] = got.get(queue[pos][0], 0) + take
+            queue[pos][1] -= take
+            want -= take
+            if queue[pos][1] <= 0:
+                pos += 1
+        r["tier_tokens"] = got
+
+
+def summarize(recs: list[dict], wall_s: float, totals: dict[str, float]) -> dict[str, Any]:
+    ttft = [r["ttft_s"] for r in recs]
+    prompt = sum(r["prompt_tokens"] for r in recs)
+    cached = sum(r["cached_tokens"] for r in recs)
+    return {"ttft_p50_s": round(_pct(ttft, 50), 4), "ttft_p90_s": round(_pct(ttft, 90), 4),
+            "ttft_p99_s": round(_pct(ttft, 99), 4), "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
+            "throughput_req_s": round(len(recs) / wall_s, 3), "prompt_tokens_s": round(prompt / wall_s, 1),
+            "wall_s": round(wall_s, 2), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+            "cached_by_source": {s: int(totals.get("source:" + s, 0)) for s in SOURCES if totals.get("source:" + s)},
+            "store_hits_objects": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("tier_hits:")}}
+
+
+def compare_tokens(base: list[dict], other: list[dict], every: int) -> list[int]:
+    """Indices of the checked requests (every ``every``-th) whose generated tokens differ."""
+    return [a["index"] for a, b in zip(base, other) if a["index"] % every == 0 and a["tokens"] != b["tokens"]]
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def run(args: argparse.Namespace) -> int:
+    tpb = args.tokens_per_block
+    if tpb % BLOCK_SIZE:
+        raise SystemExit(f"--tokens-per-block must be a multiple of {BLOCK_SIZE} (vLLM's block size: the CPU "
+                         f"attention backend takes multiples of 32 only), got {tpb}")
+    if args.check_every < 1:
+        raise SystemExit(f"--check-every must be >= 1, got {args.check_every}")
+    shape = ModelShape(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate)
+    try:
+        workload = build_workload(args.trace, requests=args.requests, tokens_per_block=tpb,
+                                  time_scale=args.time_scale, vocab=shape.vocab, start=args.start)
+    except ValueError as e:  # TraceError included
+        raise SystemExit(str(e)) from None
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cuda = _cuda()
+    if cuda and args.model is None:
+        raise SystemExit("--model: the CUDA path needs a real model directory")
+    model = args.model or write_seeded_llama(work / "model", shape)
+    block_size = BLOCK_SIZE
+    distinct_blocks = len({h for r in workload for h in r.hash_ids})
+    working_set_bytes = distinct_blocks * tpb * shape.kv_bytes_per_token
+    dram_bytes = max(8 << 20, int(working_set_bytes * args.dram_fraction))
+    ssd_bytes = max(256 << 20, 4 * working_set_bytes)
+    max_model_len = max(len(r.prompt) for r in workload) + args.max_tokens + 64
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    try:
+        configs = configurations(names, work=work, chunk_tokens=tpb, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes,
+                                 cuda=cuda)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if not cuda:
+        _progress(CPU_PEERS_SKIPPED)
+    _progress(f"{len(workload)} requests from {args.trace.name} (from #{args.start}), {tpb} tokens per trace block, "
+              f"time scale {args.time_scale}; working set {working_set_bytes / 2**20:.0f} MiB of KV, DRAM tier "
+              f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * block_size} tokens; logs in {work}")
+    runs: dict[str, list[dict]] = {}
+    summary: dict[str, dict] = {}
+    for cfg in configs:
+        shutil.rmtree(work / f"ssd-{cfg.name}", ignore_errors=True)
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = work / f"server-{cfg.name}.log"
+        _progress(f"{cfg.name}: starting vllm serve")
+        proc = start_server(cfg, model=model, port=port, block_size=block_size, max_model_len=max_model_len,
+                            vllm_blocks=args.vllm_blocks, reserved_cpus=args.reserved_cpus, cuda=cuda, log=log)
+        try:
+            wait_healthy(url, proc, log)
+            _warm_up(url, shape.vocab)
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                before = parse_metrics(r.read().decode())
+            recs, wall_s = asyncio.run(_drive(url, workload, args.max_tokens, cfg.name))
+            time.sleep(1.0)  # the engine publishes its last step's counters with its next report
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                after = parse_metrics(r.read().decode())
+        finally:
+            stop_server(proc)
+        totals = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        attribute_sources(recs, totals)
+        runs[cfg.name] = recs
+        summary[cfg.name] = summarize(recs, wall_s, totals)
+        s = summary[cfg.name]
+        _progress(f"{cfg.name}: hit ratio {s['hit_ratio']:.3f}, TTFT p50 {s['ttft_p50_s']:.3f} s, "
+                  f"p90 {s['ttft_p90_s']:.3f} s, {s['throughput_req_s']:.2f} req/s, by source {s['cached_by_source']}")
+
+    prompt_total = sum(len(r.prompt) for r in workload)
+    hit_max = sum(r.max_hit_tokens for r in workload) / prompt_total
+    mismatches = {n: compare_tokens(runs["alone"], recs, args.check_every) for n, recs in runs.items() if n != "alone"}
+    checked = len([r for r in workload if r.index % args.check_every == 0])
+    plot = args.plot or work / "bench_serve.png"
+    write_plot(plot, {n: runs[n] for n in runs}, [r.max_hit_tokens for r in workload],
+               [len(r.prompt) for r in workload],
+               title=f"bench serve: {len(workload)} requests of {args.trace.name}, {tpb} tokens per trace block, "
+                     f"time scale {args.time_scale}")
+
+    def hr(name: str) -> float | None:
+        return summary[name]["hit_ratio"] if name in summary else None
+
+    def p50(name: str) -> float | None:
+        return summary[name]["ttft_p50_s"] if name in summary else None
+
+    result: dict[str, Any] = {
+        "hit_ratio_alone": hr("alone"), "hit_ratio_dram": hr("dram"), "hit_ratio_dram_ssd": hr("dram_ssd"),
+        "hit_ratio_max": round(hit_max, 4),
+        "ttft_p50_s_alone": p50("alone"), "ttft_p50_s_dram": p50("dram"), "ttft_p50_s_dram_ssd": p50("dram_ssd"),
+        "ttft_p50_dram_ssd_vs_alone": (round(p50("dram_ssd") / p50("alone"), 4)
+                                       if p50("dram_ssd") and p50("alone") else None),
+        "hit_dram_ssd_vs_max": round(hr("dram_ssd") / hit_max, 4) if hr("dram_ssd") is not None and hit_max else None,
+        "tokens_checked_requests": checked, "token_mismatches": mismatches,
+        "configs": summary, "plot": str(plot),
+        "workload": {"trace": str(args.trace), "requests": len(workload), "start": args.start,
+                     "tokens_per_block": tpb, "time_scale": args.time_scale, "max_tokens": args.max_tokens,
+                     "prompt_tokens": prompt_total, "working_set_bytes": working_set_bytes,
+                     "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
+                     "vllm_cache_tokens": args.vllm_blocks * block_size},
+        "model": {"path": str(model), "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
+                  "kv_heads": shape.kv_heads, "intermediate": shape.intermediate, "dtype": "float32",
+                  "weights": "given" if args.model else "seeded random"},
+        "peers": "run" if cuda else CPU_PEERS_SKIPPED,
+    }
+    (work / "requests.json").write_text(json.dumps(runs))
+    bad = {n: m for n, m in mismatches.items() if m}
+    if bad:
+        _progress(f"TOKENS DIFFER from vLLM alone: {bad}")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k in ("hit_ratio_alone", "hit_ratio_dram", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
+                  "ttft_p50_s_dram_ssd", "ttft_p50_dram_ssd_vs_alone", "hit_dram_ssd_vs_max", "plot"):
+            print(f"{k:>28}: {result[k]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

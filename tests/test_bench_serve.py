@@ -1,0 +1,96 @@
+"""``mooncake-kv bench serve``: the workload's token mapping, the token check, and one short real run
+(three ``vllm serve`` processes on a tiny seeded model, eight requests of a small trace written here).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake_kv.bench.serve import attribute_sources, compare_tokens
+from mooncake_kv.bench.serve_workload import build_workload, max_hit_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("hit_ratio_alone", "hit_ratio_dram", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
+        "ttft_p50_s_dram_ssd", "ttft_p50_dram_ssd_vs_alone", "hit_dram_ssd_vs_max")
+
+# Three prefixes come back after other requests have pushed them out of vLLM's own small cache.
+ROWS = [list(range(0, 10)), list(range(100, 110)), list(range(200, 210)), [*range(0, 10), 10, 11],
+        list(range(300, 310)), [*range(100, 110), 110], list(range(400, 410)), [*range(0, 10), 10, 11, 12]]
+
+
+def _write_trace(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 512 * len(ids), "output_length": 4,
+                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(ROWS)))
+    return path
+
+
+def test_shared_leading_hash_ids_share_leading_tokens_only(tmp_path: Path) -> None:
+    w = build_workload(_write_trace(tmp_path / "t.jsonl"), requests=8, tokens_per_block=32, time_scale=10, vocab=1024)
+    assert w[3].prompt[:320] == w[0].prompt[:320]  # ten shared blocks
+    assert w[3].prompt[320:352] != w[0].prompt[:32]
+    assert w[1].prompt[:32] != w[0].prompt[:32]
+    assert all(len(r.prompt) == 32 * r.blocks + 1 for r in w)  # whole blocks and one token of its own
+    assert w[3].prompt[-1] != w[7].prompt[-1] or w[3].prompt[:-1] != w[7].prompt[:-1]
+    assert [r.send_at_s for r in w[:3]] == [0.0, 0.1, 0.2]
+    assert [r.max_hit_blocks for r in w] == [0, 0, 0, 10, 0, 10, 0, 12]
+    assert w[7].max_hit_tokens == 12 * 32
+
+
+def test_max_hit_blocks_stops_at_the_first_unseen_id() -> None:
+    assert max_hit_blocks([[1, 2, 3], [1, 2, 9, 3], [1, 5], [7]]) == [0, 2, 1, 0]
+
+
+def test_bad_workload_arguments_are_named(tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    with pytest.raises(ValueError, match="--tokens-per-block"):
+        build_workload(trace, requests=2, tokens_per_block=512, time_scale=1, vocab=1024)
+    with pytest.raises(ValueError, match="--time-scale"):
+        build_workload(trace, requests=2, tokens_per_block=16, time_scale=0, vocab=1024)
+
+
+def test_compare_tokens_flags_a_difference_in_checked_requests_only() -> None:
+    base = [{"index": i, "tokens": [i, i]} for i in range(4)]
+    other = [dict(r) for r in base]
+    assert compare_tokens(base, other, 1) == []
+    other[1] = {"index": 1, "tokens": [1, 7]}
+    other[2] = {"index": 2, "tokens": [2]}
+    assert compare_tokens(base, other, 1) == [1, 2]
+    assert compare_tokens(base, other, 2) == [2]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_serve_smoke_run(tmp_path: Path) -> None:
+    plot = tmp_path / "plot.png"
+    cmd = [sys.executable, "-m", "mooncake_kv.cli", "bench", "serve", "--json", "--trace",
+           str(_write_trace(tmp_path / "t.jsonl")), "--requests", "8", "--tokens-per-block", "32",
+           "--time-scale", "10", "--vllm-blocks", "24", "--layers", "2", "--hidden", "128", "--heads", "2",
+           "--kv-heads", "1", "--intermediate", "256", "--work-dir", str(tmp_path / "work"), "--plot", str(plot)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for k in KEYS:
+        assert isinstance(result[k], float), (k, result[k])
+    assert result["tokens_checked_requests"] == 8
+    assert result["token_mismatches"] == {"dram": [], "dram_ssd": []}
+    assert result["hit_ratio_max"] == pytest.approx(32 * 32 / sum(32 * len(r) + 1 for r in ROWS), abs=1e-4)
+    # vLLM's own cache (24 blocks) has lost the prefixes by the time they return; the store has not.
+    dram_ssd = result["configs"]["dram_ssd"]
+    assert dram_ssd["cached_by_source"].get("host", 0) + dram_ssd["cached_by_source"].get("disk", 0) > 0
+    assert result["hit_ratio_dram_ssd"] > result["hit_ratio_alone"]
+    assert "not run" in result["peers"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attribute_sources_follows_arrival_order_across_late_scrapes() -> None:
+    # Request 1's store hits were published only by the time request 2 finished.
+    recs = [{"index": 0, "cached_tokens": 32, "scraped_s": 1.0, "source_delta": {"device": 32}},
+            {"index": 1, "cached_tokens": 320, "scraped_s": 2.0, "source_delta": {}},
+            {"index": 2, "cached_tokens": 0, "scraped_s": 3.0, "source_delta": {"host": 256}}]
+    attribute_sources(recs, {"source:device": 32, "source:host": 256, "source:disk": 64})
+    assert [r["tier_tokens"] for r in recs] == [{"device": 32}, {"host": 256, "disk": 64}, {}]
