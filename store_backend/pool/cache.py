@@ -9,6 +9,8 @@ forgotten when
   clear_node and deregister_node of a node drop that node's entries);
 - :meth:`CachedDirectory.nodes` reports a node dead (every entry naming it goes) or
   :meth:`CachedDirectory.heartbeat` answers False (the directory lost data: everything goes);
+- the inner directory's invalidation channel was (re)joined (``on_gap``, where it has one:
+  messages published before may have been missed): everything goes;
 - it is older than ``cache_ttl_s``.
 
 Staleness is bounded, not excluded: an invalidation can be lost (Redis pub/sub is at-most-once) and
@@ -77,6 +79,13 @@ class CachedDirectory:
             self._unsubscribe = lambda: None  # placeholder: one subscription even if two threads race
         try:
             unsub = self.inner.subscribe(self.forget)
+            on_gap = getattr(self.inner, "on_gap", None)  # RedisDirectory: the channel was (re)joined
+            if on_gap is not None:
+                unsub_keys, unsub_gap = unsub, on_gap(self.clear)
+
+                def unsub() -> None:
+                    unsub_keys()
+                    unsub_gap()
         except BaseException:
             with self._lock:
                 self._unsubscribe = None

@@ -34,7 +34,9 @@ credentials were refused).
 Invalidations: the first :meth:`RedisDirectory.subscribe` starts one daemon thread owned by the
 directory; it subscribes to ``<ns>:inval``, calls the subscribers with each message's keys,
 reconnects by itself (bounded backoff) and stops in :meth:`close`. Messages published while it was
-disconnected are lost (pub/sub is at-most-once): caches bound their entries' age.
+disconnected are lost (pub/sub is at-most-once): each (re)subscription is announced to the
+:meth:`RedisDirectory.on_gap` listeners (a cache forgets everything), and caches bound their
+entries' age besides.
 
 Thread-safety: every method may be called from any thread (redis-py's pool hands each call its own
 connection). Callers should keep batches to thousands of keys: a script blocks Redis while it runs.
@@ -424,6 +426,7 @@ class RedisDirectory:
         self._locations: dict[str, tuple[tuple[int, str], Location]] = {}  # script text -> (order, Location)
         self._sub_lock = threading.Lock()
         self._subscribers: list[Invalidation] = []
+        self._gap_listeners: list[Callable[[], None]] = []
         self._sub_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -634,12 +637,8 @@ class RedisDirectory:
     # -- invalidations and lifecycle -------------------------------------------------------------
     def subscribe(self, fn: Invalidation) -> Callable[[], None]:
         with self._sub_lock:
-            if self._closed:
-                raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
             self._subscribers.append(fn)
-            if self._sub_thread is None:
-                self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
-                self._sub_thread.start()
+        self._start_listener()
 
         def unsubscribe() -> None:
             with self._sub_lock:
@@ -650,19 +649,32 @@ class RedisDirectory:
 
         return unsubscribe
 
+    def _start_listener(self) -> None:
+        with self._sub_lock:
+            if self._closed:
+                raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
+            if self._sub_thread is None:
+                self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
+                self._sub_thread.start()
+
     def _listen(self) -> None:
         channel = f"{self._ns}:inval"
         backoff_s = 0.05
         while not self._stop.is_set():
             pubsub = None
             try:
-                pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+                pubsub = self._r.pubsub()
                 pubsub.subscribe(channel)
-                backoff_s = 0.05
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.2)
-                    if msg is not None and msg.get("type") == "message":
+                    if msg is None:
+                        continue
+                    if msg.get("type") == "message":
                         self._deliver(msg["data"].split(_SEP))
+                    elif msg.get("type") == "subscribe":
+                        # Subscribed (again): what was published before this is unknown.
+                        backoff_s = 0.05
+                        self._deliver_gap()
             except Exception as e:  # noqa: BLE001 - any failure: reconnect, never die
                 if self._stop.is_set():
                     break
@@ -678,6 +690,33 @@ class RedisDirectory:
                         pubsub.close()
                     except Exception:  # noqa: BLE001 - closing a broken connection
                         pass
+
+    def on_gap(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` each time the invalidation channel is (re)subscribed: invalidations
+        published before it may have been missed, so a cache should forget everything. Additive to
+        the Directory Protocol (CachedDirectory uses it where the inner directory has it); returns
+        the unsubscribe function. Starts the subscriber thread like :meth:`subscribe`."""
+        with self._sub_lock:
+            self._gap_listeners.append(fn)
+
+        def unsubscribe() -> None:
+            with self._sub_lock:
+                try:
+                    self._gap_listeners.remove(fn)
+                except ValueError:
+                    pass
+
+        self._start_listener()
+        return unsubscribe
+
+    def _deliver_gap(self) -> None:
+        with self._sub_lock:
+            listeners = list(self._gap_listeners)
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:
+                logger.exception("directory gap listener %r failed", fn)
 
     def _deliver(self, keys: list[str]) -> None:
         with self._sub_lock:

@@ -43,6 +43,12 @@ def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return pred()
 
 
+def joined(cache: CachedDirectory) -> None:
+    """Subscribe now and let a Redis subscriber join its channel (joining clears the cache)."""
+    cache.locate([])
+    time.sleep(0.3)
+
+
 def make(inner: Directory, **kw: object) -> tuple[CachedDirectory, Counting]:
     counting = Counting(inner)
     return CachedDirectory(counting, close_inner=False, **kw), counting  # type: ignore[arg-type]
@@ -54,6 +60,7 @@ def test_positive_answers_are_cached_and_exclude_filtered(directory: Directory) 
     directory.register("a", [("k", loc("a"))])
     directory.register("b", [("k", loc("b"))])
     cache, counting = make(directory)
+    joined(cache)
     assert cache.locate(["k", "none"]) == [[loc("a"), loc("b")], []]
     assert cache.locate(["k", "none"], exclude="a") == [[loc("b")], []]
     assert counting.locates == [["k", "none"], ["none"]]  # the miss is asked again, the hit is not
@@ -67,8 +74,8 @@ def test_invalidations_from_another_node_forget(make_directory_for: Callable[...
     theirs.heartbeat(NodeInfo("b", "x:1"), 30.0)
     theirs.register("b", [("k", loc("b")), ("j", loc("b"))])
     cache, counting = make(mine)
+    joined(cache)
     assert cache.locate(["k", "j"]) == [[loc("b")], [loc("b")]]
-    time.sleep(0.3)  # the subscriber (Redis) is connected
     theirs.remove(["k"])
     assert wait_for(lambda: "k" not in cache._entries)
     assert cache.locate(["k", "j"]) == [[], [loc("b")]]
@@ -167,3 +174,18 @@ def test_an_answer_fetched_across_an_invalidation_is_not_cached() -> None:
 def test_bad_settings_name_the_field(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         CachedDirectory(EmbeddedDirectory(), **bad)  # type: ignore[arg-type]
+
+
+def test_rejoining_the_channel_forgets_everything(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Invalidations published while the subscriber was away are lost: the cache starts over."""
+    from store_backend.pool.directory_redis import RedisDirectory
+
+    inner = RedisDirectory(url=redis_server.url)
+    inner.heartbeat(NodeInfo("a", "x:1"), 30.0)
+    inner.register("a", [("k", loc("a"))])
+    cache = CachedDirectory(inner, cache_ttl_s=60.0)
+    joined(cache)
+    assert cache.locate(["k"]) == [[loc("a")]] and len(cache) == 1
+    redis_server.restart_empty()
+    assert wait_for(lambda: len(cache) == 0, timeout_s=10.0)
+    cache.close()
