@@ -60,7 +60,10 @@ class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url: must start with redis://, rediss:// or unix://, got {self.url!r}")
         for i, s in enumerate(self.sentinels):
-            _host_port(f"sentinels[{i}]", s, port_zero_ok=False)
+            try:
+                _host_port("sentinels", s, port_zero_ok=False)
+            except ValueError as e:
+                raise ValueError(f"{e} (item {i})") from None
         if not self.sentinel_master:
             raise ValueError("sentinel_master: must not be empty")
         if not self.namespace or any(c.isspace() for c in self.namespace):

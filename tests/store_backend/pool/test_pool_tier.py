@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from prometheus_client import CollectorRegistry, generate_latest
 
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
 from store_backend.pool.directory_embedded import EmbeddedDirectory
 from store_backend.pool.service import local_view
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer
 from store_backend.pool.tier import PoolTier
+from store_backend.prometheus import StoreCollector
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
@@ -209,6 +211,14 @@ def test_a_directory_outage_is_answered_as_misses_at_once_for_retry_after_s() ->
         buf = bytearray(SIZE)
         assert store.get_into(["mine"], [buf])[0].status is Status.OK and bytes(buf) == payload("mine", SIZE).tobytes()
         assert tier.extra_stats()["failures_directory"] >= 21 and store.stats().pool.failures.directory >= 21
+        # The same counts in the Prometheus families the local tiers use (tier="pool", by kind).
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(store))
+        text = generate_latest(registry).decode()
+        line = next(x for x in text.splitlines()
+                    if x.startswith("mooncake_kv_tier_failures_total{") and 'tier="pool"' in x and 'kind="directory"' in x)
+        assert float(line.rsplit(" ", 1)[1]) >= 21
+        assert 'mooncake_kv_tier_failures_total{kind="peer_gone",tier="pool"}' in text
         d.down = False
         time.sleep(1.05)
         buf = bytearray(SIZE)
