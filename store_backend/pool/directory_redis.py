@@ -404,8 +404,11 @@ class RedisDirectory:
         if sentinels:
             addrs = [_parse_hostport(s) for s in sentinels]
             self.address = f"sentinel master {sentinel_master!r} via " + ",".join(f"{h}:{p}" for h, p in addrs)
+            # redis-py's default retry (3 tries, seconds of backoff) would be applied to each
+            # Sentinel asked: one try each, the next Sentinel is the retry.
             self._sentinel = Sentinel(addrs, sentinel_kwargs=dict(socket_timeout=self._op_timeout_s,
-                                                                  socket_connect_timeout=self._op_timeout_s),
+                                                                  socket_connect_timeout=self._op_timeout_s,
+                                                                  retry=Retry(NoBackoff(), 0)),
                                       socket_timeout=self._op_timeout_s,
                                       socket_connect_timeout=self._op_timeout_s)
             self._r = self._sentinel.master_for(sentinel_master, **common, **conn)

@@ -108,3 +108,15 @@ def test_failover_the_same_object_reaches_the_new_primary(
     assert d.leading(["during", *(f"k{i}" for i in range(100))]) == 101
     d.close()
     assert failover_s < 40.0
+
+
+def test_no_sentinel_reachable_fails_fast_naming_the_sentinels() -> None:
+    from tests.store_backend.pool.redis_server import free_port
+
+    port = free_port()
+    d = RedisDirectory(sentinels=[f"127.0.0.1:{port}"], op_timeout_s=0.5)
+    t = time.monotonic()
+    with pytest.raises(DirectoryUnavailable, match=f"sentinel master 'mymaster' via 127.0.0.1:{port}"):
+        d.leading(["k"])
+    assert time.monotonic() - t < 2.0
+    d.close()
