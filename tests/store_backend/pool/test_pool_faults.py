@@ -6,6 +6,7 @@ checked against a versioned, self-verifying payload."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -191,4 +192,59 @@ def test_redis_down_then_back_empty_nodes_serve_their_own_and_re_register_by_the
     assert [r.status for r in got] == [Status.OK] * (len(keys) + len(late))
     for k, buf in zip([*keys, *late], bufs):
         check_payload(k, buf, 4 if k in late else 2)
+    d.close()
+
+
+@pytest.mark.parametrize("nodes", [2], indirect=True)
+def test_a_node_down_during_a_pool_wide_remove_deletes_its_copy_when_it_comes_back(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    ca = a.client()
+    keys = [f"t{i}" for i in range(8)]
+    put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys})
+    wait_until(lambda: all(len(ls) == 2 for ls in d.locate(keys)), 30, "two copies each")
+    other = {k: next(loc.node for loc in ls if loc.node != "A") for k, ls in zip(keys, d.locate(keys))}
+    holder = b if other["t0"] == "B" else c
+    gone, kept = "t0", [k for k in keys[1:] if other[k] == holder.name]
+    assert kept, other
+    ch = holder.client()
+    assert ch.flush(timeout_s=30)  # the received copy is on the holder's SSD
+    assert ch.tier_of([gone]) == ["dram"]
+    holder.kill()
+    # Once the directory has it dead (its TTL), a remove does not ask it: the key is tombstoned.
+    # (A holder still marked alive that cannot be reached makes the remove answer IO_ERROR.)
+    wait_until(lambda: not next(n for n in d.nodes() if n.node_id == holder.name).alive, NODE_TTL_S + 2, "dead")
+    assert ca.remove([gone]) == [Status.OK]
+    assert d.locate([gone]) == [[]]
+    holder.start()  # recovery finds the copy on SSD; the resync's tombstone deletes it
+    wait_located(d, kept, holder.name)
+    ch = holder.client()
+    # keys() lists the node's own tiers: the copy recovered from its SSD is gone from them.
+    wait_until(lambda: gone not in ch.keys(), 10, "the tombstoned copy deleted")
+    assert all(loc.node != holder.name for loc in d.locate([gone])[0])
+    got, _ = read(ch, [gone], SIZE)
+    assert got[0].status is Status.NOT_FOUND  # never the removed bytes
+    got, bufs = read(ch, kept, SIZE)
+    assert [r.status for r in got] == [Status.OK] * len(kept)
+    for k, buf in zip(kept, bufs):
+        check_payload(k, buf, 1)
+    d.close()
+
+
+def test_a_clean_stop_leaves_the_directory_at_once(redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    a, b, _c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    put_all(a.client(), {"mine": make_payload("mine", 1, SIZE)})
+    wait_located(d, ["mine"], "A")
+    assert a.proc is not None
+    a.proc.signal(signal.SIGTERM)  # stop accepting peers, drain, deregister_node, close
+    t0 = time.monotonic()
+    wait_until(lambda: d.locate(["mine"]) == [[]], NODE_TTL_S, "A's locations dropped by its own leave")
+    assert time.monotonic() - t0 < NODE_TTL_S
+    assert a.proc.wait(60) == 0
+    got, _ = read(b.client(), ["mine"], SIZE)
+    assert got[0].status is Status.NOT_FOUND
     d.close()
