@@ -56,7 +56,7 @@ def _serve_process(q: Any, stop: Any, capacity_bytes: int, keys_sizes: list[tupl
     server = TcpTransportServer(store, SECRET)
     server.start()
     q.put(server.address)
-    stop.wait(120)
+    stop.poll(120)  # the parent sends a byte or closes its end (a pipe: a SIGKILLed waiter cannot wedge it)
     server.close()
     store.close(flush=False)
 
@@ -67,10 +67,12 @@ class ServerProcess:
 
     def __init__(self, keys_sizes: list[tuple[str, int]], capacity_bytes: int = 128 * MiB) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._q, self._stop = ctx.Queue(), ctx.Event()
-        self.proc = ctx.Process(target=_serve_process, args=(self._q, self._stop, capacity_bytes, keys_sizes),
+        self._q = ctx.Queue()
+        stop_r, self._stop = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_serve_process, args=(self._q, stop_r, capacity_bytes, keys_sizes),
                                 daemon=True)
         self.proc.start()
+        stop_r.close()
         self.address: str = self._q.get(timeout=60)
 
     def kill(self) -> None:
@@ -78,7 +80,11 @@ class ServerProcess:
         self.proc.join(10)
 
     def close(self) -> None:
-        self._stop.set()
+        try:
+            self._stop.send_bytes(b"x")
+        except OSError:
+            pass
+        self._stop.close()
         self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
