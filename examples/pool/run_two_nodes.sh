@@ -89,5 +89,5 @@ healthy() {  # $1: port; $2: pid of the server behind it
 healthy "$PORT1" "${pids[0]}"
 healthy "$PORT2" "${pids[1]}"
 echo "pool ready: vLLM on ports $PORT1 (node1) and $PORT2 (node2), Redis on 127.0.0.1:$REDIS_PORT"
-echo "  $PY -m store_backend.node status --pool --socket $RUN_DIR/node2/node.sock   # the pool as node2 sees it"
+echo "  $PY -m mooncake_kv.cli status --pool --config $RUN_DIR/node2.json   # every node of the pool"
 wait "${pids[@]}"

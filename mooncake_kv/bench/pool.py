@@ -17,7 +17,7 @@ One run, everything on loopback:
   * ``node_pool_get``: what an engine attached to node B sees: B's client reads keys only A holds
     (fresh ones each round), B's pool tier pulling them over TCP into B's arena;
   * ``socket_limit``: one plain Python stream between two processes, ``sendall`` -> ``recv_into``
-    (:mod:`mooncake_kv.bench.socket_limit`);
+    (:func:`store_backend.pool.socket_limit.raw_socket_limit_gbps`);
   * ``mooncake_get``: Mooncake Store's TCP get between two processes
     (:mod:`mooncake_kv.bench.mooncake_peer`, in Mooncake's own environment), or null with a reason;
 
@@ -53,12 +53,12 @@ from rich.console import Console
 from rich.table import Table
 
 from mooncake_kv.bench import mooncake_peer
-from mooncake_kv.bench.socket_limit import socket_limit_gbps
 from mooncake_kv.bench.store import _aligned
 from store_backend.config import parse_size
 from store_backend.node.client import NodeClient, probe
 from store_backend.pool.config import DirectoryConfig, PoolConfig
 from store_backend.pool.directory import Directory, Location, NodeInfo
+from store_backend.pool.socket_limit import raw_socket_limit_gbps
 from store_backend.types import Status
 
 SIZES = "1MiB,4MiB,16MiB"
@@ -168,7 +168,7 @@ class _PoolService:
 def _make_directory(cfg: DirectoryConfig, node_id: str) -> Directory:
     from store_backend.pool.factory import make_directory
 
-    return make_directory(cfg, node_id)
+    return make_directory(cfg, node_id=node_id)
 
 
 def _make_transport(secret: bytes, streams: int):
@@ -329,7 +329,7 @@ def _lowest(per_size: dict[str, dict[str, float | None]], field: str) -> float |
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=110)
     batch_bytes = parse_size(args.batch_bytes)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     if not sizes or args.repeat < 1 or args.lookups < 1 or args.streams < 1:
@@ -392,14 +392,14 @@ def run(args: argparse.Namespace) -> int:
         lookup_embedded = _lookup_rates(embedded, "bench-lookup", args.lookups)
     finally:
         embedded.close()
-    limit = socket_limit_gbps(sizes, batch_bytes, args.repeat)
+    limit = raw_socket_limit_gbps(sizes, batch_bytes, repeats=args.repeat)
     if args.no_mooncake:
         mooncake: dict[str, Any] = {"mooncake_get_gbps": None, "mooncake_reason": "--no-mooncake"}
     else:
         mooncake = mooncake_peer.measure(sizes, batch_bytes, args.repeat, python=args.mooncake_python)
     for size in sizes:
         row = per_size[str(size)]
-        row["socket_limit_gbps"] = limit[str(size)]
+        row["socket_limit_gbps"] = limit[size]
         row["mooncake_get_gbps"] = mooncake.get("per_size", {}).get(str(size), {}).get("mooncake_get_gbps")
         for k, v in list(row.items()):
             row[k] = None if v is None else round(v, 3)
@@ -435,13 +435,14 @@ def run(args: argparse.Namespace) -> int:
         summary["mooncake_reason"] = mooncake["mooncake_reason"]
 
     table = Table(title=f"pool over loopback TCP, batches of {batch_bytes >> 20} MiB, {args.streams} streams (GB/s)")
-    for col in ("size", "pool get", "pool put", "get via node B", "socket", "mooncake", "get/socket", "get/mooncake"):
+    for col in ("size", "pool get", "pool put", "get via B", "socket", "mooncake", "get/socket", "get/mooncake"):
         table.add_column(col, justify="right")
     for size in sizes:
         row = per_size[str(size)]
         cells = [row[k] for k in ("pool_get_gbps", "pool_put_gbps", "node_pool_get_gbps", "socket_limit_gbps",
                                   "mooncake_get_gbps", "pool_get_vs_socket", "pool_get_vs_mooncake")]
-        table.add_row(f"{size >> 10} KiB", *("-" if c is None else f"{c:.2f}" for c in cells))
+        label = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
+        table.add_row(label, *("-" if c is None else f"{c:.2f}" for c in cells))
     console.print(table)
     console.print(f"lookups of {LOOKUP_KEYS} keys (leading / locate), keys/s: "
                   f"redis {lookup_redis['leading']:.3g} / {lookup_redis['locate']:.3g}, "
