@@ -1113,7 +1113,7 @@ class NodeService:
             if pool and tiers is not None and tiers[i] is None:
                 # Held by no tier of this node: a hit came from the pool, a miss missed every tier.
                 mine.tiers["dram"].misses += 1
-                if r.status is not Status.OK and self.config.store.ssd is not None:
+                if self.config.store.ssd is not None:  # the SSD was asked first, as the store counts it
                     mine.tiers["ssd"].misses += 1
                 if r.status is not Status.OK:
                     mine.tiers["pool"].misses += 1

@@ -144,8 +144,9 @@ class Replicator:
                     else:
                         failed.append(ls.key)
         finally:
-            valid = self.store.release(leases, owner=REPLICATOR_OWNER)
-        del valid  # the bytes are immutable while leased; the peer verified the frame checksum
+            # A lease keeps its bytes until released, even past its TTL, and objects are
+            # immutable: what was sent is the object (the peer verified the frame checksum).
+            self.store.release(leases, owner=REPLICATOR_OWNER)
         if committed:
             # The peer's own registrar registers them too (with its checksum); put_end makes them
             # visible now, whichever comes first.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from typing import Any
 
@@ -147,7 +146,3 @@ def wait_nodes_alive(directory: RedisDirectory, names: list[str], timeout_s: flo
             return False
 
     wait_until(alive, timeout_s, f"nodes {names} alive")
-
-
-def monotonic_s() -> float:
-    return time.monotonic()
