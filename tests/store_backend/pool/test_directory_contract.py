@@ -319,3 +319,102 @@ def test_misuse_is_a_value_error(directory: Directory) -> None:
         directory.heartbeat(NodeInfo("a", "x:1"), 0)
     with pytest.raises(ValueError, match="tombstone_ttl_s"):
         directory.remove(["k"], tombstone_ttl_s=-1)
+
+
+def test_a_hypothesis_state_machine_agrees_with_a_dict_model(make_directory_for: Callable[..., Directory],
+                                                             directory_kind: str) -> None:
+    """Rules drive register / resync / unregister / two-phase puts / remove / clear_node; after
+    each, every lookup is compared with a dict model (hypothesis shrinks a failure to its core)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+    nodes = ["n0", "n1", "n2"]
+    keys = [f"k{i}" for i in range(6)]
+    runs = iter(range(10**6))
+    some_keys = st.lists(st.sampled_from(keys), min_size=1, max_size=4, unique=True)
+
+    class Model(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            # Fresh keys and node ids per run: the shared backend keeps earlier runs' records.
+            self.prefix = f"h{next(runs)}/"
+            self.d = make_directory_for()
+            up(self.d, *(self.prefix + n for n in nodes))
+            self.locs: dict[str, dict[str, Location]] = {}
+            self.pending: set[tuple[str, str]] = set()
+            self.tombs: set[str] = set()
+
+        def k(self, key: str) -> str:
+            return self.prefix + key
+
+        @rule(node=st.sampled_from(nodes), ks=some_keys, resync=st.booleans(),
+              tier=st.sampled_from([TIER_DRAM, TIER_SSD]), checksum=st.integers(0, 2**64 - 1))
+        def register(self, node: str, ks: list[str], resync: bool, tier: str, checksum: int) -> None:
+            node = self.prefix + node
+            refused = self.d.register(node, [(self.k(k), Location(node, tier, 7, checksum)) for k in ks],
+                                      resync=resync)
+            want = [self.k(k) for k in ks if resync and k in self.tombs]
+            assert refused == want
+            for k in ks:
+                if self.k(k) not in want:
+                    self.tombs.discard(k)
+                    self.pending.discard((k, node))
+                    self.locs.setdefault(k, {})[node] = Location(node, tier, 7, checksum)
+
+        @rule(node=st.sampled_from(nodes), ks=some_keys)
+        def unregister(self, node: str, ks: list[str]) -> None:
+            node = self.prefix + node
+            self.d.unregister(node, [self.k(k) for k in ks])
+            for k in ks:
+                self.locs.get(k, {}).pop(node, None)
+
+        @rule(node=st.sampled_from(nodes), ks=some_keys)
+        def put_start(self, node: str, ks: list[str]) -> None:
+            node = self.prefix + node
+            got = self.d.put_start(node, [self.k(k) for k in ks], [7] * len(ks), 60.0)
+            assert got == [(k, node) not in self.pending and node not in self.locs.get(k, {}) for k in ks]
+            self.pending.update((k, node) for k, ok in zip(ks, got) if ok)
+
+        @rule(node=st.sampled_from(nodes), ks=some_keys, commit=st.booleans())
+        def put_finish(self, node: str, ks: list[str], commit: bool) -> None:
+            node = self.prefix + node
+            if not commit:
+                self.d.put_abort(node, [self.k(k) for k in ks])
+                self.pending.difference_update((k, node) for k in ks)
+                return
+            got = self.d.put_end(node, [(self.k(k), loc(node)) for k in ks])
+            assert got == [(k, node) in self.pending for k in ks]
+            for k, ok in zip(ks, got):
+                self.pending.discard((k, node))
+                if ok:
+                    self.locs.setdefault(k, {})[node] = loc(node)
+
+        @rule(ks=some_keys)
+        def remove(self, ks: list[str]) -> None:
+            got = self.d.remove([self.k(k) for k in ks])
+            assert got == {self.k(k): sorted(self.locs[k]) for k in ks if self.locs.get(k)}
+            for k in ks:
+                self.locs.pop(k, None)
+                self.tombs.add(k)
+                self.pending.difference_update((k, self.prefix + n) for n in nodes)
+
+        @rule(node=st.sampled_from(nodes))
+        def clear_node(self, node: str) -> None:
+            node = self.prefix + node
+            assert self.d.clear_node(node) == sum(1 for v in self.locs.values() if node in v)
+            for v in self.locs.values():
+                v.pop(node, None)
+
+        @invariant()
+        def lookups_agree(self) -> None:
+            for exclude in (None, *(self.prefix + n for n in nodes)):
+                want = [sorted((l for n, l in self.locs.get(k, {}).items() if n != exclude),
+                               key=lambda x: (x.tier != TIER_DRAM, x.node)) for k in keys]
+                assert self.d.locate([self.k(k) for k in keys], exclude=exclude) == want
+                lead = next((i for i, w in enumerate(want) if not w), len(keys))
+                assert self.d.leading([self.k(k) for k in keys], exclude=exclude) == lead
+
+    run_state_machine_as_test(Model, settings=settings(
+        max_examples=40 if directory_kind == "redis" else 150, stateful_step_count=25, deadline=None,
+        suppress_health_check=list(HealthCheck)))
