@@ -279,8 +279,9 @@ class Registrar:
             try:
                 known = self.directory.heartbeat(self._info(), self.node_ttl_s)
                 self.counters["heartbeats"] += 1
-                if not known or was_down:
-                    if not known and self.counters["heartbeats"] > 1:
+                first = self.counters["heartbeats"] == 1  # unknown at a start: the start's resync covers it
+                if (not known and not first) or was_down:
+                    if not known:
                         logger.warning("pool: the directory did not know this node (restarted empty, failed "
                                        "over, or the mark expired): resyncing")
                     self.request_resync()
