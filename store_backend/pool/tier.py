@@ -70,7 +70,7 @@ class PoolTier:
         self._down_until = 0.0  # monotonic: the directory failed; misses until then
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
         self._counts = dict.fromkeys(("hits", "misses", "bytes_read", "retries", "directory_errors",
-                                      "failures_directory", "removes"), 0)
+                                      "failures_directory", "removes", "no_address"), 0)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def bind(self, directory: Directory | None, transport: Transport | None) -> None:
@@ -198,8 +198,10 @@ class PoolTier:
 
         def read(node: str, idx: list[int]) -> None:
             address = addresses.get(node)
-            if address is None:
+            if address is None:  # dead since the lookup (or the address lookup failed: counted there)
                 got = [ReadResult(Status.IO_ERROR)] * len(idx)
+                if self._clock() >= self._down_until:
+                    self._count("no_address", len(idx))
             else:
                 sums = [todo[i][0].checksum if self.checksum else 0 for i in idx]
                 try:
@@ -307,7 +309,10 @@ class PoolTier:
         t = parts[1].stats() if parts is not None else {}
         with self._lock:
             directory = self._counts["failures_directory"]
-        return FailureCounters(**{k: int(t.get(f"failures_{k}", 0)) for k in FAILURE_KINDS}, directory=directory)
+            no_address = self._counts.get("no_address", 0)
+        out = FailureCounters(**{k: int(t.get(f"failures_{k}", 0)) for k in FAILURE_KINDS}, directory=directory)
+        out.peer_gone += no_address  # a holder with no live address: gone, though never dialled
+        return out
 
     def extra_stats(self) -> dict[str, int]:
         """``hits``, ``misses``, ``bytes_read``, ``retries`` (keys asked of a second replica),
