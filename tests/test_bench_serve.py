@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import attribute_sources, compare_tokens
+from mooncake_kv.bench.serve import attribute_sources, compare_tokens, configurations
 from mooncake_kv.bench.serve_workload import build_workload, max_hit_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +94,19 @@ def test_attribute_sources_follows_arrival_order_across_late_scrapes() -> None:
             {"index": 2, "cached_tokens": 0, "scraped_s": 3.0, "source_delta": {"host": 256}}]
     attribute_sources(recs, {"source:device": 32, "source:host": 256, "source:disk": 64})
     assert [r["tier_tokens"] for r in recs] == [{"device": 32}, {"host": 256, "disk": 64}, {}]
+
+
+def test_configurations_add_the_peers_on_cuda_only(tmp_path: Path) -> None:
+    kw = {"work": tmp_path, "chunk_tokens": 32, "dram_bytes": 64 << 20, "ssd_bytes": 1 << 30}
+    cpu = configurations(["alone", "dram", "dram_ssd"], cuda=False, **kw)
+    assert [c.name for c in cpu] == ["alone", "dram", "dram_ssd"]
+    assert cpu[0].kv_transfer is None
+    assert "ssd" not in cpu[1].kv_transfer["kv_connector_extra_config"]["store"]
+    assert cpu[2].kv_transfer["kv_connector_extra_config"]["store"]["ssd"]["path"] == str(tmp_path / "ssd-dram_ssd")
+    gpu = configurations(["alone", "dram_ssd"], cuda=True, **kw)
+    assert [(c.name, c.kv_transfer and c.kv_transfer["kv_connector"]) for c in gpu] == [
+        ("alone", None), ("dram_ssd", "MooncakeTieredConnector"), ("offloading", "OffloadingConnector"),
+        ("lmcache", "LMCacheConnectorV1")]
+    assert gpu[2].kv_transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == 64 << 20
+    with pytest.raises(ValueError, match="--configs"):
+        configurations(["dram"], cuda=False, **kw)

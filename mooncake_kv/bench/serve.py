@@ -69,6 +69,7 @@ MODEL_NAME = "bench"
 BLOCK_SIZE = 32  # vLLM's KV block; one trace block is tokens_per_block / 32 of them, and one stored chunk
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+PEERS = ("offloading", "lmcache")  # vLLM's own CPU offload and LMCache: the CUDA path only
 CPU_PEERS_SKIPPED = ("vLLM's OffloadingConnector and LMCache are not run: no CUDA device here, and vLLM's CPU "
                      "build runs neither (OffloadingConnector refuses CPU platforms at start, LMCache falls back "
                      "to recompute)")
@@ -265,7 +266,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # -- the client ------------------------------------------------------------------------------------
 def parse_metrics(text: str) -> dict[str, float]:
-    """``source:NAME`` -> tokens of vLLM's by-source counter, ``tier_hits:TIER`` -> our objects."""
+    """``source:NAME`` -> tokens of vLLM's by-source counter, ``tier_hits:TIER`` -> objects the
+    store's gets served from that tier, ``stage_ins`` -> leases served by reading SSD into a slot."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -273,6 +275,8 @@ def parse_metrics(text: str) -> dict[str, float]:
                 key = "source:" + s.labels.get("source", "?")
             elif s.name == "mooncake_kv_tier_hits_total":
                 key = "tier_hits:" + s.labels.get("tier", "?")
+            elif s.name == "mooncake_kv_store_slot_stage_ins_total":
+                key = "stage_ins"
             else:
                 continue
             out[key] = out.get(key, 0.0) + s.value
@@ -411,7 +415,9 @@ def summarize(recs: list[dict], wall_s: float, totals: dict[str, float]) -> dict
             "wall_s": round(wall_s, 2), "prompt_tokens": prompt, "cached_tokens": cached,
             "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "cached_by_source": {s: int(totals.get("source:" + s, 0)) for s in SOURCES if totals.get("source:" + s)},
-            "store_hits_objects": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("tier_hits:")}}
+            "store_hits_objects": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("tier_hits:")},
+            # Leases of SSD objects read into a DRAM slot first (then counted as DRAM hits by the store).
+            "store_stage_ins": int(totals.get("stage_ins", 0))}
 
 
 def compare_tokens(base: list[dict], other: list[dict], every: int) -> list[int]:
@@ -425,6 +431,34 @@ def _cuda() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[ServeRequest],
+                args: argparse.Namespace, max_model_len: int, vocab: int,
+                cuda: bool) -> tuple[list[dict], float, dict[str, float]]:
+    """One configuration on a fresh server (and a fresh SSD directory): its records in arrival
+    order (``tier_tokens`` set), the run's wall time and the counters' change over the run.
+    The server is stopped before this returns or raises."""
+    shutil.rmtree(work / f"ssd-{cfg.name}", ignore_errors=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = work / f"server-{cfg.name}.log"
+    proc = start_server(cfg, model=model, port=port, block_size=BLOCK_SIZE, max_model_len=max_model_len,
+                        vllm_blocks=args.vllm_blocks, reserved_cpus=args.reserved_cpus, cuda=cuda, log=log)
+    try:
+        wait_healthy(url, proc, log)
+        _warm_up(url, vocab)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            before = parse_metrics(r.read().decode())
+        recs, wall_s = asyncio.run(_drive(url, workload, args.max_tokens, cfg.name))
+        time.sleep(1.0)  # the engine publishes its last step's counters with its next report
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            after = parse_metrics(r.read().decode())
+    finally:
+        stop_server(proc)
+    totals = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    attribute_sources(recs, totals)
+    return recs, wall_s, totals
 
 
 def run(args: argparse.Namespace) -> int:
@@ -446,7 +480,6 @@ def run(args: argparse.Namespace) -> int:
     if cuda and args.model is None:
         raise SystemExit("--model: the CUDA path needs a real model directory")
     model = args.model or write_seeded_llama(work / "model", shape)
-    block_size = BLOCK_SIZE
     distinct_blocks = len({h for r in workload for h in r.hash_ids})
     working_set_bytes = distinct_blocks * tpb * shape.kv_bytes_per_token
     dram_bytes = max(8 << 20, int(working_set_bytes * args.dram_fraction))
@@ -462,30 +495,22 @@ def run(args: argparse.Namespace) -> int:
         _progress(CPU_PEERS_SKIPPED)
     _progress(f"{len(workload)} requests from {args.trace.name} (from #{args.start}), {tpb} tokens per trace block, "
               f"time scale {args.time_scale}; working set {working_set_bytes / 2**20:.0f} MiB of KV, DRAM tier "
-              f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * block_size} tokens; logs in {work}")
+              f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
     runs: dict[str, list[dict]] = {}
     summary: dict[str, dict] = {}
     for cfg in configs:
-        shutil.rmtree(work / f"ssd-{cfg.name}", ignore_errors=True)
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = work / f"server-{cfg.name}.log"
         _progress(f"{cfg.name}: starting vllm serve")
-        proc = start_server(cfg, model=model, port=port, block_size=block_size, max_model_len=max_model_len,
-                            vllm_blocks=args.vllm_blocks, reserved_cpus=args.reserved_cpus, cuda=cuda, log=log)
         try:
-            wait_healthy(url, proc, log)
-            _warm_up(url, shape.vocab)
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                before = parse_metrics(r.read().decode())
-            recs, wall_s = asyncio.run(_drive(url, workload, args.max_tokens, cfg.name))
-            time.sleep(1.0)  # the engine publishes its last step's counters with its next report
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                after = parse_metrics(r.read().decode())
-        finally:
-            stop_server(proc)
-        totals = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        attribute_sources(recs, totals)
+            recs, wall_s, totals = _run_config(cfg, work=work, model=model, workload=workload, args=args,
+                                               max_model_len=max_model_len, vocab=shape.vocab, cuda=cuda)
+        except (RuntimeError, OSError) as e:
+            if cfg.name not in PEERS:
+                raise
+            # A peer that does not start (LMCache not installed, a version it does not support) is
+            # reported, not fatal: ours are the figures this run exists for.
+            _progress(f"{cfg.name}: not measured: {e}")
+            summary[cfg.name] = {"error": str(e)[-2000:]}
+            continue
         runs[cfg.name] = recs
         summary[cfg.name] = summarize(recs, wall_s, totals)
         s = summary[cfg.name]
@@ -493,7 +518,8 @@ def run(args: argparse.Namespace) -> int:
                   f"p90 {s['ttft_p90_s']:.3f} s, {s['throughput_req_s']:.2f} req/s, by source {s['cached_by_source']}")
 
     prompt_total = sum(len(r.prompt) for r in workload)
-    hit_max = sum(r.max_hit_tokens for r in workload) / prompt_total
+    max_tokens = sum(r.max_hit_tokens for r in workload)
+    hit_max = max_tokens / prompt_total
     mismatches = {n: compare_tokens(runs["alone"], recs, args.check_every) for n, recs in runs.items() if n != "alone"}
     checked = len([r for r in workload if r.index % args.check_every == 0])
     plot = args.plot or work / "bench_serve.png"
@@ -514,19 +540,24 @@ def run(args: argparse.Namespace) -> int:
         "ttft_p50_s_alone": p50("alone"), "ttft_p50_s_dram": p50("dram"), "ttft_p50_s_dram_ssd": p50("dram_ssd"),
         "ttft_p50_dram_ssd_vs_alone": (round(p50("dram_ssd") / p50("alone"), 4)
                                        if p50("dram_ssd") and p50("alone") else None),
-        "hit_dram_ssd_vs_max": round(hr("dram_ssd") / hit_max, 4) if hr("dram_ssd") is not None and hit_max else None,
+        # From the token counts, not the rounded ratios.
+        "hit_dram_ssd_vs_max": (round(summary["dram_ssd"]["cached_tokens"] / max_tokens, 4)
+                                if "dram_ssd" in runs and max_tokens else None),
         "tokens_checked_requests": checked, "token_mismatches": mismatches,
         "configs": summary, "plot": str(plot),
         "workload": {"trace": str(args.trace), "requests": len(workload), "start": args.start,
                      "tokens_per_block": tpb, "time_scale": args.time_scale, "max_tokens": args.max_tokens,
                      "prompt_tokens": prompt_total, "working_set_bytes": working_set_bytes,
                      "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
-                     "vllm_cache_tokens": args.vllm_blocks * block_size},
+                     "vllm_cache_tokens": args.vllm_blocks * BLOCK_SIZE},
         "model": {"path": str(model), "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
                   "kv_heads": shape.kv_heads, "intermediate": shape.intermediate, "dtype": "float32",
                   "weights": "given" if args.model else "seeded random"},
         "peers": "run" if cuda else CPU_PEERS_SKIPPED,
     }
+    for name in PEERS:
+        if name in runs:
+            result[f"hit_ratio_{name}"], result[f"ttft_p50_s_{name}"] = hr(name), p50(name)
     (work / "requests.json").write_text(json.dumps(runs))
     bad = {n: m for n, m in mismatches.items() if m}
     if bad:

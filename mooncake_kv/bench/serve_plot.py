@@ -41,7 +41,8 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping]], max_hit_tokens
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax_hit, ax_ttft) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     x = list(range(1, len(prompt_tokens) + 1))
-    ax_hit.plot(x, _cumulative(max_hit_tokens, prompt_tokens), "k--", label="trace maximum (infinite cache)")
+    ax_hit.plot(x, _cumulative(max_hit_tokens, prompt_tokens), "k:", lw=2.5, zorder=5,
+                label="trace maximum (infinite cache)")
     for name, recs in runs.items():
         ax_hit.plot(x[:len(recs)], _cumulative([r["cached_tokens"] for r in recs], [r["prompt_tokens"] for r in recs]),
                     label=name)
