@@ -736,7 +736,9 @@ class RedisDirectory:
         self._stop.set()
         if thread is not None:
             thread.join(timeout=5.0)
-        try:
-            self._r.close()
-        except Exception:  # noqa: BLE001 - closing
-            pass
+        clients = [self._r, *(self._sentinel.sentinels if self._sentinel is not None else ())]
+        for client in clients:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing
+                pass
