@@ -6,6 +6,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_requirepass_from_the_url_and_from_a_password_file(tmp_path: Path) -> No
         d.close()
 
 
-def test_a_wrong_password_is_a_clear_auth_error(redis_server: RedisProcess) -> None:
+def test_a_wrong_password_is_a_clear_auth_error() -> None:
     with RedisProcess(password="right") as server:
         for url in (f"redis://:wrong@127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/0"):
             d = RedisDirectory(url=url)
@@ -95,8 +96,7 @@ def test_an_acl_user(redis_server: RedisProcess) -> None:
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    crypto = pytest.importorskip("cryptography")
-    del crypto
+    pytest.importorskip("cryptography")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -214,7 +214,7 @@ def test_the_subscriber_reconnects_after_a_restart(redis_server: RedisProcess) -
         time.sleep(0.1)
     assert "k" in seen
     d.close()
-    assert all(t.name != "mkv-directory-inval" or not t.is_alive() for t in __import__("threading").enumerate())
+    assert all(t.name != "mkv-directory-inval" or not t.is_alive() for t in threading.enumerate())
 
 
 def test_bad_configuration_names_the_field(tmp_path: Path) -> None:
@@ -243,8 +243,6 @@ def test_make_directory_from_the_pool_config(redis_server: RedisProcess) -> None
 
 
 def test_writes_racing_heartbeats_never_read_as_lost(redis_server: RedisProcess) -> None:
-    import threading
-
     d = RedisDirectory(url=redis_server.url)
     info = NodeInfo("a", "127.0.0.1:1")
     d.heartbeat(info, 30.0)
