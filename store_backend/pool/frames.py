@@ -43,6 +43,8 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_U64 = (1 << 64) - 1
 # One recv_into asks for at most this much: large enough to drain a big socket buffer in one call.
 RECV_PIECE_BYTES = 8 << 20
+# A payload's receive may overrun its deadline by at most this (see recv_exactly_into).
+_RETIME_S = 0.05
 
 OPS = ("get", "get_reply", "get_ack", "get_end", "put", "put_accept", "put_end", "put_reply", "remove", "remove_reply",
        "error", "auth_ok")
@@ -143,12 +145,20 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float) ->
     """Fill ``view`` from ``sock`` (``recv_into``, no copy); PeerClosedError at end of stream,
     TimeoutError once ``deadline`` passes."""
     got, n = 0, view.nbytes
+    timeout = _left(deadline)
+    sock.settimeout(timeout)
     while got < n:
-        sock.settimeout(_left(deadline))
         k = sock.recv_into(view[got:got + RECV_PIECE_BYTES])
         if k == 0:
             raise PeerClosedError(f"peer closed the stream after {got} of {n} bytes")
         got += k
+        if got < n:
+            # Re-arm the socket's timeout only when the deadline has moved in by more than
+            # _RETIME_S (a settimeout per piece costs as much as a small recv).
+            left = _left(deadline)
+            if timeout - left > _RETIME_S:
+                timeout = left
+                sock.settimeout(timeout)
 
 
 def read_header(sock: socket.socket, max_object_bytes: int, deadline: float,
@@ -182,6 +192,12 @@ def send_header(sock: socket.socket, header: Header, deadline: float) -> None:
 def send_view(sock: socket.socket, view: memoryview, deadline: float) -> None:
     """Send ``view`` (no copy), bounded by ``deadline`` (checked between pieces)."""
     sent, n = 0, view.nbytes
+    timeout = _left(deadline)
+    sock.settimeout(timeout)
     while sent < n:
-        sock.settimeout(_left(deadline))
         sent += sock.send(view[sent:sent + RECV_PIECE_BYTES])
+        if sent < n:
+            left = _left(deadline)
+            if timeout - left > _RETIME_S:
+                timeout = left
+                sock.settimeout(timeout)
