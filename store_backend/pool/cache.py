@@ -61,8 +61,8 @@ class CachedDirectory:
         self._close_inner = close_inner
         self._clock = clock
         self._lock = threading.Lock()
-        # key -> (deadline, every live location the inner directory returned, exclude=None)
-        self._entries: OrderedDict[str, tuple[float, list[Location]]] = OrderedDict()
+        # key -> (deadline, every live location the inner directory returned (exclude=None), their nodes)
+        self._entries: OrderedDict[str, tuple[float, list[Location], frozenset[str]]] = OrderedDict()
         self._inval_seq = 0  # bumped by every forget: an answer fetched across a bump is not cached
         self._dead: set[str] = set()
         self._unsubscribe: Callable[[], None] | None = None
@@ -104,7 +104,7 @@ class CachedDirectory:
     def forget_node(self, node_id: str) -> None:
         with self._lock:
             self._inval_seq += 1
-            stale = [k for k, (_, locs) in self._entries.items() if any(loc.node == node_id for loc in locs)]
+            stale = [k for k, (_, _, nodes) in self._entries.items() if node_id in nodes]
             for key in stale:
                 del self._entries[key]
 
@@ -129,7 +129,7 @@ class CachedDirectory:
                 if hit is not None and hit[0] > now:
                     entries.move_to_end(key)
                     locs = hit[1]
-                    out[i] = [loc for loc in locs if loc.node != exclude] if exclude is not None else list(locs)
+                    out[i] = [loc for loc in locs if loc.node != exclude] if exclude in hit[2] else list(locs)
                 else:
                     if hit is not None:
                         del entries[key]
@@ -146,7 +146,7 @@ class CachedDirectory:
                 for i, locs in zip(missing, fetched):
                     out[i] = [loc for loc in locs if loc.node != exclude] if exclude is not None else locs
                     if cache_it and locs:
-                        self._entries[keys[i]] = (deadline, list(locs))
+                        self._entries[keys[i]] = (deadline, list(locs), frozenset(loc.node for loc in locs))
                         self._entries.move_to_end(keys[i])
                 while len(self._entries) > self._max_entries:
                     self._entries.popitem(last=False)
@@ -157,9 +157,9 @@ class CachedDirectory:
         with self._lock:
             now = self._clock()
             entries = self._entries
-            for key in keys:
-                hit = entries.get(key)
-                if hit is None or hit[0] <= now or not any(loc.node != exclude for loc in hit[1]):
+            for hit in map(entries.get, keys):
+                # A copy other than `exclude`'s: more than one holder, or the one is not `exclude`.
+                if hit is None or hit[0] <= now or (len(hit[2]) == 1 and exclude in hit[2]):
                     break
             else:
                 self.hits += len(keys)

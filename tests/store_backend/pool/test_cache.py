@@ -66,6 +66,11 @@ def test_positive_answers_are_cached_and_exclude_filtered(directory: Directory) 
     assert counting.locates == [["k", "none"], ["none"]]  # the miss is asked again, the hit is not
     assert cache.leading(["k"], exclude="b") == 1 and counting.leadings == 0
     assert cache.leading(["k", "none"]) == 1 and counting.leadings == 1  # "none" is not cached: asked
+    directory.register("a", [("solo", loc("a"))])
+    assert cache.locate(["solo"], exclude="b") == [[loc("a")]]
+    assert cache.leading(["solo"], exclude="b") == 1 and counting.leadings == 1  # from the cache
+    assert cache.leading(["solo"], exclude="a") == 0 and counting.leadings == 2  # a's only: asked
+    assert cache.locate(["solo"], exclude="a") == [[]]
     cache.close()
 
 
