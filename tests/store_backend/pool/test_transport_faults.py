@@ -105,7 +105,7 @@ def test_a_client_killed_mid_put_leaves_nothing_visible_or_reserved():
 
 @pytest.mark.parametrize("shared", [True, False], ids=["sendfile", "private-arena"])
 def test_a_byte_flipped_in_a_get_is_corrupt(shared):
-    with served(shared=shared) as (store, srv):
+    with served(shared=shared, use_sendfile=shared) as (store, srv):
         d = payload("g", 4 * MiB)
         assert store.put(["g"], [d]) == [Status.OK]
         proxy = FlipProxy(srv.address, flip_at=1 * MiB, direction="down")
