@@ -235,7 +235,8 @@ def start_server(cfg: ServerConfig, *, model: Path, port: int, block_size: int, 
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if reserved_cpus:
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
@@ -450,7 +451,11 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
         _warm_up(url, vocab)
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             before = parse_metrics(r.read().decode())
-        recs, wall_s = asyncio.run(_drive(url, workload, args.max_tokens, cfg.name))
+        try:
+            recs, wall_s = asyncio.run(_drive(url, workload, args.max_tokens, cfg.name))
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{cfg.name}: a request failed ({e!r}); the server's exit status is "
+                               f"{proc.poll()} (None: still running); see {log}") from e
         time.sleep(1.0)  # the engine publishes its last step's counters with its next report
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             after = parse_metrics(r.read().decode())
