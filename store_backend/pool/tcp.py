@@ -16,8 +16,13 @@ slots, verifies the sender's checksums and commits (or aborts).
 Client: a bounded pool of authenticated connections per peer, reused across calls; a connection
 that failed in any way is closed, never reused. A batch is split by bytes over up to ``streams``
 connections run in parallel (the caller's thread runs one, the transport's owned workers the
-rest). Objects are received with ``recv_into`` straight into the caller's buffers and hashed on
-the transport's hash threads while the next object arrives. Every call is bounded by its
+rest). Objects are received with ``recv_into`` straight into the caller's buffers.
+
+Checksums are computed inline, piece by piece (256 KiB) as each piece is received or just before
+it is sent, while it is in the CPU cache: measured here that costs 0.33-0.40 CPU-s per GB on the
+reader against 0.5 with a hash thread reading the whole object again afterwards (xxhash releases
+the GIL, but the second pass over DRAM costs more than it overlaps). The sendfile path cannot hash
+inline (the bytes never pass through the server), so it hashes on the server's hash threads. Every call is bounded by its
 ``timeout_s`` (one deadline for the whole call; every socket wait gets what is left of it).
 Thread-safe; no lock is held across I/O.
 """
@@ -347,13 +352,16 @@ class TcpTransportServer:
         except (OSError, TimeoutError, FrameError):
             pass
 
-    def _send_object(self, sock: socket.socket, lease: Any, deadline: float) -> None:
+    def _send_object(self, sock: socket.socket, lease: Any, deadline: float) -> int:
+        """Send one leased object; its xxh3-64 when this hashed it (send), else 0 (sendfile)."""
         n = lease.nbytes
         if self._segment_fd >= 0 and lease.offset + n <= self._segment_bytes:
             sendfile_range(sock, self._segment_fd, lease.offset, n, deadline)
             self._count("sendfile_bytes", n)
-        else:
-            send_view(sock, lease.view[:n], deadline)
+            return 0
+        hasher = xxhash.xxh3_64()
+        send_view(sock, lease.view[:n], deadline, hasher)
+        return hasher.intdigest()
 
     def _get(self, sock: socket.socket, h: Header, owner: int, deadline: float) -> None:
         assert self._hasher is not None
@@ -374,17 +382,19 @@ class TcpTransportServer:
         hashes: list[Future[int] | None] = []
         released = False
         try:
-            hashes = [self._hasher.submit(checksum, lease.view[:lease.nbytes]) for lease in sent]
+            if self._segment_fd >= 0:  # sendfile never reads the bytes here: hash them beside it
+                hashes = [self._hasher.submit(checksum, lease.view[:lease.nbytes]) for lease in sent]
             send_header(sock, Header(op="get_reply", req=h.req, statuses=statuses, sizes=sizes), deadline)
+            inline: list[int] = []
             for lease in sent:
-                self._send_object(sock, lease, deadline)
+                inline.append(self._send_object(sock, lease, deadline))
                 self._count("bytes_sent", lease.nbytes)
             if sent:
                 # The leases stay held until the reader has every byte (see get_ack in frames).
                 ack = read_header(sock, self.max_object_bytes, deadline)
                 if ack.op != "get_ack" or ack.req != h.req:
                     raise FrameError(f"expected get_ack of request {h.req}, got {ack.op} of request {ack.req}")
-            sums = [f.result() for f in hashes]  # type: ignore[union-attr]
+            sums = [f.result() for f in hashes] if hashes else inline  # type: ignore[union-attr]
             valid = dict(zip((id(x) for x in held), self._store.release(held, owner=owner)))
             released = True
             end = [int(Status.OK) if valid.get(id(lease)) else int(Status.IO_ERROR) for lease in sent]
@@ -395,23 +405,21 @@ class TcpTransportServer:
                 self._store.release(held, owner=owner)
 
     def _put(self, sock: socket.socket, h: Header, owner: int, deadline: float) -> None:
-        assert self._hasher is not None
         res = self._store.reserve(h.keys, h.sizes, ttl_s=self.lease_ttl_s, owner=owner)
         accepted = [r for r in res if r.status is Status.OK]
         open_ = list(accepted)
-        hashes: list[Future[int] | None] = []
         try:
             send_header(sock, Header(op="put_accept", req=h.req, statuses=[int(r.status) for r in res]), deadline)
+            sums = []
             for r in accepted:
-                view = r.view[:r.nbytes]
-                recv_exactly_into(sock, view, deadline)
+                hasher = xxhash.xxh3_64()
+                recv_exactly_into(sock, r.view[:r.nbytes], deadline, hasher)
                 self._count("bytes_received", r.nbytes)
-                hashes.append(self._hasher.submit(checksum, view))
+                sums.append(hasher.intdigest())
             end = read_header(sock, self.max_object_bytes, deadline)
             if end.op != "put_end" or end.req != h.req or len(end.checksums) != len(accepted):
                 raise FrameError(f"expected put_end of request {h.req} with {len(accepted)} checksums, got "
                                  f"{end.op} of request {end.req} with {len(end.checksums)}")
-            sums = [f.result() for f in hashes]  # type: ignore[union-attr]
             good = [r for r, got, want in zip(accepted, sums, end.checksums) if got == want]
             bad = [r for r, got, want in zip(accepted, sums, end.checksums) if got != want]
             if bad:
@@ -431,7 +439,6 @@ class TcpTransportServer:
             send_header(sock, Header(op="put_reply", req=h.req, statuses=out), deadline)
         finally:
             if open_:
-                _wait_hashes(hashes)
                 self._store.abort(open_, owner=owner)
 
 
@@ -491,12 +498,12 @@ class TcpTransport:
     :class:`~store_backend.pool.transport.Transport`). Thread-safe; ``close()`` ends it."""
 
     def __init__(self, secret: str | bytes, *, streams: int = 2, max_idle_per_peer: int | None = None,
-                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, workers: int = 8, hash_threads: int = 2,
+                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, workers: int = 8,
                  min_stream_bytes: int = MIN_STREAM_BYTES, max_object_bytes: int = MAX_U64) -> None:
         """``streams``: connections one batch is split over; ``max_idle_per_peer`` (default
         ``2 * streams``): idle connections kept per peer; ``workers``: owned threads running the
-        extra streams of every call; ``hash_threads``: owned threads hashing what arrives."""
-        for name, v in (("streams", streams), ("workers", workers), ("hash_threads", hash_threads)):
+        extra streams of every call."""
+        for name, v in (("streams", streams), ("workers", workers)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self._secret = secret_bytes(secret)
@@ -513,7 +520,6 @@ class TcpTransport:
         self._stats = dict.fromkeys(("bytes_received", "bytes_sent", "requests", "connections",
                                      *(f"failures_{k}" for k in FAILURE_KINDS)), 0)
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="mkv-pool-stream")
-        self._hasher = ThreadPoolExecutor(hash_threads, thread_name_prefix="mkv-pool-hash")
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -539,7 +545,6 @@ class TcpTransport:
                 pass
         deadline = Deadline(5.0)
         shutdown_pool(self._workers, deadline, owner="pool transport")
-        shutdown_pool(self._hasher, deadline, owner="pool transport")
         for c in conns:
             c.sock.close()
 
@@ -692,23 +697,19 @@ class TcpTransport:
                 else:
                     results[i] = ReadResult(status, size if status is Status.BUFFER_TOO_SMALL else 0)
                     done.add(i)
-            hashes: list[Future[int] | None] = []
-            try:
-                for i, size in incoming:
-                    view = views[i][:size]
-                    recv_exactly_into(conn.sock, view, deadline)
-                    self._count("bytes_received", size)
-                    hashes.append(self._hasher.submit(checksum, view))
-                if incoming:
-                    send_header(conn.sock, Header(op="get_ack", req=req), deadline)
-                end = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "get_end", req, address)
-                if len(end.statuses) != len(incoming):
-                    raise _Failure("protocol", f"{address}: get_end has {len(end.statuses)} statuses for "
-                                               f"{len(incoming)} objects")
-                sums = [f.result() for f in hashes]  # type: ignore[union-attr]
-            except BaseException:
-                _wait_hashes(hashes)
-                raise
+            sums = []
+            for i, size in incoming:
+                # Hashed piece by piece as it arrives, while each piece is still in the CPU cache.
+                hasher = xxhash.xxh3_64()
+                recv_exactly_into(conn.sock, views[i][:size], deadline, hasher)
+                self._count("bytes_received", size)
+                sums.append(hasher.intdigest())
+            if incoming:
+                send_header(conn.sock, Header(op="get_ack", req=req), deadline)
+            end = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "get_end", req, address)
+            if len(end.statuses) != len(incoming):
+                raise _Failure("protocol", f"{address}: get_end has {len(end.statuses)} statuses for "
+                                           f"{len(incoming)} objects")
             bad = 0
             for (i, size), st, want, got in zip(incoming, end.statuses, end.checksums, sums):
                 if Status(st) is not Status.OK:
@@ -778,15 +779,12 @@ class TcpTransport:
                 else:
                     results[i] = Status(st)
                     done.add(i)
-            hashes: list[Future[int] | None] = [self._hasher.submit(checksum, views[i]) for i in sending]
-            try:
-                for i in sending:
-                    send_view(conn.sock, views[i], deadline)
-                    self._count("bytes_sent", views[i].nbytes)
-                sums = [f.result() for f in hashes]  # type: ignore[union-attr]
-            except BaseException:
-                _wait_hashes(hashes)
-                raise
+            sums = []
+            for i in sending:
+                hasher = xxhash.xxh3_64()
+                send_view(conn.sock, views[i], deadline, hasher)
+                self._count("bytes_sent", views[i].nbytes)
+                sums.append(hasher.intdigest())
             send_header(conn.sock, Header(op="put_end", req=req, checksums=sums), deadline)
             reply = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "put_reply", req, address)
             if len(reply.statuses) != len(idx):
