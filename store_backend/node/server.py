@@ -1081,6 +1081,7 @@ class NodeService:
         store = self.store
         assert store is not None
         _check_wait_s("wait_pending_s", m.wait_pending_s)
+        wait_end = time.monotonic() + m.wait_pending_s
         if m.wait_pending_s > 0:
             await self._wait_not_pending(c, m.keys, m.wait_pending_s)
         # Inline when every key is in DRAM (bookkeeping only) and the list is short; on the pool when
@@ -1100,6 +1101,11 @@ class NodeService:
             # This node's tiers only (no pool lookup on the loop); a key none holds may be in the pool.
             tiers = store.tier_of(m.keys, local_only=True) if look_below else None
             if tiers is not None and any(t != "dram" for t in tiers):
+                if self.config.pool is not None and m.wait_pending_s > 0:
+                    # A pin's promotion from the pool may be copying the key in right now (its DRAM
+                    # entry is being written, not by a reservation of this service): the store
+                    # waits for it, for what is left of the caller's wait, on this pool thread.
+                    kwargs["wait_pending_s"] = max(0.0, wait_end - time.monotonic())
                 got = await self._blocking(c, store.lease, m.keys, fast_lane=True, **kwargs)
             else:
                 got = store.lease(m.keys, **kwargs)

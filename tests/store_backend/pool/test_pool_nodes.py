@@ -134,3 +134,27 @@ def test_two_replicas_place_a_second_copy_on_another_node(redis: RedisProcess, n
     # And no third copy was made (a received copy is not replicated again).
     assert all(len(ls) == 2 for ls in d.locate(keys))
     d.close()
+
+
+def test_a_load_right_after_its_pin_waits_for_the_pins_promotion_from_the_pool(
+        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+    # What an engine's worker does: the scheduler pins a prefix found in the pool (which starts
+    # copying it in from the peer), then the worker leases it with wait_pending_s at once.
+    a, b, _c = nodes
+    d = directory_of(redis.url)
+    wait_nodes_alive(d, ["A", "B", "C"])
+    ca, cb = a.client(), b.client()
+    for round_ in range(4):
+        keys = [f"pin-{round_}-{i}" for i in range(4)]
+        put_all(ca, {k: make_payload(k, round_, SIZE) for k in keys})
+        wait_located(d, keys, "A")
+        assert cb.pin(keys, ttl_s=30) == [True] * 4
+        leases = cb.lease(keys, ttl_s=30, wait_pending_s=10.0)
+        try:
+            assert [ls.status for ls in leases] == [Status.OK] * 4, (round_, leases)
+            for k, ls in zip(keys, leases):
+                check_payload(k, ls.view, round_)
+        finally:
+            cb.release([ls for ls in leases if ls.status is Status.OK])
+        cb.unpin(keys)
+    d.close()
