@@ -4,10 +4,12 @@ A frame is a 4-byte big-endian header length (at most :data:`MAX_HEADER_BYTES`),
 :class:`Header`, then, for the ops that carry objects, the objects' raw bytes back to back in the
 order and sizes the header names. Exchanges (``req`` numbers a request; its answers repeat it):
 
-- get: ``get`` (keys, sizes = the reader's buffer capacities) -> ``get_reply`` (statuses, sizes)
+- get: ``get`` (keys, sizes = the reader's buffer capacities, optionally checksums = what the
+  reader will verify each object against, the directory's record; 0 = none) -> ``get_reply`` (statuses, sizes)
   -> the payload of every OK key -> ``get_ack`` from the reader once it has all of it ->
   ``get_end`` (statuses: OK, or IO_ERROR where the lease's release said the bytes may have
-  changed while they were sent; checksums: xxh3-64 per OK key). The server releases its leases
+  changed while they were sent; checksums: xxh3-64 per OK key, 0 where the request named one:
+  the reader checks those against its own record, so the server need not hash them). The server releases its leases
   only after ``get_ack``: ``sendfile`` queues references to the arena's pages, not copies, so a
   slot released (and reused) before the reader copied them out would change bytes in flight.
 - put: ``put`` (keys, sizes) -> ``put_accept`` (statuses: OK = send it) -> the payload of every
@@ -128,6 +130,8 @@ def validate(h: Header, max_object_bytes: int) -> Header:
     for i, s in enumerate(h.statuses):
         if s not in _STATUSES:
             raise FrameError(f"statuses[{i}]: {s} is not a known status")
+    if h.op == "get" and h.checksums and len(h.checksums) != n:
+        raise FrameError(f"checksums: {len(h.checksums)} checksums for {n} keys")
     if h.op == "get_end" and len(h.checksums) != len(h.statuses):
         raise FrameError(f"checksums: {len(h.checksums)} checksums for {len(h.statuses)} statuses")
     if len(h.error) > 4096:

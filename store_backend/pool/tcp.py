@@ -352,12 +352,15 @@ class TcpTransportServer:
         except (OSError, TimeoutError, FrameError):
             pass
 
-    def _send_object(self, sock: socket.socket, lease: Any, deadline: float) -> int:
-        """Send one leased object; its xxh3-64 when this hashed it (send), else 0 (sendfile)."""
+    def _send_object(self, sock: socket.socket, lease: Any, deadline: float, hash_it: bool) -> int:
+        """Send one leased object; its xxh3-64 when this hashed it (send and ``hash_it``), else 0."""
         n = lease.nbytes
         if self._segment_fd >= 0 and lease.offset + n <= self._segment_bytes:
             sendfile_range(sock, self._segment_fd, lease.offset, n, deadline)
             self._count("sendfile_bytes", n)
+            return 0
+        if not hash_it:
+            send_view(sock, lease.view[:n], deadline)
             return 0
         hasher = xxhash.xxh3_64()
         send_view(sock, lease.view[:n], deadline, hasher)
@@ -370,7 +373,8 @@ class TcpTransportServer:
         statuses: list[int] = []
         sizes: list[int] = []
         sent: list[Any] = []
-        for lease, cap in zip(leases, h.sizes):
+        known: list[bool] = []  # the reader verifies it against its own record: not hashed here
+        for j, (lease, cap) in enumerate(zip(leases, h.sizes)):
             if lease.status is Status.OK and lease.nbytes > cap:
                 statuses.append(int(Status.BUFFER_TOO_SMALL))
                 sizes.append(lease.nbytes)
@@ -379,22 +383,24 @@ class TcpTransportServer:
                 sizes.append(lease.nbytes if lease.status is Status.OK else 0)
                 if lease.status is Status.OK:
                     sent.append(lease)
+                    known.append(bool(h.checksums) and h.checksums[j] != 0)
         hashes: list[Future[int] | None] = []
         released = False
         try:
             if self._segment_fd >= 0:  # sendfile never reads the bytes here: hash them beside it
-                hashes = [self._hasher.submit(checksum, lease.view[:lease.nbytes]) for lease in sent]
+                hashes = [None if k else self._hasher.submit(checksum, lease.view[:lease.nbytes])
+                          for lease, k in zip(sent, known)]
             send_header(sock, Header(op="get_reply", req=h.req, statuses=statuses, sizes=sizes), deadline)
             inline: list[int] = []
-            for lease in sent:
-                inline.append(self._send_object(sock, lease, deadline))
+            for lease, k in zip(sent, known):
+                inline.append(self._send_object(sock, lease, deadline, hash_it=not k))
                 self._count("bytes_sent", lease.nbytes)
             if sent:
                 # The leases stay held until the reader has every byte (see get_ack in frames).
                 ack = read_header(sock, self.max_object_bytes, deadline)
                 if ack.op != "get_ack" or ack.req != h.req:
                     raise FrameError(f"expected get_ack of request {h.req}, got {ack.op} of request {ack.req}")
-            sums = [f.result() for f in hashes] if hashes else inline  # type: ignore[union-attr]
+            sums = [0 if f is None else f.result() for f in hashes] if hashes else inline
             valid = dict(zip((id(x) for x in held), self._store.release(held, owner=owner)))
             released = True
             end = [int(Status.OK) if valid.get(id(lease)) else int(Status.IO_ERROR) for lease in sent]
@@ -649,10 +655,15 @@ class TcpTransport:
     def get_into(self, address: str, keys: Sequence[str], buffers: Sequence[Buffer], *,
                  checksums: Sequence[int] | None = None, timeout_s: float = 10.0) -> list[ReadResult]:
         """See :meth:`store_backend.pool.transport.Transport.get_into`. A read-only buffer is
-        TypeError before anything is sent."""
+        TypeError before anything is sent. Keys with ``checksums[i]`` != 0 are verified against it
+        alone and the server does not hash them (the record covers the bytes end to end)."""
         check_batch(keys, buffers)
-        if checksums is not None and len(checksums) != len(keys):
-            raise ValueError(f"got {len(keys)} keys but {len(checksums)} checksums")
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"got {len(keys)} keys but {len(checksums)} checksums")
+            for i, c in enumerate(checksums):
+                if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= MAX_U64:
+                    raise ValueError(f"checksums[{i}] must be a 64-bit unsigned int (0: none), got {c!r}")
         parse_address(address)
         views = [byte_view(b) for b in buffers]
         for i, v in enumerate(views):
@@ -683,7 +694,9 @@ class TcpTransport:
             req = next(self._req) & MAX_U64
             self._count("requests")
             self._send_request(conn, Header(op="get", req=req, keys=[keys[i] for i in idx],
-                                            sizes=[views[i].nbytes for i in idx]), deadline)
+                                            sizes=[views[i].nbytes for i in idx],
+                                            checksums=[] if checksums is None else [checksums[i] for i in idx]),
+                               deadline)
             reply = self._first_reply(conn, self._max_object_bytes, deadline, "get_reply", req)
             if len(reply.statuses) != len(idx):
                 raise _Failure("protocol", f"{address}: get_reply has {len(reply.statuses)} statuses for {len(idx)} keys")
@@ -715,7 +728,8 @@ class TcpTransport:
                 if Status(st) is not Status.OK:
                     results[i] = ReadResult(Status.IO_ERROR)  # its lease expired while it was sent
                     self._count("failures_peer_gone")
-                elif got != want or (checksums is not None and checksums[i] and checksums[i] != got):
+                elif (want != got if checksums is None or not checksums[i]
+                      else checksums[i] != got or (want and want != got)):
                     results[i] = ReadResult(Status.CORRUPT)
                     bad += 1
                 else:

@@ -104,6 +104,10 @@ def test_directory_checksum_mismatch_is_corrupt(server):
         assert t.get_into(srv.address, ["c"], [out], checksums=[good]) == [ReadResult(Status.OK, 4096)]
         assert t.get_into(srv.address, ["c"], [out], checksums=[good ^ 1]) == [ReadResult(Status.CORRUPT)]
         assert t.stats()["failures_checksum"] == 1
+        assert t.get_into(srv.address, ["c", "c"], [out, np.zeros(4096, np.uint8)], checksums=[0, good]) == \
+            [ReadResult(Status.OK, 4096)] * 2
+        with pytest.raises(ValueError, match=r"checksums\[0\]"):
+            t.get_into(srv.address, ["c"], [out], checksums=[-1])
     finally:
         t.close()
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from store_backend.pool.auth import client_handshake, server_handshake, secret_bytes
 from store_backend.pool.frames import Header, read_header, send_header
@@ -103,20 +104,23 @@ def test_a_client_killed_mid_put_leaves_nothing_visible_or_reserved():
             proc.join(5)
 
 
+@pytest.mark.parametrize("with_record", [False, True], ids=["frame-checksum", "directory-checksum"])
 @pytest.mark.parametrize("shared", [True, False], ids=["sendfile", "private-arena"])
-def test_a_byte_flipped_in_a_get_is_corrupt(shared):
+def test_a_byte_flipped_in_a_get_is_corrupt(shared, with_record):
     with served(shared=shared, use_sendfile=shared) as (store, srv):
         d = payload("g", 4 * MiB)
         assert store.put(["g"], [d]) == [Status.OK]
         proxy = FlipProxy(srv.address, flip_at=1 * MiB, direction="down")
         t = transport(streams=1)
+        # With the directory's record the server does not hash; the reader checks the record.
+        record = [xxhash.xxh3_64_intdigest(d)] if with_record else None
         try:
             out = np.zeros(4 * MiB, np.uint8)
-            assert t.get_into(proxy.address, ["g"], [out]) == [ReadResult(Status.CORRUPT)]
+            assert t.get_into(proxy.address, ["g"], [out], checksums=record) == [ReadResult(Status.CORRUPT)]
             assert proxy.flipped == 1
             assert t.stats()["failures_checksum"] == 1
             # The same read without the proxy is fine: the server's bytes were never touched.
-            assert t.get_into(srv.address, ["g"], [out]) == [ReadResult(Status.OK, 4 * MiB)]
+            assert t.get_into(srv.address, ["g"], [out], checksums=record) == [ReadResult(Status.OK, 4 * MiB)]
             assert np.array_equal(out, d)
         finally:
             t.close()
