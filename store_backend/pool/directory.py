@@ -14,10 +14,25 @@ What a directory holds:
   ``status``) and a *liveness* mark with a TTL, refreshed by :meth:`Directory.heartbeat`. A node
   whose mark expired is dead: lookups stop returning its locations at once (the check is made
   at lookup time, not by a sweeper), and :meth:`Directory.nodes` reports it ``alive=False``;
-- per removed key, a *tombstone* (for ``tombstone_ttl_s``), so a node that was down during a
-  pool-wide :meth:`Directory.remove` and comes back with the old copy on SSD cannot re-register
-  it (:meth:`Directory.register` with ``resync=True`` refuses tombstoned keys and names them, and
-  the node deletes its copy).
+- per removed key, a *tombstone* holding ``removed_at_s``, the directory's own clock at the
+  remove (Redis ``TIME`` inside the script; ``time.time()`` embedded), kept for
+  ``tombstone_ttl_s``. A later put does not delete it; it only expires.
+
+The remove rule (docs: notes REMOVE_RULE). Every registration path (:meth:`Directory.register`,
+:meth:`Directory.put_start`, :meth:`Directory.put_end`) takes per entry ``stored_at_s``: the
+wall-clock seconds at which the copy was committed on its node (0.0: unknown, e.g. a resync after
+a restart, or a tier move whose commit time the caller does not know; ``None`` is 0.0 for every
+entry; ``resync=True`` forces 0.0). Per entry, inside the one atomic batch:
+
+1. the node already has a location for the key: accepted, as an update (tier, size, checksum);
+2. else a tombstone exists and ``removed_at_s >= stored_at_s - clock_skew_s``: **refused**
+   (register returns the key; put_start / put_end answer False);
+3. else accepted.
+
+``clock_skew_s`` (default :data:`DEFAULT_CLOCK_SKEW_S`) covers the clocks of different machines:
+a refusal that was not needed costs a cache miss, never wrong bytes. A refused key is the
+caller's to delete locally. So a node that was down during a remove, a registration in flight
+during it, and a tier move of a copy the remove could not reach never list the old copy again.
 
 Two-phase puts. A location becomes visible only in phase 2. A node registering what it already
 committed locally (its residency events) calls :meth:`register` (phase 2 alone: the bytes are
@@ -25,6 +40,11 @@ there). A writer placing a replica on a peer calls :meth:`put_start` for the pee
 invisible to every lookup, expires after ``ttl_s`` if the writer dies), streams the bytes, and calls
 :meth:`put_end` once the peer committed them. Every batch call is atomic (one Lua script in Redis,
 one lock hold embedded): a reader sees all of a batch's locations or none of them, never a half.
+
+Big batches. A Redis script holds the server until it ends, so RedisDirectory cuts every batch
+into chunks of at most ``MAX_KEYS_PER_SCRIPT`` keys (one script call each): atomicity, and the
+``op_timeout_s`` bound, hold per chunk; a register/unregister/remove batch larger than that is
+applied chunk by chunk (a reader may see the first chunks before the last).
 
 Lookups are batched: :meth:`locate` and :meth:`leading` answer a whole list of keys in one round
 trip (one script call), never one per key.
@@ -56,6 +76,10 @@ TIER_RANK = {TIER_DRAM: 0, TIER_SSD: 1}
 
 # How long a removed key's tombstone refuses re-registration by a node that was down.
 DEFAULT_TOMBSTONE_TTL_S = 24 * 3600.0
+# How much the clocks of two machines may disagree (the remove rule refuses within it).
+DEFAULT_CLOCK_SKEW_S = 1.0
+# A node dead this long is forgotten by prune_dead (its locations, key set and info).
+DEFAULT_DEAD_NODE_GC_S = 24 * 3600.0
 
 
 class DirectoryError(RuntimeError):
@@ -124,27 +148,34 @@ class Directory(Protocol):
         ...
 
     # -- placing objects ---------------------------------------------------------------------------
-    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False,
+                 stored_at_s: Sequence[float] | None = None) -> list[str]:
         """Record (or update: a new tier, a checksum) ``node_id``'s copies; one atomic batch.
         ``Location.node`` must equal ``node_id`` (ValueError). Clears a pending put_start of the
-        same node. ``resync`` False (a fresh store event): clears the key's tombstone (a put after
-        a remove is legitimate). ``resync`` True (re-registration after a restart or a directory
-        loss): tombstoned keys are refused and returned, so the caller deletes its copies."""
+        same node. Each entry passes the remove rule (module docstring) with its ``stored_at_s``
+        (one per entry; ``None``: 0.0 each; ValueError on a length mismatch); the refused keys are
+        returned, in order, and the caller deletes its copies. Tombstones are never cleared here.
+        ``resync`` True (re-registration after a restart or a directory loss) forces 0.0: every
+        tombstoned key the node has no location for is refused."""
         ...
 
     def unregister(self, node_id: str, keys: Sequence[str]) -> None:
         """``node_id`` no longer holds ``keys`` (evicted, lost, removed locally); others' copies stay."""
         ...
 
-    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float, *,
+                  stored_at_s: Sequence[float] | None = None) -> list[bool]:
         """Phase 1 of a replica write onto ``node_id``: mark each key pending there (invisible to
-        lookups; expires after ``ttl_s``). Per key False when ``node_id`` already holds it or it is
-        pending there already (another writer: do not send it)."""
+        lookups; expires after ``ttl_s``). Per key False when ``node_id`` already holds it, it is
+        pending there already (another writer: do not send it), or the remove rule refuses it
+        (``stored_at_s``: the source object's commit time, per key; ``None``: 0.0)."""
         ...
 
-    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]], *,
+                stored_at_s: Sequence[float] | None = None) -> list[bool]:
         """Phase 2: the pending copies became visible, all of the batch at once. Per key False
-        when its pending mark was gone (expired, aborted): nothing recorded for it."""
+        when its pending mark was gone (expired, aborted, removed) or the remove rule refuses it
+        (``stored_at_s`` as in put_start): nothing recorded for it, its pending mark dropped."""
         ...
 
     def put_abort(self, node_id: str, keys: Sequence[str]) -> None:
@@ -160,6 +191,14 @@ class Directory(Protocol):
     def clear_node(self, node_id: str) -> int:
         """Drop every location of ``node_id`` (before a restarted node re-registers); returns how
         many."""
+        ...
+
+    def prune_dead(self, older_than_s: float) -> list[str]:
+        """Forget every node whose liveness mark expired at least ``older_than_s`` ago: its
+        locations (invalidated), key set, info and mark, as :meth:`deregister_node` does. Returns
+        the node ids forgotten, sorted. Idempotent; any node may call it (the registrar's heartbeat
+        does, with ``DirectoryConfig.dead_node_gc_s``); a forgotten node that comes back is new
+        (its heartbeat answers False and it resyncs)."""
         ...
 
     # -- lookups -----------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ ours); a subscriber must not call back into the directory.
 Lookups are the hot path (``leading`` over a batch should reach millions of keys per second): the
 set of live nodes is cached until the earliest liveness deadline among them, so a lookup costs one
 dict probe per key plus a membership test per holder.
+
+Tombstones hold the remove's wall-clock time (``wall_clock()``, ``time.time()`` by default) besides
+their deadline: a registration is refused by the rule in :mod:`store_backend.pool.directory`
+(``removed_at_s >= stored_at_s - clock_skew_s``) unless the node already has a location for the key.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from store_backend.pool.directory import (
+    DEFAULT_CLOCK_SKEW_S,
     DEFAULT_TOMBSTONE_TTL_S,
     TIER_RANK,
     Invalidation,
@@ -47,16 +52,39 @@ def check_entries(node_id: str, entries: Sequence[tuple[str, Location]]) -> None
             raise ValueError(f"location of key {key!r} has tier {loc.tier!r}; expected one of {sorted(TIER_RANK)}")
 
 
+def stored_times(n: int, stored_at_s: Sequence[float] | None, *, resync: bool = False) -> Sequence[float]:
+    """Per entry commit time: ``stored_at_s`` checked (length, finite numbers), or 0.0 each
+    (``None``, or ``resync``: a copy of unknown age). ValueError naming ``stored_at_s``."""
+    if stored_at_s is None or resync:
+        return [0.0] * n
+    if len(stored_at_s) != n:
+        raise ValueError(f"stored_at_s: {len(stored_at_s)} times for {n} entries")
+    for t in stored_at_s:
+        if not isinstance(t, (int, float)) or t != t or t in (float("inf"), float("-inf")):
+            raise ValueError(f"stored_at_s: must be finite numbers (seconds since the epoch), got {t!r}")
+    return stored_at_s
+
+
+def check_clock_skew(clock_skew_s: float) -> float:
+    if not isinstance(clock_skew_s, (int, float)) or not 0 <= clock_skew_s < float("inf"):
+        raise ValueError(f"clock_skew_s must be a finite number >= 0, got {clock_skew_s!r}")
+    return float(clock_skew_s)
+
+
 class EmbeddedDirectory:
     """In-process directory. Thread-safe; never blocks on I/O; never raises DirectoryUnavailable."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
+                 clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> None:
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._clock_skew_s = check_clock_skew(clock_skew_s)
         self._lock = threading.Lock()
         self._locs: dict[str, dict[str, Location]] = {}  # key -> node -> Location
         self._node_keys: dict[str, set[str]] = {}
         self._pending: dict[str, dict[str, float]] = {}  # key -> node -> deadline
-        self._tombstones: dict[str, float] = {}  # key -> deadline
+        self._tombstones: dict[str, tuple[float, float]] = {}  # key -> (deadline, removed_at_s wall clock)
         self._infos: dict[str, NodeInfo] = {}
         self._deadlines: dict[str, float] = {}  # node -> liveness deadline
         self._live: frozenset[str] = frozenset()
@@ -108,12 +136,26 @@ class EmbeddedDirectory:
 
     def _sweep(self, now: float) -> None:
         if len(self._tombstones) > self._tomb_sweep_at:
-            self._tombstones = {k: d for k, d in self._tombstones.items() if d > now}
+            self._tombstones = {k: t for k, t in self._tombstones.items() if t[0] > now}
             self._tomb_sweep_at = max(1024, 2 * len(self._tombstones))
         if len(self._pending) > self._pend_sweep_at:
             for key in [k for k, p in self._pending.items() if all(d <= now for d in p.values())]:
                 del self._pending[key]
             self._pend_sweep_at = max(1024, 2 * len(self._pending))
+
+    def _refused(self, key: str, node_id: str, stored_at_s: float, now: float) -> bool:
+        """The rule: refused when ``node_id`` has no location for ``key`` and a live tombstone's
+        removal is not clearly older than the copy (within clock_skew_s)."""
+        locs = self._locs.get(key)
+        if locs is not None and node_id in locs:
+            return False  # rule 1: an update of a location that stands
+        tomb = self._tombstones.get(key)
+        if tomb is None:
+            return False
+        if tomb[0] <= now:
+            del self._tombstones[key]
+            return False
+        return tomb[1] >= stored_at_s - self._clock_skew_s  # rule 2 (else rule 3: accepted)
 
     def _clear_node_locked(self, node_id: str) -> list[str]:
         keys = self._node_keys.pop(node_id, set())
@@ -163,22 +205,19 @@ class EmbeddedDirectory:
         return sorted(infos, key=lambda i: i.node_id)
 
     # -- placing objects -------------------------------------------------------------------------
-    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False,
+                 stored_at_s: Sequence[float] | None = None) -> list[str]:
         check_entries(node_id, entries)
+        times = stored_times(len(entries), stored_at_s, resync=resync)
         refused: list[str] = []
         changed: list[str] = []
         with self._lock:
             now = self._clock()
-            for key, loc in entries:
-                tomb = self._tombstones.get(key)
-                if tomb is not None:
-                    if tomb <= now:
-                        del self._tombstones[key]
-                    elif resync:
-                        refused.append(key)
-                        continue
-                    else:
-                        del self._tombstones[key]
+            tombstones = self._tombstones
+            for (key, loc), at_s in zip(entries, times):
+                if key in tombstones and self._refused(key, node_id, at_s, now):
+                    refused.append(key)
+                    continue
                 self._clear_pending(key, node_id)
                 if self._set_location(key, loc):
                     changed.append(key)
@@ -190,17 +229,22 @@ class EmbeddedDirectory:
             dropped = [k for k in keys if self._drop_location(k, node_id)]
         self._notify(dropped)
 
-    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float, *,
+                  stored_at_s: Sequence[float] | None = None) -> list[bool]:
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        times = stored_times(len(keys), stored_at_s)
         out: list[bool] = []
         with self._lock:
             now = self._clock()
-            for key in keys:
+            for key, at_s in zip(keys, times):
                 locs = self._locs.get(key)
                 if locs is not None and node_id in locs:
+                    out.append(False)
+                    continue
+                if key in self._tombstones and self._refused(key, node_id, at_s, now):
                     out.append(False)
                     continue
                 pend = self._pending.setdefault(key, {})
@@ -212,15 +256,18 @@ class EmbeddedDirectory:
             self._sweep(now)
         return out
 
-    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]], *,
+                stored_at_s: Sequence[float] | None = None) -> list[bool]:
         check_entries(node_id, entries)
+        times = stored_times(len(entries), stored_at_s)
         out: list[bool] = []
         changed: list[str] = []
         with self._lock:
             now = self._clock()
-            for key, loc in entries:
+            for (key, loc), at_s in zip(entries, times):
                 deadline = self._clear_pending(key, node_id)
-                if deadline is None or deadline <= now:
+                if deadline is None or deadline <= now or (key in self._tombstones
+                                                           and self._refused(key, node_id, at_s, now)):
                     out.append(False)
                     continue
                 if self._set_location(key, loc):
@@ -240,9 +287,9 @@ class EmbeddedDirectory:
         holders: dict[str, list[str]] = {}
         with self._lock:
             now = self._clock()
-            deadline = now + tombstone_ttl_s
+            tomb = (now + tombstone_ttl_s, self._wall_clock())
             for key in keys:
-                self._tombstones[key] = deadline
+                self._tombstones[key] = tomb
                 # An in-flight replica write of a removed key must not become visible afterwards.
                 self._pending.pop(key, None)
                 locs = self._locs.pop(key, None)
@@ -262,6 +309,22 @@ class EmbeddedDirectory:
             dropped = self._clear_node_locked(node_id)
         self._notify(dropped)
         return len(dropped)
+
+    def prune_dead(self, older_than_s: float) -> list[str]:
+        if not older_than_s >= 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s!r}")
+        dropped: list[str] = []
+        with self._lock:
+            now = self._clock()
+            gone = sorted(n for n, d in self._deadlines.items() if d + older_than_s <= now and d <= now)
+            for node_id in gone:
+                dropped += self._clear_node_locked(node_id)
+                del self._deadlines[node_id]
+                self._infos.pop(node_id, None)
+            if gone:
+                self._live_until = float("-inf")
+        self._notify(dropped)
+        return gone
 
     # -- lookups ---------------------------------------------------------------------------------
     def locate(self, keys: Sequence[str], *, exclude: str | None = None) -> list[list[Location]]:
