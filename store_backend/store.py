@@ -2277,6 +2277,10 @@ class TieredStore:
                 g.used_bytes, g.capacity_bytes, g.objects, g.evictions)
             if g.failures is not None:
                 ts.failures = msgspec.structs.replace(g.failures)
+            if g.hits is not None:
+                ts.hits = g.hits
+            if g.bytes_read is not None:
+                ts.bytes_read = g.bytes_read
         return stats
 
     def metrics(self) -> dict[str, Any]:

@@ -301,8 +301,12 @@ class PoolTier:
 
     # -- observability -------------------------------------------------------------------------------
     def gauges(self) -> TierGauges:
-        """No objects of its own; the failures by kind (the transport's and the directory's)."""
-        return TierGauges(failures=self.failure_counters())
+        """No objects of its own; every object read from a peer (``hits``, ``bytes_read``: for
+        gets, stage-ins and promotions alike) and the failures by kind (the transport's and the
+        directory's)."""
+        with self._lock:
+            hits, nbytes = self._counts["hits"], self._counts["bytes_read"]
+        return TierGauges(failures=self.failure_counters(), hits=hits, bytes_read=nbytes)
 
     def failure_counters(self) -> FailureCounters:
         parts = self._parts()

@@ -46,6 +46,10 @@ class TierGauges(msgspec.Struct):
     # timeout, directory ...) reports them here, and the store reports these instead of its own
     # count by status; None: the store's count stands.
     failures: FailureCounters | None = None
+    # Likewise a tier that counts every object read from it itself (the pool: reads for gets,
+    # stage-ins and a pin's promotions alike) reports them; None: the store's count of gets stands.
+    hits: int | None = None
+    bytes_read: int | None = None
 
 
 @runtime_checkable

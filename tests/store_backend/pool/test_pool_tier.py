@@ -240,3 +240,18 @@ def test_remove_goes_through_the_pool_to_every_live_holder(directory: EmbeddedDi
             is Status.NOT_FOUND
         # A peer asked through the transport removes its own copy only (local_only): no loop.
         assert b.store.remove(["j"], local_only=True) == [Status.OK]
+
+
+def test_objects_a_pin_promotes_from_the_pool_count_as_pool_hits(directory: EmbeddedDirectory) -> None:
+    with ExitStack() as stack:
+        b = Peer("B", _peer_store(None), directory)
+        stack.callback(b.close)
+        keys = ["p0", "p1", "p2"]
+        assert b.store.put(keys, [payload(k, SIZE) for k in keys]) == [Status.OK] * 3
+        b.register(keys)
+        store, _tier = stack.enter_context(local_node(directory))
+        assert store.pin(keys) == [True] * 3  # queues their promotion: read from B into DRAM
+        assert store._promoter.wait_idle(10)
+        assert store.tier_of(keys, local_only=True) == ["dram"] * 3
+        st = store.stats().pool
+        assert st.hits == 3 and st.bytes_read == 3 * SIZE
