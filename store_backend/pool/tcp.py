@@ -595,10 +595,17 @@ class TcpTransport:
     def _run_parts(self, parts: list[Callable[[], None]]) -> None:
         """Run ``parts`` in parallel (the first on this thread) and wait for all of them: each is
         bounded by the call's deadline, and none may touch a caller's buffer after this returns."""
-        futures = [self._workers.submit(p) for p in parts[1:]]
+        futures: list[Future[None]] = []
+        inline = parts[:1]
+        for i, p in enumerate(parts[1:], 1):
+            try:
+                futures.append(self._workers.submit(p))
+            except RuntimeError:  # closed: what is left runs here and fails at checkout (IO_ERROR)
+                inline += parts[i:]
+                break
         try:
-            if parts:
-                parts[0]()
+            for p in inline:
+                p()
         finally:
             for f in futures:
                 f.result()
