@@ -13,6 +13,10 @@ forgotten when
   messages published before may have been missed): everything goes;
 - it is older than ``cache_ttl_s``.
 
+Nothing is cached while the inner directory says its invalidation channel is not held
+(``invalidations_live()`` False, where it has one: a RedisDirectory whose ACL user may not
+subscribe, or whose pub/sub connection is down): no invalidation would reach the entries.
+
 Staleness is bounded, not excluded: an invalidation can be lost (Redis pub/sub is at-most-once) and
 a node can die between two ``nodes()`` calls, so an entry may name a copy that is gone for up to
 ``cache_ttl_s``. That is safe: a read from a node that no longer holds the key is a clean miss
@@ -66,6 +70,7 @@ class CachedDirectory:
         self._inval_seq = 0  # bumped by every forget: an answer fetched across a bump is not cached
         self._dead: set[str] = set()
         self._unsubscribe: Callable[[], None] | None = None
+        self._live: Callable[[], bool] | None = getattr(inner, "invalidations_live", None)
         self.hits = 0
         self.misses = 0
 
@@ -141,7 +146,8 @@ class CachedDirectory:
             # Ask without `exclude`, so one entry serves every caller; filter here.
             fetched = self.inner.locate([keys[i] for i in missing])
             with self._lock:
-                cache_it = seq == self._inval_seq and self._max_entries > 0 and self._ttl_s > 0
+                cache_it = (seq == self._inval_seq and self._max_entries > 0 and self._ttl_s > 0
+                            and (self._live is None or self._live()))
                 deadline = self._clock() + self._ttl_s
                 for i, locs in zip(missing, fetched):
                     out[i] = [loc for loc in locs if loc.node != exclude] if exclude is not None else locs
@@ -195,11 +201,12 @@ class CachedDirectory:
         return self.inner.node_keys(node_id)
 
     # -- mutations: forget the keys before and after (a lookup racing the call must not re-cache) --
-    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False,
+                 stored_at_s: Sequence[float] | None = None) -> list[str]:
         keys = [k for k, _ in entries]
         self.forget(keys)
         try:
-            return self.inner.register(node_id, entries, resync=resync)
+            return self.inner.register(node_id, entries, resync=resync, stored_at_s=stored_at_s)
         finally:
             self.forget(keys)
 
@@ -210,14 +217,17 @@ class CachedDirectory:
         finally:
             self.forget(keys)
 
-    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
-        return self.inner.put_start(node_id, keys, sizes, ttl_s)  # pending marks are invisible
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float, *,
+                  stored_at_s: Sequence[float] | None = None) -> list[bool]:
+        # pending marks are invisible: nothing cached changes
+        return self.inner.put_start(node_id, keys, sizes, ttl_s, stored_at_s=stored_at_s)
 
-    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]], *,
+                stored_at_s: Sequence[float] | None = None) -> list[bool]:
         keys = [k for k, _ in entries]
         self.forget(keys)
         try:
-            return self.inner.put_end(node_id, entries)
+            return self.inner.put_end(node_id, entries, stored_at_s=stored_at_s)
         finally:
             self.forget(keys)
 
@@ -237,6 +247,12 @@ class CachedDirectory:
             return self.inner.clear_node(node_id)
         finally:
             self.forget_node(node_id)
+
+    def prune_dead(self, older_than_s: float) -> list[str]:
+        pruned = self.inner.prune_dead(older_than_s)
+        for node_id in pruned:
+            self.forget_node(node_id)
+        return pruned
 
     # -- invalidations and lifecycle -------------------------------------------------------------
     def subscribe(self, fn: Invalidation) -> Callable[[], None]:

@@ -20,6 +20,7 @@ import msgspec
 import xxhash
 
 DirectoryKind = Literal["embedded", "redis"]
+_NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
 def _positive(name: str, value: float) -> None:
@@ -49,8 +50,16 @@ class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     password_file: str | None = None
     # Prefix of every Redis key the pool uses (several pools may share one Redis).
     namespace: str = "mkv"
-    # One directory call's bound (a Redis round trip); past it the call fails as unavailable.
+    # One directory call's bound (a Redis round trip; with Sentinels, asking them for the primary
+    # takes at most as long again); past it the call fails as unavailable. At most 30 s: engine
+    # threads wait on it.
     op_timeout_s: float = 1.0
+    # How far the clocks of two nodes (and Redis) may disagree: a copy committed less than this
+    # after a remove of its key is refused (a cache miss, never stale bytes).
+    clock_skew_s: float = 1.0
+    # A node dead this long is forgotten (its locations, key set and record) by the live nodes'
+    # heartbeats (Directory.prune_dead).
+    dead_node_gc_s: float = 24 * 3600.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("embedded", "redis"):
@@ -58,7 +67,11 @@ class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.kind == "redis" and not self.url and not self.sentinels:
             raise ValueError("url: a redis directory needs a url (redis://host:port/db) or sentinels")
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url: must start with redis://, rediss:// or unix://, got {self.url!r}")
+            # The url may hold a password: never echo it.
+            shown = self.url.split("://", 1)[0] + "://…" + self.url.rsplit("@", 1)[-1] if "@" in self.url else self.url
+            raise ValueError(f"url: must start with redis://, rediss:// or unix://, got {shown!r}")
+        if self.password_file is not None and not os.path.isabs(self.password_file):
+            raise ValueError(f"password_file: must be an absolute path, got {self.password_file!r}")
         for i, s in enumerate(self.sentinels):
             try:
                 _host_port("sentinels", s, port_zero_ok=False)
@@ -66,9 +79,20 @@ class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{e} (item {i})") from None
         if not self.sentinel_master:
             raise ValueError("sentinel_master: must not be empty")
-        if not self.namespace or any(c.isspace() for c in self.namespace):
-            raise ValueError(f"namespace: must be a non-empty word without spaces, got {self.namespace!r}")
+        if self.kind == "embedded":
+            for name in ("url", "sentinels", "password_file"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: set only for kind redis (kind is embedded)")
+        if not self.namespace or not _NAMESPACE_CHARS.issuperset(self.namespace):
+            raise ValueError(f"namespace: must be a non-empty word of letters, digits, '_', '.' or '-' "
+                             f"(no ':', which separates the key layout), got {self.namespace!r}")
         _positive("op_timeout_s", self.op_timeout_s)
+        if self.op_timeout_s > 30:
+            raise ValueError(f"op_timeout_s: must be <= 30 (engine threads wait on it), got {self.op_timeout_s!r}")
+        if not (isinstance(self.clock_skew_s, (int, float)) and math.isfinite(self.clock_skew_s)
+                and self.clock_skew_s >= 0):
+            raise ValueError(f"clock_skew_s: must be a finite number >= 0, got {self.clock_skew_s!r}")
+        _positive("dead_node_gc_s", self.dead_node_gc_s)
 
 
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

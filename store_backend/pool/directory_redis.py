@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,9 +59,10 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from store_backend.pool.directory import (
+    DEFAULT_CLOCK_SKEW_S,
     DEFAULT_TOMBSTONE_TTL_S,
     TIER_RANK,
     DirectoryUnavailable,
@@ -67,12 +70,17 @@ from store_backend.pool.directory import (
     Location,
     NodeInfo,
 )
-from store_backend.pool.directory_embedded import check_entries
+from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
 
 logger = logging.getLogger(__name__)
 
 _SEP = "\x00"  # joins keys in an invalidation message: the one character a key cannot hold
 _PUBLISH_CHUNK = 4096  # keys per invalidation message
+# Keys per script call. A script holds Redis until it ends (other clients get BUSY past
+# busy-reply-threshold): 4096 keys run in a few milliseconds, and a bigger batch is several calls.
+MAX_KEYS_PER_SCRIPT = 4096
+# A namespace is one word of these (no ':', so one pool's keys never look like another's layout).
+_NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 _LOCATION_JSON = msgspec.json.Encoder()
 _LOCATIONS_JSON = msgspec.json.Decoder(list[list[Location]])
 
@@ -87,10 +95,11 @@ class DirectoryAuthError(DirectoryUnavailable):
 # more than the whole script costs the server.
 _PRELUDE = """
 local ns = ARGV[1]
+-- A packed list is '' (no items) or NUL + the items NUL-joined, so [""] is "\\0", not ''.
 local function split(s)
   local out = {}
   if s == nil or s == '' then return out end
-  local i = 1
+  local i = 2
   while true do
     local j = string.find(s, '\\0', i, true)
     if not j then out[#out + 1] = string.sub(s, i); return out end
@@ -117,21 +126,27 @@ end
 local function object_of(stored)
   return string.match(stored, ',(%%-?%%d+,%%-?%%d+)%%]$')
 end
+-- The remove rule (directory.py): refused when the node has no location for the key and a
+-- tombstone's removed_at (ms, this server's clock) is >= the copy's stored_at - skew (ms).
+local function refused(key, node, stored, skew)
+  if redis.call('HEXISTS', ns .. ':k:' .. key, node) == 1 then return false end
+  local t = redis.call('GET', ns .. ':t:' .. key)
+  if not t then return false end
+  return tonumber(t) >= stored - skew
+end
 """ % _PUBLISH_CHUNK
 
-# ARGV: ns, node, resync ('1'/'0'), key/packed pairs. Returns {gen, refused keys}.
+# ARGV: ns, node, skew_ms, key/packed/stored_ms triples. Returns {gen, refused keys}.
 _REGISTER = _PRELUDE + """
 local node = ARGV[2]
-local resync = ARGV[3] == '1'
+local skew = tonumber(ARGV[3])
 local nk = ns .. ':nk:' .. node
-local refused, changed = {}, {}
-for i = 1, #L, 2 do
+local out, changed = {}, {}
+for i = 1, #L, 3 do
   local key, packed = L[i], L[i + 1]
-  local tk = ns .. ':t:' .. key
-  if resync and redis.call('EXISTS', tk) == 1 then
-    refused[#refused + 1] = key
+  if refused(key, node, tonumber(L[i + 2]), skew) then
+    out[#out + 1] = key
   else
-    if not resync then redis.call('DEL', tk) end
     redis.call('HDEL', ns .. ':p:' .. key, node)
     local kk = ns .. ':k:' .. key
     local old = redis.call('HGET', kk, node)
@@ -142,7 +157,7 @@ for i = 1, #L, 2 do
 end
 local gen = redis.call('INCR', ns .. ':gen:' .. node)
 publish(changed)
-return {gen, refused}
+return {gen, out}
 """
 
 # ARGV: ns, node, keys. Returns gen.
@@ -162,16 +177,17 @@ publish(dropped)
 return gen
 """
 
-# ARGV: ns, node, ttl_ms, keys. Returns a 0/1 per key.
+# ARGV: ns, node, ttl_ms, skew_ms, key/stored_ms pairs. Returns a 0/1 per key.
 _PUT_START = _PRELUDE + """
 local node = ARGV[2]
 local ttl = tonumber(ARGV[3])
+local skew = tonumber(ARGV[4])
 local now = now_ms()
 local out = {}
-for i = 1, #L do
+for i = 1, #L, 2 do
   local key = L[i]
   local ok = 0
-  if redis.call('HEXISTS', ns .. ':k:' .. key, node) == 0 then
+  if redis.call('HEXISTS', ns .. ':k:' .. key, node) == 0 and not refused(key, node, tonumber(L[i + 1]), skew) then
     local pk = ns .. ':p:' .. key
     local d = redis.call('HGET', pk, node)
     if not d or tonumber(d) <= now then
@@ -185,20 +201,21 @@ end
 return out
 """
 
-# ARGV: ns, node, key/packed pairs. Returns {gen, 0/1 per key}.
+# ARGV: ns, node, skew_ms, key/packed/stored_ms triples. Returns {gen, 0/1 per key}.
 _PUT_END = _PRELUDE + """
 local node = ARGV[2]
+local skew = tonumber(ARGV[3])
 local nk = ns .. ':nk:' .. node
 local now = now_ms()
 local out, changed = {}, {}
-for i = 1, #L, 2 do
+for i = 1, #L, 3 do
   local key, packed = L[i], L[i + 1]
   local pk = ns .. ':p:' .. key
   local d = redis.call('HGET', pk, node)
   local ok = 0
   if d then
     redis.call('HDEL', pk, node)
-    if tonumber(d) > now then
+    if tonumber(d) > now and not refused(key, node, tonumber(L[i + 2]), skew) then
       local kk = ns .. ':k:' .. key
       local old = redis.call('HGET', kk, node)
       redis.call('HSET', kk, node, packed)
@@ -224,10 +241,11 @@ return 0
 # ARGV: ns, tombstone_ms, keys. Returns {key, {holders}, ...} for the keys that had any.
 _REMOVE = _PRELUDE + """
 local tomb = tonumber(ARGV[2])
+local removed_at = tostring(now_ms())
 local out, dropped = {}, {}
 for i = 1, #L do
   local key = L[i]
-  if tomb > 0 then redis.call('SET', ns .. ':t:' .. key, '1', 'PX', tomb) end
+  if tomb > 0 then redis.call('SET', ns .. ':t:' .. key, removed_at, 'PX', tomb) end
   -- an in-flight replica write of a removed key must not become visible afterwards
   redis.call('DEL', ns .. ':p:' .. key)
   local kk = ns .. ':k:' .. key
@@ -244,21 +262,46 @@ publish(dropped)
 return out
 """
 
-# ARGV: ns, node, forget ('1': also drop the node's mark, info and counter), ''. Returns the count.
+# ARGV: ns, node, mode ('0': locations only; '1': also drop the node's mark, info and counter;
+# '2': as '1', only while the node is dead), chunk, ''. Drops at most `chunk` of the node's
+# locations per call (a script holds Redis); returns {dropped, done 1 / more 0 / alive -1}.
 _CLEAR_NODE = _PRELUDE + """
 local node = ARGV[2]
+local mode = ARGV[3]
+local chunk = tonumber(ARGV[4])
 local nk = ns .. ':nk:' .. node
-local keys = redis.call('SMEMBERS', nk)
+if mode == '2' and redis.call('EXISTS', ns .. ':live:' .. node) == 1 then return {0, -1} end
+local keys = redis.call('SPOP', nk, chunk)
 for i = 1, #keys do redis.call('HDEL', ns .. ':k:' .. keys[i], node) end
-redis.call('DEL', nk)
-if ARGV[3] == '1' then
+publish(keys)
+if #keys >= chunk then return {#keys, 0} end
+if mode ~= '0' then
   redis.call('DEL', ns .. ':live:' .. node, ns .. ':info:' .. node, ns .. ':gen:' .. node)
   redis.call('SREM', ns .. ':nodes', node)
+  redis.call('HDEL', ns .. ':dl', node)
 else
   redis.call('INCR', ns .. ':gen:' .. node)
 end
-publish(keys)
-return #keys
+return {#keys, 1}
+"""
+
+# ARGV: ns, older_than_ms, ''. Returns the nodes whose liveness mark ended older_than_ms ago or
+# more (the deadline each heartbeat writes to <ns>:dl; a dead node without one starts its clock
+# now).
+_DEAD = _PRELUDE + """
+local older = tonumber(ARGV[2])
+local now = now_ms()
+local out = {}
+local members = redis.call('SMEMBERS', ns .. ':nodes')
+for i = 1, #members do
+  local n = members[i]
+  if redis.call('EXISTS', ns .. ':live:' .. n) == 0 then
+    local dl = redis.call('HGET', ns .. ':dl', n)
+    if not dl then redis.call('HSET', ns .. ':dl', n, now)
+    elseif now - tonumber(dl) >= older then out[#out + 1] = n end
+  end
+end
+return out
 """
 
 _ALIVE = """
@@ -339,7 +382,10 @@ local ns = ARGV[1]
 local node = ARGV[2]
 local lk = ns .. ':live:' .. node
 local known = redis.call('EXISTS', lk)
-redis.call('SET', lk, '1', 'PX', tonumber(ARGV[3]))
+local ttl = tonumber(ARGV[3])
+redis.call('SET', lk, '1', 'PX', ttl)
+local t = redis.call('TIME')
+redis.call('HSET', ns .. ':dl', node, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl)
 redis.call('SET', ns .. ':info:' .. node, ARGV[4])
 redis.call('SADD', ns .. ':nodes', node)
 local gen = redis.call('GET', ns .. ':gen:' .. node)
@@ -377,12 +423,52 @@ return out
 
 
 def _joined(items: Sequence[str], what: str = "key") -> str:
-    """NUL-join a script's list argument; ValueError when an item holds NUL (it would split)."""
-    joined = _SEP.join(items)
-    if joined.count(_SEP) != len(items) - 1:
+    """Pack a script's list argument ('' for none, else NUL + the items NUL-joined: [""] stays one
+    item); ValueError when an item holds NUL (it would split)."""
+    if not items:
+        return ""
+    joined = _SEP + _SEP.join(items)
+    if joined.count(_SEP) != len(items):
         bad = next(x for x in items if _SEP in x)
         raise ValueError(f"{what} {bad!r} contains NUL")
     return joined
+
+
+def check_namespace(namespace: object) -> str:
+    """ValueError unless ``namespace`` is a non-empty word of letters, digits, '_', '.', '-'."""
+    if not isinstance(namespace, str) or not namespace or not _NAMESPACE_CHARS.issuperset(namespace):
+        raise ValueError(f"namespace must be a non-empty word of letters, digits, '_', '.' or '-' "
+                         f"(no ':', which separates the key layout), got {namespace!r}")
+    return namespace
+
+
+def read_password_file(path: str) -> str:
+    """The password in ``path`` (one line). ValueError naming the file when it is not a regular
+    file, is readable or writable by group or other, or cannot be read; never the password."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"password_file {path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"password_file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise ValueError(f"password_file {path} is readable by group or other (mode {st.st_mode & 0o777:04o}): "
+                         f"chmod 600 it")
+    try:
+        return Path(path).read_text().strip("\r\n")
+    except OSError as e:
+        raise ValueError(f"password_file {path} cannot be read: {e.strerror}") from None
+
+
+def _ms(stored_at_s: Sequence[float]) -> list[str]:
+    return [str(int(t * 1000)) for t in stored_at_s]
+
+
+def _chunks(n: int) -> range:
+    return range(0, n, MAX_KEYS_PER_SCRIPT)
 
 
 def _check_node_id(node_id: object) -> str:
@@ -398,47 +484,127 @@ def _parse_hostport(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _RetryOnce(Retry):
+    """Retry once on a connection error (a stale pooled connection, the old primary gone), but not
+    when no primary could be found: the Sentinels were already asked within op_timeout_s, and
+    asking again would double the stall."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[no-untyped-def]
+        def retryable(e: Exception) -> bool:
+            return not isinstance(e, MasterNotFoundError) and (is_retryable is None or is_retryable(e))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _ParallelSentinel(Sentinel):
+    """Asks every Sentinel for the primary at once and takes the first healthy answer, within
+    ``deadline_s`` in all (redis-py asks them one after the other, each with the full timeout).
+    When no Sentinel answers at all (a partition, stopped hosts) the last primary one named is
+    used, with one warning per outage; when they answer but none names a healthy primary (a
+    failover under way), MasterNotFoundError. A Sentinel still busy with an earlier question is
+    not asked again: its running answer is awaited, so at most one question per Sentinel is in
+    flight (the executor's threads, one per Sentinel, are owned here; :meth:`close` stops them)."""
+
+    def __init__(self, addrs: list[tuple[str, int]], *, deadline_s: float, **kw: Any) -> None:
+        super().__init__(addrs, **kw)
+        self._deadline_s = deadline_s
+        self._executor = ThreadPoolExecutor(max_workers=len(self.sentinels), thread_name_prefix="mkv-sentinel")
+        self._lock = threading.Lock()
+        self._asking: dict[int, Future[tuple[tuple[str, int] | None, str]]] = {}
+        self._last: dict[str, tuple[str, int]] = {}
+        self._partitioned = False
+
+    def _ask(self, sentinel: Any, service_name: str) -> tuple[tuple[str, int] | None, str]:
+        try:
+            state = sentinel.sentinel_masters().get(service_name)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+            return None, f"{type(e).__name__}"
+        if state and self.check_master_state(state, service_name):
+            return (state["ip"], int(state["port"])), ""
+        return None, "answered: no healthy primary"
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        deadline = time.monotonic() + self._deadline_s
+        with self._lock:
+            futures = []
+            for i, sentinel in enumerate(self.sentinels):
+                f = self._asking.get(i)
+                if f is None or f.done():
+                    f = self._asking[i] = self._executor.submit(self._ask, sentinel, service_name)
+                futures.append(f)
+        errors: list[str] = []
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if not done:
+                break
+            for f in done:
+                addr, error = f.result()
+                if addr is not None:
+                    with self._lock:
+                        self._last[service_name] = addr
+                        self._partitioned = False
+                    return addr
+                errors.append(error)
+        answered = any(e.startswith("answered") for e in errors)
+        with self._lock:
+            last = self._last.get(service_name)
+            warn = not self._partitioned
+            if last is not None and not answered:
+                self._partitioned = True
+        if last is not None and not answered:
+            if warn:
+                logger.warning("no Sentinel answered within %.2f s (%s); using the last known primary %s:%d",
+                               self._deadline_s, ", ".join(errors) or "timeout", *last)
+            return last
+        raise MasterNotFoundError(f"no primary found for {service_name!r} within {self._deadline_s:.2f} s "
+                                  f"({len(errors)} of {len(self.sentinels)} Sentinels answered: "
+                                  f"{', '.join(errors) or 'none'})")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
 class RedisDirectory:
     """A Directory in Redis. Thread-safe; every call blocks on one round trip, bounded by
     ``op_timeout_s``; raises DirectoryUnavailable (DirectoryAuthError) on any Redis failure."""
 
     def __init__(self, *, url: str | None = None, sentinels: Sequence[str] = (),
                  sentinel_master: str = "mymaster", password_file: str | None = None,
-                 namespace: str = "mkv", op_timeout_s: float = 1.0) -> None:
-        if op_timeout_s <= 0:
-            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s!r}")
-        if not namespace or _SEP in namespace:
-            raise ValueError(f"namespace must be non-empty text without NUL, got {namespace!r}")
+                 namespace: str = "mkv", op_timeout_s: float = 1.0,
+                 clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> None:
+        if not 0 < op_timeout_s < float("inf"):
+            raise ValueError(f"op_timeout_s must be a finite number > 0, got {op_timeout_s!r}")
+        check_namespace(namespace)
         if not url and not sentinels:
             raise ValueError("a redis directory needs a url (redis://host:port/db) or sentinels")
         self._ns = namespace
         self._op_timeout_s = float(op_timeout_s)
+        self._skew_ms = str(int(check_clock_skew(clock_skew_s) * 1000))
         conn: dict[str, Any] = {}
         if url:
             if not url.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError(f"url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
             conn = parse_url(url) if not sentinels else self._auth_from_url(url)
         if password_file:
-            path = Path(password_file)
-            try:
-                conn["password"] = path.read_text().strip("\r\n")
-            except OSError as e:
-                raise ValueError(f"password_file {str(path)!r} cannot be read: {e}") from e
+            conn["password"] = read_password_file(password_file)
         self._username = conn.get("username") or "default"
         common: dict[str, Any] = dict(
             socket_timeout=self._op_timeout_s, socket_connect_timeout=self._op_timeout_s,
             decode_responses=True,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
+            retry=_RetryOnce(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
         if sentinels:
             addrs = [_parse_hostport(s) for s in sentinels]
             self.address = f"sentinel master {sentinel_master!r} via " + ",".join(f"{h}:{p}" for h, p in addrs)
-            # redis-py's default retry (3 tries, seconds of backoff) would be applied to each
-            # Sentinel asked: one try each, the next Sentinel is the retry.
-            self._sentinel = Sentinel(addrs, sentinel_kwargs=dict(socket_timeout=self._op_timeout_s,
-                                                                  socket_connect_timeout=self._op_timeout_s,
-                                                                  retry=Retry(NoBackoff(), 0)),
-                                      socket_timeout=self._op_timeout_s,
-                                      socket_connect_timeout=self._op_timeout_s)
+            # One try per Sentinel (redis-py's default retry would add seconds of backoff to each),
+            # all asked at once within op_timeout_s (_ParallelSentinel).
+            self._sentinel = _ParallelSentinel(addrs, deadline_s=self._op_timeout_s,
+                                               sentinel_kwargs=dict(socket_timeout=self._op_timeout_s,
+                                                                    socket_connect_timeout=self._op_timeout_s,
+                                                                    retry=Retry(NoBackoff(), 0)),
+                                               socket_timeout=self._op_timeout_s,
+                                               socket_connect_timeout=self._op_timeout_s)
             self._r = self._sentinel.master_for(sentinel_master, **common, **conn)
         else:
             parts = urlsplit(url or "")
@@ -451,7 +617,7 @@ class RedisDirectory:
             ("register", _REGISTER), ("unregister", _UNREGISTER), ("put_start", _PUT_START),
             ("put_end", _PUT_END), ("put_abort", _PUT_ABORT), ("remove", _REMOVE),
             ("clear_node", _CLEAR_NODE), ("locate", _LOCATE), ("leading", _LEADING),
-            ("heartbeat", _HEARTBEAT), ("nodes", _NODES), ("address_of", _ADDRESS_OF))}
+            ("heartbeat", _HEARTBEAT), ("nodes", _NODES), ("address_of", _ADDRESS_OF), ("dead", _DEAD))}
         self._gen_lock = threading.Lock()
         self._gens: dict[str, int] = {}  # node -> the highest generation this instance saw
         self._sub_lock = threading.Lock()
@@ -459,6 +625,8 @@ class RedisDirectory:
         self._gap_listeners: list[Callable[[], None]] = []
         self._sub_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._subscribed = False  # the listener holds the invalidation channel now
+        self._first_attempt = threading.Event()  # the listener's first subscription ended (either way)
         self._closed = False
 
     @classmethod
@@ -466,7 +634,8 @@ class RedisDirectory:
         """Build from a DirectoryConfig-like object (attributes url, sentinels, sentinel_master,
         password_file, namespace, op_timeout_s)."""
         return cls(url=cfg.url, sentinels=list(cfg.sentinels or ()), sentinel_master=cfg.sentinel_master,
-                   password_file=cfg.password_file, namespace=cfg.namespace, op_timeout_s=cfg.op_timeout_s)
+                   password_file=cfg.password_file, namespace=cfg.namespace, op_timeout_s=cfg.op_timeout_s,
+                   clock_skew_s=getattr(cfg, "clock_skew_s", DEFAULT_CLOCK_SKEW_S))
 
     @staticmethod
     def _auth_from_url(url: str) -> dict[str, Any]:
@@ -509,13 +678,15 @@ class RedisDirectory:
                 self._gens[node_id] = gen
 
     @staticmethod
-    def _packed(entries: Sequence[tuple[str, Location]]) -> str:
-        """key, stored value pairs, NUL-joined (the value: tier rank digit + the Location's JSON)."""
+    def _packed(entries: Sequence[tuple[str, Location]], stored_ms: Sequence[str]) -> str:
+        """key, stored value, stored_at ms triples, packed (the value: tier rank digit + the
+        Location's JSON)."""
         flat: list[str] = []
         encode = _LOCATION_JSON.encode
-        for key, loc in entries:
+        for (key, loc), ms in zip(entries, stored_ms):
             flat.append(key)
             flat.append(f"{TIER_RANK[loc.tier]}{encode(loc).decode()}")
+            flat.append(ms)
         return _joined(flat)
 
     # -- nodes -----------------------------------------------------------------------------------
@@ -539,8 +710,17 @@ class RedisDirectory:
                            self.address, node_id, gen, expected)
         return bool(known) and intact
 
+    def _clear(self, node_id: str, mode: str) -> tuple[int, bool]:
+        """Drop the node's locations chunk by chunk (mode as in _CLEAR_NODE); (dropped, done)."""
+        total = 0
+        while True:
+            n, state = self._call("clear_node", [node_id, mode, MAX_KEYS_PER_SCRIPT, ""])
+            total += int(n)
+            if state != 0:
+                return total, state == 1
+
     def deregister_node(self, node_id: str) -> None:
-        self._call("clear_node", [_check_node_id(node_id), "1", ""])
+        self._clear(_check_node_id(node_id), "1")
         with self._gen_lock:
             self._gens.pop(node_id, None)
 
@@ -557,66 +737,110 @@ class RedisDirectory:
         return sorted(out, key=lambda n: n.node_id)
 
     # -- placing objects -------------------------------------------------------------------------
-    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False) -> list[str]:
+    # Every batch below is cut into chunks of MAX_KEYS_PER_SCRIPT keys, one script call each:
+    # atomic per chunk, each chunk bounded by op_timeout_s; a failure leaves the earlier chunks
+    # applied (each is a complete, valid batch on its own).
+    def register(self, node_id: str, entries: Sequence[tuple[str, Location]], *, resync: bool = False,
+                 stored_at_s: Sequence[float] | None = None) -> list[str]:
         _check_node_id(node_id)
         check_entries(node_id, entries)
-        gen, refused = self._call("register", [node_id, "1" if resync else "0", self._packed(entries)])
-        self._saw_gen(node_id, gen)
-        return list(refused)
+        if not entries:
+            return []
+        ms = _ms(stored_times(len(entries), stored_at_s, resync=resync))
+        refused: list[str] = []
+        for i in _chunks(len(entries)):
+            j = i + MAX_KEYS_PER_SCRIPT
+            gen, out = self._call("register", [node_id, self._skew_ms, self._packed(entries[i:j], ms[i:j])])
+            self._saw_gen(node_id, gen)
+            refused += out
+        return refused
 
     def unregister(self, node_id: str, keys: Sequence[str]) -> None:
         _check_node_id(node_id)
-        if keys:
-            self._saw_gen(node_id, self._call("unregister", [node_id, _joined(keys)]))
+        for i in _chunks(len(keys)):
+            self._saw_gen(node_id, self._call("unregister", [node_id, _joined(keys[i:i + MAX_KEYS_PER_SCRIPT])]))
 
-    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float) -> list[bool]:
+    def put_start(self, node_id: str, keys: Sequence[str], sizes: Sequence[int], ttl_s: float, *,
+                  stored_at_s: Sequence[float] | None = None) -> list[bool]:
         _check_node_id(node_id)
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
-        if not keys:
-            return []
-        return [bool(x) for x in self._call("put_start", [node_id, max(1, int(ttl_s * 1000)), _joined(keys)])]
+        ms = _ms(stored_times(len(keys), stored_at_s))
+        ttl_ms = max(1, int(ttl_s * 1000))
+        out: list[bool] = []
+        for i in _chunks(len(keys)):
+            j = i + MAX_KEYS_PER_SCRIPT
+            flat = [x for pair in zip(keys[i:j], ms[i:j]) for x in pair]
+            out += [bool(x) for x in self._call("put_start", [node_id, ttl_ms, self._skew_ms, _joined(flat)])]
+        return out
 
-    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]]) -> list[bool]:
+    def put_end(self, node_id: str, entries: Sequence[tuple[str, Location]], *,
+                stored_at_s: Sequence[float] | None = None) -> list[bool]:
         _check_node_id(node_id)
         check_entries(node_id, entries)
-        if not entries:
-            return []
-        gen, out = self._call("put_end", [node_id, self._packed(entries)])
-        self._saw_gen(node_id, gen)
-        return [bool(x) for x in out]
+        ms = _ms(stored_times(len(entries), stored_at_s))
+        out: list[bool] = []
+        for i in _chunks(len(entries)):
+            j = i + MAX_KEYS_PER_SCRIPT
+            gen, ok = self._call("put_end", [node_id, self._skew_ms, self._packed(entries[i:j], ms[i:j])])
+            self._saw_gen(node_id, gen)
+            out += [bool(x) for x in ok]
+        return out
 
     def put_abort(self, node_id: str, keys: Sequence[str]) -> None:
         _check_node_id(node_id)
-        if keys:
-            self._call("put_abort", [node_id, _joined(keys)])
+        for i in _chunks(len(keys)):
+            self._call("put_abort", [node_id, _joined(keys[i:i + MAX_KEYS_PER_SCRIPT])])
 
     def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
         if tombstone_ttl_s < 0:
             raise ValueError(f"tombstone_ttl_s must be >= 0, got {tombstone_ttl_s!r}")
-        if not keys:
-            return {}
-        flat = self._call("remove", [int(tombstone_ttl_s * 1000), _joined(keys)])
-        return {flat[i]: sorted(flat[i + 1]) for i in range(0, len(flat), 2)}
+        out: dict[str, list[str]] = {}
+        for i in _chunks(len(keys)):
+            flat = self._call("remove", [int(tombstone_ttl_s * 1000), _joined(keys[i:i + MAX_KEYS_PER_SCRIPT])])
+            out.update((flat[m], sorted(flat[m + 1])) for m in range(0, len(flat), 2))
+        return out
 
     def clear_node(self, node_id: str) -> int:
-        return int(self._call("clear_node", [_check_node_id(node_id), "0", ""]))
+        return self._clear(_check_node_id(node_id), "0")[0]
+
+    def prune_dead(self, older_than_s: float) -> list[str]:
+        if not older_than_s >= 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s!r}")
+        pruned = []
+        for node_id in sorted(self._call("dead", [int(older_than_s * 1000), ""])):
+            # Mode 2 re-checks liveness in each chunk: a node that came back meanwhile stays.
+            if self._clear(node_id, "2")[1]:
+                pruned.append(node_id)
+                with self._gen_lock:
+                    self._gens.pop(node_id, None)
+        if pruned:
+            logger.info("redis directory at %s: forgot nodes dead for %.0f s or more: %s",
+                        self.address, older_than_s, ", ".join(pruned))
+        return pruned
 
     # -- lookups ---------------------------------------------------------------------------------
     def locate(self, keys: Sequence[str], *, exclude: str | None = None) -> list[list[Location]]:
-        if not keys:
-            return []
-        try:
-            return _LOCATIONS_JSON.decode(self._call("locate", [exclude or "", _joined(keys)]))
-        except msgspec.DecodeError as e:  # a record not written by this code (another version?)
-            raise DirectoryUnavailable(f"redis directory at {self.address}: unreadable locations ({e})") from e
+        out: list[list[Location]] = []
+        for i in _chunks(len(keys)):
+            blob = self._call("locate", [exclude or "", _joined(keys[i:i + MAX_KEYS_PER_SCRIPT])])
+            try:
+                out += _LOCATIONS_JSON.decode(blob)
+            except msgspec.DecodeError as e:  # a record not written by this code (another version?)
+                raise DirectoryUnavailable(f"redis directory at {self.address}: unreadable locations ({e})") from e
+        return out
 
     def leading(self, keys: Sequence[str], *, exclude: str | None = None) -> int:
-        if not keys:
-            return 0
-        return int(self._call("leading", [exclude or "", _joined(keys)]))
+        n = 0
+        for i in _chunks(len(keys)):
+            chunk = keys[i:i + MAX_KEYS_PER_SCRIPT]
+            got = int(self._call("leading", [exclude or "", _joined(chunk)]))
+            n += got
+            if got < len(chunk):
+                break
+        return n
 
     def node_keys(self, node_id: str) -> list[str]:
         name = f"{self._ns}:nk:{_check_node_id(node_id)}"
@@ -653,13 +877,24 @@ class RedisDirectory:
         with self._sub_lock:
             if self._closed:
                 raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
-            if self._sub_thread is None:
+            started = self._sub_thread is None
+            if started:
                 self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
                 self._sub_thread.start()
+        # So the first lookups after subscribing can be cached (invalidations_live), and an ACL
+        # refusal is logged at start: wait for the first subscription's outcome, bounded.
+        self._first_attempt.wait(self._op_timeout_s)
+
+    def invalidations_live(self) -> bool:
+        """True while the listener holds the invalidation channel. A cache must not keep entries
+        while it is False (nothing would tell it of a remove): CachedDirectory checks it. Additive
+        to the Directory Protocol."""
+        return self._subscribed
 
     def _listen(self) -> None:
         channel = f"{self._ns}:inval"
         backoff_s = 0.05
+        denied = False  # the ACL refused the channel: logged once as an ERROR, retried quietly
         while not self._stop.is_set():
             pubsub = None
             try:
@@ -674,14 +909,32 @@ class RedisDirectory:
                     elif msg.get("type") == "subscribe":
                         # Subscribed (again): what was published before this is unknown.
                         backoff_s = 0.05
+                        if denied:
+                            logger.warning("redis directory at %s: invalidation channel %r now allowed",
+                                           self.address, channel)
+                            denied = False
+                        self._subscribed = True
+                        self._first_attempt.set()
                         self._deliver_gap()
             except Exception as e:  # noqa: BLE001 - any failure: reconnect, never die
+                self._subscribed = False
+                self._first_attempt.set()
                 if self._stop.is_set():
                     break
-                # Warn once per outage; the retries of one outage go to debug.
-                logger.log(logging.WARNING if backoff_s <= 0.05 else logging.DEBUG,
-                           "redis directory at %s: invalidation channel lost (%s: %s); reconnecting",
-                           self.address, type(e).__name__, e)
+                if isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in str(e):
+                    # A configuration error, not an outage: say what is missing, once.
+                    if not denied:
+                        logger.error("redis directory at %s: user %r may not subscribe to the invalidation "
+                                     "channel %r (grant it with the ACL rule '&%s'): location caches of this "
+                                     "node cache nothing until it may (%s)", self.address, self._username,
+                                     channel, channel, e)
+                    denied = True
+                    backoff_s = 2.0
+                else:
+                    # Warn once per outage; the retries of one outage go to debug.
+                    logger.log(logging.WARNING if backoff_s <= 0.05 else logging.DEBUG,
+                               "redis directory at %s: invalidation channel lost (%s: %s); reconnecting; "
+                               "location caches cache nothing meanwhile", self.address, type(e).__name__, e)
                 self._stop.wait(backoff_s)
                 backoff_s = min(2.0, backoff_s * 2)
             finally:
@@ -736,9 +989,8 @@ class RedisDirectory:
         self._stop.set()
         if thread is not None:
             thread.join(timeout=5.0)
-        clients = [self._r, *(self._sentinel.sentinels if self._sentinel is not None else ())]
-        for client in clients:
+        for close in (self._r.close, *((self._sentinel.close,) if self._sentinel is not None else ())):
             try:
-                client.close()
+                close()
             except Exception:  # noqa: BLE001 - closing
                 pass

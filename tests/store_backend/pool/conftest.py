@@ -5,7 +5,8 @@
   ``make_directory_for`` runs once per kind).
 - ``make_directory_for()``: a new Directory over the test's backend (another node's view: the
   same EmbeddedDirectory instance, or a new RedisDirectory on the same Redis and namespace);
-  keyword arguments go to RedisDirectory (op_timeout_s, ...) and are ignored for embedded.
+  keyword arguments go to RedisDirectory (op_timeout_s, clock_skew_s, ...); embedded takes only
+  clock_skew_s (from the first call) and ignores the rest.
   Every directory made is closed at teardown.
 - ``directory``: the first one.
 """
@@ -41,11 +42,14 @@ def directory_kind(request: pytest.FixtureRequest) -> str:
 def make_directory_for(request: pytest.FixtureRequest, directory_kind: str) -> Iterator[Callable[..., Directory]]:
     made: list[Directory] = []
     if directory_kind == "embedded":
-        shared = EmbeddedDirectory()
-        made.append(shared)
+        shared: list[EmbeddedDirectory] = []
 
-        def make(**_: Any) -> Directory:
-            return shared
+        def make(**kw: Any) -> Directory:
+            # One instance is every node's view; the first call's clock_skew_s configures it.
+            if not shared:
+                shared.append(EmbeddedDirectory(clock_skew_s=kw.get("clock_skew_s", 1.0)))
+                made.append(shared[0])
+            return shared[0]
     else:
         server: RedisProcess = request.getfixturevalue("redis_server")
         namespace = f"t{next(_namespaces)}"

@@ -126,11 +126,95 @@ def test_remove_returns_holders_tombstones_and_drops_pending(directory: Director
     # A node that was down comes back with its old copy: refused, named.
     assert directory.register("b", [("k", loc("b")), ("j", loc("b"))], resync=True) == ["k"]
     assert directory.locate(["k", "j"]) == [[], [loc("a"), loc("b")]]
-    # A fresh put of the key after the remove is legitimate and clears the tombstone.
-    assert directory.register("a", [("k", loc("a"))]) == []
-    assert directory.register("b", [("k", loc("b"))], resync=True) == []
-    assert directory.locate(["k"]) == [[loc("a"), loc("b")]]
+    # A fresh put of the key after the remove (committed later) is accepted; the tombstone stays,
+    # so b's old copy is still refused.
+    assert directory.register("a", [("k", loc("a"))], stored_at_s=[time.time() + 5.0]) == []
+    assert directory.register("b", [("k", loc("b"))], resync=True) == ["k"]
+    assert directory.locate(["k"]) == [[loc("a")]]
     assert wait_for(lambda: "k" in seen)
+
+
+def test_the_tombstone_outlives_a_later_put_and_refuses_older_copies(directory: Directory) -> None:
+    """Finding 5: one fresh put must not re-open the key to a node that was down during the remove."""
+    up(directory, "a", "b")
+    directory.register("a", [("k", loc("a", size=10))])
+    directory.register("b", [("k", loc("b", TIER_SSD, size=10))])
+    assert directory.remove(["k"]) == {"k": ["a", "b"]}
+    assert directory.register("a", [("k", loc("a", size=20))], stored_at_s=[time.time() + 5.0]) == []
+    assert directory.register("b", [("k", loc("b", TIER_SSD, size=10))], resync=True) == ["k"]
+    assert directory.register("b", [("k", loc("b", TIER_SSD, size=10))]) == ["k"]  # 0.0: unknown
+    # a's own later move to SSD is an update of a location it has (rule 1), whatever its time.
+    assert directory.register("a", [("k", loc("a", TIER_SSD, size=20))], stored_at_s=[0.0]) == []
+    assert directory.locate(["k"]) == [[loc("a", TIER_SSD, size=20)]]
+
+
+def test_a_registration_committed_before_the_remove_is_refused(directory: Directory) -> None:
+    """Findings 1 and 2: a late register (in flight during the remove) or a tier move after a remove
+    must not bring the key back; stored_at_s decides, within clock_skew_s (1 s by default)."""
+    up(directory, "n", "m")
+    directory.register("n", [("moved", loc("n"))])
+    before = time.time()
+    assert directory.remove(["moved", "late", "skewed", "fresh"]) == {"moved": ["n"]}
+    # n demotes the removed object: a re-registration with 0.0 after its location was dropped.
+    assert directory.register("n", [("moved", loc("n", TIER_SSD))], stored_at_s=[0.0]) == ["moved"]
+    assert directory.register("n", [("late", loc("n")), ("skewed", loc("n")), ("fresh", loc("n"))],
+                              stored_at_s=[before - 0.5, time.time() + 0.5, time.time() + 3.0]) == ["late", "skewed"]
+    assert directory.locate(["moved", "late", "skewed", "fresh"]) == [[], [], [], [loc("n")]]
+    assert directory.register("m", [("fresh", loc("m"))], resync=True) == ["fresh"]
+    with pytest.raises(ValueError, match="stored_at_s"):
+        directory.register("n", [("x", loc("n"))], stored_at_s=[1.0, 2.0])
+
+
+def test_clock_skew_s_widens_or_narrows_the_refusal(make_directory_for: Callable[..., Directory]) -> None:
+    d = make_directory_for(clock_skew_s=0.0)
+    up(d, "n")
+    d.remove(["k", "j"])
+    after = time.time() + 0.3
+    assert d.register("n", [("k", loc("n"))], stored_at_s=[after]) == []  # later than the remove
+    assert d.register("n", [("j", loc("n"))], stored_at_s=[time.time() - 0.3]) == ["j"]
+
+
+def test_two_phase_puts_respect_tombstones(directory: Directory) -> None:
+    """Finding 4: a replica write whose source predates the remove must not make the key visible."""
+    up(directory, "c")
+    assert directory.remove(["k2", "k3", "k4"]) == {}
+    assert directory.put_start("c", ["k2"], [5], 10.0) == [False]  # unknown commit time: refused
+    assert directory.put_start("c", ["k2"], [5], 10.0, stored_at_s=[time.time() - 5.0]) == [False]
+    later = time.time() + 5.0
+    assert directory.put_start("c", ["k3", "k4"], [5, 5], 10.0, stored_at_s=[later, later]) == [True, True]
+    assert directory.put_end("c", [("k3", loc("c")), ("k4", loc("c"))], stored_at_s=[time.time() - 5.0, later]) \
+        == [False, True]
+    assert directory.locate(["k2", "k3", "k4"]) == [[], [], [loc("c")]]
+    assert directory.put_end("c", [("k3", loc("c"))], stored_at_s=[later]) == [False]  # its mark is gone
+    with pytest.raises(ValueError, match="stored_at_s"):
+        directory.put_start("c", ["x"], [1], 1.0, stored_at_s=[])
+
+
+def test_empty_batches_and_the_empty_key_agree(directory: Directory) -> None:
+    up(directory, "a")
+    assert directory.register("a", []) == []
+    assert directory.put_end("a", []) == [] and directory.put_start("a", [], [], 1.0) == []
+    assert directory.register("a", [("", loc("a"))]) == []
+    assert directory.locate([""]) == [[loc("a")]]
+    assert directory.leading(["", ""]) == 2
+    assert directory.remove([""]) == {"": ["a"]}
+    assert directory.locate(["", ""]) == [[], []]
+
+
+def test_prune_dead_forgets_nodes_dead_longer_than_the_limit(directory: Directory) -> None:
+    up(directory, "a")
+    up(directory, "b", ttl_s=0.2)
+    directory.register("a", [("k", loc("a"))])
+    directory.register("b", [("k", loc("b")), ("only_b", loc("b"))])
+    assert directory.prune_dead(older_than_s=60.0) == []  # b is alive
+    time.sleep(0.3)
+    assert directory.prune_dead(older_than_s=60.0) == []  # dead, not long enough
+    time.sleep(0.2)
+    assert directory.prune_dead(older_than_s=0.1) == ["b"]
+    assert [n.node_id for n in directory.nodes()] == ["a"]
+    assert directory.node_keys("b") == []
+    assert directory.remove(["k", "only_b"]) == {"k": ["a"]}  # b is no longer named as a holder
+    assert directory.prune_dead(older_than_s=0.0) == []
 
 
 def test_tombstones_expire(directory: Directory) -> None:
@@ -253,13 +337,14 @@ def test_matches_a_dict_model_over_random_operations(directory: Directory) -> No
         ks = rng.sample(keys, rng.randint(1, 5))
         if op in ("register", "resync"):
             entries = [(k, loc(node, rng.choice([TIER_DRAM, TIER_SSD]), rng.randint(1, 9))) for k in ks]
-            refused = directory.register(node, entries, resync=op == "resync")
-            want_refused = [k for k in ks if k in tombs] if op == "resync" else []
+            # A fresh register commits after every remove; a resync's copies are of unknown age.
+            fresh = [time.time() + 5.0] * len(entries) if op == "register" else None
+            refused = directory.register(node, entries, resync=op == "resync", stored_at_s=fresh)
+            want_refused = [k for k in ks if k in tombs and node not in model.get(k, {})] if op == "resync" else []
             assert refused == want_refused, step
             for k, l in entries:
                 if k in want_refused:
                     continue
-                tombs.discard(k)
                 pending.discard((k, node))
                 model.setdefault(k, {})[node] = l
         elif op == "unregister":
@@ -268,7 +353,8 @@ def test_matches_a_dict_model_over_random_operations(directory: Directory) -> No
                 model.get(k, {}).pop(node, None)
         elif op == "put":
             started = directory.put_start(node, ks, [1] * len(ks), 30.0)
-            assert started == [(k, node) not in pending and node not in model.get(k, {}) for k in ks], step
+            assert started == [(k, node) not in pending and node not in model.get(k, {}) and k not in tombs
+                               for k in ks], step
             pending.update((k, node) for k, ok in zip(ks, started) if ok)
             done = ks[: rng.randint(0, len(ks))]
             ended = directory.put_end(node, [(k, loc(node)) for k in done])
@@ -352,13 +438,13 @@ def test_a_hypothesis_state_machine_agrees_with_a_dict_model(make_directory_for:
               tier=st.sampled_from([TIER_DRAM, TIER_SSD]), checksum=st.integers(0, 2**64 - 1))
         def register(self, node: str, ks: list[str], resync: bool, tier: str, checksum: int) -> None:
             node = self.prefix + node
+            fresh = None if resync else [time.time() + 5.0] * len(ks)
             refused = self.d.register(node, [(self.k(k), Location(node, tier, 7, checksum)) for k in ks],
-                                      resync=resync)
-            want = [self.k(k) for k in ks if resync and k in self.tombs]
+                                      resync=resync, stored_at_s=fresh)
+            want = [self.k(k) for k in ks if resync and k in self.tombs and node not in self.locs.get(k, {})]
             assert refused == want
             for k in ks:
                 if self.k(k) not in want:
-                    self.tombs.discard(k)
                     self.pending.discard((k, node))
                     self.locs.setdefault(k, {})[node] = Location(node, tier, 7, checksum)
 
@@ -373,7 +459,8 @@ def test_a_hypothesis_state_machine_agrees_with_a_dict_model(make_directory_for:
         def put_start(self, node: str, ks: list[str]) -> None:
             node = self.prefix + node
             got = self.d.put_start(node, [self.k(k) for k in ks], [7] * len(ks), 60.0)
-            assert got == [(k, node) not in self.pending and node not in self.locs.get(k, {}) for k in ks]
+            assert got == [(k, node) not in self.pending and node not in self.locs.get(k, {}) and k not in self.tombs
+                           for k in ks]
             self.pending.update((k, node) for k, ok in zip(ks, got) if ok)
 
         @rule(node=st.sampled_from(nodes), ks=some_keys, commit=st.booleans())

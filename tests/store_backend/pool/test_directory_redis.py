@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import socket
 import threading
@@ -263,3 +264,129 @@ def test_writes_racing_heartbeats_never_read_as_lost(redis_server: RedisProcess)
             t.join(10)
     d.close()
     assert all(answers), answers.count(False)
+
+
+def test_a_big_batch_is_split_so_redis_never_answers_busy() -> None:
+    """Finding 8: one script holds Redis until it ends; a batch is cut into chunks of at most
+    MAX_KEYS_PER_SCRIPT keys, so other clients are served between them (here: never BUSY with a
+    300 ms threshold while 60000 keys are registered, located and removed)."""
+    from store_backend.pool.directory_redis import MAX_KEYS_PER_SCRIPT
+
+    n = 60000
+    with RedisProcess(extra=["busy-reply-threshold 300"]) as server:
+        d = RedisDirectory(url=server.url, op_timeout_s=5.0)
+        d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 60.0)
+        other = redis.Redis(port=server.port, socket_timeout=30)
+        busy: list[str] = []
+        stop = threading.Event()
+
+        def ping() -> None:
+            while not stop.is_set():
+                try:
+                    other.ping()
+                except redis.exceptions.BusyLoadingError as e:
+                    busy.append(str(e))
+                except redis.exceptions.ResponseError as e:
+                    busy.append(str(e))
+                time.sleep(0.01)
+
+        t = threading.Thread(target=ping)
+        t.start()
+        keys = [f"big-{i}" for i in range(n)]
+        try:
+            assert d.register("a", [(k, loc("a")) for k in keys]) == []
+            assert d.leading(keys) == n
+            assert sum(1 for row in d.locate(keys) if row) == n
+            assert len(d.remove(keys)) == n
+            assert d.leading(keys) == 0
+        finally:
+            stop.set()
+            t.join(30)
+        calls = other.info("commandstats")
+        other.close()
+        d.close()
+    assert busy == []
+    assert calls["cmdstat_evalsha"]["calls"] >= 4 * (n // MAX_KEYS_PER_SCRIPT)  # register, leading, locate, remove
+
+
+def test_a_password_file_readable_by_others_is_refused_naming_it(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("hunter2\n")
+    pw.chmod(0o644)
+    with pytest.raises(ValueError, match=f"password_file {pw}.*group or other.*0644") as e:
+        make_directory(Cfg(url="redis://127.0.0.1:1/0", password_file=str(pw)), node_id="a")
+    assert "pool.directory" in str(e.value) and "hunter2" not in str(e.value)
+    pw.chmod(0o640)
+    with pytest.raises(ValueError, match="group or other"):
+        RedisDirectory(url="redis://127.0.0.1:1/0", password_file=str(pw))
+    pw.chmod(0o600)
+    RedisDirectory(url="redis://127.0.0.1:1/0", password_file=str(pw)).close()
+
+
+def test_no_error_text_holds_the_password(tmp_path: Path) -> None:
+    config = pytest.importorskip("store_backend.pool.config")
+    bad_urls = ["http://u:hunter2@h:1/0", "redis://u:hunter2@h:notaport/0"]
+    texts = []
+    for url in bad_urls:
+        for build in (lambda: config.DirectoryConfig(kind="redis", url=url),
+                      lambda: RedisDirectory(url=url).locate(["k"])):
+            try:
+                build()
+            except (ValueError, DirectoryUnavailable) as e:
+                texts.append(str(e))
+    with RedisProcess(password="right") as server:
+        d = RedisDirectory(url=f"redis://:hunter2@127.0.0.1:{server.port}/0")
+        with pytest.raises(DirectoryAuthError) as e:
+            d.heartbeat(NodeInfo("a", "h:1"), 5.0)
+        texts.append(str(e.value))
+        d.close()
+    assert len(texts) >= 3, texts
+    assert all("hunter2" not in t for t in texts), texts
+
+
+def test_directory_config_refuses_unsafe_values() -> None:
+    config = pytest.importorskip("store_backend.pool.config")
+    D = config.DirectoryConfig
+    for bad, field in [(dict(kind="redis", url="redis://h:1/0", namespace="mkv:k"), "namespace"),
+                       (dict(kind="redis", url="redis://h:1/0", namespace="a{b}"), "namespace"),
+                       (dict(kind="redis", url="redis://h:1/0", op_timeout_s=1e9), "op_timeout_s"),
+                       (dict(kind="redis", url="redis://h:1/0", clock_skew_s=-1.0), "clock_skew_s"),
+                       (dict(kind="redis", url="redis://h:1/0", clock_skew_s=float("nan")), "clock_skew_s"),
+                       (dict(kind="redis", url="redis://h:1/0", dead_node_gc_s=0.0), "dead_node_gc_s"),
+                       (dict(kind="embedded", url="redis://h:1/0"), "url"),
+                       (dict(kind="embedded", sentinels=["h:1"]), "sentinels"),
+                       (dict(kind="redis", url="redis://h:1/0", password_file="relative/pw"), "password_file")]:
+        with pytest.raises(ValueError, match=field):
+            D(**bad)
+    ok = D(kind="redis", url="redis://h:1/0", namespace="pool-a_1.x", clock_skew_s=0.0, op_timeout_s=30.0)
+    assert ok.clock_skew_s == 0.0 and ok.dead_node_gc_s == 24 * 3600.0
+    with pytest.raises(ValueError, match="namespace"):
+        RedisDirectory(url="redis://127.0.0.1:1/0", namespace="mkv:k")
+
+
+def test_an_acl_user_without_the_channel_gets_one_clear_error_and_no_caching(
+        redis_server: RedisProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 10: without the invalidation channel a cache could serve removed locations for
+    cache_ttl_s; the directory says so once (ERROR, naming user and channel) and the cache then
+    caches nothing."""
+    from store_backend.pool.cache import CachedDirectory
+
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "nochan", "on", ">pw", "~acl:*", "resetchannels", "+@all")
+    admin.close()
+    d = RedisDirectory(url=f"redis://nochan:pw@127.0.0.1:{redis_server.port}/0", namespace="acl")
+    d.heartbeat(NodeInfo("a", "h:1"), 30.0)
+    d.register("a", [("k", loc("a"))])
+    cache = CachedDirectory(d, cache_ttl_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="store_backend.pool.directory_redis"):
+        assert cache.locate(["k"]) == [[loc("a")]]
+        time.sleep(0.5)
+        assert cache.locate(["k"]) == [[loc("a")]]
+        assert len(cache) == 0  # nothing cached: no invalidation would reach it
+        time.sleep(2.5)  # the listener retries; it must not log again
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert errors[0].levelno == logging.ERROR
+    assert "nochan" in errors[0].getMessage() and "acl:inval" in errors[0].getMessage()
+    assert d.invalidations_live() is False
+    cache.close()

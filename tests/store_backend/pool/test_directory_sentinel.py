@@ -120,3 +120,45 @@ def test_no_sentinel_reachable_fails_fast_naming_the_sentinels() -> None:
         d.leading(["k"])
     assert time.monotonic() - t < 2.0
     d.close()
+
+
+def test_mute_sentinels_cost_one_deadline_and_the_last_primary_is_kept() -> None:
+    """Finding 6: SIGSTOPped Sentinels (a partition) used to cost 2 tries x every Sentinel x
+    op_timeout_s per new connection. Now they are asked in parallel within op_timeout_s, a
+    MasterNotFoundError is not retried, and a directory that knew the primary keeps using it."""
+    import os
+    import signal
+
+    op_s = 0.5
+    with RedisProcess() as primary:
+        sentinels = [RedisProcess(sentinel_of=(MASTER, primary.port)).start() for _ in range(3)]
+        addrs = [f"127.0.0.1:{s.port}" for s in sentinels]
+        stopped = False
+        try:
+            known = RedisDirectory(sentinels=addrs, sentinel_master=MASTER, op_timeout_s=op_s, namespace="mute")
+            assert until(lambda: known.heartbeat(NodeInfo("a", "h:1"), 30.0), timeout_s=10.0) is False
+            known.register("a", [("k", loc("a"))])
+            fresh = RedisDirectory(sentinels=addrs, sentinel_master=MASTER, op_timeout_s=op_s, namespace="mute")
+            for s in sentinels:
+                os.kill(s.proc.pid, signal.SIGSTOP)
+            stopped = True
+            for attempt in range(2):
+                known._r.connection_pool.disconnect()  # the next call needs a new connection
+                t = time.monotonic()
+                assert known.locate(["k"]) == [[loc("a")]]
+                assert time.monotonic() - t < 2 * op_s + 0.3, attempt
+            t = time.monotonic()
+            with pytest.raises(DirectoryUnavailable, match="sentinel master 'mymaster'"):
+                fresh.locate(["k"])
+            assert time.monotonic() - t < op_s + 0.4
+            for s in sentinels:
+                os.kill(s.proc.pid, signal.SIGCONT)
+            stopped = False
+            assert until(lambda: fresh.locate(["k"]), timeout_s=10.0) == [[loc("a")]]
+            known.close()
+            fresh.close()
+        finally:
+            for s in sentinels:
+                if stopped:
+                    os.kill(s.proc.pid, signal.SIGCONT)
+                s.stop()
