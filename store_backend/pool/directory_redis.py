@@ -7,12 +7,13 @@ script. Layout under ``<ns>`` (the configured namespace):
 
 ``<ns>:k:<key>``      hash node -> tier rank digit + the Location as JSON: the key's locations
 ``<ns>:p:<key>``      hash node -> deadline (ms, Redis clock): pending put_start marks
-``<ns>:t:<key>``      tombstone (PX tombstone_ttl_s)
+``<ns>:t:<key>``      tombstone: removed_at (ms, Redis TIME at the remove), PX tombstone_ttl_s
 ``<ns>:nk:<node>``    set of the keys the node has a location for (node_keys, clear_node)
 ``<ns>:live:<node>``  liveness mark (PX ttl_s, set by heartbeat)
 ``<ns>:info:<node>``  the node's NodeInfo as JSON
 ``<ns>:gen:<node>``   counter bumped by each of the node's own mutations (lost-write detection)
 ``<ns>:nodes``        set of node ids
+``<ns>:dl``           hash node -> its liveness deadline (ms, Redis clock), for prune_dead
 ``<ns>:inval``        pub/sub channel: NUL-joined keys whose locations were dropped or replaced
 
 Lost data. ``heartbeat`` returns False when the liveness mark was absent (first start, expiry,
@@ -25,21 +26,38 @@ from ``password_file`` instead when given; TLS options as URL query arguments, e
 ``?ssl_ca_certs=/path/ca.pem``) or Sentinel addressing (``sentinels`` + ``sentinel_master``; the
 URL then only names db, auth and TLS). redis-py's SentinelConnectionPool asks the Sentinels for the
 primary on every new connection, so after a failover the next calls reach the new primary by
-themselves. Every socket operation is bounded by ``op_timeout_s``; a call retries once on a fresh
-connection after a connection error (a stale pooled connection, the old primary gone), never after
-a timeout, so a call takes at most about 2 x ``op_timeout_s``. Every Redis error becomes
+themselves; here all Sentinels are asked at once, and the first healthy answer is taken, within
+``op_timeout_s`` in all. When no Sentinel answers (a partition), the last primary they named is
+used; when they answer but name no healthy primary, the call fails (MasterNotFoundError, never
+retried). ``password_file`` must not be readable by group or other (ValueError naming it).
+
+Deadlines. Every socket operation is bounded by ``op_timeout_s``. A script call takes at most
+``op_timeout_s`` plain, and 2 x ``op_timeout_s`` with Sentinels when it needs a new connection
+(asking the Sentinels, then the command). A call retries once on a fresh connection after a
+connection error that failed at once (a stale pooled connection, the old primary gone), never
+after a timeout or a failed discovery, so that bound holds. Every Redis error becomes
 :class:`DirectoryUnavailable` naming the address (:class:`DirectoryAuthError` when the
-credentials were refused).
+credentials were refused); no error text holds the password.
+
+Batch size. A script holds Redis until it ends, so every batch is cut into chunks of at most
+:data:`MAX_KEYS_PER_SCRIPT` keys, one script call each, and other clients are served between
+them. Atomicity and the deadline above hold per chunk: a register/unregister/remove of more keys
+is applied chunk by chunk (a reader may see its first chunks before the last; a failure leaves
+the earlier chunks applied, each a complete batch), and a batch of N keys may take
+ceil(N / MAX_KEYS_PER_SCRIPT) deadlines.
 
 Invalidations: the first :meth:`RedisDirectory.subscribe` starts one daemon thread owned by the
 directory; it subscribes to ``<ns>:inval``, calls the subscribers with each message's keys,
 reconnects by itself (bounded backoff) and stops in :meth:`close`. Messages published while it was
 disconnected are lost (pub/sub is at-most-once): each (re)subscription is announced to the
 :meth:`RedisDirectory.on_gap` listeners (a cache forgets everything), and caches bound their
-entries' age besides.
+entries' age besides. While the channel is not held, :meth:`RedisDirectory.invalidations_live`
+is False and CachedDirectory caches nothing. An ACL user that may not subscribe to the channel is
+a configuration error: one ERROR names the user, the channel and the ACL rule to grant
+(``&<ns>:inval``); the listener retries every 2 s quietly, and lookups work uncached.
 
 Thread-safety: every method may be called from any thread (redis-py's pool hands each call its own
-connection). Callers should keep batches to thousands of keys: a script blocks Redis while it runs.
+connection).
 """
 
 from __future__ import annotations

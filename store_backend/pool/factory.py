@@ -2,7 +2,8 @@
 
 ``make_directory(cfg, node_id=...)`` takes a ``DirectoryConfig`` (:mod:`store_backend.pool.config`)
 or any object with its attributes (duck typed: ``kind``, ``url``, ``sentinels``,
-``sentinel_master``, ``password_file``, ``namespace``, ``op_timeout_s``), so callers and tests need
+``sentinel_master``, ``password_file``, ``namespace``, ``op_timeout_s``, optionally
+``clock_skew_s``), so callers and tests need
 not import the config module. It returns the bare directory; the pool wraps it in a
 :class:`~store_backend.pool.cache.CachedDirectory` with its own cache settings. Nothing connects
 here: a Redis directory's first call opens the first connection.
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from store_backend.pool.directory import Directory
+from store_backend.pool.directory import DEFAULT_CLOCK_SKEW_S, Directory
 from store_backend.pool.directory_embedded import EmbeddedDirectory
 from store_backend.pool.directory_redis import RedisDirectory
 
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def _embedded(cfg: Any) -> Directory:
-    return EmbeddedDirectory()
+    return EmbeddedDirectory(clock_skew_s=getattr(cfg, "clock_skew_s", DEFAULT_CLOCK_SKEW_S))
 
 
 def _redis(cfg: Any) -> Directory:
