@@ -183,8 +183,9 @@ def _wait_registered(directory: Directory, keys: list[str], timeout_s: float = R
     deadline = time.monotonic() + timeout_s
     while directory.leading(keys) < len(keys):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(keys) - directory.leading(keys)} of {len(keys)} keys not in the directory "
-                               f"after {timeout_s:.0f} s")
+            missing = [k for k, locs in zip(keys, directory.locate(keys)) if not locs]
+            raise RuntimeError(f"{len(missing)} of {len(keys)} keys not in the directory after {timeout_s:.0f} s "
+                               f"(the first: {missing[:3]})")
         time.sleep(0.02)
 
 
