@@ -390,3 +390,36 @@ def test_an_acl_user_without_the_channel_gets_one_clear_error_and_no_caching(
     assert "nochan" in errors[0].getMessage() and "acl:inval" in errors[0].getMessage()
     assert d.invalidations_live() is False
     cache.close()
+
+
+def test_losing_the_channel_at_run_time_stops_caching_until_it_is_back(redis_server: RedisProcess) -> None:
+    """The channel taken away while commands keep working (here: the ACL changed and the pub/sub
+    connection cut): invalidations_live turns False and the cache keeps nothing; once allowed
+    again the listener rejoins and caching resumes."""
+    from store_backend.pool.cache import CachedDirectory
+
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "pool", "on", ">pw", "~rt:*", "&rt:inval", "+@all")
+    d = RedisDirectory(url=f"redis://pool:pw@127.0.0.1:{redis_server.port}/0", namespace="rt")
+    d.heartbeat(NodeInfo("a", "h:1"), 30.0)
+    d.register("a", [("k", loc("a")), ("j", loc("a"))])
+    cache = CachedDirectory(d, cache_ttl_s=60.0)
+    try:
+        assert cache.locate(["k"]) == [[loc("a")]] and len(cache) == 1 and d.invalidations_live()
+        admin.execute_command("ACL", "SETUSER", "pool", "resetchannels")
+        admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+        deadline = time.monotonic() + 5
+        while d.invalidations_live() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not d.invalidations_live()
+        cache.clear()
+        assert cache.locate(["j"]) == [[loc("a")]] and len(cache) == 0
+        admin.execute_command("ACL", "SETUSER", "pool", "&rt:inval")
+        deadline = time.monotonic() + 10
+        while not d.invalidations_live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.invalidations_live()
+        assert cache.locate(["j"]) == [[loc("a")]] and len(cache) == 1
+    finally:
+        admin.close()
+        cache.close()
