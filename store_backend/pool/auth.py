@@ -1,13 +1,16 @@
 """Mutual shared-secret authentication of a pool transport connection (HMAC-SHA256 both ways).
 
-1. server -> client: ``MKVP1`` + a 32-byte random nonce ``ns``;
+1. server -> client: ``MKVP2`` + a 32-byte random nonce ``ns``;
 2. client -> server: its own 32-byte nonce ``nc`` + HMAC(secret, ``b"c" + ns + nc``);
 3. server checks it (``hmac.compare_digest``) and answers an ``auth_ok`` header whose ``proof`` is
-   HMAC(secret, ``b"s" + nc + ns``), which the client checks; or an ``error`` header, then closes.
+   HMAC(secret, ``b"s" + nc + ns``), which the client checks; or an ``error`` header, then closes
+   (a wrong proof, or a proven peer the server has no room for: ``admit``).
 
-Neither side learns anything of the secret from a failed attempt, and a recorded exchange cannot be
-replayed (both nonces are fresh). Both functions block, bounded by their deadline, and raise
-:class:`AuthError` (a refusal) or the socket's own errors (TimeoutError, ConnectionError).
+Both sides then hold the connection's :class:`~store_backend.pool.frames.Session`, keyed
+HMAC(secret, ``b"k" + ns + nc``): every later frame is tagged and every payload checksum keyed
+with it. Neither side learns anything of the secret from a failed attempt, and a recorded exchange
+cannot be replayed (both nonces are fresh). Both functions block, bounded by their deadline, and
+raise :class:`AuthError` (a refusal) or the socket's own errors (TimeoutError, ConnectionError).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import hmac
 import secrets
 import socket
 import time
+from collections.abc import Callable
 
-from store_backend.pool.frames import (LEN, MAX_HEADER_BYTES, FrameError, Header, PeerClosedError, decode,
+from store_backend.pool.frames import (LEN, MAX_HEADER_BYTES, FrameError, Header, PeerClosedError, Session, decode,
                                        read_header, recv_exactly_into, send_header)
 
-MAGIC = b"MKVP1"
+# The wire format's version: 2 tags every frame after the handshake (a version-1 peer fails here).
+MAGIC = b"MKVP2"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
@@ -46,9 +51,17 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Prove the connecting peer knows ``secret`` and prove it back; AuthError (after sending an
-    ``error`` header) when it does not."""
+def session_key(secret: bytes, ns: bytes, nc: bytes) -> bytes:
+    """The connection's key, from both nonces (fresh on both sides: a new key per connection)."""
+    return _mac(secret, b"k", ns, nc)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, deadline: float,
+                     admit: Callable[[], str | None] | None = None) -> Session:
+    """Prove the connecting peer knows ``secret`` and prove it back; returns the connection's
+    session. AuthError (after sending an ``error`` header) when it does not. ``admit`` (called
+    once the peer's proof checked out, so an unauthenticated peer never reaches it) returns None
+    to let it in, or why not: then an ``error`` header with that text and RefusedError."""
     ns = secrets.token_bytes(NONCE_BYTES)
     send_header_raw(sock, MAGIC + ns, deadline)
     got = bytearray(NONCE_BYTES + MAC_BYTES)
@@ -60,12 +73,17 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Non
         except OSError:
             pass
         raise AuthError("the peer's proof of the shared secret is wrong")
+    why = admit() if admit is not None else None
+    if why is not None:
+        refuse(sock, why, deadline)
+        raise RefusedError(why)
     send_header(sock, Header(op="auth_ok", proof=_mac(secret, b"s", nc, ns)), deadline)
+    return Session(session_key(secret, ns, nc), is_server=True)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Prove ``secret`` to the server and check its proof; AuthError when either fails (or the
-    server speaks another protocol)."""
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Session:
+    """Prove ``secret`` to the server and check its proof; returns the connection's session.
+    AuthError when either fails (or the server speaks another protocol, or refused us)."""
     hello = bytearray(len(MAGIC) + NONCE_BYTES)
     try:
         recv_exactly_into(sock, memoryview(hello)[:len(MAGIC)], deadline)
@@ -85,10 +103,12 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Non
         raise AuthError(f"the server refused the connection: {reply.error}")
     if reply.op != "auth_ok" or not hmac.compare_digest(reply.proof, _mac(secret, b"s", nc, ns)):
         raise AuthError("the server's proof of the shared secret is wrong")
+    return Session(session_key(secret, ns, nc), is_server=False)
 
 
 def refuse(sock: socket.socket, why: str, deadline: float) -> None:
-    """Refuse a connection before the greeting: one ``error`` header (best effort)."""
+    """Refuse a connection (before the greeting, or after the peer's proof): one untagged
+    ``error`` header (best effort)."""
     try:
         send_header(sock, Header(op="error", error=why), deadline)
     except OSError:

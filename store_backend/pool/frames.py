@@ -16,7 +16,8 @@ order and sizes the header names. Exchanges (``req`` numbers a request; its answ
   accepted key -> ``put_end`` (checksums of the sent keys) -> ``put_reply`` (statuses).
 - remove: ``remove`` (keys) -> ``remove_reply`` (statuses).
 - ``error`` (error text) answers anything the peer refuses; the connection is closed after it.
-- Handshake (:mod:`store_backend.pool.auth`): ``auth_ok`` carries the server's proof.
+- Handshake (:mod:`store_backend.pool.auth`): ``auth_ok`` carries the server's proof. Every frame
+  after it ends with a :data:`TAG_BYTES` tag, and payload checksums are keyed (:class:`Session`).
 
 Checksums travel *after* the payload so that each side hashes one object while the next one is on
 the wire (hashing holds a core for about a third of the time a Python socket takes to move the
@@ -32,6 +33,9 @@ block, bounded by the deadline they are given (``time.monotonic()`` seconds).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import select
 import socket
 import struct
 import time
@@ -50,6 +54,8 @@ RECV_PIECE_BYTES = 8 << 20
 HASH_PIECE_BYTES = 256 << 10
 # A payload's receive may overrun its deadline by at most this (see recv_exactly_into).
 _RETIME_S = 0.05
+# Every frame after the handshake ends with this many bytes of HMAC-SHA256 (see Session).
+TAG_BYTES = 32
 
 OPS = ("get", "get_reply", "get_ack", "get_end", "put", "put_accept", "put_end", "put_reply", "remove", "remove_reply",
        "error", "auth_ok")
@@ -60,6 +66,11 @@ _STATUSES = frozenset(int(s) for s in Status)
 class FrameError(ValueError):
     """Bytes that break the wire format (a length over the cap, an undecodable header, a field of
     the wrong type or count, a size out of range, an invalid key). The message names the field."""
+
+
+class TagError(FrameError):
+    """A frame's tag is wrong: it was changed on the way, replayed, reordered, or sent by someone
+    without the session's key. The reader closes the connection."""
 
 
 class PeerClosedError(ConnectionError):
@@ -81,6 +92,56 @@ class Header(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Header)
+
+
+class Session:
+    """The keys of one authenticated connection, derived from the handshake (see
+    :mod:`store_backend.pool.auth`): ``key`` = HMAC(secret, ``"k"`` + both nonces).
+
+    - Every frame after the handshake carries ``TAG_BYTES`` of HMAC-SHA256(key, direction +
+      the frame's 8-byte index in that direction + length prefix + header). A frame changed, dropped,
+      replayed or reordered on the way fails its tag (:class:`TagError`).
+    - Payload checksums are xxh3-64 with a secret seed per object, and travel masked (XOR a
+      secret pad), both from SHAKE-128(key, ``"p"`` + direction + the index of the header the
+      payload follows): a relay without the secret cannot compute the checksum of bytes it rewrote,
+      nor learn the seed from what it sees. xxh3 with a secret seed is NOT a cryptographic MAC
+      (crafted collisions independent of the seed may exist); on an untrusted network run the pool
+      inside a private network or a TLS/WireGuard tunnel.
+
+    The send and receive counters are separate: one writer and one reader may use a session at
+    the same time, never two of either."""
+
+    __slots__ = ("_key", "_out", "_in", "sent", "received")
+
+    def __init__(self, key: bytes, is_server: bool) -> None:
+        self._key = key
+        self._out, self._in = (b"s", b"c") if is_server else (b"c", b"s")
+        self.sent = 0  # frames sent so far; the next one's index
+        self.received = 0
+
+    def _tag(self, direction: bytes, index: int, data: bytes | bytearray | memoryview) -> bytes:
+        return hmac.digest(self._key, direction + index.to_bytes(8, "big") + bytes(data), "sha256")
+
+    def seal(self, frame: bytes) -> bytes:
+        """``frame`` (length prefix + header) with its tag; counts it as sent."""
+        tag = self._tag(self._out, self.sent, frame)
+        self.sent += 1
+        return frame + tag
+
+    def check(self, frame: bytes | bytearray | memoryview, tag: bytes | bytearray | memoryview) -> None:
+        """TagError unless ``tag`` is the next received frame's; counts it as received."""
+        if not hmac.compare_digest(bytes(tag), self._tag(self._in, self.received, frame)):
+            raise TagError(f"tag: frame {self.received} from the peer fails its tag (changed on the way, "
+                           "replayed, or not from a holder of the secret)")
+        self.received += 1
+
+    def payload_keys(self, outgoing: bool, index: int, n: int) -> list[tuple[int, int]]:
+        """``(seed, mask)`` for each of the ``n`` objects that follow the frame ``index`` sent
+        (``outgoing``) or received by this side; the peer derives the same ones."""
+        d = self._out if outgoing else self._in
+        raw = hashlib.shake_128(self._key + b"p" + d + index.to_bytes(8, "big")).digest(16 * n)
+        return [(int.from_bytes(raw[16 * i:16 * i + 8], "big"), int.from_bytes(raw[16 * i + 8:16 * i + 16], "big"))
+                for i in range(n)]
 
 
 def encode(header: Header) -> bytes:
@@ -171,11 +232,22 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float, ha
                 sock.settimeout(timeout)
 
 
+def wait_readable(sock: socket.socket, deadline: float) -> None:
+    """Block until ``sock`` has a byte to read (or its end), TimeoutError once ``deadline`` passes.
+    A server waits for a request's first byte with this, so the frame's own time
+    (``frame_timeout_s``) starts when the frame does, not when the idle wait began."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+    while not poller.poll(max(1, int(_left(deadline) * 1000) + 1)):
+        pass
+
+
 def read_header(sock: socket.socket, max_object_bytes: int, deadline: float,
-                first_deadline: float | None = None) -> Header:
+                first_deadline: float | None = None, session: Session | None = None) -> Header:
     """Read, decode and validate one header. ``first_deadline`` bounds the wait for its first
-    byte (an idle connection), ``deadline`` the rest. PeerClosedError when the stream ends before
-    or inside it; FrameError for a bad one; TimeoutError."""
+    byte (an idle connection), ``deadline`` the rest. With ``session`` (every frame after the
+    handshake) the header's tag is checked before it is decoded. PeerClosedError when the stream
+    ends before or inside it; FrameError (TagError) for a bad one; TimeoutError."""
     prefix = bytearray(LEN.size)
     pv = memoryview(prefix)
     sock.settimeout(_left(deadline if first_deadline is None else first_deadline))
@@ -187,16 +259,27 @@ def read_header(sock: socket.socket, max_object_bytes: int, deadline: float,
     (length,) = LEN.unpack(prefix)
     if length > MAX_HEADER_BYTES:
         raise FrameError(f"header length {length} is larger than the {MAX_HEADER_BYTES}-byte limit")
-    body = bytearray(length)
+    tag = TAG_BYTES if session is not None else 0
+    body = bytearray(length + tag)
     recv_exactly_into(sock, memoryview(body), deadline)
+    if session is not None:
+        bv = memoryview(body)
+        session.check(prefix + bv[:length], bv[length:])
+        return validate(decode(bv[:length]), max_object_bytes)
     return validate(decode(body), max_object_bytes)
 
 
-def send_header(sock: socket.socket, header: Header, deadline: float) -> None:
-    """Send one header (blocking, bounded by ``deadline``)."""
+def send_header(sock: socket.socket, header: Header, deadline: float, session: Session | None = None) -> int:
+    """Send one header (blocking, bounded by ``deadline``), tagged by ``session`` when given;
+    returns its index in ``session`` (0 without one)."""
     data = encode(header)
+    index = 0
+    if session is not None:
+        index = session.sent
+        data = session.seal(data)
     sock.settimeout(_left(deadline))
     sock.sendall(data)
+    return index
 
 
 def send_view(sock: socket.socket, view: memoryview, deadline: float, hasher: Any = None) -> None:

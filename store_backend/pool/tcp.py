@@ -44,8 +44,8 @@ import xxhash
 
 from store_backend.pool.auth import (AuthError, RefusedError, client_handshake, refuse, secret_bytes,
                                      server_handshake)
-from store_backend.pool.frames import (MAX_U64, REQUEST_OPS, FrameError, Header, PeerClosedError, read_header,
-                                       recv_exactly_into, send_header, send_view)
+from store_backend.pool.frames import (MAX_U64, REQUEST_OPS, FrameError, Header, PeerClosedError, Session, TagError,
+                                       read_header, recv_exactly_into, send_header, send_view, wait_readable)
 from store_backend.pool.transport import FAILURE_KINDS, TRANSPORT_OWNER_BASE, FailureKind, TransportError
 from store_backend.threads import Deadline, join_threads, shutdown_pool
 from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key
@@ -60,9 +60,9 @@ MIN_STREAM_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.2
 
 
-def checksum(view: memoryview) -> int:
-    """xxh3-64 of ``view`` (releases the GIL while it hashes)."""
-    return xxhash.xxh3_64_intdigest(view)
+def checksum(view: memoryview, seed: int = 0) -> int:
+    """xxh3-64 of ``view`` with ``seed`` (releases the GIL while it hashes)."""
+    return xxhash.xxh3_64_intdigest(view, seed)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -141,18 +141,25 @@ class TcpTransportServer:
     peers that prove ``secret``. ``start()`` binds; ``close()`` ends it. Thread-safe."""
 
     def __init__(self, store: Any, secret: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 max_connections: int = 64, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0,
+                 max_connections: int = 64, max_handshakes: int = 16, handshake_timeout_s: float = 2.0,
+                 frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, lease_ttl_s: float = 60.0, max_object_bytes: int | None = None,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, use_sendfile: bool = False,
                  hash_threads: int = 2) -> None:
-        """``frame_timeout_s`` bounds one request's exchange once its header began; ``idle_timeout_s``
+        """``max_connections`` bounds authenticated connections (one past it is refused after its
+        handshake); ``max_handshakes`` the connections still in their handshake, each for at most
+        ``handshake_timeout_s``: one past it drops the oldest attempt (a proven peer answers within
+        a round trip, so only a silent one is old), so peers without the secret can neither use up
+        ``max_connections`` nor lock a proven peer out by holding sockets open.
+        ``frame_timeout_s`` bounds one request's exchange from its header's first byte; ``idle_timeout_s``
         how long a connection may wait between requests; ``max_object_bytes`` (default: the store's
         config) the largest object a header may name. ``use_sendfile``: send leased bytes with
         ``os.sendfile`` from the arena's segment (when it has one) instead of ``send`` of the lease
         views. Off by default: over loopback here it cost more CPU on both ends than the copy it
         saves (the reader's receive of page-backed buffers dominated: 1.5 vs 0.9 CPU-s per GB in
         all, 0.7-1.0 vs 1.65 GB/s at 4 MiB objects); worth measuring on a real NIC."""
-        for name, v in (("max_connections", max_connections), ("hash_threads", hash_threads)):
+        for name, v in (("max_connections", max_connections), ("max_handshakes", max_handshakes),
+                        ("hash_threads", hash_threads)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name, f in (("handshake_timeout_s", handshake_timeout_s), ("frame_timeout_s", frame_timeout_s),
@@ -163,6 +170,7 @@ class TcpTransportServer:
         self._secret = secret_bytes(secret)
         self._host, self._port = host, port
         self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
         self.handshake_timeout_s = handshake_timeout_s
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -175,11 +183,15 @@ class TcpTransportServer:
         self._use_sendfile = use_sendfile
         self._hash_threads = hash_threads
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(("connections", "auth_failures", "bytes_sent", "bytes_received", "requests",
-                                     "bad_frames", "refused_connections", "sendfile_bytes"), 0)
+        self._stats = dict.fromkeys(("connections", "auth_failures", "handshake_failures", "bytes_sent",
+                                     "bytes_received", "requests", "bad_frames", "bad_tags", "refused_connections",
+                                     "sendfile_bytes"), 0)
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        # Connections in their handshake, oldest first (dict order), and the authenticated count.
+        self._handshaking: dict[int, socket.socket] = {}
+        self._authenticated = 0
         self._seq = itertools.count(1)
         self._stopping = threading.Event()
         self._hasher: ThreadPoolExecutor | None = None
@@ -202,7 +214,8 @@ class TcpTransportServer:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, port))
-            listener.listen(min(self.max_connections * 2, 1024))
+            # Room for a burst of handshakes too: a full backlog drops SYNs (a 1 s retry for a peer).
+            listener.listen(min(max(128, 2 * (self.max_connections + self.max_handshakes)), 1024))
             listener.settimeout(_ACCEPT_POLL_S)
         except OSError as e:
             listener.close()
@@ -225,7 +238,10 @@ class TcpTransportServer:
 
     def stats(self) -> dict[str, int]:
         """Counters (see :class:`~store_backend.pool.transport.TransportServer`), plus
-        ``refused_connections`` (past ``max_connections``) and ``sendfile_bytes``."""
+        ``refused_connections`` (proven peers past ``max_connections``), ``handshake_failures``
+        (handshakes that ended without a proof: timed out, closed, reset, or dropped for a newer
+        one past ``max_handshakes``; a wrong proof is ``auth_failures``), ``bad_tags`` (frames that
+        failed their tag; also counted in ``bad_frames``) and ``sendfile_bytes``."""
         with self._lock:
             return dict(self._stats)
 
@@ -270,66 +286,87 @@ class TcpTransportServer:
                 time.sleep(_ACCEPT_POLL_S)
                 continue
             seq = next(self._seq)
+            t = threading.Thread(target=self._serve, args=(sock, seq, peer), daemon=True,
+                                 name=f"mkv-pool-conn-{seq}")
+            dropped = None
             with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    t = threading.Thread(target=self._serve, args=(sock, seq, peer), daemon=True,
-                                         name=f"mkv-pool-conn-{seq}")
-                    self._conns[seq] = (sock, t)
-                    self._stats["connections"] += 1
-                else:
-                    self._stats["refused_connections"] += 1
-            if full:
-                logger.warning("pool transport: refused %s: %d connections served already", peer,
-                               self.max_connections)
-                refuse(sock, f"too many connections (max_connections={self.max_connections})",
-                       time.monotonic() + 1.0)
-                sock.close()
-                continue
+                if len(self._handshaking) >= self.max_handshakes:
+                    dropped = self._handshaking.pop(next(iter(self._handshaking)))
+                self._handshaking[seq] = sock
+                self._conns[seq] = (sock, t)
+            if dropped is not None:
+                # Its thread's handshake fails at once (and counts it); a proven peer is never
+                # dropped here: it left _handshaking under the lock before its auth_ok.
+                try:
+                    dropped.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             t.start()
+
+    def _admit(self, seq: int) -> str | None:
+        """Called once a peer proved the secret: None lets it in (counted against
+        ``max_connections``), else why not."""
+        with self._lock:
+            if self._handshaking.pop(seq, None) is None:
+                self._stats["handshake_failures"] += 1
+                return "dropped: too many handshakes at once"
+            if self._authenticated < self.max_connections:
+                self._authenticated += 1
+                self._stats["connections"] += 1
+                return None
+            self._stats["refused_connections"] += 1
+        logger.warning("pool transport: refused connection %d: %d connections served already", seq,
+                       self.max_connections)
+        return f"too many connections (max_connections={self.max_connections})"
 
     def _serve(self, sock: socket.socket, seq: int, peer: object) -> None:
         owner = TRANSPORT_OWNER_BASE + seq
+        admitted = False
         try:
             tune_socket(sock, self._buffer_bytes)
             try:
-                server_handshake(sock, self._secret, time.monotonic() + self.handshake_timeout_s)
+                session = server_handshake(sock, self._secret, time.monotonic() + self.handshake_timeout_s,
+                                           admit=lambda: self._admit(seq))
             except AuthError as e:
                 self._count("auth_failures")
                 logger.warning("pool transport: refused %s: %s", peer, e)
                 return
+            except RefusedError:
+                return  # counted by _admit
+            except (OSError, TimeoutError, FrameError) as e:
+                self._count("handshake_failures")
+                logger.debug("pool transport: handshake of connection %d from %s failed: %r", seq, peer, e)
+                return
+            admitted = True
             while not self._stopping.is_set():
-                first = time.monotonic() + self.idle_timeout_s
+                # The idle wait ends at the request's first byte; its exchange is bounded from there.
+                wait_readable(sock, time.monotonic() + self.idle_timeout_s)
+                deadline = time.monotonic() + self.frame_timeout_s
                 try:
-                    h = read_header(sock, self.max_object_bytes, first + self.frame_timeout_s, first)
+                    h = read_header(sock, self.max_object_bytes, deadline, session=session)
                     if h.op not in REQUEST_OPS:
                         raise FrameError(f"op: {h.op!r} is not a request ({', '.join(REQUEST_OPS)})")
                 except FrameError as e:
-                    self._count("bad_frames")
-                    logger.warning("pool transport: bad frame from %s: %s", peer, e)
-                    self._send_error(sock, f"bad frame: {e}")
+                    self._bad_frame(sock, session, peer, e)
                     return
                 self._count("requests")
-                deadline = time.monotonic() + self.frame_timeout_s
                 try:
                     if h.op == "get":
-                        self._get(sock, h, owner, deadline)
+                        self._get(sock, session, h, owner, deadline)
                     elif h.op == "put":
-                        self._put(sock, h, owner, deadline)
+                        self._put(sock, session, h, owner, deadline)
                     else:
                         statuses = self._store.remove(h.keys)
                         send_header(sock, Header(op="remove_reply", req=h.req, statuses=[int(s) for s in statuses]),
-                                    deadline)
+                                    deadline, session)
                 except FrameError as e:
-                    self._count("bad_frames")
-                    logger.warning("pool transport: bad frame from %s: %s", peer, e)
-                    self._send_error(sock, f"bad frame: {e}")
+                    self._bad_frame(sock, session, peer, e)
                     return
                 except (OSError, TimeoutError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the store refused (closed): tell the peer, end
                     logger.warning("pool transport: %s request from %s failed: %r", h.op, peer, e)
-                    self._send_error(sock, f"{h.op} failed on the server: {type(e).__name__}: {e}")
+                    self._send_error(sock, session, f"{h.op} failed on the server: {type(e).__name__}: {e}")
                     return
         except (OSError, TimeoutError) as e:
             logger.debug("pool transport: connection %d from %s ended: %r", seq, peer, e)
@@ -345,15 +382,24 @@ class TcpTransportServer:
                     logger.debug("pool transport: reclaim(%d) failed: %r", owner, e)
                 with self._lock:
                     self._conns.pop(seq, None)
+                    self._handshaking.pop(seq, None)
+                    self._authenticated -= admitted
 
-    def _send_error(self, sock: socket.socket, why: str) -> None:
+    def _bad_frame(self, sock: socket.socket, session: Session, peer: object, e: FrameError) -> None:
+        self._count("bad_frames")
+        if isinstance(e, TagError):
+            self._count("bad_tags")
+        logger.warning("pool transport: bad frame from %s: %s", peer, e)
+        self._send_error(sock, session, f"bad frame: {e}")
+
+    def _send_error(self, sock: socket.socket, session: Session, why: str) -> None:
         try:
-            send_header(sock, Header(op="error", error=why[:4000]), time.monotonic() + 1.0)
+            send_header(sock, Header(op="error", error=why[:4000]), time.monotonic() + 1.0, session)
         except (OSError, TimeoutError, FrameError):
             pass
 
-    def _send_object(self, sock: socket.socket, lease: Any, deadline: float, hash_it: bool) -> int:
-        """Send one leased object; its xxh3-64 when this hashed it (send and ``hash_it``), else 0."""
+    def _send_object(self, sock: socket.socket, lease: Any, deadline: float, hash_it: bool, seed: int) -> int:
+        """Send one leased object; its xxh3-64 (``seed``) when this hashed it (send and ``hash_it``), else 0."""
         n = lease.nbytes
         if self._segment_fd >= 0 and lease.offset + n <= self._segment_bytes:
             sendfile_range(sock, self._segment_fd, lease.offset, n, deadline)
@@ -362,11 +408,11 @@ class TcpTransportServer:
         if not hash_it:
             send_view(sock, lease.view[:n], deadline)
             return 0
-        hasher = xxhash.xxh3_64()
+        hasher = xxhash.xxh3_64(seed=seed)
         send_view(sock, lease.view[:n], deadline, hasher)
         return hasher.intdigest()
 
-    def _get(self, sock: socket.socket, h: Header, owner: int, deadline: float) -> None:
+    def _get(self, sock: socket.socket, session: Session, h: Header, owner: int, deadline: float) -> None:
         assert self._hasher is not None
         leases = self._store.lease(h.keys, ttl_s=self.lease_ttl_s, stage_in=True, owner=owner)
         held = [lease for lease in leases if lease.status is Status.OK]
@@ -386,48 +432,60 @@ class TcpTransportServer:
                     known.append(bool(h.checksums) and h.checksums[j] != 0)
         hashes: list[Future[int] | None] = []
         released = False
+        # The payload's checksums are keyed by the get_reply that announces it (see Session).
+        pkeys = session.payload_keys(True, session.sent, len(sent))
         try:
             if self._segment_fd >= 0:  # sendfile never reads the bytes here: hash them beside it
-                hashes = [None if k else self._hasher.submit(checksum, lease.view[:lease.nbytes])
-                          for lease, k in zip(sent, known)]
-            send_header(sock, Header(op="get_reply", req=h.req, statuses=statuses, sizes=sizes), deadline)
+                hashes = [None if k else self._hasher.submit(checksum, lease.view[:lease.nbytes], seed)
+                          for lease, k, (seed, _) in zip(sent, known, pkeys)]
+            send_header(sock, Header(op="get_reply", req=h.req, statuses=statuses, sizes=sizes), deadline, session)
             inline: list[int] = []
-            for lease, k in zip(sent, known):
-                inline.append(self._send_object(sock, lease, deadline, hash_it=not k))
+            for lease, k, (seed, _) in zip(sent, known, pkeys):
+                inline.append(self._send_object(sock, lease, deadline, hash_it=not k, seed=seed))
                 self._count("bytes_sent", lease.nbytes)
             if sent:
                 # The leases stay held until the reader has every byte (see get_ack in frames).
-                ack = read_header(sock, self.max_object_bytes, deadline)
+                ack = read_header(sock, self.max_object_bytes, deadline, session=session)
                 if ack.op != "get_ack" or ack.req != h.req:
                     raise FrameError(f"expected get_ack of request {h.req}, got {ack.op} of request {ack.req}")
             sums = [0 if f is None else f.result() for f in hashes] if hashes else inline
+            # Masked, so a relay never sees a keyed checksum next to the bytes it covers; 0 stays 0
+            # (the reader checks those against its own record).
+            sums = [0 if k else c ^ mask for c, k, (_, mask) in zip(sums, known, pkeys)]
             valid = dict(zip((id(x) for x in held), self._store.release(held, owner=owner)))
             released = True
             end = [int(Status.OK) if valid.get(id(lease)) else int(Status.IO_ERROR) for lease in sent]
-            send_header(sock, Header(op="get_end", req=h.req, statuses=end, checksums=sums), deadline)
+            send_header(sock, Header(op="get_end", req=h.req, statuses=end, checksums=sums), deadline, session)
         finally:
             if not released:
                 _wait_hashes(hashes)
                 self._store.release(held, owner=owner)
 
-    def _put(self, sock: socket.socket, h: Header, owner: int, deadline: float) -> None:
+    def _put(self, sock: socket.socket, session: Session, h: Header, owner: int, deadline: float) -> None:
+        # The payload's checksums are keyed by the put header (the last frame received), by position.
+        pkeys = session.payload_keys(False, session.received - 1, len(h.keys))
         res = self._store.reserve(h.keys, h.sizes, ttl_s=self.lease_ttl_s, owner=owner)
         accepted = [r for r in res if r.status is Status.OK]
+        masks = [mask for r, (_, mask) in zip(res, pkeys) if r.status is Status.OK]
         open_ = list(accepted)
         try:
-            send_header(sock, Header(op="put_accept", req=h.req, statuses=[int(r.status) for r in res]), deadline)
+            send_header(sock, Header(op="put_accept", req=h.req, statuses=[int(r.status) for r in res]), deadline,
+                        session)
             sums = []
-            for r in accepted:
-                hasher = xxhash.xxh3_64()
+            for r, (seed, _) in zip(res, pkeys):
+                if r.status is not Status.OK:
+                    continue
+                hasher = xxhash.xxh3_64(seed=seed)
                 recv_exactly_into(sock, r.view[:r.nbytes], deadline, hasher)
                 self._count("bytes_received", r.nbytes)
                 sums.append(hasher.intdigest())
-            end = read_header(sock, self.max_object_bytes, deadline)
+            end = read_header(sock, self.max_object_bytes, deadline, session=session)
             if end.op != "put_end" or end.req != h.req or len(end.checksums) != len(accepted):
                 raise FrameError(f"expected put_end of request {h.req} with {len(accepted)} checksums, got "
                                  f"{end.op} of request {end.req} with {len(end.checksums)}")
-            good = [r for r, got, want in zip(accepted, sums, end.checksums) if got == want]
-            bad = [r for r, got, want in zip(accepted, sums, end.checksums) if got != want]
+            wants = [c ^ mask for c, mask in zip(end.checksums, masks)]
+            good = [r for r, got, want in zip(accepted, sums, wants) if got == want]
+            bad = [r for r, got, want in zip(accepted, sums, wants) if got != want]
             if bad:
                 logger.warning("pool transport: put of %d keys with a wrong checksum (first %r): aborted",
                                len(bad), bad[0].key)
@@ -442,7 +500,7 @@ class TcpTransportServer:
                     out.append(int(committed[id(r)]))
                 else:
                     out.append(int(Status.CORRUPT))
-            send_header(sock, Header(op="put_reply", req=h.req, statuses=out), deadline)
+            send_header(sock, Header(op="put_reply", req=h.req, statuses=out), deadline, session)
         finally:
             if open_:
                 self._store.abort(open_, owner=owner)
@@ -472,12 +530,13 @@ def _classify(e: BaseException) -> FailureKind:
 
 
 class _Conn:
-    __slots__ = ("sock", "address", "reused")
+    __slots__ = ("sock", "address", "reused", "session")
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock
         self.address = address
         self.reused = False
+        self.session: Session = Session(b"", False)  # replaced by the handshake's
 
 
 def split_by_bytes(sizes: Sequence[int], streams: int, min_stream_bytes: int = MIN_STREAM_BYTES) -> list[range]:
@@ -571,7 +630,7 @@ class TcpTransport:
             self._stats["connections"] += 1
         try:
             tune_socket(sock, self._buffer_bytes)
-            client_handshake(sock, self._secret, deadline)
+            conn.session = client_handshake(sock, self._secret, deadline)
         except BaseException:
             self._discard(conn)
             raise
@@ -633,7 +692,7 @@ class TcpTransport:
     @staticmethod
     def _first_reply(conn: _Conn, max_object_bytes: int, deadline: float, op: str, req: int) -> Header:
         try:
-            h = read_header(conn.sock, max_object_bytes, deadline)
+            h = read_header(conn.sock, max_object_bytes, deadline, session=conn.session)
         except (PeerClosedError, ConnectionResetError, BrokenPipeError) as e:
             raise _Failure("peer_gone", f"{conn.address}: {e}", before_reply=True) from None
         return TcpTransport._expect(h, op, req, conn.address)
@@ -649,7 +708,7 @@ class TcpTransport:
     @staticmethod
     def _send_request(conn: _Conn, h: Header, deadline: float) -> None:
         try:
-            send_header(conn.sock, h, deadline)
+            send_header(conn.sock, h, deadline, conn.session)
         except (ConnectionResetError, BrokenPipeError) as e:
             raise _Failure("peer_gone", f"{conn.address}: {e}", before_reply=True) from None
 
@@ -717,26 +776,29 @@ class TcpTransport:
                 else:
                     results[i] = ReadResult(status, size if status is Status.BUFFER_TOO_SMALL else 0)
                     done.add(i)
+            # Keyed by the get_reply just received (see Session); an object this reader verifies
+            # against its own record is hashed without a seed, as the record was.
+            pkeys = conn.session.payload_keys(False, conn.session.received - 1, len(incoming))
             sums = []
-            for i, size in incoming:
+            for (i, size), (seed, _) in zip(incoming, pkeys):
                 # Hashed piece by piece as it arrives, while each piece is still in the CPU cache.
-                hasher = xxhash.xxh3_64()
+                hasher = xxhash.xxh3_64(seed=0 if checksums is not None and checksums[i] else seed)
                 recv_exactly_into(conn.sock, views[i][:size], deadline, hasher)
                 self._count("bytes_received", size)
                 sums.append(hasher.intdigest())
             if incoming:
-                send_header(conn.sock, Header(op="get_ack", req=req), deadline)
-            end = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "get_end", req, address)
+                send_header(conn.sock, Header(op="get_ack", req=req), deadline, conn.session)
+            end = self._expect(read_header(conn.sock, self._max_object_bytes, deadline, session=conn.session),
+                               "get_end", req, address)
             if len(end.statuses) != len(incoming):
                 raise _Failure("protocol", f"{address}: get_end has {len(end.statuses)} statuses for "
                                            f"{len(incoming)} objects")
             bad = 0
-            for (i, size), st, want, got in zip(incoming, end.statuses, end.checksums, sums):
+            for (i, size), st, want, got, (_, mask) in zip(incoming, end.statuses, end.checksums, sums, pkeys):
                 if Status(st) is not Status.OK:
                     results[i] = ReadResult(Status.IO_ERROR)  # its lease expired while it was sent
                     self._count("failures_peer_gone")
-                elif (want != got if checksums is None or not checksums[i]
-                      else checksums[i] != got or (want and want != got)):
+                elif (want ^ mask != got if checksums is None or not checksums[i] else checksums[i] != got):
                     results[i] = ReadResult(Status.CORRUPT)
                     bad += 1
                 else:
@@ -787,6 +849,8 @@ class TcpTransport:
         def body(conn: _Conn) -> None:
             req = next(self._req) & MAX_U64
             self._count("requests")
+            # Keyed by the put header, by position (see Session).
+            pkeys = conn.session.payload_keys(True, conn.session.sent, len(idx))
             self._send_request(conn, Header(op="put", req=req, keys=[keys[i] for i in idx],
                                             sizes=[views[i].nbytes for i in idx]), deadline)
             accept = self._first_reply(conn, self._max_object_bytes, deadline, "put_accept", req)
@@ -794,26 +858,27 @@ class TcpTransport:
                 raise _Failure("protocol", f"{address}: put_accept has {len(accept.statuses)} statuses for "
                                            f"{len(idx)} keys")
             sending = []
-            for i, st in zip(idx, accept.statuses):
+            for i, st, pk in zip(idx, accept.statuses, pkeys):
                 if Status(st) is Status.OK:
-                    sending.append(i)
+                    sending.append((i, pk))
                 else:
                     results[i] = Status(st)
                     done.add(i)
             sums = []
-            for i in sending:
-                hasher = xxhash.xxh3_64()
+            for i, (seed, mask) in sending:
+                hasher = xxhash.xxh3_64(seed=seed)
                 send_view(conn.sock, views[i], deadline, hasher)
                 self._count("bytes_sent", views[i].nbytes)
-                sums.append(hasher.intdigest())
-            send_header(conn.sock, Header(op="put_end", req=req, checksums=sums), deadline)
-            reply = self._expect(read_header(conn.sock, self._max_object_bytes, deadline), "put_reply", req, address)
+                sums.append(hasher.intdigest() ^ mask)
+            send_header(conn.sock, Header(op="put_end", req=req, checksums=sums), deadline, conn.session)
+            reply = self._expect(read_header(conn.sock, self._max_object_bytes, deadline, session=conn.session),
+                                 "put_reply", req, address)
             if len(reply.statuses) != len(idx):
                 raise _Failure("protocol", f"{address}: put_reply has {len(reply.statuses)} statuses for {len(idx)} keys")
             for i, st in zip(idx, reply.statuses):
                 results[i] = Status(st)
                 done.add(i)
-            corrupt = sum(1 for i in sending if results[i] is Status.CORRUPT)
+            corrupt = sum(1 for i, _ in sending if results[i] is Status.CORRUPT)
             if corrupt:
                 self._count("failures_checksum", corrupt)
 

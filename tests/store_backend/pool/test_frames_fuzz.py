@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -15,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from store_backend.pool.auth import client_handshake, secret_bytes
-from store_backend.pool.frames import (LEN, MAX_HEADER_BYTES, OPS, FrameError, Header, decode, read_header,
-                                       validate)
+from store_backend.pool.frames import (LEN, MAX_HEADER_BYTES, OPS, TAG_BYTES, FrameError, Header, Session, decode,
+                                       read_header, validate)
 from store_backend.types import ReadResult, Status
 from tests.store_backend.pool.transport_helpers import SECRET, payload, served, transport
 
@@ -68,12 +69,15 @@ def live():
             t.close()
 
 
-def _exchange(address: str, data: bytes) -> bytes:
-    """Authenticate, send ``data``, end the write side, and read everything the server answers
-    until it closes (bounded: the server must close within a few seconds)."""
+def _exchange(address: str, data: bytes | Callable[[Session], bytes]) -> bytes:
+    """Authenticate, send ``data`` (or what it makes of the session: a tagged header), end the
+    write side, and read everything the server answers until it closes (bounded: the server must
+    close within a few seconds)."""
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        client_handshake(sock, secret_bytes(SECRET), time.monotonic() + 5)
+        session = client_handshake(sock, secret_bytes(SECRET), time.monotonic() + 5)
+        if callable(data):
+            data = data(session)
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -103,7 +107,7 @@ def _frames_in(data: bytes) -> list[Header]:
             out.append(decode(data[pos + 4:pos + 4 + n]))
         except FrameError:
             break  # a payload follows a header; only headers matter here
-        pos += 4 + n
+        pos += 4 + n + TAG_BYTES
     return out
 
 
@@ -113,15 +117,21 @@ def _still_serves(t, srv, d) -> None:
     assert np.array_equal(out, d)
 
 
+def _sealed(body: bytes, tail: bytes = b"") -> Callable[[Session], bytes]:
+    """``body`` as the session's next frame, correctly tagged (so the decoder behind the tag check
+    is what gets fuzzed), then ``tail`` raw."""
+    return lambda session: session.seal(LEN.pack(len(body)) + body) + tail
+
+
 _frame = st.one_of(
-    st.binary(max_size=300),  # noise
-    _headers.map(lambda d: (lambda b: LEN.pack(len(b)) + b)(_body(d))),  # a header of random fields
+    st.binary(max_size=300),  # noise (fails its tag, or its length)
+    _headers.map(lambda d: _sealed(_body(d))),  # a header of random fields
+    _headers.map(lambda d: LEN.pack(len(_body(d))) + _body(d)),  # untagged
     _headers.map(lambda d: (lambda b: LEN.pack(len(b)) + b[: len(b) // 2])(_body(d))),  # truncated
     st.integers(MAX_HEADER_BYTES + 1, (1 << 32) - 1).map(lambda n: LEN.pack(n) + b"\x00" * 16),  # oversized
     st.tuples(st.lists(st.integers(0, MAX_OBJECT * 2), min_size=1, max_size=3), st.binary(max_size=2000)).map(
-        lambda a: (lambda b: LEN.pack(len(b)) + b)(_body({"op": "put", "req": 1,
-                                                          "keys": [f"fz/{i}" for i in range(len(a[0]))],
-                                                          "sizes": a[0]})) + a[1]),  # a put, short payload
+        lambda a: _sealed(_body({"op": "put", "req": 1, "keys": [f"fz/{i}" for i in range(len(a[0]))],
+                                 "sizes": a[0]}), a[1])),  # a put, short payload
 )
 
 
@@ -167,7 +177,7 @@ def test_an_oversized_header_is_refused_by_name(live):
 def test_each_bad_field_is_named_in_the_error_frame(live, fields, named):
     _, srv, t, d = live
     body = msgspec.msgpack.encode(fields)
-    frames = _frames_in(_exchange(srv.address, LEN.pack(len(body)) + body))
+    frames = _frames_in(_exchange(srv.address, _sealed(body)))
     assert frames and frames[-1].op == "error", frames
     assert named in frames[-1].error, frames[-1].error
     _still_serves(t, srv, d)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 import struct
 import threading
 import time
@@ -197,6 +198,66 @@ def test_connections_past_max_connections_are_refused():
         finally:
             a.close()
             b.close()
+
+
+def test_silent_unauthenticated_sockets_do_not_lock_legitimate_peers_out():
+    # A peer without the secret holds many more silent connections than max_connections (and than
+    # the handshake cap), reopening each one the server drops. Connections count against
+    # max_connections only once authenticated, and a full handshake phase drops its oldest
+    # attempt, so every legitimate peer still gets in.
+    with served(max_connections=4, handshake_timeout_s=1.0) as (store, srv):
+        assert store.put(["lock/k"], [payload("lock/k", 4096)]) == [Status.OK]
+        host, port = srv.address.rsplit(":", 1)
+        stop = threading.Event()
+        opened = [0]
+
+        def attacker() -> None:
+            socks: list[socket.socket] = []
+            try:
+                while not stop.is_set():
+                    while len(socks) < 40 and not stop.is_set():
+                        try:
+                            socks.append(socket.create_connection((host, int(port)), timeout=1.0))
+                            opened[0] += 1
+                        except OSError:
+                            break
+                    for s in list(socks):  # drop (and so reopen) the ones the server closed
+                        s.setblocking(False)
+                        try:
+                            while True:
+                                if not s.recv(4096):
+                                    raise ConnectionResetError
+                        except BlockingIOError:
+                            pass
+                        except OSError:
+                            s.close()
+                            socks.remove(s)
+                    time.sleep(0.05)
+            finally:
+                for s in socks:
+                    s.close()
+
+        th = threading.Thread(target=attacker, daemon=True)
+        th.start()
+        try:
+            assert wait_for(lambda: opened[0] >= 40)
+            outcomes = []
+            t_end = time.monotonic() + 4.0
+            while time.monotonic() < t_end:
+                t = transport(streams=1)  # a fresh peer each time: it has no pooled connection
+                try:
+                    out = np.zeros(4096, np.uint8)
+                    outcomes.append(t.get_into(srv.address, ["lock/k"], [out], timeout_s=2.0)[0].status)
+                finally:
+                    t.close()
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            th.join(10)
+        assert len(outcomes) >= 5 and all(s is Status.OK for s in outcomes), outcomes
+        st = srv.stats()
+        assert st["handshake_failures"] > 0, st  # the silent ones: timed out or dropped, and counted
+        assert st["refused_connections"] == 0, st
 
 
 def _versioned(key: str, version: int, size: int) -> np.ndarray:

@@ -15,10 +15,10 @@ import pytest
 import xxhash
 
 from store_backend.pool.auth import client_handshake, server_handshake, secret_bytes
-from store_backend.pool.frames import Header, read_header, send_header
+from store_backend.pool.frames import TAG_BYTES, Header, encode, read_header, send_header
 from store_backend.types import ReadResult, Status
-from tests.store_backend.pool.transport_helpers import (MiB, SECRET, FlipProxy, ServerProcess, payload, served,
-                                                        slots_held, transport, wait_for)
+from tests.store_backend.pool.transport_helpers import (MiB, SECRET, FlipProxy, ServerProcess, SwapRelay, payload,
+                                                        served, slots_held, transport, wait_for)
 
 
 def test_server_killed_mid_stream_of_reads_gives_correct_bytes_or_io_error():
@@ -68,9 +68,9 @@ def _dying_putter(address: str, key: str, size: int, ready: "multiprocessing.syn
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     deadline = time.monotonic() + 10
-    client_handshake(sock, secret_bytes(SECRET), deadline)
-    send_header(sock, Header(op="put", req=1, keys=[key], sizes=[size]), deadline)
-    accept = read_header(sock, 1 << 40, deadline)
+    session = client_handshake(sock, secret_bytes(SECRET), deadline)
+    send_header(sock, Header(op="put", req=1, keys=[key], sizes=[size]), deadline, session)
+    accept = read_header(sock, 1 << 40, deadline, session=session)
     assert accept.op == "put_accept" and accept.statuses == [0], accept
     sock.sendall(payload(key, size // 2).tobytes())
     ready.set()
@@ -160,10 +160,10 @@ class _StallingServer:
         with conn:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
             deadline = time.monotonic() + 10
-            server_handshake(conn, secret_bytes(SECRET), deadline)
-            h = read_header(conn, 1 << 40, deadline)
+            session = server_handshake(conn, secret_bytes(SECRET), deadline)
+            h = read_header(conn, 1 << 40, deadline, session=session)
             if self._mode == "no_read":
-                send_header(conn, Header(op="put_accept", req=h.req, statuses=[0] * len(h.keys)), deadline)
+                send_header(conn, Header(op="put_accept", req=h.req, statuses=[0] * len(h.keys)), deadline, session)
             self._done.wait(30)
 
     def close(self) -> None:
@@ -197,9 +197,9 @@ def test_the_server_times_out_a_client_that_stops_mid_put_and_reclaims():
         host, port = srv.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             deadline = time.monotonic() + 10
-            client_handshake(sock, secret_bytes(SECRET), deadline)
-            send_header(sock, Header(op="put", req=7, keys=["stall"], sizes=[1 * MiB]), deadline)
-            assert read_header(sock, 1 << 40, deadline).op == "put_accept"
+            session = client_handshake(sock, secret_bytes(SECRET), deadline)
+            send_header(sock, Header(op="put", req=7, keys=["stall"], sizes=[1 * MiB]), deadline, session)
+            assert read_header(sock, 1 << 40, deadline, session=session).op == "put_accept"
             sock.sendall(b"x" * 1000)
             assert slots_held(store) == (1, 0)
             t0 = time.monotonic()
@@ -208,3 +208,125 @@ def test_the_server_times_out_a_client_that_stops_mid_put_and_reclaims():
             sock.settimeout(3.0)
             assert sock.recv(1) == b""  # the server closed it
         assert store.contains(["stall"]) == [False]
+
+
+@pytest.mark.parametrize("rewrite_end", [True, False], ids=["end-rewritten", "end-kept"])
+def test_a_relay_without_the_secret_cannot_swap_a_put_payload(rewrite_end):
+    # The relay passes the handshake through and rewrites the payload (and, with rewrite_end,
+    # the checksums after it): the put must fail, and the store must never hold the relay's bytes.
+    with served() as (store, srv):
+        relay = SwapRelay(srv.address, "put", rewrite_end, TAG_BYTES)
+        t = transport(streams=1)
+        d = payload("swap/p", 64 * 1024)
+        try:
+            res = t.put(relay.address, ["swap/p"], [d])
+            assert relay.swapped == 1
+            assert res[0] in (Status.CORRUPT, Status.IO_ERROR), res
+            assert wait_for(lambda: slots_held(store) == (0, 0))
+            assert store.contains(["swap/p"]) == [False]
+            # A rewritten end frame fails its tag (the connection is closed); a kept one, the
+            # payload's keyed checksum.
+            assert srv.stats()["bad_tags"] == (1 if rewrite_end else 0)
+            assert t.put(srv.address, ["swap/p"], [d]) == [Status.OK]
+        finally:
+            t.close()
+            relay.close()
+
+
+@pytest.mark.parametrize("rewrite_end", [True, False], ids=["end-rewritten", "end-kept"])
+@pytest.mark.parametrize("shared", [True, False], ids=["sendfile", "private-arena"])
+def test_a_relay_without_the_secret_cannot_swap_a_get_payload(shared, rewrite_end):
+    # No directory record: the frame's checksum is all the reader verifies against.
+    with served(shared=shared, use_sendfile=shared) as (store, srv):
+        d = payload("swap/g", 64 * 1024)
+        assert store.put(["swap/g"], [d]) == [Status.OK]
+        relay = SwapRelay(srv.address, "get", rewrite_end, TAG_BYTES)
+        t = transport(streams=1)
+        try:
+            out = np.zeros(d.nbytes, np.uint8)
+            res = t.get_into(relay.address, ["swap/g"], [out])
+            assert relay.swapped == 1
+            assert res[0].status in (Status.CORRUPT, Status.IO_ERROR), (res, bytes(out[:8]))
+            st = t.stats()
+            assert st["failures_protocol" if rewrite_end else "failures_checksum"] == 1, st
+            assert t.get_into(srv.address, ["swap/g"], [out]) == [ReadResult(Status.OK, d.nbytes)]
+            assert np.array_equal(out, d)
+        finally:
+            t.close()
+            relay.close()
+
+
+def _handshake(address: str, timeout_s: float = 10.0):
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    return sock, client_handshake(sock, secret_bytes(SECRET), time.monotonic() + timeout_s)
+
+
+def _closed_at(sock: socket.socket) -> list[float]:
+    """Starts a thread that reads ``sock`` until the peer closes it; the list gets the time then."""
+    when: list[float] = []
+
+    def run() -> None:
+        sock.settimeout(30)
+        try:
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+        when.append(time.monotonic())
+
+    threading.Thread(target=run, daemon=True).start()
+    return when
+
+
+def test_a_header_trickled_byte_by_byte_is_cut_frame_timeout_s_after_its_first_byte():
+    # The idle wait and the frame's own time are separate: a peer idle for a while, then sending a
+    # header one byte at a time, is cut once frame_timeout_s has passed since the first byte.
+    with served(frame_timeout_s=1.0, idle_timeout_s=6.0) as (store, srv):
+        sock, _ = _handshake(srv.address)
+        with sock:
+            closed = _closed_at(sock)
+            time.sleep(2.0)
+            data = encode(Header(op="get", req=1, keys=["slow/" + "x" * 40], sizes=[10]))
+            first = time.monotonic()
+            for b in data:
+                if closed:
+                    break
+                try:
+                    sock.send(bytes([b]))
+                except OSError:
+                    break
+                time.sleep(0.2)
+            assert wait_for(lambda: bool(closed), 10.0)
+            took = closed[0] - first
+            assert took < 1.0 + 0.8, f"closed {took:.2f} s after the header's first byte (frame_timeout_s=1)"
+
+
+def test_a_frame_with_a_bad_tag_is_refused_unexecuted_and_counted():
+    with served() as (store, srv):
+        assert store.put(["keep"], [payload("keep", 100)]) == [Status.OK]
+        sock, _ = _handshake(srv.address)
+        with sock:
+            closed = _closed_at(sock)
+            sock.sendall(encode(Header(op="remove", req=1, keys=["keep"])) + b"\x00" * TAG_BYTES)
+            assert wait_for(lambda: bool(closed), 5.0)
+        assert store.contains(["keep"]) == [True]
+        assert srv.stats()["bad_tags"] == 1
+
+
+def test_a_replayed_frame_fails_its_tag():
+    # A recorded, correctly tagged request sent again on the same connection is refused: a tag
+    # covers the frame's index, so a relay cannot repeat (or reorder) requests.
+    with served() as (store, srv):
+        assert store.put(["again"], [payload("again", 100)]) == [Status.OK]
+        sock, session = _handshake(srv.address)
+        with sock:
+            frame = session.seal(encode(Header(op="remove", req=1, keys=["nope"])))
+            sock.sendall(frame)
+            assert read_header(sock, 1 << 20, time.monotonic() + 5, session=session).op == "remove_reply"
+            closed = _closed_at(sock)
+            assert store.put(["nope"], [payload("nope", 100)]) == [Status.OK]
+            sock.sendall(frame)
+            assert wait_for(lambda: bool(closed), 5.0)
+        assert store.contains(["nope", "again"]) == [True, True]
+        assert srv.stats()["bad_tags"] == 1

@@ -176,5 +176,152 @@ def transport(**kw: Any) -> TcpTransport:
     return TcpTransport(SECRET, **kw)
 
 
-__all__ = ["MiB", "SECRET", "FlipProxy", "ServerProcess", "make_store", "payload", "served", "slots_held",
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(n - len(out), 1 << 20))
+        if not chunk:
+            raise EOFError(f"stream ended after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+class SwapRelay:
+    """An on-path relay that does NOT know the secret (fault injection: an attacker). It passes the
+    handshake through untouched, then, on the first connection, replaces the payload of the first
+    ``op`` ("put": client to server, "get": server to client) with ``EVIL...`` bytes of the same
+    size, and with ``rewrite_end`` also rewrites the end frame's checksums (put_end / get_end) to
+    the plain xxh3-64 of its bytes, keeping the frame's tag (it cannot compute a new one).
+    Everything else is relayed as is. Owned threads; ``close()`` ends them."""
+
+    def __init__(self, upstream: str, op: str, rewrite_end: bool, tag_bytes: int) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._up = (host, int(port))
+        self._op, self._rewrite, self._tag = op, rewrite_end, tag_bytes
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self.swapped = 0
+        self.errors: list[BaseException] = []
+        self._first = True
+        self._spawn(self._accept)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            s = socket.create_connection(self._up)
+            self._socks += [c, s]
+            first, self._first = self._first, False
+            self._spawn(self._up_pump, c, s, first)
+            self._spawn(self._down_pump, s, c, first)
+
+    def _frame(self, src: socket.socket, tagged: bool = True) -> tuple[bytes, bytes, bytes]:
+        from store_backend.pool.frames import LEN
+        prefix = _exactly(src, 4)
+        (n,) = LEN.unpack(prefix)
+        return prefix, _exactly(src, n), _exactly(src, self._tag) if tagged else b""
+
+    def _end(self, src: socket.socket, dst: socket.socket, evil: list[bytes]) -> None:
+        import xxhash
+
+        from store_backend.pool.frames import decode, encode
+        prefix, body, tag = self._frame(src)
+        if self._rewrite:
+            h = decode(body)
+            h.checksums = [xxhash.xxh3_64_intdigest(e) for e in evil]
+            dst.sendall(encode(h) + tag)
+        else:
+            dst.sendall(prefix + body + tag)
+
+    @staticmethod
+    def _evil(size: int) -> bytes:
+        return (b"EVIL" * (size // 4 + 1))[:size]
+
+    def _up_pump(self, src: socket.socket, dst: socket.socket, first: bool) -> None:
+        from store_backend.pool.frames import decode
+        try:
+            if first:
+                dst.sendall(_exactly(src, 64))  # the client's nonce and proof, untouched
+                if self._op == "put":
+                    prefix, body, tag = self._frame(src)
+                    dst.sendall(prefix + body + tag)
+                    evil = []
+                    for size in decode(body).sizes:
+                        _exactly(src, size)
+                        evil.append(self._evil(size))
+                        dst.sendall(evil[-1])
+                        self.swapped += 1
+                    self._end(src, dst, evil)
+            self._pass(src, dst)
+        except (OSError, EOFError) as e:
+            self.errors.append(e)
+        finally:
+            self._shut(src, dst)
+
+    def _down_pump(self, src: socket.socket, dst: socket.socket, first: bool) -> None:
+        from store_backend.pool.frames import decode
+        try:
+            if first:
+                dst.sendall(_exactly(src, 5 + 32))  # greeting: magic and nonce
+                prefix, body, tag = self._frame(src, tagged=False)  # auth_ok
+                dst.sendall(prefix + body + tag)
+                if self._op == "get":
+                    prefix, body, tag = self._frame(src)
+                    dst.sendall(prefix + body + tag)
+                    reply = decode(body)
+                    evil = []
+                    for st, size in zip(reply.statuses, reply.sizes):
+                        if st == 0:
+                            _exactly(src, size)
+                            evil.append(self._evil(size))
+                            dst.sendall(evil[-1])
+                            self.swapped += 1
+                    self._end(src, dst, evil)
+            self._pass(src, dst)
+        except (OSError, EOFError) as e:
+            self.errors.append(e)
+        finally:
+            self._shut(src, dst)
+
+    @staticmethod
+    def _pass(src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                return
+            dst.sendall(data)
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(5)
+
+
+__all__ = ["MiB", "SECRET", "FlipProxy", "ServerProcess", "SwapRelay", "make_store", "payload", "served", "slots_held",
            "transport", "wait_for"]
