@@ -38,7 +38,7 @@ echo "setup: installing mooncake-kv$extras into $VENV"
 "$PY" -m pip install -q -e "$ROOT$extras" 2>&1 | grep -v "^WARNING: Location" || true
 # Fail here, not later, if the install did not take (the test extra brings import-linter, which
 # tests/test_import_layers.py runs).
-check="import mooncake_kv, store_backend, msgspec, xxhash"
+check="import mooncake_kv, store_backend, msgspec, xxhash, redis"
 [ "$WHAT" = all ] && check="$check, importlinter"
 (cd / && "$PY" -c "$check")
 
