@@ -8,7 +8,7 @@ order and sizes the header names. Exchanges (``req`` numbers a request; its answ
   reader will verify each object against, the directory's record; 0 = none) -> ``get_reply`` (statuses, sizes)
   -> the payload of every OK key -> ``get_ack`` from the reader once it has all of it ->
   ``get_end`` (statuses: OK, or IO_ERROR where the lease's release said the bytes may have
-  changed while they were sent; checksums: xxh3-64 per OK key, 0 where the request named one:
+  changed while they were sent; checksums: keyed xxh3-64 per OK key, masked (see :class:`Session`), 0 where the request named one:
   the reader checks those against its own record, so the server need not hash them). The server releases its leases
   only after ``get_ack``: ``sendfile`` queues references to the arena's pages, not copies, so a
   slot released (and reused) before the reader copied them out would change bytes in flight.
@@ -236,6 +236,9 @@ def wait_readable(sock: socket.socket, deadline: float) -> None:
     """Block until ``sock`` has a byte to read (or its end), TimeoutError once ``deadline`` passes.
     A server waits for a request's first byte with this, so the frame's own time
     (``frame_timeout_s``) starts when the frame does, not when the idle wait began."""
+    pending = getattr(sock, "pending", None)  # TLS: bytes already decrypted are not on the fd
+    if pending is not None and pending():
+        return
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
     while not poller.poll(max(1, int(_left(deadline) * 1000) + 1)):

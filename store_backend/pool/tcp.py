@@ -2,8 +2,10 @@
 :class:`TcpTransport` (reads from and writes to peers), the wire format of
 :mod:`store_backend.pool.frames`, authenticated by :mod:`store_backend.pool.auth`.
 
-Server: one owned accept thread and one owned thread per connection (at most ``max_connections``;
-past that a connection gets an ``error`` header and is closed). Each connection is one slot owner
+Server: one owned accept thread and one owned thread per connection: at most ``max_handshakes``
+still proving the secret (past that the oldest attempt is dropped; each has ``handshake_timeout_s``)
+and at most ``max_connections`` authenticated ones (past that a proven peer gets an ``error`` header
+and is closed), so peers without the secret cannot crowd out those with it. Each connection is one slot owner
 (``TRANSPORT_OWNER_BASE + seq``); when it ends, however it ends, ``store.reclaim(owner)`` gives
 back whatever it still held, so a peer that dies mid-transfer leaves nothing leased or reserved.
 A get leases its keys (stage_in), sends the leased bytes (``send`` of the lease views, or, with
@@ -18,7 +20,9 @@ that failed in any way is closed, never reused. A batch is split by bytes over u
 connections run in parallel (the caller's thread runs one, the transport's owned workers the
 rest). Objects are received with ``recv_into`` straight into the caller's buffers.
 
-Checksums are computed inline, piece by piece (256 KiB) as each piece is received or just before
+Every frame after the handshake is tagged with the connection's session key and every payload
+checksum is keyed by it (:class:`~store_backend.pool.frames.Session`): a relay without the secret
+cannot change a request, a reply or a payload unnoticed. Checksums are computed inline, piece by piece (256 KiB) as each piece is received or just before
 it is sent, while it is in the CPU cache: measured here that costs 0.33-0.40 CPU-s per GB on the
 reader against 0.5 with a hash thread reading the whole object again afterwards (xxhash releases
 the GIL, but the second pass over DRAM costs more than it overlaps). The sendfile path cannot hash
@@ -34,6 +38,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -145,7 +150,7 @@ class TcpTransportServer:
                  frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, lease_ttl_s: float = 60.0, max_object_bytes: int | None = None,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, use_sendfile: bool = False,
-                 hash_threads: int = 2) -> None:
+                 hash_threads: int = 2, ssl_context: ssl.SSLContext | None = None) -> None:
         """``max_connections`` bounds authenticated connections (one past it is refused after its
         handshake); ``max_handshakes`` the connections still in their handshake, each for at most
         ``handshake_timeout_s``: one past it drops the oldest attempt (a proven peer answers within
@@ -157,7 +162,10 @@ class TcpTransportServer:
         ``os.sendfile`` from the arena's segment (when it has one) instead of ``send`` of the lease
         views. Off by default: over loopback here it cost more CPU on both ends than the copy it
         saves (the reader's receive of page-backed buffers dominated: 1.5 vs 0.9 CPU-s per GB in
-        all, 0.7-1.0 vs 1.65 GB/s at 4 MiB objects); worth measuring on a real NIC."""
+        all, 0.7-1.0 vs 1.65 GB/s at 4 MiB objects); worth measuring on a real NIC.
+        ``ssl_context`` (a server-side ``ssl.SSLContext`` with its certificate loaded): every
+        connection is TLS first (within ``handshake_timeout_s``), then the shared-secret handshake
+        inside it; sendfile is off then (the kernel would send the bytes past TLS)."""
         for name, v in (("max_connections", max_connections), ("max_handshakes", max_handshakes),
                         ("hash_threads", hash_threads)):
             if not isinstance(v, int) or v < 1:
@@ -180,7 +188,8 @@ class TcpTransportServer:
             max_object_bytes = getattr(cfg, "max_object_bytes", 256 << 20)
         self.max_object_bytes = int(max_object_bytes)
         self._buffer_bytes = socket_buffer_bytes
-        self._use_sendfile = use_sendfile
+        self._ssl = ssl_context
+        self._use_sendfile = use_sendfile and ssl_context is None
         self._hash_threads = hash_threads
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("connections", "auth_failures", "handshake_failures", "bytes_sent",
@@ -286,6 +295,13 @@ class TcpTransportServer:
                 time.sleep(_ACCEPT_POLL_S)
                 continue
             seq = next(self._seq)
+            if self._ssl is not None:
+                try:  # no I/O here: the TLS handshake runs on the connection's thread, bounded
+                    sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError) as e:
+                    logger.warning("pool transport: TLS refused %s: %s", peer, e)
+                    sock.close()
+                    continue
             t = threading.Thread(target=self._serve, args=(sock, seq, peer), daemon=True,
                                  name=f"mkv-pool-conn-{seq}")
             dropped = None
@@ -325,6 +341,9 @@ class TcpTransportServer:
         try:
             tune_socket(sock, self._buffer_bytes)
             try:
+                if isinstance(sock, ssl.SSLSocket):
+                    sock.settimeout(self.handshake_timeout_s)
+                    sock.do_handshake()
                 session = server_handshake(sock, self._secret, time.monotonic() + self.handshake_timeout_s,
                                            admit=lambda: self._admit(seq))
             except AuthError as e:
@@ -333,7 +352,7 @@ class TcpTransportServer:
                 return
             except RefusedError:
                 return  # counted by _admit
-            except (OSError, TimeoutError, FrameError) as e:
+            except (OSError, TimeoutError, FrameError, ValueError) as e:  # ssl.SSLError is an OSError
                 self._count("handshake_failures")
                 logger.debug("pool transport: handshake of connection %d from %s failed: %r", seq, peer, e)
                 return
@@ -522,7 +541,7 @@ def _classify(e: BaseException) -> FailureKind:
         return e.kind
     if isinstance(e, TimeoutError):
         return "timeout"
-    if isinstance(e, (AuthError, RefusedError)):
+    if isinstance(e, (AuthError, RefusedError, ssl.SSLError)):  # TLS: a certificate refused, either way
         return "refused"
     if isinstance(e, FrameError):
         return "protocol"
@@ -564,10 +583,13 @@ class TcpTransport:
 
     def __init__(self, secret: str | bytes, *, streams: int = 2, max_idle_per_peer: int | None = None,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, workers: int = 8,
-                 min_stream_bytes: int = MIN_STREAM_BYTES, max_object_bytes: int = MAX_U64) -> None:
+                 min_stream_bytes: int = MIN_STREAM_BYTES, max_object_bytes: int = MAX_U64,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         """``streams``: connections one batch is split over; ``max_idle_per_peer`` (default
         ``2 * streams``): idle connections kept per peer; ``workers``: owned threads running the
-        extra streams of every call."""
+        extra streams of every call. ``ssl_context`` (a client-side ``ssl.SSLContext``, e.g.
+        ``ssl.create_default_context(cafile=...)``): every connection is TLS, the server's
+        certificate checked for the address's host name (when the context checks host names)."""
         for name, v in (("streams", streams), ("workers", workers)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -577,6 +599,7 @@ class TcpTransport:
         self._buffer_bytes = socket_buffer_bytes
         self._min_stream_bytes = min_stream_bytes
         self._max_object_bytes = max_object_bytes
+        self._ssl = ssl_context
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Conn]] = {}
         self._live: set[_Conn] = set()
@@ -624,6 +647,12 @@ class TcpTransport:
                 return conn
         host, port = parse_address(address)
         sock = socket.create_connection((host, port), timeout=_left(deadline))
+        if self._ssl is not None:
+            try:
+                sock = self._ssl.wrap_socket(sock, server_hostname=host)  # TLS handshake, within the deadline
+            except BaseException:
+                sock.close()
+                raise
         conn = _Conn(sock, address)
         with self._lock:
             self._live.add(conn)

@@ -359,3 +359,43 @@ def test_server_rejects_bad_config():
             TcpTransportServer(store, SECRET, frame_timeout_s=0)
     finally:
         store.close(flush=False)
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (and its key) made by the openssl tool; skips without it."""
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl tool to make a certificate")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_round_trip_and_a_plain_or_untrusting_client_is_refused(tmp_path):
+    import ssl
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    with served(ssl_context=server_ctx, use_sendfile=True) as (store, srv):
+        t = transport(ssl_context=ssl.create_default_context(cafile=cert), streams=2, min_stream_bytes=1)
+        plain = transport()
+        untrusting = transport(ssl_context=ssl.create_default_context())
+        try:
+            keys = [f"tls/{i}" for i in range(3)]
+            data = [payload(k, 1 * MiB + i) for i, k in enumerate(keys)]
+            assert t.put(srv.address, keys, data) == [Status.OK] * 3
+            outs = [np.zeros(d.nbytes, np.uint8) for d in data]
+            assert t.get_into(srv.address, keys, outs) == [ReadResult(Status.OK, d.nbytes) for d in data]
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+            assert srv.stats()["sendfile_bytes"] == 0  # sendfile would bypass TLS
+            assert plain.get_into(srv.address, keys[:1], outs[:1], timeout_s=3.0) == [ReadResult(Status.IO_ERROR)]
+            assert untrusting.get_into(srv.address, keys[:1], outs[:1]) == [ReadResult(Status.IO_ERROR)]
+            assert untrusting.stats()["failures_refused"] == 1
+            assert wait_for(lambda: srv.stats()["handshake_failures"] >= 2)
+        finally:
+            t.close()
+            plain.close()
+            untrusting.close()
