@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import attribute_sources, compare_tokens, configurations
-from mooncake_kv.bench.serve_workload import build_workload, max_hit_blocks
+from mooncake_kv.bench.serve import attribute_sources, by_turn, compare_tokens, configurations
+from mooncake_kv.bench.serve_workload import (build_workload, conversation_parents, conversations, max_hit_blocks,
+                                              sample_conversations, shared_prefix_blocks)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("hit_ratio_alone", "hit_ratio_dram", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
@@ -39,6 +40,86 @@ def test_shared_leading_hash_ids_share_leading_tokens_only(tmp_path: Path) -> No
     assert [r.send_at_s for r in w[:3]] == [0.0, 0.1, 0.2]
     assert [r.max_hit_blocks for r in w] == [0, 0, 0, 10, 0, 10, 0, 12]
     assert w[7].max_hit_tokens == 12 * 32
+
+
+# Block 0 is every request's system prompt. Conversations: A = rows 0, 2, 5; B = 1, 4; D = 8, 9.
+# Row 3 has only the shared block and one of its own; row 6 is a single turn; row 7 shares [0, 1]
+# with row 0 but drops row 0's block 2, so it continues nothing (its own conversation of one).
+CONV_ROWS = [[0, 1, 2, 3], [0, 50, 51], [0, 1, 2, 4, 5], [0, 60], [0, 50, 52, 53], [0, 1, 2, 4, 6, 7],
+             [0, 70, 71], [0, 1, 9], [0, 80, 81], [0, 80, 82, 83]]
+
+
+def _write_rows(path: Path, rows: list[list[int]]) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 512 * len(ids), "output_length": 4,
+                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(rows)))
+    return path
+
+
+def test_conversations_are_chains_of_real_continuations() -> None:
+    assert shared_prefix_blocks(CONV_ROWS) == 1
+    assert shared_prefix_blocks([[5, 6, 7], [5, 6, 8], [5, 6]]) == 2
+    assert conversation_parents(CONV_ROWS, 1) == [None, None, 0, None, 1, 2, None, None, None, 8]
+    assert conversations(CONV_ROWS) == [[(0, 1), (2, 2), (5, 3)], [(1, 1), (4, 2)], [(8, 1), (9, 2)]]
+    # With the system prompt two blocks long, [0, 50] is no conversation's own part any more.
+    assert conversation_parents([[0, 50, 51], [0, 50, 52]], 2) == [None, None]
+
+
+def test_sample_conversations_takes_whole_conversations_deterministically() -> None:
+    assert sample_conversations(CONV_ROWS, requests=5) == [(0, 0, 1), (1, 1, 1), (2, 0, 2), (4, 1, 2), (5, 0, 3)]
+    # B would take 4 requests to 5: skipped, and so is D; A alone.
+    assert sample_conversations(CONV_ROWS, requests=4) == [(0, 0, 1), (2, 0, 2), (5, 0, 3)]
+    assert sample_conversations(CONV_ROWS, requests=4, start=1) == [(1, 1, 1), (4, 1, 2), (8, 8, 1), (9, 8, 2)]
+    assert sample_conversations(CONV_ROWS, requests=5) == sample_conversations(list(CONV_ROWS), requests=5)
+
+
+def test_conversation_workload_times_and_ceiling_are_those_of_the_requests_sent(tmp_path: Path) -> None:
+    trace = _write_rows(tmp_path / "c.jsonl", CONV_ROWS)
+    w = build_workload(trace, requests=5, tokens_per_block=32, time_scale=2, vocab=1024, sample="conversations")
+    assert [r.hash_ids for r in w] == [tuple(CONV_ROWS[i]) for i in (0, 1, 2, 4, 5)]
+    assert [r.send_at_s for r in w] == [0.0, 0.5, 1.0, 2.0, 2.5]  # trace seconds 0,1,2,4,5 over 2
+    assert [(r.conversation, r.turn) for r in w] == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3)]
+    # Over these five only: row 1 reuses the system prompt, row 2 three blocks of row 0, row 4 two
+    # of row 1, row 5 four of row 2.
+    assert [r.max_hit_blocks for r in w] == [0, 1, 3, 2, 4]
+    # Each later turn's prompt starts with its parent's tokens but the parent's last block.
+    assert w[2].prompt[:96] == w[0].prompt[:96] and w[4].prompt[:128] == w[2].prompt[:128]
+    # The same trace row gets the same prompt whichever way it was sampled.
+    by_time = build_workload(trace, requests=10, tokens_per_block=32, time_scale=2, vocab=1024)
+    assert w[3].prompt == by_time[4].prompt
+    assert build_workload(trace, requests=5, tokens_per_block=32, time_scale=2, vocab=1024,
+                          sample="conversations") == w
+    with pytest.raises(ValueError, match="--sample"):
+        build_workload(trace, requests=5, tokens_per_block=32, time_scale=2, vocab=1024, sample="turns")
+    with pytest.raises(ValueError, match="no multi-turn conversation"):
+        build_workload(trace, requests=1, tokens_per_block=32, time_scale=2, vocab=1024, sample="conversations")
+
+
+def test_conversations_of_the_real_trace_continue_their_parents() -> None:
+    w = build_workload(ROOT / "traces" / "conversation_trace.jsonl", requests=150, tokens_per_block=32,
+                       time_scale=20, vocab=1024, sample="conversations")
+    assert 140 <= len(w) <= 150
+    by_conv: dict[int, list] = {}
+    for r in w:
+        by_conv.setdefault(r.conversation, []).append(r)
+    assert len(by_conv) >= 10
+    for turns in by_conv.values():
+        assert turns[0].turn == 1 and len(turns) >= 2
+        for r in turns[1:]:
+            # Some earlier turn of the same conversation is continued beyond the shared block 0.
+            assert any(len(p.hash_ids) > 2 and r.hash_ids[:len(p.hash_ids) - 1] == p.hash_ids[:-1]
+                       for p in turns if p.index < r.index), r.index
+    prompt = sum(len(r.prompt) for r in w)
+    assert sum(r.max_hit_tokens for r in w) / prompt > 0.5  # the reuse the time sample lacks
+
+
+def test_by_turn_pools_late_turns() -> None:
+    recs = [{"turn": t, "ttft_s": 0.1 * t, "prompt_tokens": 100, "cached_tokens": 10 * t, "max_hit_tokens": 20 * t}
+            for t in (1, 1, 2, 8, 9)]
+    out = by_turn(recs)
+    assert list(out) == ["1", "2", "8+"]
+    assert out["1"]["requests"] == 2 and out["8+"]["requests"] == 2
+    assert out["2"] == {"requests": 1, "ttft_p50_s": 0.2, "hit_ratio": 0.2, "hit_ratio_max": 0.4}
+    assert by_turn([{"turn": 0, "ttft_s": 1.0, "prompt_tokens": 1, "cached_tokens": 0, "max_hit_tokens": 0}]) == {}
 
 
 def test_max_hit_blocks_stops_at_the_first_unseen_id() -> None:
@@ -110,3 +191,16 @@ def test_configurations_add_the_peers_on_cuda_only(tmp_path: Path) -> None:
     assert gpu[2].kv_transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == 64 << 20
     with pytest.raises(ValueError, match="--configs"):
         configurations(["dram"], cuda=False, **kw)
+
+
+def test_plot_has_a_per_turn_panel_with_turns(tmp_path: Path) -> None:
+    from mooncake_kv.bench.serve_plot import write_plot
+
+    recs = [{"ttft_s": 0.1 * (i % 3 + 1), "prompt_tokens": 100, "cached_tokens": 20 * (i % 3)} for i in range(9)]
+    turns = [i % 3 + 1 for i in range(9)]
+    two = write_plot(tmp_path / "two.png", {"alone": recs}, [10] * 9, [100] * 9, title="t")
+    three = write_plot(tmp_path / "three.png", {"alone": recs, "dram_ssd": recs}, [10] * 9, [100] * 9, title="t",
+                       turns=turns)
+    from PIL import Image
+
+    assert Image.open(two).size[1] < Image.open(three).size[1]  # the third panel makes it taller

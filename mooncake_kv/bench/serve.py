@@ -15,6 +15,11 @@ from each other and the TTFT of each would measure the other's load; and a serve
 only part of the trace. The order is always alone first, so any warm-up of the machine favours the
 baseline, never the tiers.
 
+The requests (``--sample``, rule in ``serve_workload``): ``time``, the first ``--requests`` in
+arrival order; ``conversations``, whole multi-turn conversations at their own trace times, so each
+later turn can reuse its earlier turns' KV and the summary adds TTFT and hit ratio per turn
+(``by_turn``).
+
 Requests go over the OpenAI-compatible HTTP API (``/v1/completions``, token-id prompts, greedy,
 streaming): each is sent at its trace arrival time divided by ``--time-scale``, concurrently. Per
 request: TTFT (send to first streamed token), prompt tokens and cached tokens
@@ -58,7 +63,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from mooncake_kv.bench.serve_plot import write_plot
-from mooncake_kv.bench.serve_workload import ServeRequest, build_workload
+from mooncake_kv.bench.serve_workload import SAMPLES, ServeRequest, build_workload
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", type=Path, default=ROOT / "traces" / "conversation_trace.jsonl")
     p.add_argument("--requests", type=int, default=200, help="requests taken from the trace")
-    p.add_argument("--start", type=int, default=0, help="index of the first trace request taken")
+    p.add_argument("--start", type=int, default=0,
+                   help="index of the first trace request (--sample time) or conversation (conversations) taken")
+    p.add_argument("--sample", choices=SAMPLES, default="time",
+                   help="time: the first --requests in arrival order; conversations: whole multi-turn "
+                        "conversations (derived from the hash ids) at their own trace times")
     p.add_argument("--tokens-per-block", type=int, default=32,
                    help="tokens per 512-token trace block (< 512; a multiple of 32)")
     p.add_argument("--time-scale", type=float, default=0.5,
@@ -331,7 +340,7 @@ async def _one(client: httpx.AsyncClient, url: str, req: ServeRequest, max_token
     rec = {"index": req.index, "sent_s": sent - t0, "ttft_s": first - sent, "e2e_s": done - sent,
            "prompt_tokens": usage.get("prompt_tokens", len(req.prompt)),
            "cached_tokens": int(details.get("cached_tokens") or 0), "max_hit_tokens": req.max_hit_tokens,
-           "tokens": tokens}
+           "conversation": req.conversation, "turn": req.turn, "tokens": tokens}
     if scraper is not None:
         d = await scraper.delta()
         rec["source_delta"] = {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("source:")}
@@ -406,11 +415,28 @@ def attribute_sources(recs: list[dict], totals: dict[str, float]) -> None:
         r["tier_tokens"] = got
 
 
+def by_turn(recs: list[dict], last_turn: int = 8) -> dict[str, dict[str, float]]:
+    """Turn ("1".."last_turn", and f"{last_turn}+" for the later ones pooled) -> requests, TTFT
+    p50 and hit ratio; empty when the records carry no turns (``--sample time``)."""
+    groups: dict[str, list[dict]] = {}
+    for r in recs:
+        if r.get("turn", 0) > 0:
+            groups.setdefault(str(r["turn"]) if r["turn"] < last_turn else f"{last_turn}+", []).append(r)
+    out = {}
+    for key in sorted(groups, key=lambda k: int(k.rstrip("+"))):
+        g = groups[key]
+        prompt = sum(r["prompt_tokens"] for r in g)
+        out[key] = {"requests": len(g), "ttft_p50_s": round(_pct([r["ttft_s"] for r in g], 50), 4),
+                    "hit_ratio": round(sum(r["cached_tokens"] for r in g) / prompt, 4) if prompt else 0.0,
+                    "hit_ratio_max": round(sum(r["max_hit_tokens"] for r in g) / prompt, 4) if prompt else 0.0}
+    return out
+
+
 def summarize(recs: list[dict], wall_s: float, totals: dict[str, float]) -> dict[str, Any]:
     ttft = [r["ttft_s"] for r in recs]
     prompt = sum(r["prompt_tokens"] for r in recs)
     cached = sum(r["cached_tokens"] for r in recs)
-    return {"ttft_p50_s": round(_pct(ttft, 50), 4), "ttft_p90_s": round(_pct(ttft, 90), 4),
+    return {"by_turn": by_turn(recs),"ttft_p50_s": round(_pct(ttft, 50), 4), "ttft_p90_s": round(_pct(ttft, 90), 4),
             "ttft_p99_s": round(_pct(ttft, 99), 4), "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
             "throughput_req_s": round(len(recs) / wall_s, 3), "prompt_tokens_s": round(prompt / wall_s, 1),
             "wall_s": round(wall_s, 2), "prompt_tokens": prompt, "cached_tokens": cached,
@@ -476,7 +502,8 @@ def run(args: argparse.Namespace) -> int:
     shape = ModelShape(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate)
     try:
         workload = build_workload(args.trace, requests=args.requests, tokens_per_block=tpb,
-                                  time_scale=args.time_scale, vocab=shape.vocab, start=args.start)
+                                  time_scale=args.time_scale, vocab=shape.vocab, start=args.start,
+                                  sample=args.sample)
     except ValueError as e:  # TraceError included
         raise SystemExit(str(e)) from None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-serve-"))
@@ -498,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     if not cuda:
         _progress(CPU_PEERS_SKIPPED)
-    _progress(f"{len(workload)} requests from {args.trace.name} (from #{args.start}), {tpb} tokens per trace block, "
+    _progress(f"{len(workload)} requests from {args.trace.name} ({args.sample} sample from #{args.start}), {tpb} tokens per trace block, "
               f"time scale {args.time_scale}; working set {working_set_bytes / 2**20:.0f} MiB of KV, DRAM tier "
               f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
     runs: dict[str, list[dict]] = {}
@@ -530,8 +557,9 @@ def run(args: argparse.Namespace) -> int:
     plot = args.plot or work / "bench_serve.png"
     write_plot(plot, {n: runs[n] for n in runs}, [r.max_hit_tokens for r in workload],
                [len(r.prompt) for r in workload],
-               title=f"bench serve: {len(workload)} requests of {args.trace.name}, {tpb} tokens per trace block, "
-                     f"time scale {args.time_scale}")
+               title=f"bench serve: {len(workload)} requests of {args.trace.name} ({args.sample}), "
+                     f"{tpb} tokens per trace block, "
+                     f"time scale {args.time_scale}", turns=[r.turn for r in workload])
 
     def hr(name: str) -> float | None:
         return summary[name]["hit_ratio"] if name in summary else None
@@ -550,7 +578,9 @@ def run(args: argparse.Namespace) -> int:
                                 if "dram_ssd" in runs and max_tokens else None),
         "tokens_checked_requests": checked, "token_mismatches": mismatches,
         "configs": summary, "plot": str(plot),
-        "workload": {"trace": str(args.trace), "requests": len(workload), "start": args.start,
+        "workload": {"trace": str(args.trace), "sample": args.sample, "requests": len(workload),
+                     "start": args.start,
+                     "conversations": len({r.conversation for r in workload if r.turn}),
                      "tokens_per_block": tpb, "time_scale": args.time_scale, "max_tokens": args.max_tokens,
                      "prompt_tokens": prompt_total, "working_set_bytes": working_set_bytes,
                      "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,

@@ -9,6 +9,23 @@ more token of its own (seeded with the request's index): vLLM always computes a 
 token, so without it a repeated prompt could never have its last block served from a cache, while
 the trace's ceiling counts that block as a hit.
 
+Two ways to choose the requests (``sample``):
+
+- ``time``: requests ``start`` .. ``start + requests`` in arrival order.
+- ``conversations``: whole multi-turn conversations, derived from the hash ids alone (the FAST'25
+  trace has no conversation ids). The rule: request B *continues* an earlier request A when B's
+  ``hash_ids`` start with all of A's ``hash_ids`` but A's last one (a prompt's last block is
+  partial, and the next turn's prompt fills it with the answer and the next question, so its id
+  changes), and that common part is longer than the prefix every request of the trace shares
+  (:func:`shared_prefix_blocks`: a system prompt is no conversation). Among the requests B
+  continues, its parent is the one with the longest such common part, the latest on a tie. A
+  conversation is a parent with all its descendants (a tree: a turn may be continued more than
+  once, a retry or a branch); only those with two requests or more are taken. Conversations are
+  taken whole in the order of their first request, from the ``start``-th on, skipping one that
+  would take the total past ``requests``; their requests are sent in arrival order at their own
+  trace times (relative to the first chosen request, divided by ``time_scale``), so conversations
+  interleave as in the trace.
+
 Pure functions, no I/O beyond reading the trace; called on the caller's thread.
 """
 
@@ -35,6 +52,8 @@ class ServeRequest:
     hash_ids: tuple[int, ...]
     max_hit_blocks: int  # leading blocks an infinite cache would hold (their hash prefix seen before)
     tokens_per_block: int
+    conversation: int = -1  # trace index of the conversation's first request (-1: not sampled by conversation)
+    turn: int = 0  # 1 for a conversation's first request, parent's turn + 1 after (0: not sampled by conversation)
 
     @property
     def blocks(self) -> int:
@@ -67,34 +86,117 @@ def max_hit_blocks(hash_rows: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, time_scale: float,
-                   vocab: int, start: int = 0) -> list[ServeRequest]:
-    """Requests ``start`` .. ``start + requests`` of the trace as :class:`ServeRequest` (raises
-    ValueError naming the bad argument; TraceError for an unreadable trace).
+def shared_prefix_blocks(hash_rows: Sequence[Sequence[int]]) -> int:
+    """The number of leading hash ids every row has in common (0 for no rows)."""
+    if not hash_rows:
+        return 0
+    first = hash_rows[0]
+    n = len(first)
+    for ids in hash_rows[1:]:
+        k = 0
+        while k < n and k < len(ids) and ids[k] == first[k]:
+            k += 1
+        n = k
+    return n
 
-    Arrival times are relative to the first chosen request and divided by ``time_scale``.
+
+def conversation_parents(hash_rows: Sequence[Sequence[int]], shared_blocks: int) -> list[int | None]:
+    """Per row (in arrival order), the index of the earlier row it continues, or None (the rule is
+    in the module docstring: B continues A when B starts with A's ids but A's last, and that common
+    part is longer than ``shared_blocks``)."""
+    latest: dict[tuple[int, ...], int] = {}  # A's ids but its last -> the latest such A
+    out: list[int | None] = []
+    for i, ids in enumerate(hash_rows):
+        t = tuple(ids)
+        parent = None
+        for k in range(len(t), shared_blocks, -1):  # longest common part first
+            j = latest.get(t[:k])
+            if j is not None:
+                parent = j
+                break
+        out.append(parent)
+        if len(t) - 1 > shared_blocks:
+            latest[t[:-1]] = i
+    return out
+
+
+def conversations(hash_rows: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """The trace's multi-turn conversations: each a list of (row index, turn) in arrival order,
+    turn 1 the first request; conversations in the order of their first request; single requests
+    left out."""
+    parents = conversation_parents(hash_rows, shared_prefix_blocks(hash_rows))
+    root: list[int] = []
+    turn: list[int] = []
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for i, p in enumerate(parents):
+        root.append(i if p is None else root[p])
+        turn.append(1 if p is None else turn[p] + 1)
+        groups.setdefault(root[i], []).append((i, turn[i]))
+    return [g for _, g in sorted(groups.items()) if len(g) > 1]
+
+
+def sample_conversations(hash_rows: Sequence[Sequence[int]], *, requests: int,
+                         start: int = 0) -> list[tuple[int, int, int]]:
+    """Whole conversations from the ``start``-th on, in the order of their first request, each
+    skipped when it would take the total past ``requests``: (row index, conversation, turn) in
+    arrival order, ``conversation`` the index of its first row."""
+    chosen: list[tuple[int, int, int]] = []
+    for conv in conversations(hash_rows)[start:]:
+        if len(chosen) + len(conv) > requests:
+            continue
+        chosen += [(i, conv[0][0], t) for i, t in conv]
+        if len(chosen) == requests:
+            break
+    return sorted(chosen)
+
+
+SAMPLES = ("time", "conversations")
+
+
+def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, time_scale: float,
+                   vocab: int, start: int = 0, sample: str = "time") -> list[ServeRequest]:
+    """The chosen requests of the trace as :class:`ServeRequest`, in arrival order (raises
+    ValueError naming the bad argument; TraceError for an unreadable trace). ``sample``: ``time``
+    (requests ``start`` .. ``start + requests``) or ``conversations`` (whole conversations from
+    the ``start``-th on, see the module docstring).
+
+    Arrival times are relative to the first chosen request and divided by ``time_scale``; the
+    trace's ceiling (``max_hit_blocks``) is computed over exactly the chosen requests.
     """
+    if sample not in SAMPLES:
+        raise ValueError(f"--sample must be one of {', '.join(SAMPLES)}, got {sample!r}")
     if requests <= 0:
         raise ValueError(f"--requests must be > 0, got {requests}")
     if not 0 < tokens_per_block < 512:
         raise ValueError(f"--tokens-per-block must be in 1..511 (a trace block is 512 tokens), got {tokens_per_block}")
     if time_scale <= 0:
         raise ValueError(f"--time-scale must be > 0, got {time_scale}")
-    trace = load_trace(trace_path, max_requests=start + requests)
-    chosen = trace.requests[start:start + requests]
-    if not chosen:
-        raise ValueError(f"{trace_path} has no requests from index {start}")
+    if start < 0:
+        raise ValueError(f"--start must be >= 0, got {start}")
+    if sample == "time":
+        trace = load_trace(trace_path, max_requests=start + requests)
+        picked = [(start + i, -1, 0) for i in range(len(trace.requests[start:start + requests]))]
+        if not picked:
+            raise ValueError(f"{trace_path} has no requests from index {start}")
+    else:
+        trace = load_trace(trace_path)
+        picked = sample_conversations([r.hash_ids for r in trace.requests], requests=requests, start=start)
+        if not picked:
+            raise ValueError(f"{trace_path}: no multi-turn conversation of at most {requests} requests "
+                             f"from conversation {start} on")
+    chosen = [trace.requests[i] for i, _, _ in picked]
     cache: dict[int, list[int]] = {}
     hits = max_hit_blocks([r.hash_ids for r in chosen])
     t0 = chosen[0].timestamp_s
     out: list[ServeRequest] = []
-    for i, (r, hit) in enumerate(zip(chosen, hits)):
+    for i, (r, hit, (row, conv, turn)) in enumerate(zip(chosen, hits, picked)):
         prompt: list[int] = []
         for h in r.hash_ids:
             if h not in cache:
                 cache[h] = block_tokens(h, tokens_per_block, vocab)
             prompt += cache[h]
-        prompt.append(random.Random(-1 - (start + i)).randrange(FIRST_TOKEN_ID, vocab))
+        # Seeded with the trace row, so a request's own token does not depend on the sample.
+        prompt.append(random.Random(-1 - row).randrange(FIRST_TOKEN_ID, vocab))
         out.append(ServeRequest(i, (r.timestamp_s - t0) / time_scale, prompt, r.hash_ids, hit,
-                                tokens_per_block))
+                                tokens_per_block, conv, turn))
     return out
