@@ -8,8 +8,9 @@ order and sizes the header names. Exchanges (``req`` numbers a request; its answ
   reader will verify each object against, the directory's record; 0 = none) -> ``get_reply`` (statuses, sizes)
   -> the payload of every OK key -> ``get_ack`` from the reader once it has all of it ->
   ``get_end`` (statuses: OK, or IO_ERROR where the lease's release said the bytes may have
-  changed while they were sent; checksums: keyed xxh3-64 per OK key, masked (see :class:`Session`), 0 where the request named one:
-  the reader checks those against its own record, so the server need not hash them). The server releases its leases
+  changed while they were sent; checksums: keyed xxh3-64 per OK key, masked (see :class:`Session`),
+  0 where the request named one: the reader checks those against its own record, so the server
+  need not hash them). The server releases its leases
   only after ``get_ack``: ``sendfile`` queues references to the arena's pages, not copies, so a
   slot released (and reused) before the reader copied them out would change bytes in flight.
 - put: ``put`` (keys, sizes) -> ``put_accept`` (statuses: OK = send it) -> the payload of every
