@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -53,6 +54,9 @@ class ResidencyEvent(msgspec.Struct, frozen=True, array_like=True):
     src_tier: str | None = None  # moved only
     lost: bool = False  # evicted: it was the last copy the store had
     seq: int = 0  # store-wide, increasing, stamped by the bus at publish
+    # Wall-clock seconds (time.time()) stamped by the bus at publish; publish runs under the store
+    # lock at the change, so for ``stored`` it is the commit time (the pool's remove rule uses it).
+    at_s: float = 0.0
 
 
 Subscriber = Callable[[list[ResidencyEvent]], None]
@@ -145,9 +149,10 @@ class ResidencyBus:
                 self._seq += len(events)
                 return
             room = self._queue_max - len(self._queue)
+            now_s = time.time()
             for e in events[:max(0, room)]:
                 self._seq += 1
-                self._queue.append(msgspec.structs.replace(e, seq=self._seq))
+                self._queue.append(msgspec.structs.replace(e, seq=self._seq, at_s=e.at_s or now_s))
             over = len(events) - max(0, room)
             if over > 0:
                 self._seq += over

@@ -49,10 +49,23 @@ _CHECKSUMS_MAX = 1 << 20
 class Registrar:
     def __init__(self, store: Any, directory: Directory, node_id: str, *, info: Callable[[], NodeInfo],
                  heartbeat_s: float = 1.0, node_ttl_s: float = 5.0, checksum: bool = True,
-                 on_stored: Callable[[list[tuple[str, int]]], None] | None = None,
-                 queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX) -> None:
+                 on_stored: Callable[[list[tuple[str, int, float]]], None] | None = None,
+                 queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX, pull_margin_s: float = 10.0,
+                 dead_node_gc_s: float | None = None, gc_every_s: float = 60.0,
+                 peer_put: Callable[[str], bool] | None = None) -> None:
         """``info()`` builds this node's :class:`NodeInfo` for each heartbeat; ``on_stored`` gets
-        (key, size) of objects newly stored here once registered (the replicator's offer)."""
+        (key, size, stored_at_s) of objects newly stored here once registered (the replicator's offer).
+
+        Remove rule (docs/design/POOL.md, the directory's module docstring): a ``stored`` object
+        registers with ``stored_at_s`` = its event's ``at_s`` (the commit time); a copy pulled
+        from a peer (``moved`` from tier "pool") with ``at_s - pull_margin_s`` (the pool's
+        transfer timeout: a remove that ran while the bytes were on the way refuses it, a cache
+        miss rather than stale bytes), and so does an object a peer's put stored here
+        (``peer_put(key)`` True: a replica, whose bytes were read from the source before they
+        came); other re-registrations (moves, evictions) with 0.0. A key
+        the directory refuses is deleted here (``remove(local_only=True)``) and counted in
+        ``refused_registrations``. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
+        from the directory, once per ``gc_every_s``; None: never."""
         self.store = store
         self.directory = directory
         self.node_id = node_id
@@ -63,8 +76,13 @@ class Registrar:
         self._on_stored = on_stored
         self._queue_max = queue_max
         self._batch_max = batch_max
+        self._pull_margin_s = pull_margin_s
+        self._dead_node_gc_s = dead_node_gc_s
+        self._gc_every_s = gc_every_s
+        self._peer_put = peer_put
         self._cond = threading.Condition()
-        self._queue: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()  # key -> (size, new)
+        # key -> (size, new, stored_at_s for the directory's remove rule)
+        self._queue: collections.OrderedDict[str, tuple[int, bool, float]] = collections.OrderedDict()
         self._resync = True  # at start
         self._stopping = False
         self._checksums: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -72,7 +90,8 @@ class Registrar:
         self._unsubscribe: Callable[[], None] | None = None
         self._stop_event = threading.Event()
         self.counters = dict.fromkeys(("registered", "unregistered", "resyncs", "directory_errors", "gaps",
-                                       "tombstoned", "heartbeats", "hashed"), 0)
+                                       "tombstoned", "heartbeats", "hashed", "refused_registrations",
+                                       "pruned_nodes"), 0)
         self.directory_ok = True
         self.last_resync_ns = 0
         self._busy = False  # the thread is working on a batch (wait_idle)
@@ -124,12 +143,23 @@ class Registrar:
     def _on_events(self, events: list[ResidencyEvent]) -> None:
         with self._cond:
             for ev in events:
-                new = ev.kind == "stored"
                 old = self._queue.pop(ev.key, None)
                 if len(self._queue) >= self._queue_max:
                     self._resync = True  # too far behind: the resync covers everything
                     continue
-                self._queue[ev.key] = (ev.size or (old[0] if old else 0), new or bool(old and old[1]))
+                if ev.kind == "removed":
+                    old = None  # whatever comes after is another object
+                if ev.kind == "stored" and self._peer_put is not None and self._peer_put(ev.key):
+                    new, at_s = True, max(0.0, ev.at_s - self._pull_margin_s)  # a peer's copy
+                elif ev.kind == "stored":
+                    new, at_s = True, ev.at_s
+                elif ev.kind == "moved" and ev.src_tier == "pool":
+                    # A copy read from a peer: committed there before the read began, at the latest
+                    # pull_margin_s before it landed here.
+                    new, at_s = False, max(0.0, ev.at_s - self._pull_margin_s)
+                else:  # the same object moved or evicted here: its commit time, if queued, stays
+                    new, at_s = bool(old and old[1]), (old[2] if old else 0.0)
+                self._queue[ev.key] = (ev.size or (old[0] if old else 0), new or bool(old and old[1]), at_s)
             self._cond.notify_all()
 
     def _on_gap(self) -> None:
@@ -153,11 +183,11 @@ class Registrar:
                 self._busy = True
                 resync = self._resync
                 self._resync = False
-                batch: list[tuple[str, int, bool]] = []
+                batch: list[tuple[str, int, bool, float]] = []
                 if not resync:
                     while self._queue and len(batch) < self._batch_max:
-                        key, (size, new) = self._queue.popitem(last=False)
-                        batch.append((key, size, new))
+                        key, (size, new, at_s) = self._queue.popitem(last=False)
+                        batch.append((key, size, new, at_s))
             try:
                 if resync:
                     self._do_resync()
@@ -220,27 +250,52 @@ class Registrar:
             while len(self._checksums) > _CHECKSUMS_MAX:
                 self._checksums.popitem(last=False)
 
-    def _apply(self, batch: list[tuple[str, int, bool]]) -> None:
-        keys = [k for k, _s, _n in batch]
-        sizes = {k: s for k, s, _n in batch}
-        new = {k for k, _s, n in batch if n}
+    def _apply(self, batch: list[tuple[str, int, bool, float]]) -> None:
+        keys = [k for k, _s, _n, _a in batch]
+        sizes = {k: s for k, s, _n, _a in batch}
+        new = {k for k, _s, n, _a in batch if n}
+        at = {k: a for k, _s, _n, a in batch}
+        refused: list[str] = []
         try:
             entries, gone = self._locations(keys, sizes, new)
             if entries:
-                self.directory.register(self.node_id, entries)
-                self.counters["registered"] += len(entries)
+                refused = self.directory.register(self.node_id, entries,
+                                                  stored_at_s=[at.get(k, 0.0) for k, _l in entries])
+                self.counters["registered"] += len(entries) - len(refused)
             if gone:
                 self.directory.unregister(self.node_id, gone)
                 self.counters["unregistered"] += len(gone)
         except DirectoryUnavailable:
             with self._cond:  # tried again after the outage (the resync covers them too)
-                for k, s, n in batch:
-                    self._queue.setdefault(k, (s, n))
+                for k, s, n, a in batch:
+                    self._queue.setdefault(k, (s, n, a))
             raise
+        if refused:
+            self._drop_refused(refused)
         if self._on_stored is not None:
-            offered = [(k, loc.size) for k, loc in entries if k in new]
+            no = set(refused)
+            offered = [(k, loc.size, at.get(k, 0.0)) for k, loc in entries if k in new and k not in no]
             if offered:
                 self._on_stored(offered)
+
+    def _drop_refused(self, refused: list[str]) -> None:
+        """Delete here the copies the directory refused (removed pool-wide after they were
+        committed). A key stored again since (a ``stored`` event queued) is left to its own
+        registration."""
+        with self._cond:
+            drop = [k for k in refused if not (k in self._queue and self._queue[k][1])]
+        self.counters["refused_registrations"] += len(refused)
+        if not drop:
+            return
+        statuses = self.store.remove(drop, local_only=True)
+        self._checksums_drop(drop)
+        logger.info("pool registrar: %d copies removed pool-wide after they were stored here deleted "
+                    "(%d not deletable)", len(drop),
+                    sum(1 for st in statuses if st not in (Status.OK, Status.NOT_FOUND)))
+
+    def _checksums_drop(self, keys: list[str]) -> None:
+        for k in keys:
+            self._checksums.pop(k, None)
 
     def _do_resync(self) -> None:
         """Register everything this node holds (``resync=True``); delete tombstoned keys locally;
@@ -273,8 +328,29 @@ class Registrar:
         logger.info("pool registrar: resynced %d objects (%d stale locations dropped)", len(held), len(stale))
 
     # -- the heartbeat thread ------------------------------------------------------------------------
+    def _watch_nodes(self, dead_before: set[str], next_gc: float) -> tuple[set[str], float]:
+        """Each heartbeat: the directory's nodes, and every node newly dead forgotten by the
+        location cache (``forget_node``), so a dead peer's cached locations are not used past its
+        TTL; once per ``gc_every_s`` nodes dead longer than ``dead_node_gc_s`` are pruned."""
+        dead = {n.node_id for n in self.directory.nodes() if not n.alive}
+        forget = getattr(self.directory, "forget_node", None)
+        if forget is not None:
+            for node_id in dead - dead_before:
+                forget(node_id)
+        now = time.monotonic()
+        if self._dead_node_gc_s is not None and now >= next_gc:
+            next_gc = now + self._gc_every_s
+            pruned = self.directory.prune_dead(self._dead_node_gc_s)
+            if pruned:
+                self.counters["pruned_nodes"] += len(pruned)
+                logger.info("pool: forgot %d nodes dead for over %.0f s: %s", len(pruned), self._dead_node_gc_s,
+                            ", ".join(pruned[:5]))
+        return dead, next_gc
+
     def _beat(self) -> None:
         was_down = False
+        dead: set[str] = set()
+        next_gc = time.monotonic() + min(self._gc_every_s, self._dead_node_gc_s or self._gc_every_s)
         while True:
             try:
                 known = self.directory.heartbeat(self._info(), self.node_ttl_s)
@@ -286,6 +362,7 @@ class Registrar:
                                        "over, or the mark expired): resyncing")
                     self.request_resync()
                 was_down = False
+                dead, next_gc = self._watch_nodes(dead, next_gc)
             except DirectoryUnavailable as e:
                 if not was_down:
                     logger.warning("pool heartbeat: the directory is unavailable (%s)", e)

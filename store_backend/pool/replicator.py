@@ -8,7 +8,10 @@ a peer received is offered by that peer's registrar too) is left alone; the plan
 :func:`store_backend.plans.replica_targets` over the live nodes that do not hold it; per target
 ``put_start`` (phase 1: pending, invisible) -> the bytes leased from the local store (this node's
 tiers only) -> ``transport.put`` -> ``put_end`` for what the peer committed, ``put_abort`` for the
-rest. Failures are counted and logged, never raised. ``start()``/``close()``; thread-safe ``offer``.
+rest. A peer's EXISTS is not a copy placed (it may hold another, older object under the key): the
+mark is aborted and the peer's own registrar registers what it holds. ``put_end`` records the
+xxh3-64 of the bytes sent (never 0) and the source object's ``stored_at_s`` (the remove rule: a
+pool-wide remove after the commit refuses the copy). Failures are counted and logged, never raised. ``start()``/``close()``; thread-safe ``offer``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import logging
 import threading
 import time
 from typing import Any
+
+import xxhash
 
 from store_backend.plans import replica_targets
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
@@ -44,7 +49,7 @@ class Replicator:
         self._queue_max = queue_max
         self._batch_max = batch_max
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, int]] = collections.deque()
+        self._queue: collections.deque[tuple[str, int, float]] = collections.deque()  # key, size, stored_at_s
         self._stopping = False
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -66,12 +71,14 @@ class Replicator:
                 logger.warning("pool replicator still running after %.1f s", timeout_s)
             self._thread = None
 
-    def offer(self, key_sizes: list[tuple[str, int]]) -> None:
-        """Queue objects just stored here for their extra copies (never blocks; past the bound the
-        rest are dropped and counted)."""
+    def offer(self, key_sizes: list[tuple[str, int]] | list[tuple[str, int, float]]) -> None:
+        """Queue objects just stored here for their extra copies: (key, size) or (key, size,
+        stored_at_s: the commit time here; 0.0 when omitted). Never blocks; past the bound the
+        rest are dropped and counted."""
         with self._cond:
             room = self._queue_max - len(self._queue)
-            self._queue.extend(key_sizes[:max(0, room)])
+            self._queue.extend((t[0], t[1], float(t[2]) if len(t) > 2 else 0.0)  # type: ignore[misc]
+                               for t in key_sizes[:max(0, room)])
             self.counters["replicas_dropped"] += max(0, len(key_sizes) - max(0, room))
             self._cond.notify_all()
 
@@ -106,12 +113,13 @@ class Replicator:
                 self.counters["replicas_failed"] += len(batch)
                 logger.exception("pool replicator: a batch of %d failed", len(batch))
 
-    def _place(self, batch: list[tuple[str, int]]) -> None:
-        keys = [k for k, _s in batch]
+    def _place(self, batch: list[tuple[str, int, float]]) -> None:
+        keys = [k for k, _s, _a in batch]
+        at = {k: a for k, _s, a in batch}
         nodes = self.directory.nodes()
         holders = [{loc.node for loc in locs} | {self.node_id} for locs in self.directory.locate(keys)]
         groups: dict[frozenset[str], list[tuple[str, int]]] = {}
-        for (key, size), held in zip(batch, holders):
+        for (key, size, _a), held in zip(batch, holders):
             if len(held) >= self.replicas:
                 self.counters["replicas_skipped"] += 1
                 continue
@@ -122,10 +130,13 @@ class Replicator:
             plan = replica_targets(items, others, self.node_id, self.replicas - len(held) + 1)
             sizes = dict(items)
             for target, tkeys in plan.items():
-                self._send(target, address[target], tkeys, sizes)
+                self._send(target, address[target], tkeys, sizes, at)
 
-    def _send(self, target: str, address: str, keys: list[str], sizes: dict[str, int]) -> None:
-        ok = self.directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * self.timeout_s)
+    def _send(self, target: str, address: str, keys: list[str], sizes: dict[str, int],
+              at: dict[str, float] | None = None) -> None:
+        at = at or {}
+        ok = self.directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * self.timeout_s,
+                                      stored_at_s=[at.get(k, 0.0) for k in keys])
         send = [k for k, fresh in zip(keys, ok) if fresh]
         if not send:
             return
@@ -139,8 +150,9 @@ class Replicator:
                 statuses = self.transport.put(address, [ls.key for ls in held], [ls.view for ls in held],
                                               timeout_s=self.timeout_s)
                 for ls, st in zip(held, statuses):
-                    if st in (Status.OK, Status.EXISTS):
-                        committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes, 0)))
+                    if st is Status.OK:  # EXISTS: the peer's object, maybe another one: not ours to list
+                        committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes,
+                                                           xxhash.xxh3_64_intdigest(ls.view))))
                     else:
                         failed.append(ls.key)
         finally:
@@ -150,7 +162,10 @@ class Replicator:
         if committed:
             # The peer's own registrar registers them too (with its checksum); put_end makes them
             # visible now, whichever comes first.
-            self.directory.put_end(target, committed)
+            # False: the peer's registrar was first (its record stands), or a remove ran meanwhile
+            # (then the peer registers its copy as one received from a peer, which the remove's
+            # tombstone refuses, and deletes it).
+            self.directory.put_end(target, committed, stored_at_s=[at.get(k, 0.0) for k, _l in committed])
         if failed:
             self.directory.put_abort(target, failed)
         self.counters["replicas_sent"] += len(committed)

@@ -14,7 +14,9 @@ a drain. Blocking (binds, joins); call from one thread.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 from typing import Any
 
@@ -29,6 +31,10 @@ from store_backend.pool.tier import PoolTier
 
 logger = logging.getLogger(__name__)
 
+# Peer puts remembered until their stored event is seen (past it the oldest are forgotten: such a
+# copy then registers as a local put).
+_PEER_PUTS_MAX = 65536
+
 
 class _LocalStore:
     """A store as a peer's transport sees it: ``lease`` stages in and ``remove`` deletes from this
@@ -37,9 +43,27 @@ class _LocalStore:
 
     def __init__(self, store: Any) -> None:
         self._store = store
+        self._lock = threading.Lock()
+        # Keys a peer's put is committing here (marked before the commit publishes its event):
+        # the registrar registers those as copies received from a peer (see Registrar).
+        self._peer_puts: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
+
+    def commit(self, reservations: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            for r in reservations:
+                self._peer_puts[r.key] = None
+                self._peer_puts.move_to_end(r.key)
+            while len(self._peer_puts) > _PEER_PUTS_MAX:
+                self._peer_puts.popitem(last=False)
+        return self._store.commit(reservations, **kwargs)
+
+    def take_peer_put(self, key: str) -> bool:
+        """Whether ``key``'s last commit here was a peer's put (forgotten once asked). Thread-safe, quick."""
+        with self._lock:
+            return self._peer_puts.pop(key, 0) is None
 
     def lease(self, keys: Any, **kwargs: Any) -> Any:
         return self._store.lease(keys, local_only=True, **kwargs)
@@ -84,7 +108,8 @@ class PoolService:
         try:
             self.directory = CachedDirectory(make_directory(cfg.directory, node_id=self.node_id),
                                              max_entries=cfg.cache_entries, cache_ttl_s=cfg.cache_ttl_s)
-            self.server = TcpTransportServer(local_view(self.store), secret, host, port)
+            served = local_view(self.store)
+            self.server = TcpTransportServer(served, secret, host, port)
             self.server.start()
             self.address = cfg.advertise or self.server.address
             self.transport = TcpTransport(secret, streams=cfg.streams)
@@ -95,7 +120,9 @@ class PoolService:
             self.registrar = Registrar(
                 self.store, self.directory, self.node_id, info=self.info, heartbeat_s=cfg.heartbeat_s,
                 node_ttl_s=cfg.node_ttl_s, checksum=cfg.checksum,
-                on_stored=self.replicator.offer if self.replicator is not None else None).start()
+                on_stored=self.replicator.offer if self.replicator is not None else None,
+                pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
+                peer_put=served.take_peer_put).start()
         except BaseException:
             self.close()
             raise

@@ -22,6 +22,7 @@ buffers are the caller's and are written only by the transport.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 _RETRY = (Status.IO_ERROR, Status.CORRUPT, Status.NOT_FOUND)
 # How long a peer's address is reused before the directory is asked again.
 _ADDRESS_TTL_S = 5.0
+# Removes owed to live peers that did not confirm one, waiting for their retry (past it the oldest
+# is dropped and counted: that copy stays until its node re-registers it and the tombstone refuses it).
+REMOVE_RETRY_MAX = 4096
 
 
 class PoolTier:
@@ -68,9 +72,16 @@ class PoolTier:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._down_until = 0.0  # monotonic: the directory failed; misses until then
+        self._outage = False  # the last directory call failed: one probe at a time until one succeeds
+        self._probing = False
+        # Removes a live peer did not confirm: (node, keys), retried by the owned thread.
+        self._remove_retry: collections.deque[tuple[str, tuple[str, ...]]] = collections.deque()
+        self._retry_thread: threading.Thread | None = None
+        self._retry_wake = threading.Condition(self._lock)
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
         self._counts = dict.fromkeys(("hits", "misses", "bytes_read", "retries", "directory_errors",
-                                      "failures_directory", "removes", "no_address"), 0)
+                                      "failures_directory", "removes", "no_address", "remove_retries",
+                                      "remove_retries_dropped"), 0)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def bind(self, directory: Directory | None, transport: Transport | None) -> None:
@@ -86,7 +97,14 @@ class PoolTier:
             self._closed = True
             pool, self._pool = self._pool, None
             self._directory = self._transport = None
+            retry, self._retry_thread = self._retry_thread, None
+            self._remove_retry.clear()
+            self._retry_wake.notify_all()
         shutdown_pool(pool, Deadline(5.0), owner="pool tier")
+        if retry is not None:
+            retry.join(5.0)
+            if retry.is_alive():
+                logger.warning("pool tier: the remove retry thread still runs after 5 s")
 
     def _parts(self) -> tuple[Directory, Transport] | None:
         with self._lock:
@@ -101,20 +119,41 @@ class PoolTier:
 
     # -- the directory, with the back-off after an outage --------------------------------------------
     def _ask(self, fn: Callable[[], Any], nkeys: int) -> Any:
-        """``fn()`` (a directory call), or None when the directory is down or backing off: then the
-        ``nkeys`` keys are counted as failed under ``directory`` and the caller answers misses."""
-        if self._clock() < self._down_until:
-            self._count("failures_directory", nkeys)
-            return None
+        """``fn()`` (a directory call), or None when the directory is down: then the ``nkeys`` keys
+        are counted as failed under ``directory`` and the caller answers misses.
+
+        After a failure the tier answers at once for ``retry_after_s``; then one caller at a time
+        probes the directory (the others answer at once meanwhile) until a call succeeds, so an
+        outage stalls one engine thread per ``retry_after_s``, not all of them."""
+        probe = False
+        with self._lock:
+            if self._outage:
+                if self._probing or self._clock() < self._down_until:
+                    self._counts["failures_directory"] += nkeys
+                    return None
+                self._probing = probe = True
         try:
-            return fn()
+            got = fn()
         except DirectoryUnavailable as e:
-            self._down_until = self._clock() + self.retry_after_s
-            self._count("directory_errors")
-            self._count("failures_directory", nkeys)
-            logger.warning("pool: the directory is unavailable (%s); the pool answers misses for %.1f s",
-                           e, self.retry_after_s)
+            with self._lock:
+                first = not self._outage
+                self._outage = True
+                self._down_until = self._clock() + self.retry_after_s
+                self._counts["directory_errors"] += 1
+                self._counts["failures_directory"] += nkeys
+            if first:  # once per outage
+                logger.warning("pool: the directory is unavailable (%s); the pool answers misses, asking again "
+                               "every %.1f s", e, self.retry_after_s)
             return None
+        finally:
+            if probe:
+                with self._lock:
+                    self._probing = False
+        if probe:
+            with self._lock:
+                self._outage = False
+            logger.info("pool: the directory answers again")
+        return got
 
     def _locate(self, directory: Directory, keys: Sequence[str]) -> list[list[Location]] | None:
         return self._ask(lambda: directory.locate(keys, exclude=self.node_id), len(keys))
@@ -259,45 +298,121 @@ class PoolTier:
         return [Status.IO_ERROR] * len(keys)
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
-        """Pool-wide: the directory drops (and tombstones) every location, then each live holder
-        but this node deletes its copy. Per key OK (some node held it and every live holder
-        deleted it), NOT_FOUND (nobody held it), IO_ERROR (the directory is unreachable, or a live
-        holder could not be asked: its copy may stay until it re-registers and the tombstone
-        refuses it)."""
+        """Pool-wide: the directory drops (and tombstones) every location, then every live node but
+        this one is asked to delete its copy (not only the listed holders: a copy whose
+        registration is still on its way is deleted too; the tombstone refuses its registration
+        later anyway). Per key OK (some node held it and every live node confirmed), NOT_FOUND
+        (nobody held it), IO_ERROR (the directory is unreachable or backing off after an outage:
+        a copy may be anywhere; or a live node did not confirm, or has no address: the remove is
+        retried on it in the background until it confirms or is dead). Blocking (one directory
+        call, one transport call per live peer, in parallel)."""
         parts = self._parts()
         if parts is None or not keys:
             return [Status.NOT_FOUND] * len(keys)
         directory, transport = parts
         self._count("removes", len(keys))
-        try:
-            holders = directory.remove(keys)
-        except DirectoryUnavailable as e:
-            self._down_until = self._clock() + self.retry_after_s
-            self._count("directory_errors")
-            logger.warning("pool: remove of %d keys: the directory is unavailable (%s)", len(keys), e)
+        holders = self._ask(lambda: directory.remove(keys), len(keys))
+        if holders is None:
             return [Status.IO_ERROR] * len(keys)
-        out = [Status.OK if holders.get(k) else Status.NOT_FOUND for k in keys]
-        by_node: dict[str, list[int]] = {}
-        for i, k in enumerate(keys):
-            for node in holders.get(k, []):
-                if node != self.node_id:
-                    by_node.setdefault(node, []).append(i)
-        if not by_node:
-            return out
-        addresses = self._address_map(directory, set(by_node))  # dead holders: tombstoned, not asked
-        for node, idx in by_node.items():
-            address = addresses.get(node)
-            if address is None:
-                continue
+        found = [bool(holders.get(k)) for k in keys]
+        failed = [False] * len(keys)
+        try:
+            # Straight to the directory, not through the back-off (whose misses would skip holders).
+            infos = directory.nodes()
+        except DirectoryUnavailable as e:
+            logger.warning("pool: remove of %d keys: the live nodes are unknown (%s)", len(keys), e)
+            return [Status.IO_ERROR] * len(keys)
+        peers = [n for n in infos if n.alive and n.node_id != self.node_id]
+        known = {n.node_id for n in infos}
+        for i, k in enumerate(keys):  # a holder the directory does not confirm dead nor name alive
+            if any(node != self.node_id and node not in known for node in holders.get(k, [])):
+                failed[i] = True
+
+        def one(node: str, address: str) -> list[Status]:
+            if not address:
+                return [Status.IO_ERROR] * len(keys)
             try:
-                got = transport.remove(address, [keys[i] for i in idx], timeout_s=self.timeout_s)
+                return transport.remove(address, list(keys), timeout_s=self.timeout_s)
             except Exception:
-                logger.exception("pool: remove of %d keys on %s raised", len(idx), node)
-                got = [Status.IO_ERROR] * len(idx)
-            for i, st in zip(idx, got):
-                if st not in (Status.OK, Status.NOT_FOUND):
-                    out[i] = Status.IO_ERROR
-        return out
+                logger.exception("pool: remove of %d keys on %s raised", len(keys), node)
+                return [Status.IO_ERROR] * len(keys)
+
+        results = self._each_peer(one, [(n.node_id, n.address) for n in peers])
+        for (node, _address), got in zip(((n.node_id, n.address) for n in peers), results):
+            unconfirmed = []
+            for i, st in enumerate(got):
+                if st is Status.OK:
+                    found[i] = True
+                elif st is not Status.NOT_FOUND:
+                    failed[i] = True
+                    unconfirmed.append(keys[i])
+            if unconfirmed:
+                self._retry_remove(node, unconfirmed)
+        return [Status.IO_ERROR if failed[i] else Status.OK if found[i] else Status.NOT_FOUND
+                for i in range(len(keys))]
+
+    def _each_peer(self, fn: Callable[[str, str], list[Status]], peers: list[tuple[str, str]]) -> list[list[Status]]:
+        if len(peers) <= 1:
+            return [fn(*p) for p in peers]
+        pool = self._executor()
+        if pool is None:
+            return [fn(*p) for p in peers]
+        futures = [pool.submit(fn, *p) for p in peers[1:]]
+        first = fn(*peers[0])
+        return [first, *(f.result() for f in futures)]
+
+    def _retry_remove(self, node: str, keys: list[str]) -> None:
+        """Queue a remove a live peer did not confirm (bounded; the owned thread retries it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._remove_retry.append((node, tuple(keys)))
+            while len(self._remove_retry) > REMOVE_RETRY_MAX:
+                self._remove_retry.popleft()
+                self._counts["remove_retries_dropped"] += 1
+            if self._retry_thread is None:
+                self._retry_thread = threading.Thread(target=self._run_remove_retry, name="mkv-pool-remove-retry",
+                                                      daemon=True)
+                self._retry_thread.start()
+            self._retry_wake.notify_all()
+
+    def _run_remove_retry(self) -> None:
+        """Every ``retry_after_s``: each owed remove tried again on its node while the node is alive
+        (a dead node's copy is refused by the tombstone when it comes back); until :meth:`close`."""
+        while True:
+            with self._lock:
+                while not self._closed and not self._remove_retry:
+                    self._retry_wake.wait()
+                if self._closed:
+                    return
+                self._retry_wake.wait(max(0.05, self.retry_after_s))
+                if self._closed:
+                    return
+                owed = list(self._remove_retry)
+                self._remove_retry.clear()
+            parts = self._parts()
+            if parts is None:
+                return
+            directory, transport = parts
+            try:
+                address = {n.node_id: n.address for n in directory.nodes() if n.alive}
+            except DirectoryUnavailable:
+                address = None
+            for node, keys in owed:
+                if address is not None and node not in address:
+                    continue  # dead: nothing to ask
+                got: list[Status] = [Status.IO_ERROR] * len(keys)
+                if address is not None and address[node]:
+                    try:
+                        got = transport.remove(address[node], list(keys), timeout_s=self.timeout_s)
+                    except Exception:
+                        logger.exception("pool: a retried remove of %d keys on %s raised", len(keys), node)
+                self._count("remove_retries")
+                left = [k for k, st in zip(keys, got) if st not in (Status.OK, Status.NOT_FOUND)]
+                if left:
+                    with self._lock:
+                        if not self._closed:
+                            self._remove_retry.append((node, tuple(left)))
 
     # -- observability -------------------------------------------------------------------------------
     def gauges(self) -> TierGauges:

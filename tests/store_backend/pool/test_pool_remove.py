@@ -1,0 +1,426 @@
+"""The pool-wide remove rule on the node side (docs/design/POOL.md, the directory's remove rule):
+in-process nodes made of real TieredStores, PoolTiers, Registrars and real TCP transports, over the
+embedded directory or a real redis-server.
+
+- residency events carry their commit time (``at_s``), and the registrar registers with it, so a
+  fresh put after a remove is visible again, while a copy committed before the remove is refused
+  and deleted locally;
+- ``PoolTier.remove`` asks every live node (a registration still on its way is deleted too), also
+  while the tier backs off after a directory blip; a node that did not confirm answers IO_ERROR
+  and is retried in the background; during an outage it answers IO_ERROR at once;
+- the replicator never records a peer's EXISTS as a replica;
+- one caller at a time probes a mute directory;
+- the heartbeat tells the location cache of dead nodes and prunes long-dead ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import xxhash
+
+from store_backend.pool.cache import CachedDirectory
+from store_backend.pool.directory import Directory, DirectoryUnavailable, Location, NodeInfo
+from store_backend.pool.directory_embedded import EmbeddedDirectory
+from store_backend.pool.directory_redis import RedisDirectory
+from store_backend.pool.registrar import Registrar, node_info
+from store_backend.pool.replicator import Replicator
+from store_backend.pool.service import local_view
+from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tier import PoolTier
+from store_backend.residency import ResidencyEvent
+from store_backend.store import TieredStore
+from store_backend.types import Status
+from tests.store_backend.pool.redis_server import RedisProcess
+from tests.store_backend.pool.transport_helpers import SECRET, payload, wait_for
+
+MiB = 1 << 20
+SIZE = 64 << 10
+
+
+class Node:
+    """One pool node in this process: store (+ PoolTier), TCP server, client, registrar."""
+
+    def __init__(self, node_id: str, directory: Directory, *, registrar: bool = True, dram: int = 16 * MiB,
+                 transport: Any = None, **tier_kw: Any) -> None:
+        self.node_id, self.directory = node_id, directory
+        self.tier = PoolTier(node_id, timeout_s=5.0, **tier_kw)
+        self.store = TieredStore({"dram": {"capacity_bytes": dram, "shm_name": f"mkv-pr-{uuid.uuid4().hex[:10]}"}},
+                                 tiers=[self.tier], fresh_segment=True).start()
+        served = local_view(self.store)
+        self.server = TcpTransportServer(served, SECRET)
+        self.server.start()
+        self.transport = transport if transport is not None else TcpTransport(SECRET)
+        directory.heartbeat(node_info(self.store, node_id, self.server.address, 1), 60.0)  # capacity: a target
+        self.tier.bind(directory, self.transport)
+        self.reg: Registrar | None = None
+        if registrar:
+            self.reg = Registrar(self.store, directory, node_id,
+                                 info=lambda: node_info(self.store, node_id, self.server.address, 1),
+                                 heartbeat_s=0.1, node_ttl_s=60.0, pull_margin_s=5.0,
+                                 peer_put=served.take_peer_put).start()
+
+    def close(self) -> None:
+        if self.reg is not None:
+            self.reg.close()
+        self.server.close()
+        self.tier.close()
+        self.transport.close()
+        self.store.close(flush=False)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., Node]]:
+    made: list[Node] = []
+
+    def make(*args: Any, **kw: Any) -> Node:
+        made.append(Node(*args, **kw))
+        return made[-1]
+
+    yield make
+    for n in reversed(made):
+        n.close()
+
+
+def _locs(d: Directory, key: str) -> list[tuple[str, str]]:
+    return [(loc.node, loc.tier) for loc in d.locate([key])[0]]
+
+
+# -- the commit time ------------------------------------------------------------------------------------
+
+def test_residency_events_carry_their_commit_time() -> None:
+    store = TieredStore({"dram": {"capacity_bytes": 4 * MiB}}).start()
+    got: list[ResidencyEvent] = []
+    store.subscribe(got.extend)
+    try:
+        before = time.time()
+        assert store.put(["t"], [payload("t", SIZE)]) == [Status.OK]
+        assert wait_for(lambda: bool(got))
+        assert got[0].kind == "stored" and before <= got[0].at_s <= time.time(), got
+    finally:
+        store.close(flush=False)
+
+
+def test_a_fresh_put_after_a_remove_is_visible_again(nodes: Callable[..., Node]) -> None:
+    """Transport review F8: the registrar passed no stored_at_s, so every later put of a removed key
+    was refused (for the tombstone's 24 h) and still counted as registered."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    b, c = nodes("B", d), nodes("C", d)
+    k = "again/1"
+    assert b.store.put([k], [payload(k, SIZE)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    assert c.store.remove([k]) == [Status.OK]
+    assert b.store.tier_of([k], local_only=True) == [None]
+    time.sleep(0.2)  # past clock_skew_s: the new put is clearly newer than the remove
+    v2 = payload("v2", SIZE)
+    assert b.store.put([k], [v2]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")]), (_locs(d, k), b.reg.counters)
+    buf = bytearray(SIZE)
+    assert c.store.get_into([k], [buf])[0].status is Status.OK
+    assert bytes(buf) == v2.tobytes()
+    assert b.reg.counters["refused_registrations"] == 0
+
+
+def test_a_copy_moved_after_a_remove_that_missed_it_is_refused_and_deleted(
+        make_directory_for: Callable[..., Directory], tmp_path: Any) -> None:
+    """Directory review 1 (r1 case A, embedded and Redis): the remove's transport call to N failed,
+    then N demoted its copy: the re-registration cleared the tombstone (or, refused, the copy stayed
+    on N for its own engines)."""
+    d = make_directory_for(clock_skew_s=0.05)
+    store = TieredStore({"dram": {"capacity_bytes": 2 * MiB},
+                         "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB}}).start()
+    reg = Registrar(store, d, "N", info=lambda: node_info(store, "N", "127.0.0.1:1", 1), heartbeat_s=0.1,
+                    node_ttl_s=5.0).start()
+    try:
+        assert store.put(["k0"], [payload("k0", 256 << 10)]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, "k0") == [("N", "dram")], 10)
+        assert d.remove(["k0"]) == {"k0": ["N"]}  # as a pool-wide remove whose call to N failed
+        for i in range(12):  # more than DRAM holds: k0 is demoted to SSD (a "moved" event)
+            assert store.put([f"m{i}"], [payload(f"m{i}", 256 << 10)]) == [Status.OK]
+            assert store.flush(timeout_s=30)
+        assert wait_for(lambda: store.tier_of(["k0"], local_only=True) == [None], 10), \
+            (store.tier_of(["k0"], local_only=True), reg.counters)
+        assert reg.wait_idle(10)
+        assert _locs(d, "k0") == []
+        assert reg.counters["refused_registrations"] >= 1
+    finally:
+        reg.close()
+        store.close(flush=False)
+
+
+class _SlowRegister:
+    """Fault injection: this node's registrations arrive ``delay_s`` late (a loaded registrar)."""
+
+    def __init__(self, inner: Directory, delay_s: float) -> None:
+        self._inner, self._delay_s = inner, delay_s
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def register(self, *args: Any, **kw: Any) -> Any:
+        self.entered.set()
+        time.sleep(self._delay_s)
+        return self._inner.register(*args, **kw)
+
+
+def test_a_registration_in_flight_during_a_remove_is_deleted_and_stays_refused(
+        nodes: Callable[..., Node]) -> None:
+    """Directory review 2 (r6): R removed K while N's registration was on its way: R was told
+    NOT_FOUND and K came back pool-wide with the removed bytes."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    slow = _SlowRegister(d, 0.5)
+    n, r = nodes("N", slow), nodes("R", d)
+    assert n.reg is not None and n.reg.wait_idle(10)
+    k = "inflight/1"
+    slow.entered.clear()
+    assert n.store.put([k], [payload(k, SIZE)]) == [Status.OK]
+    assert slow.entered.wait(5)
+    time.sleep(0.1)  # the put was committed clearly before the remove
+    assert r.store.remove([k]) == [Status.OK]  # N was asked too, though not yet listed
+    assert n.store.tier_of([k], local_only=True) == [None]
+    assert n.reg.wait_idle(10)
+    assert _locs(d, k) == []
+    assert r.store.get_into([k], [bytearray(SIZE)])[0].status is Status.NOT_FOUND
+
+
+def test_a_remove_during_the_back_off_still_reaches_every_holder(nodes: Callable[..., Node]) -> None:
+    """Transport review F2 (r5): one directory blip left C backing off; its remove skipped every
+    holder's address and answered OK while B kept (and served) the removed bytes."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    b = nodes("B", d)
+    blip = {"n": 1}
+
+    class Blip:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(d, name)
+
+        def locate(self, *a: Any, **kw: Any) -> Any:
+            if blip["n"]:
+                blip["n"] -= 1
+                raise DirectoryUnavailable("injected")
+            return d.locate(*a, **kw)
+
+    c = nodes("C", Blip(), registrar=False, retry_after_s=1.0)
+    assert c.tier.remove(["warm"]) == [Status.NOT_FOUND]  # nothing to back off from yet
+    k = "blip/1"
+    assert b.store.put([k], [payload(k, SIZE)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    assert c.store.get_into(["other"], [bytearray(SIZE)])[0].status is Status.NOT_FOUND  # the blip
+    assert blip["n"] == 0
+    # Backing off: the remove is not half done (OK while B kept the bytes), it answers IO_ERROR.
+    assert c.tier.remove([k]) == [Status.IO_ERROR]
+    assert _locs(d, k) == [("B", "dram")]
+    time.sleep(1.1)  # the back-off over: the next call probes the directory
+    assert c.tier.remove([k]) == [Status.OK]
+    assert b.store.tier_of([k], local_only=True) == [None]
+    assert b.store.get_into([k], [bytearray(SIZE)])[0].status is Status.NOT_FOUND
+
+
+class _FailRemovesTo:
+    """Fault injection: the first ``n`` removes sent to ``address`` fail (a peer that does not answer)."""
+
+    def __init__(self, inner: TcpTransport, address: str, n: int) -> None:
+        self._inner, self._address, self.left = inner, address, n
+        self.removes: list[tuple[str, list[str]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def remove(self, address: str, keys: Any, **kw: Any) -> list[Status]:
+        self.removes.append((address, list(keys)))
+        if address == self._address and self.left:
+            self.left -= 1
+            return [Status.IO_ERROR] * len(keys)
+        return self._inner.remove(address, keys, **kw)
+
+
+def test_a_live_node_that_does_not_confirm_gets_io_error_and_a_retry(nodes: Callable[..., Node]) -> None:
+    """REMOVE_RULE: a live holder that did not answer: IO_ERROR to the caller, and the remove is
+    retried in the background until the holder confirms (r12: B's copy stayed, served for good)."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    b = nodes("B", d)
+    flaky = _FailRemovesTo(TcpTransport(SECRET), b.server.address, 2)
+    c = nodes("C", d, registrar=False, transport=flaky, retry_after_s=0.2)
+    k = "retry/1"
+    assert b.store.put([k], [payload(k, SIZE)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    assert c.tier.remove([k]) == [Status.IO_ERROR]
+    assert b.store.tier_of([k], local_only=True) == ["dram"]  # not yet
+    assert wait_for(lambda: b.store.tier_of([k], local_only=True) == [None], 10), flaky.removes
+    assert [a for a, _k in flaky.removes].count(b.server.address) == 3  # the remove, a failed retry, one that did
+    assert b.reg is not None and b.reg.wait_idle(5)
+    assert _locs(d, k) == []
+
+
+def test_a_live_holder_without_an_address_is_io_error(nodes: Callable[..., Node]) -> None:
+    """Transport review F2: a holder the directory lists, alive but with no address, was skipped (OK)."""
+    d = EmbeddedDirectory()
+    c = nodes("C", d, registrar=False)
+    d.heartbeat(NodeInfo("X", ""), 60.0)
+    d.register("X", [("noaddr", Location("X", "dram", SIZE))])
+    assert c.tier.remove(["noaddr"]) == [Status.IO_ERROR]
+
+
+def test_a_remove_during_an_outage_answers_io_error_at_once() -> None:
+    """Transport review F6 (r10): every remove stalled op_timeout_s while Redis was mute."""
+    with RedisProcess() as rp:
+        d = RedisDirectory(url=rp.url, namespace="rm6", op_timeout_s=0.5)
+        tier = PoolTier("A", retry_after_s=5.0)
+        tier.bind(d, TcpTransport(SECRET))
+        try:
+            d.heartbeat(NodeInfo("A", "127.0.0.1:1"), 30)
+            os.kill(rp.proc.pid, signal.SIGSTOP)
+            try:
+                took = []
+                for _ in range(4):
+                    t0 = time.monotonic()
+                    assert tier.remove(["x"]) == [Status.IO_ERROR]
+                    took.append(time.monotonic() - t0)
+            finally:
+                os.kill(rp.proc.pid, signal.SIGCONT)
+            assert took[0] >= 0.4 and max(took[1:]) < 0.1, took
+            assert tier.extra_stats()["failures_directory"] >= 4
+        finally:
+            tier.close()
+            d.close()
+
+
+# -- the replicator ---------------------------------------------------------------------------------------
+
+def test_a_peers_exists_is_not_recorded_as_a_replica(nodes: Callable[..., Node]) -> None:
+    """Directory review 3 (r9): B held an older object under K; A's replica write got EXISTS and
+    recorded B with checksum 0, and a reader got B's old bytes with status OK."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    a, b = nodes("A", d), nodes("B", d, registrar=False)
+    k = "rep/1"
+    v1, v2 = payload("v1", SIZE), payload("v2", SIZE)
+    assert b.store.put([k], [v1]) == [Status.OK]  # not in the directory
+    rep = Replicator(a.store, d, a.transport, "A", 2, timeout_s=5.0).start()
+    try:
+        assert a.store.put([k], [v2]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, k) == [("A", "dram")])
+        rep.offer([(k, SIZE, time.time())])
+        assert rep.wait_idle(10)
+        locs = d.locate([k])[0]
+        assert [loc.node for loc in locs] == ["A"], locs
+        assert rep.counters["replicas_sent"] == 0 and rep.counters["replicas_failed"] == 1, rep.counters
+        r = nodes("R", d, registrar=False)
+        buf = bytearray(SIZE)
+        assert r.store.get_into([k], [buf])[0].status is Status.OK
+        assert bytes(buf) == v2.tobytes()
+    finally:
+        rep.close()
+
+
+def test_a_replica_is_recorded_with_its_real_checksum(nodes: Callable[..., Node]) -> None:
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    a, _b = nodes("A", d), nodes("B", d, registrar=False)
+    k = "rep/2"
+    v = payload(k, SIZE)
+    rep = Replicator(a.store, d, a.transport, "A", 2, timeout_s=5.0).start()
+    try:
+        assert a.store.put([k], [v]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, k) == [("A", "dram")])
+        rep.offer([(k, SIZE, time.time())])
+        assert rep.wait_idle(10)
+        sums = {loc.node: loc.checksum for loc in d.locate([k])[0]}
+        assert sums == {"A": xxhash.xxh3_64_intdigest(v.tobytes()), "B": xxhash.xxh3_64_intdigest(v.tobytes())}
+    finally:
+        rep.close()
+
+
+def test_a_replica_that_lands_after_a_remove_is_refused_on_its_target(nodes: Callable[..., Node]) -> None:
+    """A replica write whose source was read before a pool-wide remove, committed on its target
+    after it: the target's registrar registered it with its own commit time (newer than the remove)
+    and the removed bytes were listed again."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    a, b = nodes("A", d, registrar=False), nodes("B", d)
+    k = "late-replica/1"
+    assert d.put_start("B", [k], [SIZE], ttl_s=10.0) == [True]  # the replicator's phase 1
+    d.remove([k])  # the pool-wide remove, while the bytes are on their way
+    time.sleep(0.1)
+    assert a.transport.put(b.server.address, [k], [payload(k, SIZE)], timeout_s=5.0) == [Status.OK]
+    assert wait_for(lambda: b.store.tier_of([k], local_only=True) == [None], 10), b.reg.counters
+    assert b.reg is not None and b.reg.wait_idle(5)
+    assert _locs(d, k) == []
+    assert b.reg.counters["refused_registrations"] == 1
+
+
+# -- a mute directory ---------------------------------------------------------------------------------------
+
+class _NoTransport:
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+def test_one_caller_at_a_time_probes_a_mute_redis() -> None:
+    """Directory review 7 (r4): with Redis SIGSTOPped every engine thread inside the tier stalled
+    op_timeout_s once per retry_after_s; now one probe is in flight, the others miss at once."""
+    with RedisProcess() as rp:
+        raw = RedisDirectory(url=rp.url, namespace="r4", op_timeout_s=0.5)
+        d = CachedDirectory(raw)
+        tier = PoolTier("A", retry_after_s=0.3)
+        tier.bind(d, _NoTransport())  # type: ignore[arg-type]
+        try:
+            d.heartbeat(NodeInfo("A", "127.0.0.1:1"), 30)
+            assert tier.contains(["warm"]) == [False]
+            lat: list[tuple[float, float]] = []
+            lock = threading.Lock()
+            os.kill(rp.proc.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            end = start + 4.0
+
+            def worker(i: int) -> None:
+                while time.monotonic() < end:
+                    t0 = time.monotonic()
+                    assert tier.contains([f"k{i}-{time.monotonic_ns()}"]) == [False]
+                    with lock:
+                        lat.append((t0, time.monotonic() - t0))
+                    time.sleep(0.01)
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            try:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            finally:
+                os.kill(rp.proc.pid, signal.SIGCONT)
+            # After the first second (calls already in flight when Redis went mute are excused),
+            # one slow call per probe period (0.3 s back-off + 0.5 s probe) at most.
+            slow_later = [dt for t0, dt in lat if t0 > start + 1.0 and dt > 0.1]
+            assert len(slow_later) <= 6, (len(slow_later), len(lat))
+            assert len(lat) > 100
+        finally:
+            tier.close()
+            d.close()
+
+
+# -- the heartbeat and dead nodes ------------------------------------------------------------------------
+
+def test_the_heartbeat_forgets_a_dead_nodes_cached_locations_and_prunes_it() -> None:
+    """Directory review 10/11 (r5): the cache returned a dead node's locations for cache_ttl_s;
+    and nothing pruned a node dead for good."""
+    inner = EmbeddedDirectory()
+    cache = CachedDirectory(inner, cache_ttl_s=60.0)
+    store = TieredStore({"dram": {"capacity_bytes": 4 * MiB}}).start()
+    inner.heartbeat(NodeInfo("B", "127.0.0.1:9"), 0.5)
+    inner.register("B", [("bk", Location("B", "dram", SIZE))])
+    assert [loc.node for loc in cache.locate(["bk"])[0]] == ["B"]  # cached
+    reg = Registrar(store, cache, "A", info=lambda: node_info(store, "A", "127.0.0.1:1", 1), heartbeat_s=0.1,
+                    node_ttl_s=5.0, dead_node_gc_s=1.0, gc_every_s=0.2).start()
+    try:
+        assert wait_for(lambda: cache.locate(["bk"]) == [[]], 3), cache.locate(["bk"])
+        assert wait_for(lambda: "B" not in {n.node_id for n in inner.nodes()}, 5), inner.nodes()
+        assert reg.counters["pruned_nodes"] == 1
+    finally:
+        reg.close()
+        store.close(flush=False)
