@@ -8,8 +8,8 @@ objects (xxh3-64, through a lease of its own owner id: ``lease`` -> hash -> ``re
 with ``checksum`` False), and calls ``directory.register`` / ``unregister`` once per batch. New
 objects (``stored`` events) are then offered to the replicator, when there is one.
 
-Resync (``register(resync=True)`` of everything ``store.keys()`` lists, the tombstoned keys it
-returns removed locally, stale locations of this node unregistered) runs at start, after the
+Resync (``register`` of everything ``store.keys()`` lists, with the commit times known here and
+0.0 for the rest, as ``resync=True`` would; the keys the remove rule refuses removed locally, stale locations of this node unregistered) runs at start, after the
 bus dropped events (``on_gap``), when a heartbeat answers False (the directory did not know this
 node: Redis restarted empty, a failover lost writes, the mark expired) and after any directory
 outage. A second thread ("mkv-pool-heartbeat") publishes :class:`NodeInfo` every ``heartbeat_s``
@@ -86,6 +86,10 @@ class Registrar:
         self._resync = True  # at start
         self._stopping = False
         self._checksums: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Commit times (stored_at_s) of objects this node holds, from their events: a later move
+        # and a resync register with them, so a put made after a pool-wide remove of its key is
+        # not refused as a copy of unknown age.
+        self._stored_at: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._threads: list[threading.Thread] = []
         self._unsubscribe: Callable[[], None] | None = None
         self._stop_event = threading.Event()
@@ -231,7 +235,22 @@ class Registrar:
                    if t in ("dram", "ssd")]
         for k in gone:
             self._checksums.pop(k, None)
+            self._stored_at.pop(k, None)
         return entries, gone
+
+    def _times(self, entries: list[tuple[str, Location]], at: dict[str, float]) -> list[float]:
+        """Per entry its stored_at_s: this batch's (from its event), else the one remembered, else 0.0;
+        remembered for later moves and resyncs (bounded)."""
+        out = []
+        for k, _loc in entries:
+            t = at.get(k) or self._stored_at.get(k, 0.0)
+            if t:
+                self._stored_at[k] = t
+                self._stored_at.move_to_end(k)
+            out.append(t)
+        while len(self._stored_at) > _CHECKSUMS_MAX:
+            self._stored_at.popitem(last=False)
+        return out
 
     def _hash(self, keys: list[str]) -> None:
         """xxh3-64 of DRAM objects, read through leases of this registrar's own owner id."""
@@ -259,8 +278,7 @@ class Registrar:
         try:
             entries, gone = self._locations(keys, sizes, new)
             if entries:
-                refused = self.directory.register(self.node_id, entries,
-                                                  stored_at_s=[at.get(k, 0.0) for k, _l in entries])
+                refused = self.directory.register(self.node_id, entries, stored_at_s=self._times(entries, at))
                 self.counters["registered"] += len(entries) - len(refused)
             if gone:
                 self.directory.unregister(self.node_id, gone)
@@ -296,6 +314,7 @@ class Registrar:
     def _checksums_drop(self, keys: list[str]) -> None:
         for k in keys:
             self._checksums.pop(k, None)
+            self._stored_at.pop(k, None)
 
     def _do_resync(self) -> None:
         """Register everything this node holds (``resync=True``); delete tombstoned keys locally;
@@ -309,7 +328,9 @@ class Registrar:
             chunk = keys[at:at + self._batch_max]
             entries, _gone = self._locations(chunk, {}, set())
             if entries:
-                refused = self.directory.register(self.node_id, entries, resync=True)
+                # resync=True is stored_at_s 0.0 for all; the commit times known here are passed
+                # instead (a fresh put of a key removed earlier must not be refused and deleted).
+                refused = self.directory.register(self.node_id, entries, stored_at_s=self._times(entries, {}))
                 tombstoned += refused
                 held.update(k for k, _l in entries)
         held.difference_update(tombstoned)

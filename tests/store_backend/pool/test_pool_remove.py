@@ -155,6 +155,41 @@ def test_a_copy_moved_after_a_remove_that_missed_it_is_refused_and_deleted(
         store.close(flush=False)
 
 
+class _HookedTransport(TcpTransport):
+    """Fault injection (timing only): ``hook`` runs once right after a get returned its bytes."""
+
+    hook: Callable[[], None] | None = None
+
+    def get_into(self, *a: Any, **kw: Any) -> Any:
+        got = super().get_into(*a, **kw)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return got
+
+
+def test_a_remote_read_racing_a_remove_keeps_no_copy(nodes: Callable[..., Node]) -> None:
+    """Transport review F1 (r1_remove_resurrect): C's remove ran while A's read of K from B was in
+    flight; A kept the removed bytes as a local copy and served them to its own engines."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    ta = _HookedTransport(SECRET)
+    a, b, c = nodes("A", d, transport=ta), nodes("B", d), nodes("C", d)
+    k, size = "race/1", 1 * MiB
+    assert b.store.put([k], [payload(k, size)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    time.sleep(0.1)
+    removed: dict[str, Any] = {}
+    ta.hook = lambda: removed.setdefault("st", c.store.remove([k]))
+    assert a.store.get_into([k], [bytearray(size)])[0].status is Status.OK  # read before the remove
+    assert removed["st"] == [Status.OK]
+    assert wait_for(lambda: a.store.tier_of([k], local_only=True) == [None], 10)
+    for n in (a, b, c):
+        assert n.reg is not None and n.reg.wait_idle(5)
+    assert _locs(d, k) == []
+    for n in (a, b, c):
+        assert n.store.get_into([k], [bytearray(size)])[0].status is Status.NOT_FOUND, n.node_id
+
+
 class _SlowRegister:
     """Fault injection: this node's registrations arrive ``delay_s`` late (a loaded registrar)."""
 
