@@ -544,8 +544,9 @@ class LookupClient:
 # -- the scheduler's view over every KV shard ------------------------------------------------------
 
 # Slowest first: a chunk held in different tiers by different shards is as slow as its slowest copy
-# (None: some shard lacks it; "": a server that cannot tell).
-_TIER_ORDER: dict[str | None, int] = {None: 0, "": 1, "ssd": 2, "dram": 3}
+# (None: some shard lacks it; "": a server that cannot tell; "pool": another node's copy, read over
+# the network, slower than this node's own SSD).
+_TIER_ORDER: dict[str | None, int] = {None: 0, "": 1, "pool": 2, "ssd": 3, "dram": 4}
 
 
 def slowest_tier(a: str | None, b: str | None) -> str | None:

@@ -110,7 +110,8 @@ class _Tracked:
 
 
 # Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
-_HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+# "pool": another node's copy, read over the network (vLLM's peer-to-peer source).
+_HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": CacheHitSource.P2P}
 
 
 class SchedulerSide:
