@@ -158,3 +158,44 @@ def test_a_load_right_after_its_pin_waits_for_the_pins_promotion_from_the_pool(
             cb.release([ls for ls in leases if ls.status is Status.OK])
         cb.unpin(keys)
     d.close()
+
+
+def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis: RedisProcess) -> None:
+    """Directory review r12, real processes: B stalls (SIGSTOP 1 s, shorter than its node_ttl_s) while
+    A removes K pool-wide. A is told IO_ERROR; B must not keep K: A's background retry deletes it once
+    B answers again, and B demoting it (a move) never lists it again. Before: B's engine read K, and
+    after B demoted it every node read the removed bytes."""
+    import signal
+    import time
+
+    a = PoolNode("A", redis.url, timeout_s=0.5).start()
+    b = PoolNode("B", redis.url, timeout_s=0.5).start()
+    try:
+        d = directory_of(redis.url)
+        wait_nodes_alive(d, ["A", "B"])
+        ca, cb = a.client(), b.client()
+        put_all(cb, {"K": make_payload("K", 1, SIZE)})
+        wait_located(d, ["K"], "B")
+        assert b.proc is not None
+        b.proc.signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            assert ca.remove(["K"]) == [Status.IO_ERROR]  # B did not confirm
+        finally:
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+            b.proc.signal(signal.SIGCONT)
+        assert d.locate(["K"]) == [[]]
+        wait_until(lambda: cb.tier_of(["K"]) == [None], 15, "B's copy deleted by the retried remove")
+        got, _bufs = read(cb, ["K"], SIZE)
+        assert got[0].status is Status.NOT_FOUND
+        for i in range(24):  # B's engine keeps working: whatever B holds is pushed around
+            put_all(cb, {f"f{i}": make_payload(f"f{i}", 1, SIZE)})
+        cb.flush(timeout_s=30)
+        time.sleep(1.0)
+        assert d.locate(["K"]) == [[]]
+        got, _bufs = read(ca, ["K"], SIZE)
+        assert got[0].status is Status.NOT_FOUND
+        d.close()
+    finally:
+        a.close()
+        b.close()
