@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import attribute_sources, by_turn, compare_tokens, configurations
+from mooncake_kv.bench.serve import attribute_sources, by_turn, compare_tokens, configurations, load_failures
 from mooncake_kv.bench.serve_workload import (build_workload, conversation_parents, conversations, max_hit_blocks,
                                               sample_conversations, shared_prefix_blocks)
 
@@ -191,6 +191,15 @@ def test_configurations_add_the_peers_on_cuda_only(tmp_path: Path) -> None:
     assert gpu[2].kv_transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == 64 << 20
     with pytest.raises(ValueError, match="--configs"):
         configurations(["dram"], cuda=False, **kw)
+    assert all(c.kv_transfer["kv_load_failure_policy"] == "recompute" for c in cpu[1:])
+
+
+def test_load_failures_are_counted_from_the_server_log() -> None:
+    log = ("(EngineCore pid=1) WARNING 12-01 18:01:14 [scheduler.py:3426] Recovered from KV load failure: "
+           "1 request(s) rescheduled (1376 tokens affected).\nINFO other\n"
+           "(EngineCore pid=1) WARNING x Recovered from KV load failure: 2 request(s) rescheduled (64 tokens affected).\n")
+    assert load_failures(log) == {"events": 2, "requests": 3, "tokens": 1440}
+    assert load_failures("INFO nothing failed\n") == {"events": 0, "requests": 0, "tokens": 0}
 
 
 def test_plot_has_a_per_turn_panel_with_turns(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -187,8 +188,13 @@ def _ours(chunk_tokens: int, dram_bytes: int, ssd: Path | None, ssd_bytes: int) 
     store: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes}}
     if ssd is not None:
         store |= {"ssd": {"path": str(ssd), "capacity_bytes": ssd_bytes}, "offload": {"policy": "eager"}}
+    # recompute: a chunk that fails to load (evicted from a full DRAM tier between lookup and lease,
+    # say) is recomputed, as a deployment would run, instead of failing its request and the run;
+    # the run counts those from the server's log (``load_failures``), and the token check still
+    # catches a wrong byte.
     return {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_tokens": chunk_tokens, "store": store}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"chunk_tokens": chunk_tokens, "store": store}}
 
 
 def configurations(names: list[str], *, work: Path, chunk_tokens: int, dram_bytes: int, ssd_bytes: int,
@@ -444,12 +450,24 @@ def summarize(recs: list[dict], wall_s: float, totals: dict[str, float]) -> dict
             "cached_by_source": {s: int(totals.get("source:" + s, 0)) for s in SOURCES if totals.get("source:" + s)},
             "store_hits_objects": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("tier_hits:")},
             # Leases of SSD objects read into a DRAM slot first (then counted as DRAM hits by the store).
-            "store_stage_ins": int(totals.get("stage_ins", 0))}
+            "store_stage_ins": int(totals.get("stage_ins", 0)),
+            # Chunk loads that failed and vLLM recomputed (from the server's log).
+            "load_failures": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("load_failures:")}}
 
 
 def compare_tokens(base: list[dict], other: list[dict], every: int) -> list[int]:
     """Indices of the checked requests (every ``every``-th) whose generated tokens differ."""
     return [a["index"] for a, b in zip(base, other) if a["index"] % every == 0 and a["tokens"] != b["tokens"]]
+
+
+_RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
+
+
+def load_failures(log_text: str) -> dict[str, int]:
+    """The loads vLLM recomputed (policy ``recompute``), from its server log: ``events``, the
+    ``requests`` rescheduled and the ``tokens`` affected, summed."""
+    found = [(int(m.group(1)), int(m.group(2))) for m in _RECOVERED.finditer(log_text)]
+    return {"events": len(found), "requests": sum(r for r, _ in found), "tokens": sum(t for _, t in found)}
 
 
 def _cuda() -> bool:
@@ -488,6 +506,8 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
     finally:
         stop_server(proc)
     totals = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    fails = load_failures(log.read_text(errors="replace"))
+    totals |= {"load_failures:" + k: float(v) for k, v in fails.items()}
     attribute_sources(recs, totals)
     return recs, wall_s, totals
 
