@@ -320,7 +320,16 @@ class Registrar:
         """Register everything this node holds (``resync=True``); delete tombstoned keys locally;
         unregister what the directory still lists for this node but the node no longer holds."""
         with self._cond:
+            queued = list(self._queue.items())
             self._queue.clear()  # covered by the resync
+        # What the queued events knew stays known: their commit times (remembered here, so a
+        # resync cut short by an outage keeps them too) and which objects are new (offered to
+        # the replicator once registered).
+        for k, (_size, _new, at_s) in queued:
+            if at_s:
+                self._stored_at[k] = at_s
+        fresh = {k for k, (_size, new, _at) in queued if new}
+        offered: list[tuple[str, int, float]] = []
         keys = self.store.keys()
         held: set[str] = set()
         tombstoned: list[str] = []
@@ -333,6 +342,9 @@ class Registrar:
                 refused = self.directory.register(self.node_id, entries, stored_at_s=self._times(entries, {}))
                 tombstoned += refused
                 held.update(k for k, _l in entries)
+                no = set(refused)
+                offered += [(k, loc.size, self._stored_at.get(k, 0.0)) for k, loc in entries
+                            if k in fresh and k not in no]
         held.difference_update(tombstoned)
         if tombstoned:
             statuses = self.store.remove(tombstoned, local_only=True)
@@ -343,6 +355,8 @@ class Registrar:
         stale = [k for k in self.directory.node_keys(self.node_id) if k not in held]
         if stale:
             self.directory.unregister(self.node_id, stale)
+        if offered and self._on_stored is not None:
+            self._on_stored(offered)
         self.counters["resyncs"] += 1
         self.counters["registered"] += len(held)
         self.last_resync_ns = time.time_ns()

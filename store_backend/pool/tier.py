@@ -12,7 +12,10 @@ assigned to its best live replica (DRAM before SSD, then node id: the directory'
 owned bounded thread pool; a key whose replica failed (IO_ERROR, CORRUPT, NOT_FOUND) is asked once
 more of its next replica. Directory outages: a lookup that raises
 :class:`~store_backend.pool.directory.DirectoryUnavailable` makes the tier answer misses at once
-for ``retry_after_s`` (no stall per call), each key counted under ``directory``.
+for ``retry_after_s`` (no stall per call), each key counted under ``directory``; then one caller
+at a time probes the directory while the others go on answering misses, until a call succeeds.
+``remove`` is pool-wide (see :meth:`PoolTier.remove`); removes a live peer did not confirm are
+retried by one owned thread ("mkv-pool-remove-retry", bounded queue, ended by :meth:`close`).
 
 The directory and transport are bound late (:meth:`bind`): the store is opened first, the pool
 service that owns them binds them once they are up; until then every call is a miss. Thread-safe;
@@ -378,7 +381,16 @@ class PoolTier:
 
     def _run_remove_retry(self) -> None:
         """Every ``retry_after_s``: each owed remove tried again on its node while the node is alive
-        (a dead node's copy is refused by the tombstone when it comes back); until :meth:`close`."""
+        (a dead node's copy is refused by the tombstone when it comes back); until :meth:`close`
+        or the tier is unbound (a later retry starts the thread again)."""
+        try:
+            self._remove_retry_loop()
+        finally:
+            with self._lock:
+                if self._retry_thread is threading.current_thread():
+                    self._retry_thread = None
+
+    def _remove_retry_loop(self) -> None:
         while True:
             with self._lock:
                 while not self._closed and not self._remove_retry:

@@ -120,10 +120,10 @@ def test_a_batch_of_128_puts_is_registered_whole_through_a_blip_and_a_refused_ke
     d = EmbeddedDirectory(clock_skew_s=0.05)
     flaky = _FlakyRegister(d, fail_at)
     reg = Registrar(store, flaky, "N", info=lambda: node_info(store, "N", "127.0.0.1:1", 1),  # type: ignore[arg-type]
-                    heartbeat_s=0.1, node_ttl_s=2.0, checksum=False).start()
+                    heartbeat_s=0.1, node_ttl_s=2.0, checksum=False, batch_max=32).start()
     try:
         assert reg.wait_idle(10)
-        keys = [f"b{i:03d}" for i in range(128)]
+        keys = [f"b{i:03d}" for i in range(128)]  # batches of 32: a blip hits one before b064's
         d.register("X", [("b064", Location("X", "dram", 1))])
         d.remove(["b064"])  # removed pool-wide before it is put here: this node's copy is newer
         time.sleep(0.1)
@@ -135,6 +135,7 @@ def test_a_batch_of_128_puts_is_registered_whole_through_a_blip_and_a_refused_ke
             time.sleep(0.02)
         missing = [k for k, ls in zip(keys, d.locate(keys)) if not ls]
         assert not missing, (len(missing), missing[:5], reg.counters, flaky.calls)
+        assert flaky.calls > fail_at and reg.counters["directory_errors"] >= 1  # the blip happened
         assert reg.counters["refused_registrations"] == 0
     finally:
         reg.close()
