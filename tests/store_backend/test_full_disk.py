@@ -71,7 +71,7 @@ def test_offloads_keep_succeeding_on_a_full_file_system(small_fs, backend, ssd_k
     out = _fill_and_check(small_fs, backend, **ssd_kw)
     m = out["metrics"]
     assert out["wrong"] == []
-    assert m["ssd"]["failures"] == {"checksum": 0, "io_error": 0, "capacity": 0}, m
+    assert {"checksum", "io_error", "capacity"} <= m["ssd"]["failures"].keys() and not any(m["ssd"]["failures"].values()), m
     assert m["store"]["dropped_unpersisted"] == 0, m
     assert m["ssd"]["evictions"] > 0
     newest = [f"fd/{i}" for i in range(N - 40, N)]
