@@ -269,7 +269,8 @@ def test_writes_racing_heartbeats_never_read_as_lost(redis_server: RedisProcess)
 def test_a_big_batch_is_split_so_redis_never_answers_busy() -> None:
     """Finding 8: one script holds Redis until it ends; a batch is cut into chunks of at most
     MAX_KEYS_PER_SCRIPT keys, so other clients are served between them (here: never BUSY with a
-    1 s threshold (a 4096-key chunk takes tens of ms; a loaded machine must not turn that into BUSY) while 60000 keys are registered, located and removed)."""
+    1 s threshold while 60000 keys are registered, located and removed; one chunk takes tens of
+    ms, and the threshold leaves room for a loaded machine)."""
     from store_backend.pool.directory_redis import MAX_KEYS_PER_SCRIPT
 
     n = 60000
