@@ -9,6 +9,8 @@
   clock_skew_s (from the first call) and ignores the rest.
   Every directory made is closed at teardown.
 - ``directory``: the first one.
+- ``pool``: node services A, B, C (separate processes) over ``redis_server`` and a directory on it,
+  once all three are alive (pool_nodes.Pool); indirect parameter: their ``replicas`` (default 1).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 from store_backend.pool.directory import Directory
 from store_backend.pool.directory_embedded import EmbeddedDirectory
 from store_backend.pool.directory_redis import RedisDirectory
+from tests.store_backend.pool.pool_nodes import Pool, started_pool
 from tests.store_backend.pool.redis_server import RedisProcess
 
 _namespaces = itertools.count()
@@ -68,3 +71,9 @@ def make_directory_for(request: pytest.FixtureRequest, directory_kind: str) -> I
 @pytest.fixture
 def directory(make_directory_for: Callable[..., Directory]) -> Directory:
     return make_directory_for()
+
+
+@pytest.fixture
+def pool(redis_server: RedisProcess, request: pytest.FixtureRequest) -> Iterator[Pool]:
+    with started_pool(redis_server.url, replicas=getattr(request, "param", 1)) as started:
+        yield started

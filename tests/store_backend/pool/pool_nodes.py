@@ -4,16 +4,19 @@ multi-node tests: a config with a ``pool`` section over one Redis, payloads that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from store_backend.node.client import NodeClient
 from store_backend.pool.directory_redis import RedisDirectory
+from store_backend.types import Status
 from tests.store_backend.node.server_harness import ServiceProcess, service_config, short_dir, wait_until
 
 MiB = 1 << 20
@@ -110,6 +113,32 @@ class PoolNode:
         return self.proc.log_text() if self.proc is not None else ""
 
 
+class Pool(NamedTuple):
+    """Started node services and a directory on their Redis (the ``pool`` fixture)."""
+
+    nodes: list[PoolNode]
+    directory: RedisDirectory
+
+
+@contextlib.contextmanager
+def started_pool(redis_url: str, names: tuple[str, ...] = ("A", "B", "C"), **node_kw: Any) -> Iterator[Pool]:
+    """Start a PoolNode per name (``node_kw`` to each) and yield them with a directory once all are
+    alive; everything is closed on the way out, also after a failed start."""
+    made = [PoolNode(name, redis_url, **node_kw) for name in names]
+    try:
+        for n in made:
+            n.start()
+        d = directory_of(redis_url)
+        try:
+            wait_nodes_alive(d, list(names))
+            yield Pool(made, d)
+        finally:
+            d.close()
+    finally:
+        for n in made:
+            n.close()
+
+
 def put_all(client: NodeClient, items: dict[str, bytes]) -> None:
     keys = list(items)
     st = client.put(keys, [items[k] for k in keys])
@@ -119,6 +148,15 @@ def put_all(client: NodeClient, items: dict[str, bytes]) -> None:
 def read(client: NodeClient, keys: list[str], size: int) -> tuple[list[Any], list[bytearray]]:
     bufs = [bytearray(size) for _ in keys]
     return client.get_into(keys, bufs), bufs
+
+
+def read_ok(client: NodeClient, keys: list[str], size: int, version: int | dict[str, int]) -> None:
+    """Read ``keys``: AssertionError unless every one is OK and holds ``version`` (one for all, or
+    per key) byte for byte."""
+    got, bufs = read(client, keys, size)
+    assert [r.status for r in got] == [Status.OK] * len(keys), got
+    for k, buf in zip(keys, bufs):
+        check_payload(k, buf, version if isinstance(version, int) else version[k])
 
 
 def directory_of(redis_url: str) -> RedisDirectory:

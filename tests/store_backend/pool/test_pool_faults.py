@@ -9,46 +9,25 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.pool_nodes import (
-    PoolNode,
+    Pool,
     check_payload,
-    directory_of,
     make_payload,
     put_all,
     read,
+    read_ok,
     wait_located,
-    wait_nodes_alive,
 )
 from tests.store_backend.pool.redis_server import RedisProcess
 
 SIZE = 256 << 10
 NODE_TTL_S = 1.5  # PoolNode's pool.node_ttl_s
 RETRY_AFTER_S = 0.5  # and its pool.retry_after_s
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisProcess]:
-    with RedisProcess() as r:
-        yield r
-
-
-@pytest.fixture
-def nodes(redis: RedisProcess, request: pytest.FixtureRequest) -> Iterator[list[PoolNode]]:
-    replicas = getattr(request, "param", 1)
-    made = [PoolNode(name, redis.url, replicas=replicas) for name in ("A", "B", "C")]
-    try:
-        for n in made:
-            n.start()
-        yield made
-    finally:
-        for n in made:
-            n.close()
 
 
 def _stream_reads(client, keys: list[str], version: int, batch: int, outcomes: list[tuple[str, Status]],
@@ -65,28 +44,34 @@ def _stream_reads(client, keys: list[str], version: int, batch: int, outcomes: l
         time.sleep(0.02)
 
 
-def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_the_node(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, _c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
-    keys = [f"k9-{i:03d}" for i in range(48)]  # 12 MiB: all in A's DRAM
-    put_all(a.client(), {k: make_payload(k, 3, SIZE) for k in keys})
-    wait_located(d, keys, "A")
-    cb = b.client()
-    outcomes: list[tuple[str, Status]] = []
+def _start_stream_reads(client, keys: list[str], version: int,
+                        outcomes: list[tuple[str, Status]]) -> tuple[threading.Thread, list[BaseException]]:
+    """_stream_reads of ``keys``, two at a time, on a thread, returned once its first batch is done,
+    with the list that receives what it raised (a wrong byte)."""
     errors: list[BaseException] = []
     started = threading.Event()
 
     def run() -> None:
         try:
-            _stream_reads(cb, keys, 3, 2, outcomes, started)
-        except BaseException as e:  # a wrong byte: reported below
+            _stream_reads(client, keys, version, 2, outcomes, started)
+        except BaseException as e:  # a wrong byte: the caller reports it
             errors.append(e)
 
     t = threading.Thread(target=run)
     t.start()
     assert started.wait(30)
+    return t, errors
+
+
+def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_the_node(
+        pool: Pool) -> None:
+    (a, b, _c), d = pool
+    keys = [f"k9-{i:03d}" for i in range(48)]  # 12 MiB: all in A's DRAM
+    put_all(a.client(), {k: make_payload(k, 3, SIZE) for k in keys})
+    wait_located(d, keys, "A")
+    cb = b.client()
+    outcomes: list[tuple[str, Status]] = []
+    t, errors = _start_stream_reads(cb, keys, 3, outcomes)
     while len(outcomes) < 12:
         time.sleep(0.005)
     a.kill()
@@ -105,14 +90,11 @@ def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_t
     # The reader's node counted the failures by kind.
     st = cb.stats().pool.failures
     assert st.peer_gone + st.timeout + st.protocol > 0, st
-    d.close()
 
 
-@pytest.mark.parametrize("nodes", [2], indirect=True)
-def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(pool: Pool) -> None:
+    (a, b, c), d = pool
     keys = [f"r2-{i:03d}" for i in range(60)]
     put_all(a.client(), {k: make_payload(k, 5, SIZE) for k in keys})
     wait_until(lambda: all(len({loc.node for loc in ls}) == 2 for ls in d.locate(keys)), 30, "two copies each")
@@ -121,30 +103,16 @@ def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(redis: RedisPr
     assert len(on_b) >= 10, d.locate(keys)
     cc = c.client()
     outcomes: list[tuple[str, Status]] = []
-    errors: list[BaseException] = []
-    started = threading.Event()
-
-    def run() -> None:
-        try:
-            _stream_reads(cc, on_b, 5, 2, outcomes, started)
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    assert started.wait(30)
+    t, errors = _start_stream_reads(cc, on_b, 5, outcomes)
     a.kill()
     t.join(120)
     assert not errors, errors
     assert [s for _k, s in outcomes] == [Status.OK] * len(on_b)
-    d.close()
 
 
 def test_a_restarted_node_registers_its_ssd_objects_again_and_serves_them(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, _c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+        pool: Pool) -> None:
+    (a, b, _c), d = pool
     keys = [f"rs-{i:02d}" for i in range(12)]
     ca = a.client()
     put_all(ca, {k: make_payload(k, 9, SIZE) for k in keys})
@@ -156,28 +124,19 @@ def test_a_restarted_node_registers_its_ssd_objects_again_and_serves_them(
     assert [r.status for r in got] == [Status.NOT_FOUND] * 2  # nobody live holds them now
     a.start()  # the same node id and SSD directory: recovery, then a resync
     wait_located(d, keys, "A", tier="ssd")
-    got, bufs = read(cb, keys, SIZE)
-    assert [r.status for r in got] == [Status.OK] * len(keys)
-    for k, buf in zip(keys, bufs):
-        check_payload(k, buf, 9)
-    d.close()
+    read_ok(cb, keys, SIZE, 9)
 
 
 def test_redis_down_then_back_empty_nodes_serve_their_own_and_re_register_by_themselves(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, _c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+        redis_server: RedisProcess, pool: Pool) -> None:
+    (a, b, _c), d = pool
     keys = [f"rd-{i:02d}" for i in range(10)]
     ca, cb = a.client(), b.client()
     put_all(ca, {k: make_payload(k, 2, SIZE) for k in keys})
     wait_located(d, keys, "A")
-    redis.stop()
+    redis_server.stop()
     # Redis is down: A serves its own objects (and takes new ones); B answers a clean miss, quickly.
-    got, bufs = read(ca, keys, SIZE)
-    assert [r.status for r in got] == [Status.OK] * len(keys)
-    for k, buf in zip(keys, bufs):
-        check_payload(k, buf, 2)
+    read_ok(ca, keys, SIZE, 2)
     late = [f"rd-late-{i}" for i in range(3)]
     put_all(ca, {k: make_payload(k, 4, SIZE) for k in late})
     t0 = time.monotonic()
@@ -185,22 +144,16 @@ def test_redis_down_then_back_empty_nodes_serve_their_own_and_re_register_by_the
     assert [r.status for r in got] == [Status.NOT_FOUND] * 3 and time.monotonic() - t0 < 5.0
     assert cb.stats().pool.failures.directory >= 3
     # Back, empty: no node is restarted; their heartbeats find themselves unknown and resync.
-    redis.start()
+    redis_server.start()
     wait_located(d, [*keys, *late], "A", timeout_s=30)
     time.sleep(RETRY_AFTER_S + 0.1)  # B answers misses for retry_after_s after its last failed lookup
-    got, bufs = read(cb, [*keys, *late], SIZE)
-    assert [r.status for r in got] == [Status.OK] * (len(keys) + len(late))
-    for k, buf in zip([*keys, *late], bufs):
-        check_payload(k, buf, 4 if k in late else 2)
-    d.close()
+    read_ok(cb, [*keys, *late], SIZE, {**dict.fromkeys(keys, 2), **dict.fromkeys(late, 4)})
 
 
-@pytest.mark.parametrize("nodes", [2], indirect=True)
+@pytest.mark.parametrize("pool", [2], indirect=True)
 def test_a_node_down_during_a_pool_wide_remove_deletes_its_copy_when_it_comes_back(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+        pool: Pool) -> None:
+    (a, b, c), d = pool
     ca = a.client()
     keys = [f"t{i}" for i in range(8)]
     put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys})
@@ -226,17 +179,11 @@ def test_a_node_down_during_a_pool_wide_remove_deletes_its_copy_when_it_comes_ba
     assert all(loc.node != holder.name for loc in d.locate([gone])[0])
     got, _ = read(ch, [gone], SIZE)
     assert got[0].status is Status.NOT_FOUND  # never the removed bytes
-    got, bufs = read(ch, kept, SIZE)
-    assert [r.status for r in got] == [Status.OK] * len(kept)
-    for k, buf in zip(kept, bufs):
-        check_payload(k, buf, 1)
-    d.close()
+    read_ok(ch, kept, SIZE, 1)
 
 
-def test_a_clean_stop_leaves_the_directory_at_once(redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, _c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+def test_a_clean_stop_leaves_the_directory_at_once(pool: Pool) -> None:
+    (a, b, _c), d = pool
     put_all(a.client(), {"mine": make_payload("mine", 1, SIZE)})
     wait_located(d, ["mine"], "A")
     assert a.proc is not None
@@ -247,4 +194,3 @@ def test_a_clean_stop_leaves_the_directory_at_once(redis: RedisProcess, nodes: l
     assert a.proc.wait(60) == 0
     got, _ = read(b.client(), ["mine"], SIZE)
     assert got[0].status is Status.NOT_FOUND
-    d.close()

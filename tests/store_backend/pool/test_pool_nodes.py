@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,12 +16,14 @@ from store_backend.types import Status
 from tests.store_backend.node.server_harness import REPO, wait_until
 from tests.store_backend.pool.pool_nodes import (
     MiB,
+    Pool,
     PoolNode,
     check_payload,
     directory_of,
     make_payload,
     put_all,
     read,
+    read_ok,
     wait_located,
     wait_nodes_alive,
 )
@@ -31,30 +32,9 @@ from tests.store_backend.pool.redis_server import RedisProcess
 SIZE = 1 * MiB
 
 
-@pytest.fixture
-def redis() -> Iterator[RedisProcess]:
-    with RedisProcess() as r:
-        yield r
-
-
-@pytest.fixture
-def nodes(redis: RedisProcess, request: pytest.FixtureRequest) -> Iterator[list[PoolNode]]:
-    replicas = getattr(request, "param", 1)
-    made = [PoolNode(name, redis.url, replicas=replicas) for name in ("A", "B", "C")]
-    try:
-        for n in made:
-            n.start()
-        yield made
-    finally:
-        for n in made:
-            n.close()
-
-
 def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+        pool: Pool) -> None:
+    (a, b, c), d = pool
     ca = a.client()
     # 24 MiB into A's 16 MiB of DRAM: the first ones are on A's SSD only by the end (eager offload).
     keys = [f"obj-{i:02d}" for i in range(24)]
@@ -71,15 +51,9 @@ def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
     cb, cc = b.client(), c.client()
     # B reads every object, SSD ones and DRAM ones, in one batch; C a few of each.
     assert cb.exists(keys) == len(keys)
-    got, bufs = read(cb, keys, SIZE)
-    assert [r.status for r in got] == [Status.OK] * len(keys)
-    for k, buf in zip(keys, bufs):
-        check_payload(k, buf, 1)
+    read_ok(cb, keys, SIZE, 1)
     few = [*on_ssd[:3], *in_dram[:3]]
-    got, bufs = read(cc, few, SIZE)
-    assert [r.status for r in got] == [Status.OK] * len(few)
-    for k, buf in zip(few, bufs):
-        check_payload(k, buf, 1)
+    read_ok(cc, few, SIZE, 1)
     # The remote reads left local copies on B (registered in the directory), read locally now.
     b_local = cb.tier_of(keys)
     kept = [k for k, t in zip(keys, b_local) if t == "dram"]
@@ -105,14 +79,11 @@ def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
     assert set(by_id) == {"A", "B", "C"} and all(n["alive"] for n in by_id.values())
     assert by_id["A"]["tiers"]["ssd"]["objects"] >= len(on_ssd)
     assert by_id["B"]["counters"]["pool_hits"] >= len(keys)
-    d.close()
 
 
-@pytest.mark.parametrize("nodes", [2], indirect=True)
-def test_two_replicas_place_a_second_copy_on_another_node(redis: RedisProcess, nodes: list[PoolNode]) -> None:
-    a, b, c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_two_replicas_place_a_second_copy_on_another_node(pool: Pool) -> None:
+    (a, b, c), d = pool
     ca = a.client()
     keys = [f"rep-{i}" for i in range(6)]
     put_all(ca, {k: make_payload(k, 7, SIZE) for k in keys})
@@ -133,16 +104,13 @@ def test_two_replicas_place_a_second_copy_on_another_node(redis: RedisProcess, n
         check_payload(k, bufs[0], 7)
     # And no third copy was made (a received copy is not replicated again).
     assert all(len(ls) == 2 for ls in d.locate(keys))
-    d.close()
 
 
 def test_a_load_right_after_its_pin_waits_for_the_pins_promotion_from_the_pool(
-        redis: RedisProcess, nodes: list[PoolNode]) -> None:
+        pool: Pool) -> None:
     # What an engine's worker does: the scheduler pins a prefix found in the pool (which starts
     # copying it in from the peer), then the worker leases it with wait_pending_s at once.
-    a, b, _c = nodes
-    d = directory_of(redis.url)
-    wait_nodes_alive(d, ["A", "B", "C"])
+    (a, b, _c), d = pool
     ca, cb = a.client(), b.client()
     for round_ in range(4):
         keys = [f"pin-{round_}-{i}" for i in range(4)]
@@ -157,10 +125,9 @@ def test_a_load_right_after_its_pin_waits_for_the_pins_promotion_from_the_pool(
         finally:
             cb.release([ls for ls in leases if ls.status is Status.OK])
         cb.unpin(keys)
-    d.close()
 
 
-def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis: RedisProcess) -> None:
+def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis_server: RedisProcess) -> None:
     """Directory review r12, real processes: B stalls (SIGSTOP 1 s, shorter than its node_ttl_s) while
     A removes K pool-wide. A is told IO_ERROR; B must not keep K: A's background retry deletes it once
     B answers again, and B demoting it (a move) never lists it again. Before: B's engine read K, and
@@ -168,10 +135,10 @@ def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis:
     import signal
     import time
 
-    a = PoolNode("A", redis.url, timeout_s=0.5).start()
-    b = PoolNode("B", redis.url, timeout_s=0.5).start()
+    a = PoolNode("A", redis_server.url, timeout_s=0.5).start()
+    b = PoolNode("B", redis_server.url, timeout_s=0.5).start()
     try:
-        d = directory_of(redis.url)
+        d = directory_of(redis_server.url)
         wait_nodes_alive(d, ["A", "B"])
         ca, cb = a.client(), b.client()
         put_all(cb, {"K": make_payload("K", 1, SIZE)})
