@@ -35,6 +35,7 @@ from store_backend.config_loader import ConfigError
 from store_backend.node import protocol as p
 from store_backend.node.config import default_socket_path, load_node_config
 from store_backend.node.server import NodeService
+from store_backend.node.text import human_bytes
 from store_backend.ownership import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -195,14 +196,6 @@ def status_document(got: Probe) -> dict[str, Any]:
     return doc
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def print_status(doc: dict[str, Any]) -> None:
     """``doc`` (from :func:`status_document`) as rich tables on stdout."""
     console = Console()
@@ -213,7 +206,7 @@ def print_status(doc: dict[str, Any]) -> None:
     head.add_row("pid", str(doc["pid"]))
     head.add_row("uptime", f"{doc['uptime_s']:.0f} s")
     head.add_row("socket", doc["socket"])
-    head.add_row("segment", f"{doc['segment']['path']} ({_bytes(doc['segment']['bytes'])})")
+    head.add_row("segment", f"{doc['segment']['path']} ({human_bytes(doc['segment']['bytes'])})")
     started = f"yes, by pid {doc['started_by']}" if doc["auto_started"] else "no"
     head.add_row("auto-started", started)
     off = f"off ({doc['metrics_off']})" if doc.get("metrics_off") else "off"
@@ -226,15 +219,15 @@ def print_status(doc: dict[str, Any]) -> None:
         tiers.add_column(col, justify="left" if col == "tier" else "right")
     for name, t in doc["tiers"].items():
         rate = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
-        tiers.add_row(name, _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]), str(t["objects"]), str(t["hits"]),
-                      str(t["misses"]), rate, str(t["evictions"]))
+        tiers.add_row(name, human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]), str(t["objects"]),
+                      str(t["hits"]), str(t["misses"]), rate, str(t["evictions"]))
     console.print(tiers)
-    clients = Table(title=f"clients ({doc['connections']} connections, {_bytes(doc['held_bytes'])} held)")
+    clients = Table(title=f"clients ({doc['connections']} connections, {human_bytes(doc['held_bytes'])} held)")
     for col in ("conn", "pid", "name", "reservations", "leases", "held", "since"):
         clients.add_column(col, justify="left" if col == "name" else "right")
     for c in doc["clients"]:
         clients.add_row(str(c["conn_id"]), str(c["pid"]), c["name"], str(c["reservations"]), str(c["leases"]),
-                        _bytes(c["held_bytes"]), f"{c['connected_s']:.0f} s")
+                        human_bytes(c["held_bytes"]), f"{c['connected_s']:.0f} s")
     console.print(clients)
 
 

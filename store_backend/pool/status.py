@@ -17,6 +17,7 @@ from rich.table import Table
 
 from store_backend.config_loader import ConfigError
 from store_backend.node.config import load_node_config
+from store_backend.node.text import human_bytes
 from store_backend.pool.directory import DirectoryUnavailable, NodeInfo
 from store_backend.pool.factory import make_directory
 
@@ -59,14 +60,6 @@ def pool_status_document(config: Any) -> tuple[int, dict[str, Any]]:
                 "nodes": [node_document(n) for n in nodes]}
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def print_pool_status(doc: dict[str, Any]) -> None:
     console = Console()
     if not doc.get("ready"):
@@ -79,7 +72,7 @@ def print_pool_status(doc: dict[str, Any]) -> None:
         rates = ["-" if r is None else f"{100 * r:.1f}%" for r in n["hit_rates"].values()]
         tiers = ", ".join(f"{k} {v['objects']}" for k, v in n["tiers"].items())
         table.add_row(n["node_id"], n["address"], "yes" if n["alive"] else "[red]no[/red]", tiers,
-                      _bytes(n["used_bytes"]), _bytes(n["capacity_bytes"]), *rates)
+                      human_bytes(n["used_bytes"]), human_bytes(n["capacity_bytes"]), *rates)
     console.print(table)
 
 
