@@ -680,6 +680,17 @@ class TcpTransport:
             self._live.discard(conn)
         conn.sock.close()
 
+    def _run_split(self, todo: list[int], views: list[memoryview], run_part: Callable[[list[int]], None]) -> None:
+        """``run_part(idx)`` for the indexes ``todo`` split into frames of at most KEYS_PER_FRAME keys,
+        each frame split by bytes over the streams; the parts run as :meth:`_run_parts` runs them."""
+        parts: list[Callable[[], None]] = []
+        for at in range(0, len(todo), KEYS_PER_FRAME):
+            chunk = todo[at:at + KEYS_PER_FRAME]
+            for r in split_by_bytes([views[i].nbytes for i in chunk], self.streams, self._min_stream_bytes):
+                idx = [chunk[j] for j in r]
+                parts.append(lambda idx=idx: run_part(idx))
+        self._run_parts(parts)
+
     def _run_parts(self, parts: list[Callable[[], None]]) -> None:
         """Run ``parts`` in parallel (the first on this thread) and wait for all of them: each is
         bounded by the call's deadline, and none may touch a caller's buffer after this returns."""
@@ -772,13 +783,8 @@ class TcpTransport:
                 results[i] = ReadResult(Status.INVALID_KEY)
             else:
                 todo.append(i)
-        chunks = [todo[j:j + KEYS_PER_FRAME] for j in range(0, len(todo), KEYS_PER_FRAME)]
-        parts: list[Callable[[], None]] = []
-        for chunk in chunks:
-            for r in split_by_bytes([views[i].nbytes for i in chunk], self.streams, self._min_stream_bytes):
-                idx = [chunk[j] for j in r]
-                parts.append(lambda idx=idx: self._get_part(address, idx, keys, views, checksums, deadline, results))
-        self._run_parts(parts)
+        self._run_split(todo, views, lambda idx: self._get_part(address, idx, keys, views, checksums, deadline,
+                                                                results))
         return results
 
     def _get_part(self, address: str, idx: list[int], keys: Sequence[str], views: list[memoryview],
@@ -862,13 +868,7 @@ class TcpTransport:
                 results[i] = Status.TOO_LARGE
             else:
                 todo.append(i)
-        chunks = [todo[j:j + KEYS_PER_FRAME] for j in range(0, len(todo), KEYS_PER_FRAME)]
-        parts: list[Callable[[], None]] = []
-        for chunk in chunks:
-            for r in split_by_bytes([views[i].nbytes for i in chunk], self.streams, self._min_stream_bytes):
-                idx = [chunk[j] for j in r]
-                parts.append(lambda idx=idx: self._put_part(address, idx, keys, views, deadline, results))
-        self._run_parts(parts)
+        self._run_split(todo, views, lambda idx: self._put_part(address, idx, keys, views, deadline, results))
         return results
 
     def _put_part(self, address: str, idx: list[int], keys: Sequence[str], views: list[memoryview],
