@@ -90,23 +90,26 @@ class ServerProcess:
             self.kill()
 
 
-class FlipProxy:
-    """A TCP proxy in front of ``upstream`` that flips (XOR 0xFF) the byte at stream offset
-    ``flip_at`` of one direction (``"down"``: server to client, ``"up"``: client to server) of
-    every connection. Owned threads; ``close()`` ends them."""
+class _Relay:
+    """A listener on 127.0.0.1 in front of ``upstream``: each connection accepted is paired with a new
+    one to ``upstream`` and handed to :meth:`_relay`. A subclass sets its own fields, then calls
+    :meth:`_start`. Owned threads; ``close()`` ends them."""
 
-    def __init__(self, upstream: str, flip_at: int, direction: str) -> None:
+    def __init__(self, upstream: str) -> None:
         host, port = upstream.rsplit(":", 1)
         self._up = (host, int(port))
-        self._flip_at, self._dir = flip_at, direction
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._socks: list[socket.socket] = []
-        self.flipped = 0
-        t = threading.Thread(target=self._accept, daemon=True)
+
+    def _start(self) -> None:
+        self._spawn(self._accept)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -118,10 +121,45 @@ class FlipProxy:
                 continue
             s = socket.create_connection(self._up)
             self._socks += [c, s]
-            for src, dst, d in ((s, c, "down"), (c, s, "up")):
-                t = threading.Thread(target=self._pump, args=(src, dst, d == self._dir), daemon=True)
-                t.start()
-                self._threads.append(t)
+            self._relay(c, s)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(5)
+
+
+class FlipProxy(_Relay):
+    """A TCP proxy in front of ``upstream`` that flips (XOR 0xFF) the byte at stream offset
+    ``flip_at`` of one direction (``"down"``: server to client, ``"up"``: client to server) of
+    every connection. Owned threads; ``close()`` ends them."""
+
+    def __init__(self, upstream: str, flip_at: int, direction: str) -> None:
+        super().__init__(upstream)
+        self._flip_at, self._dir = flip_at, direction
+        self.flipped = 0
+        self._start()
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        for src, dst, d in ((server, client, "down"), (client, server, "up")):
+            self._spawn(self._pump, src, dst, d == self._dir)
 
     def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
         seen = 0
@@ -140,22 +178,7 @@ class FlipProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
-        for t in self._threads:
-            t.join(5)
+            self._shut(src, dst)
 
 
 def wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
@@ -187,7 +210,7 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-class SwapRelay:
+class SwapRelay(_Relay):
     """An on-path relay that does NOT know the secret (fault injection: an attacker). It passes the
     handshake through untouched, then, on the first connection, replaces the payload of the first
     ``op`` ("put": client to server, "get": server to client) with ``EVIL...`` bytes of the same
@@ -196,36 +219,17 @@ class SwapRelay:
     Everything else is relayed as is. Owned threads; ``close()`` ends them."""
 
     def __init__(self, upstream: str, op: str, rewrite_end: bool, tag_bytes: int) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self._up = (host, int(port))
+        super().__init__(upstream)
         self._op, self._rewrite, self._tag = op, rewrite_end, tag_bytes
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._socks: list[socket.socket] = []
         self.swapped = 0
         self.errors: list[BaseException] = []
         self._first = True
-        self._spawn(self._accept)
+        self._start()
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                c, _ = self._listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            s = socket.create_connection(self._up)
-            self._socks += [c, s]
-            first, self._first = self._first, False
-            self._spawn(self._up_pump, c, s, first)
-            self._spawn(self._down_pump, s, c, first)
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        first, self._first = self._first, False
+        self._spawn(self._up_pump, client, server, first)
+        self._spawn(self._down_pump, server, client, first)
 
     def _frame(self, src: socket.socket, tagged: bool = True) -> tuple[bytes, bytes, bytes]:
         from store_backend.pool.frames import LEN
@@ -302,25 +306,6 @@ class SwapRelay:
             if not data:
                 return
             dst.sendall(data)
-
-    @staticmethod
-    def _shut(*socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
-        for t in self._threads:
-            t.join(5)
 
 
 __all__ = ["MiB", "SECRET", "FlipProxy", "ServerProcess", "SwapRelay", "make_store", "payload", "served", "slots_held",
