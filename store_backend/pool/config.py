@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 import os
 import socket
-import stat
 from typing import Literal
 
 import msgspec
 import xxhash
+
+from store_backend.pool.private_file import private_file_problem
 
 DirectoryKind = Literal["embedded", "redis"]
 _NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -173,14 +174,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         path = self.secret_file
         assert path is not None
         try:
-            st = os.stat(path)
+            problem = private_file_problem(path)
         except OSError as e:
             raise ValueError(f"secret_file: cannot read {path}: {e.strerror}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"secret_file: {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise ValueError(f"secret_file: {path} is readable by group or other (mode {st.st_mode & 0o777:04o}): "
-                             f"chmod 600 it")
+        if problem is not None:
+            raise ValueError(f"secret_file: {path} {problem}")
         with open(path, "rb") as f:
             data = f.read().strip()
         if not data:

@@ -89,6 +89,7 @@ from store_backend.pool.directory import (
     NodeInfo,
 )
 from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
+from store_backend.pool.private_file import private_file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -463,18 +464,12 @@ def check_namespace(namespace: object) -> str:
 def read_password_file(path: str) -> str:
     """The password in ``path`` (one line). ValueError naming the file when it is not a regular
     file, is readable or writable by group or other, or cannot be read; never the password."""
-    import os
-    import stat
-
     try:
-        st = os.stat(path)
+        problem = private_file_problem(path)
     except OSError as e:
         raise ValueError(f"password_file {path} cannot be read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"password_file {path} is not a regular file")
-    if st.st_mode & 0o077:
-        raise ValueError(f"password_file {path} is readable by group or other (mode {st.st_mode & 0o777:04o}): "
-                         f"chmod 600 it")
+    if problem is not None:
+        raise ValueError(f"password_file {path} {problem}")
     try:
         return Path(path).read_text().strip("\r\n")
     except OSError as e:
