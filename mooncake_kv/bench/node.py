@@ -18,25 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 
+from mooncake_kv.bench.node_service import BenchNodeService
 from mooncake_kv.bench.store import _aligned, _best_gbps
 from store_backend.api import KVStore
 from store_backend.config import parse_size
-from store_backend.node.client import NodeClient, probe
+from store_backend.node.client import NodeClient
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
@@ -51,40 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions of each measurement (best counts)")
     p.add_argument("--lookups", type=int, default=2000, help="exists calls of 256 keys timed (median counts)")
     p.add_argument("--start-timeout-s", type=float, default=120.0, help="how long the service may take to start")
-
-
-class _Service:
-    """The service under test: ``serve`` in a subprocess with a config of its own in a private
-    directory (removed at close, with the log)."""
-
-    def __init__(self, capacity_bytes: int, start_timeout_s: float) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="mkv-bench-"))
-        self.socket = str(self.directory / "node.sock")
-        config = self.directory / "node.json"
-        config.write_text(json.dumps({
-            "store": {"dram": {"capacity_bytes": capacity_bytes, "shm_name": f"mkv-bench-{uuid.uuid4().hex[:10]}"}},
-            "socket": self.socket, "metrics": None}))
-        self.log = self.directory / "node.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config", str(config)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + start_timeout_s
-        while probe(self.socket) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the node service did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _put_get(store: KVStore, tag: str, size: int, src: list[np.ndarray], dst: list[np.ndarray],
@@ -148,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench node: --sizes must name at least one size; --repeat and --lookups must be >= 1")
     # Room for the batch being read and the one being written at once, and the lookup keys.
     capacity = 2 * max(max(2, batch_bytes // s) * s for s in sizes) + (64 << 20)
-    service = _Service(capacity, args.start_timeout_s)
+    service = BenchNodeService(capacity, args.start_timeout_s)
     per_size: dict[str, dict[str, float]] = {}
     try:
         node = NodeClient(service.socket, name="bench", max_connections=2).start()

@@ -39,7 +39,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -54,9 +53,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mooncake_kv.bench import mooncake_peer
+from mooncake_kv.bench.node_service import BenchNodeService
 from mooncake_kv.bench.store import _aligned
 from store_backend.config import parse_size
-from store_backend.node.client import NodeClient, probe
+from store_backend.node.client import NodeClient
 from store_backend.pool.config import DirectoryConfig, PoolConfig
 from store_backend.pool.directory import Directory, Location, NodeInfo
 from store_backend.pool.socket_limit import raw_socket_limit_gbps
@@ -127,42 +127,6 @@ class _Redis:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-class _PoolService:
-    """One node service with a pool section, as a subprocess with a private directory (removed at
-    close, with its log)."""
-
-    def __init__(self, name: str, capacity_bytes: int, pool: dict[str, Any], start_timeout_s: float) -> None:
-        self.name = name
-        self.directory = Path(tempfile.mkdtemp(prefix=f"mkv-bench-{name}-"))
-        self.socket = str(self.directory / "node.sock")
-        config = self.directory / "node.json"
-        config.write_text(json.dumps({
-            "store": {"dram": {"capacity_bytes": capacity_bytes, "shm_name": f"mkv-bench-{uuid.uuid4().hex[:10]}"}},
-            "socket": self.socket, "metrics": None, "pool": pool}))
-        self.log = self.directory / "node.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config", str(config)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + start_timeout_s
-        while probe(self.socket) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-2000:]
-                self.close()
-                raise RuntimeError(f"node service {name} did not start: {tail}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -357,11 +321,11 @@ def run(args: argparse.Namespace) -> int:
                 "directory": dir_cfg, "streams": args.streams, "replicas": 1}
 
     mooncake_reason: str | None = "--no-mooncake" if args.no_mooncake else None
-    services: list[_PoolService] = []
+    services: list[BenchNodeService] = []
     per_size: dict[str, dict[str, float | None]] = {}
     try:
-        services.append(_PoolService("a", capacity, pool("bench-a"), args.start_timeout_s))
-        services.append(_PoolService("b", capacity, pool("bench-b"), args.start_timeout_s))
+        services.append(BenchNodeService(capacity, args.start_timeout_s, name="a", pool=pool("bench-a")))
+        services.append(BenchNodeService(capacity, args.start_timeout_s, name="b", pool=pool("bench-b")))
         directory = _make_directory(DirectoryConfig(**dir_cfg), "bench-reader")
         transport = _make_transport(secret, args.streams)
         a = NodeClient(services[0].socket, name="bench-a", max_connections=2).start()
