@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.node_service import ServiceRun
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, store_section
 
 MAX_TOKENS = 16
@@ -63,6 +64,17 @@ def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path, *,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--block-size", "32", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", *args,
            "--kv-transfer-config", json.dumps(ktc)]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
+
+
+def node_service_server(model: Path, port: int, svc: ServiceRun, log: Path) -> subprocess.Popen:
+    """A vLLM OpenAI server on ``port`` with this connector (kv_both) attached to the node service
+    ``svc``. Output goes to ``log``."""
+    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "store": svc.attach()}}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+           "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
+           "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 

@@ -6,31 +6,27 @@ prefixes can only have come through its shared DRAM arena.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.node_service import ServiceRun, node_service
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, free_port, metric, stop, wait_healthy
+from tests.node_service import node_service
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
+from tests.vllm_plugin.disagg_cluster import (
+    MAX_TOKENS,
+    complete,
+    free_port,
+    metric,
+    node_service_server,
+    stop,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 P1, P2 = prompt(331, 600), prompt(332, 400)
-
-
-def server(model: Path, port: int, svc: ServiceRun, log: Path) -> subprocess.Popen:
-    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
-           "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "store": svc.attach()}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
-           "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +35,7 @@ def instances(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with node_service(work, {"dram": {"capacity_bytes": "64MiB"}}) as svc:
         ports = [free_port(), free_port()]
         logs = [work / "one.log", work / "two.log"]
-        procs = [server(tiny_model, port, svc, log) for port, log in zip(ports, logs)]
+        procs = [node_service_server(tiny_model, port, svc, log) for port, log in zip(ports, logs)]
         try:
             for port in ports:
                 wait_healthy(f"http://127.0.0.1:{port}", procs, logs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,23 +22,22 @@ import pytest
 from store_backend.pool.config import DirectoryConfig
 from tests.node_service import ServiceRun
 from tests.store_backend.pool.redis_server import RedisProcess, require_redis
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, free_port, metric, stop, wait_healthy
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
+from tests.vllm_plugin.disagg_cluster import (
+    MAX_TOKENS,
+    complete,
+    free_port,
+    metric,
+    node_service_server,
+    stop,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 P1, P2 = prompt(431, 600), prompt(432, 400)
 NODES = ("pool-e2e-1", "pool-e2e-2")
 REGISTER_TIMEOUT_S = 30.0
-
-
-def server(model: Path, port: int, svc: ServiceRun, log: Path) -> subprocess.Popen:
-    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
-           "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "store": svc.attach()}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
-           "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
 
 
 def pool_service(work: Path, name: str, node_id: str, redis_url: str, secret_file: str) -> ServiceRun:
@@ -93,7 +91,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             directory = _directory(redis.url)
             ports = [free_port(), free_port()]
             logs = [work / "one.log", work / "two.log"]
-            procs = [server(tiny_model, port, svc, log) for port, svc, log in zip(ports, services, logs)]
+            procs = [node_service_server(tiny_model, port, svc, log) for port, svc, log in zip(ports, services, logs)]
             for port in ports:
                 wait_healthy(f"http://127.0.0.1:{port}", procs, logs)
             yield {"ports": ports, "work": work, "services": services, "directory": directory}
