@@ -14,6 +14,8 @@
 # SIGTERM) stops everything: the servers, then the node services, then Redis.
 # tests/vllm_plugin/test_e2e_pool.py checks the same arrangement on vLLM's CPU build with a tiny model.
 set -euo pipefail
+# shellcheck source=../lib/healthy.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/healthy.sh"
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 PY="$VENV/bin/python"
 MODEL=${MODEL:?set MODEL to a model name or a local model directory}
@@ -80,12 +82,6 @@ for n in node1 node2; do
       --kv-transfer-config "$(engine_config "$n")" &
   pids+=($!)
 done
-healthy() {  # $1: port; $2: pid of the server behind it
-  until "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null; do
-    if ! kill -0 "$2" 2>/dev/null; then echo "the server on port $1 exited before it was healthy" >&2; exit 1; fi
-    sleep 2
-  done
-}
 healthy "$PORT1" "${pids[0]}"
 healthy "$PORT2" "${pids[1]}"
 echo "pool ready: vLLM on ports $PORT1 (node1) and $PORT2 (node2), Redis on 127.0.0.1:$REDIS_PORT"

@@ -9,6 +9,8 @@
 # is how the decode server finds what the prefill server saved. Ctrl-C (or SIGTERM) stops everything.
 # tests/vllm_plugin/test_e2e_disagg.py runs this script on vLLM's CPU build with a tiny model.
 set -euo pipefail
+# shellcheck source=../lib/healthy.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/healthy.sh"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 PY="$VENV/bin/python"
@@ -42,12 +44,6 @@ pids+=($!)
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$DECODE_PORT" $EXTRA_ARGS \
     --kv-transfer-config "$(config kv_consumer)" &
 pids+=($!)
-healthy() {  # $1: port; $2: pid of the server behind it
-  until "$PY" -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null; do
-    if ! kill -0 "$2" 2>/dev/null; then echo "the server on port $1 exited before it was healthy" >&2; exit 1; fi
-    sleep 2
-  done
-}
 healthy "$PREFILL_PORT" "${pids[0]}"
 healthy "$DECODE_PORT" "${pids[1]}"
 "$PY" "$ROOT/examples/vllm_disagg/proxy.py" --port "$PROXY_PORT" \

@@ -1,0 +1,9 @@
+# Sourced by the example scripts (needs PY, the venv's python): healthy PORT PID waits until the
+# vLLM server on 127.0.0.1:PORT answers /health, and exits the script with 1 if the process PID
+# behind it exits first.
+healthy() {  # $1: port; $2: pid of the server behind it
+  until "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then echo "the server on port $1 exited before it was healthy" >&2; exit 1; fi
+    sleep 2
+  done
+}

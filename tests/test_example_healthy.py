@@ -1,0 +1,44 @@
+"""examples/lib/healthy.sh, the wait the example scripts source: it returns once the server answers
+/health, and ends the script with 1 (naming the port) when the server's process exits first."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB = ROOT / "examples" / "lib" / "healthy.sh"
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; PY={sys.executable}; . "{LIB}"; {script}'],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_server_that_answers_health_is_waited_for() -> None:
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        out = _run(f"healthy {srv.server_address[1]} $$; echo waited")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert out.returncode == 0 and out.stdout == "waited\n", out
+
+
+def test_a_server_that_exits_first_ends_the_script_with_1() -> None:
+    out = _run("sleep 0 & dead=$!; wait $dead; healthy 1 $dead; echo not reached")
+    assert out.returncode == 1, out
+    assert out.stdout == "" and "the server on port 1 exited before it was healthy" in out.stderr, out
