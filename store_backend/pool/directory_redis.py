@@ -153,6 +153,15 @@ local function refused(key, node, stored, skew)
   if not t then return false end
   return tonumber(t) >= stored - skew
 end
+-- Store ``packed`` as ``node``'s location of ``key`` (nk: the node's key set); a key whose object
+-- changed (not a tier move) is appended to ``changed`` for the invalidation message.
+local function store_location(key, node, packed, nk, changed)
+  local kk = ns .. ':k:' .. key
+  local old = redis.call('HGET', kk, node)
+  redis.call('HSET', kk, node, packed)
+  redis.call('SADD', nk, key)
+  if old and object_of(old) ~= object_of(packed) then changed[#changed + 1] = key end
+end
 """ % _PUBLISH_CHUNK
 
 # ARGV: ns, node, skew_ms, key/packed/stored_ms triples. Returns {gen, refused keys}.
@@ -167,11 +176,7 @@ for i = 1, #L, 3 do
     out[#out + 1] = key
   else
     redis.call('HDEL', ns .. ':p:' .. key, node)
-    local kk = ns .. ':k:' .. key
-    local old = redis.call('HGET', kk, node)
-    redis.call('HSET', kk, node, packed)
-    redis.call('SADD', nk, key)
-    if old and object_of(old) ~= object_of(packed) then changed[#changed + 1] = key end
+    store_location(key, node, packed, nk, changed)
   end
 end
 local gen = redis.call('INCR', ns .. ':gen:' .. node)
@@ -235,11 +240,7 @@ for i = 1, #L, 3 do
   if d then
     redis.call('HDEL', pk, node)
     if tonumber(d) > now and not refused(key, node, tonumber(L[i + 2]), skew) then
-      local kk = ns .. ':k:' .. key
-      local old = redis.call('HGET', kk, node)
-      redis.call('HSET', kk, node, packed)
-      redis.call('SADD', nk, key)
-      if old and object_of(old) ~= object_of(packed) then changed[#changed + 1] = key end
+      store_location(key, node, packed, nk, changed)
       ok = 1
     end
   end
