@@ -1783,10 +1783,15 @@ class TieredStore:
         deadline = time.monotonic() + ttl_s
         promote: list[str] = []
         with self._lock:
-            for key, hit in zip(keys, present):
+            for i, (key, hit) in enumerate(zip(keys, present)):
                 if not hit:
                     continue
                 e = self._dram.ready(key)
+                if e is None and not self._below:
+                    # Evicted since contains() looked (no lower tier holds a copy): answering it
+                    # present would report a load nothing protects.
+                    present[i] = False
+                    continue
                 if e is None:
                     promote.append(key)
                     self._void_pin(key, 1, deadline)  # its unpin must not release a later pin

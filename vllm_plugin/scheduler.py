@@ -9,9 +9,10 @@ decides; the worker half moves bytes.
 
 - ``get_num_new_matched_tokens`` answers how many tokens beyond vLLM's local hit the store holds,
   whole chunks only, never the prompt's last token. It starts a lookup and answers ``None`` ("ask
-  later") if the lookup is not back within ``lookup_wait_s``; it changes nothing but its own cache of
-  lookup results, so calling it twice is harmless.
-- ``update_state_after_alloc`` turns an accepted hit into a load plan and leases the objects.
+  later") if the lookup is not back within ``lookup_wait_s``. The chunks it reports are pinned in
+  the store as it reports them (``lease_ttl_s``), and a chunk the pin no longer finds (evicted since
+  the lookup) is not reported; calling it twice reuses those pins, so it is harmless.
+- ``update_state_after_alloc`` turns an accepted hit into a load plan (its chunks already pinned).
 
 An embedded store lives with the workers (they move the bytes); lookups and leases go to each
 worker's :class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker
@@ -90,7 +91,7 @@ class _Tracked:
 
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
                  "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
-                 "load_sources")
+                 "load_sources", "pin_from", "pin_tiers", "pin_at")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -107,6 +108,11 @@ class _Tracked:
         self.remote_chunks = 0  # chunks a prefill instance promised (disaggregated decode)
         self.remote_deadline = 0.0
         self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
+        # The hit last reported to vLLM, pinned in the store when reported: chunks [pin_from,
+        # pin_from + len(pin_tiers)), each one's tier, and when (monotonic) the pins were taken.
+        self.pin_from = 0
+        self.pin_tiers: list[str | None] = []
+        self.pin_at = 0.0
 
 
 # Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
@@ -299,9 +305,39 @@ class SchedulerSide:
             if hit - local_chunks > self.staging_chunks:
                 hit = local_chunks + self.staging_chunks
                 self.counters["hits_capped_staging"] += 1
+        hit = self._pin_hit(t, local_chunks, hit)
         t.hit_chunks = hit
         t.local_tokens = num_computed_tokens
         return max(0, hit * self.chunk_tokens - num_computed_tokens), False
+
+    def _pin_hit(self, t: _Tracked, local_chunks: int, hit: int) -> int:
+        """Pin chunks [local_chunks, hit) before they are reported to vLLM, and answer the hit cut
+        to the leading ones still stored. The lookup answering ``hit`` may be long past (it ran
+        when the request arrived, and a request vLLM could not allocate blocks for yet is asked
+        again on later steps with the same answer): other requests' saves may have evicted its
+        chunks from a full DRAM tier since. A chunk the pin does not find counts only while a
+        fresh lookup still finds it (a save in flight: the worker's load waits for it); a hit
+        already pinned for the same chunks within half the lease TTL is not pinned again.
+        Blocking: one or two lookup round trips, none when the pins are reused."""
+        if hit <= local_chunks:
+            return hit
+        now = time.monotonic()
+        if (t.pin_from == local_chunks and len(t.pin_tiers) >= hit - local_chunks
+                and now - t.pin_at < self.cfg.lease_ttl_s / 2):
+            tiers = t.pin_tiers[:hit - local_chunks]
+        else:
+            tiers = self.lookups.pin_tiers(self._keys(t.hashes[local_chunks:hit]), ttl_s=self.cfg.lease_ttl_s)
+            if None in tiers:
+                fresh = self._lookup(self._keys(t.hashes[:hit]))
+                # "": no tier yet (a save in flight), filed as unspecified by hit_sources.
+                tiers = [tier if tier is not None else ("" if c < fresh else None)
+                         for c, tier in zip(range(local_chunks, hit), tiers)]
+            t.pin_from, t.pin_at = local_chunks, now
+        run = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        if run < len(tiers):
+            self.counters["hits_cut_evicted"] = self.counters.get("hits_cut_evicted", 0) + 1
+        t.pin_tiers = list(tiers[:run])
+        return local_chunks + run
 
     def _note_remote_prefill(self, t: _Tracked) -> None:
         params = t.request.kv_transfer_params or {}
@@ -329,7 +365,12 @@ class SchedulerSide:
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
         self._step_load_chunks += len(loads)
-        tiers = self.lookups.pin_tiers(self._keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
+        first_chunk = start // self.chunk_tokens
+        if t.pin_from == first_chunk and len(t.pin_tiers) >= len(loads):
+            tiers = t.pin_tiers[:len(loads)]  # pinned when get_num_new_matched_tokens reported them
+        else:
+            tiers = self.lookups.pin_tiers(self._keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
+        t.pin_tiers = []  # the worker's load releases these pins; a later hit pins again
         sources: dict[CacheHitSource, int] = {}
         for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
             n = min(end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
