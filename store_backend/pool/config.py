@@ -1,11 +1,11 @@
 """The pool's configuration: section ``pool`` of a node service config (docs/design/POOL.md section 3).
 
-:class:`PoolConfig` (with its :class:`DirectoryConfig`) is read once when the node service starts,
-through :func:`store_backend.node.config.load_node_config`; ``pool: null`` (the default) means no
-pool, the node serves its own engines only. Validation is in ``__post_init__``; each error names
-the field (the loader prefixes the path, ``pool.directory.url``). :meth:`PoolConfig.read_secret`
-reads the shared secret (from ``secret`` or ``secret_file``) when the service starts. Pure; call
-from any thread.
+:class:`PoolConfig` (with its :class:`DirectoryConfig` and :class:`TlsConfig`) is read once when
+the node service starts, through :func:`store_backend.node.config.load_node_config`; ``pool: null``
+(the default) means no pool, the node serves its own engines only. Validation is in
+``__post_init__``; each error names the field (the loader prefixes the path,
+``pool.directory.url``). :meth:`PoolConfig.read_secret` reads the shared secret (from ``secret``
+or ``secret_file``) when the service starts. Pure; call from any thread.
 """
 
 from __future__ import annotations
@@ -96,6 +96,28 @@ class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _positive("dead_node_gc_s", self.dead_node_gc_s)
 
 
+class TlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """TLS on every pool transport connection, both ways (section ``pool.tls``; mutual TLS, see
+    :mod:`store_backend.pool.tls`). Only the paths are checked here; the files are read when the
+    service starts (``key_file`` must then pass the private-file check)."""
+
+    # This node's certificate (PEM, the chain after it if any): shown to peers it dials and to
+    # peers that dial it.
+    cert_file: str | None = None
+    # Its private key (PEM, unencrypted); must not be readable by group or other.
+    key_file: str | None = None
+    # The CA (PEM) that signs every node's certificate: a peer is trusted when its certificate is.
+    ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"{name}: required when tls is set (cert_file, key_file and ca_file)")
+            if not isinstance(value, str) or not os.path.isabs(value):
+                raise ValueError(f"{name}: must be an absolute path, got {value!r}")
+
+
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """This node's part in the pool across nodes (section ``pool`` of the node service config)."""
 
@@ -131,6 +153,8 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_ttl_s: float = 5.0
     # After the directory failed, how long the pool answers misses at once before it asks again.
     retry_after_s: float = 1.0
+    # TLS on the transport (section `pool.tls`); null: none (the secret alone, nothing encrypted).
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.node_id is not None and (not self.node_id or any(c.isspace() for c in self.node_id)):

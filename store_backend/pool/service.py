@@ -27,6 +27,7 @@ from store_backend.pool.factory import make_directory
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.replicator import Replicator
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tls import client_context, server_context
 from store_backend.pool.tier import PoolTier
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class PoolService:
         naming the field for a bad secret file or listen address; what was opened is closed again."""
         cfg = self.cfg
         secret = cfg.read_secret()
+        # pool.tls: both contexts built (its files read and checked) before anything is opened.
+        server_ssl = server_context(cfg.tls) if cfg.tls is not None else None
+        client_ssl = client_context(cfg.tls) if cfg.tls is not None else None
         host, _sep, port_text = cfg.listen.rpartition(":")  # checked by PoolConfig; port 0: any free one
         host, port = host.strip("[]"), int(port_text)
         self.started_ns = time.time_ns()
@@ -109,10 +113,10 @@ class PoolService:
             self.directory = CachedDirectory(make_directory(cfg.directory, node_id=self.node_id),
                                              max_entries=cfg.cache_entries, cache_ttl_s=cfg.cache_ttl_s)
             served = local_view(self.store)
-            self.server = TcpTransportServer(served, secret, host, port)
+            self.server = TcpTransportServer(served, secret, host, port, ssl_context=server_ssl)
             self.server.start()
             self.address = cfg.advertise or self.server.address
-            self.transport = TcpTransport(secret, streams=cfg.streams)
+            self.transport = TcpTransport(secret, streams=cfg.streams, ssl_context=client_ssl)
             if cfg.replicas > 1:
                 self.replicator = Replicator(self.store, self.directory, self.transport, self.node_id, cfg.replicas,
                                              timeout_s=cfg.timeout_s).start()
