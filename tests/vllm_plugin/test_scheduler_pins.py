@@ -8,7 +8,9 @@ could not be allocated yet) while other requests' saves land.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -59,67 +61,62 @@ def _stored(sched: Any, client: KVClient, tokens: list[int]) -> list[str]:
     return keys
 
 
-def test_a_hit_reported_to_a_waiting_request_stays_loadable(make_scheduler: Any) -> None:
-    sched = make_scheduler("kv_both")
-    tokens = prompt(5, 3 * CHUNK_TOKENS + 1)
+@contextlib.contextmanager
+def _served(sched: Any) -> Iterator[tuple[TieredStore, KVClient]]:
+    """A real DRAM-only store behind the scheduler's lookup socket, closed after."""
     with TieredStore(DRAM) as store:
         client = KVClient(store).start()
         server = LookupServer(client, sched.lookups[0].path).start()
         try:
-            keys = _stored(sched, client, tokens)
-            b = _request("B", tokens)
-            assert _ask(sched, b, 0) == 3 * CHUNK_TOKENS  # vLLM cannot allocate B's blocks yet
-            _fill(client, 6, "others")  # meanwhile other requests' saves fill the DRAM tier
-            hit = _ask(sched, b, 0)  # asked again on a later step
-            assert hit > 0, "the hit reported first was pinned: nothing may evict it"
-            assert all(store.contains(keys[:hit // CHUNK_TOKENS]))
-            statuses = _loads_leasable(sched, client, b, hit)
-            assert statuses and all(s is Status.OK for s in statuses), statuses
+            yield store, client
         finally:
             server.close()
             client.close()
+
+
+def test_a_hit_reported_to_a_waiting_request_stays_loadable(make_scheduler: Any) -> None:
+    sched = make_scheduler("kv_both")
+    tokens = prompt(5, 3 * CHUNK_TOKENS + 1)
+    with _served(sched) as (store, client):
+        keys = _stored(sched, client, tokens)
+        b = _request("B", tokens)
+        assert _ask(sched, b, 0) == 3 * CHUNK_TOKENS  # vLLM cannot allocate B's blocks yet
+        _fill(client, 6, "others")  # meanwhile other requests' saves fill the DRAM tier
+        hit = _ask(sched, b, 0)  # asked again on a later step
+        assert hit > 0, "the hit reported first was pinned: nothing may evict it"
+        assert all(store.contains(keys[:hit // CHUNK_TOKENS]))
+        statuses = _loads_leasable(sched, client, b, hit)
+        assert statuses and all(s is Status.OK for s in statuses), statuses
 
 
 def test_a_chunk_evicted_after_the_lookup_is_not_reported(make_scheduler: Any) -> None:
     sched = make_scheduler("kv_both")
     tokens = prompt(6, 3 * CHUNK_TOKENS + 1)
-    with TieredStore(DRAM) as store:
-        client = KVClient(store).start()
-        server = LookupServer(client, sched.lookups[0].path).start()
-        try:
-            keys = _stored(sched, client, tokens)
-            b = _request("B", tokens)
-            sched.on_new_request(b)  # the lookup starts on arrival and finds all three chunks
-            t = sched._reqs["B"]
-            assert t.lookup is not None and t.lookup.result(10) == 3
-            _fill(client, 6, "others")  # evicts them before vLLM first asks
-            assert not any(store.contains(keys))
-            hit = _ask(sched, b, 0)
-            assert hit == 0, f"reported {hit} tokens of chunks no longer stored"
-        finally:
-            server.close()
-            client.close()
+    with _served(sched) as (store, client):
+        keys = _stored(sched, client, tokens)
+        b = _request("B", tokens)
+        sched.on_new_request(b)  # the lookup starts on arrival and finds all three chunks
+        t = sched._reqs["B"]
+        assert t.lookup is not None and t.lookup.result(10) == 3
+        _fill(client, 6, "others")  # evicts them before vLLM first asks
+        assert not any(store.contains(keys))
+        hit = _ask(sched, b, 0)
+        assert hit == 0, f"reported {hit} tokens of chunks no longer stored"
 
 
 def test_a_partly_evicted_hit_is_cut_to_the_chunks_still_stored(make_scheduler: Any) -> None:
     sched = make_scheduler("kv_both")
     tokens = prompt(7, 3 * CHUNK_TOKENS + 1)
-    with TieredStore(DRAM) as store:
-        client = KVClient(store).start()
-        server = LookupServer(client, sched.lookups[0].path).start()
-        try:
-            keys = _stored(sched, client, tokens)
-            b = _request("B", tokens)
-            sched.on_new_request(b)
-            assert sched._reqs["B"].lookup.result(10) == 3
-            assert store.remove([keys[2]]) == [Status.OK]  # the last chunk goes; the first two stay
-            hit = _ask(sched, b, 0)
-            assert hit == 2 * CHUNK_TOKENS
-            statuses = _loads_leasable(sched, client, b, hit)
-            assert statuses == [Status.OK, Status.OK]
-        finally:
-            server.close()
-            client.close()
+    with _served(sched) as (store, client):
+        keys = _stored(sched, client, tokens)
+        b = _request("B", tokens)
+        sched.on_new_request(b)
+        assert sched._reqs["B"].lookup.result(10) == 3
+        assert store.remove([keys[2]]) == [Status.OK]  # the last chunk goes; the first two stay
+        hit = _ask(sched, b, 0)
+        assert hit == 2 * CHUNK_TOKENS
+        statuses = _loads_leasable(sched, client, b, hit)
+        assert statuses == [Status.OK, Status.OK]
 
 
 def test_chunks_whose_saves_are_in_flight_still_count(make_scheduler: Any) -> None:
