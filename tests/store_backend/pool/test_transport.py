@@ -14,7 +14,8 @@ import pytest
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer, split_by_bytes
 from store_backend.pool.transport import FAILURE_KINDS, Transport, TransportServer
 from store_backend.types import ReadResult, Status
-from tests.store_backend.pool.transport_helpers import MiB, SECRET, payload, served, slots_held, transport, wait_for
+from tests.store_backend.pool.transport_helpers import (MiB, SECRET, payload, served, slots_held, tls_round_trip,
+                                                        transport, wait_for)
 
 VERSIONS = 12
 SIZES = [0, 1, 4097, 1 * MiB, 3 * MiB + 5, 2 * MiB + 512 * 1024, 7, 65536]
@@ -384,13 +385,8 @@ def test_tls_round_trip_and_a_plain_or_untrusting_client_is_refused(tmp_path):
         plain = transport()
         untrusting = transport(ssl_context=ssl.create_default_context())
         try:
-            keys = [f"tls/{i}" for i in range(3)]
-            data = [payload(k, 1 * MiB + i) for i, k in enumerate(keys)]
-            assert t.put(srv.address, keys, data) == [Status.OK] * 3
-            outs = [np.zeros(d.nbytes, np.uint8) for d in data]
-            assert t.get_into(srv.address, keys, outs) == [ReadResult(Status.OK, d.nbytes) for d in data]
-            assert all(np.array_equal(o, d) for o, d in zip(outs, data))
-            assert srv.stats()["sendfile_bytes"] == 0  # sendfile would bypass TLS
+            keys = tls_round_trip(t, srv, "tls")
+            outs = [np.zeros(8, np.uint8)]
             assert plain.get_into(srv.address, keys[:1], outs[:1], timeout_s=3.0) == [ReadResult(Status.IO_ERROR)]
             assert untrusting.get_into(srv.address, keys[:1], outs[:1]) == [ReadResult(Status.IO_ERROR)]
             assert untrusting.stats()["failures_refused"] == 1

@@ -181,6 +181,21 @@ class FlipProxy(_Relay):
             self._shut(src, dst)
 
 
+def tls_round_trip(t: TcpTransport, srv: TcpTransportServer, prefix: str) -> list[str]:
+    """Put three ~1 MiB objects through ``t`` into ``srv`` and read them back byte for byte over
+    TLS (no sendfile: it would bypass TLS); returns their keys."""
+    from store_backend.types import ReadResult, Status
+
+    keys = [f"{prefix}/{i}" for i in range(3)]
+    data = [payload(k, 1 * MiB + i) for i, k in enumerate(keys)]
+    assert t.put(srv.address, keys, data) == [Status.OK] * 3
+    outs = [np.zeros(d.nbytes, np.uint8) for d in data]
+    assert t.get_into(srv.address, keys, outs) == [ReadResult(Status.OK, d.nbytes) for d in data]
+    assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+    assert srv.stats()["sendfile_bytes"] == 0
+    return keys
+
+
 def wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
