@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from mooncake_kv.bench import mooncake_peer
 from mooncake_kv.cli import main
+from tests.store_backend.pool.redis_server import require_redis
 
 RATES = {"pool_get_gbps", "pool_put_gbps", "node_pool_get_gbps", "socket_limit_gbps", "lookup_keys_per_s_redis",
          "lookup_keys_per_s_embedded", "locate_keys_per_s_redis", "locate_keys_per_s_embedded", "pool_get_vs_socket"}
@@ -25,8 +25,7 @@ def _positive(v: object) -> bool:
 
 
 def test_bench_pool_prints_one_json_line_with_every_figure(capsys) -> None:
-    if not shutil.which("redis-server") and not os.path.exists("/usr/bin/redis-server"):
-        pytest.skip("redis-server is not installed (scripts/setup.sh all installs it)")
+    require_redis()
     before = {n for n in os.listdir("/dev/shm") if n.startswith("mkv-bench-")}
     assert main(["bench", "pool", "--json", "--batch-bytes", "512KiB", "--sizes", "64KiB,256KiB", "--repeat", "1",
                  "--lookups", "5"]) == 0

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import logging
-import os
 import socket
 import threading
 import time
@@ -18,6 +15,7 @@ import redis
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
 from store_backend.pool.directory_redis import DirectoryAuthError, RedisDirectory
 from store_backend.pool.factory import make_directory
+from tests.store_backend.pool.certs import self_signed
 from tests.store_backend.pool.redis_server import RedisProcess, free_port
 
 
@@ -96,33 +94,9 @@ def test_an_acl_user(redis_server: RedisProcess) -> None:
     narrow.close()
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    pytest.importorskip("cryptography")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    os.chmod(key_path, 0o600)
-    return cert_path, key_path
-
-
 @pytest.fixture
 def tls_server(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     tls_port = free_port()
     extra = [f"tls-port {tls_port}", f"tls-cert-file {cert}", f"tls-key-file {key}",
              f"tls-ca-cert-file {cert}", "tls-auth-clients no"]
@@ -232,7 +206,7 @@ def test_bad_configuration_names_the_field(tmp_path: Path) -> None:
 
 
 def test_make_directory_from_the_pool_config(redis_server: RedisProcess) -> None:
-    config = pytest.importorskip("store_backend.pool.config")
+    from store_backend.pool import config
     from store_backend.pool.directory_embedded import EmbeddedDirectory
 
     assert isinstance(make_directory(config.DirectoryConfig(), node_id="a"), EmbeddedDirectory)
@@ -325,7 +299,7 @@ def test_a_password_file_readable_by_others_is_refused_naming_it(tmp_path: Path)
 
 
 def test_no_error_text_holds_the_password(tmp_path: Path) -> None:
-    config = pytest.importorskip("store_backend.pool.config")
+    from store_backend.pool import config
     bad_urls = ["http://u:hunter2@h:1/0", "redis://u:hunter2@h:notaport/0"]
     texts = []
     for url in bad_urls:
@@ -346,7 +320,7 @@ def test_no_error_text_holds_the_password(tmp_path: Path) -> None:
 
 
 def test_directory_config_refuses_unsafe_values() -> None:
-    config = pytest.importorskip("store_backend.pool.config")
+    from store_backend.pool import config
     D = config.DirectoryConfig
     for bad, field in [(dict(kind="redis", url="redis://h:1/0", namespace="mkv:k"), "namespace"),
                        (dict(kind="redis", url="redis://h:1/0", namespace="a{b}"), "namespace"),

@@ -14,6 +14,7 @@ import pytest
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer, split_by_bytes
 from store_backend.pool.transport import FAILURE_KINDS, Transport, TransportServer
 from store_backend.types import ReadResult, Status
+from tests.store_backend.pool.certs import self_signed
 from tests.store_backend.pool.transport_helpers import (MiB, SECRET, payload, served, slots_held, tls_round_trip,
                                                         transport, wait_for)
 
@@ -362,22 +363,9 @@ def test_server_rejects_bad_config():
         store.close(flush=False)
 
 
-def _self_signed(tmp_path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 (and its key) made by the openssl tool; skips without it."""
-    import shutil
-    import subprocess
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl tool to make a certificate")
-    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
-
-
 def test_tls_round_trip_and_a_plain_or_untrusting_client_is_refused(tmp_path):
     import ssl
-    cert, key = _self_signed(tmp_path)
+    cert, key = (str(p) for p in self_signed(tmp_path))
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
     with served(ssl_context=server_ctx, use_sendfile=True) as (store, srv):

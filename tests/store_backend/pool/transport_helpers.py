@@ -3,6 +3,7 @@ that verify themselves, and a byte-flipping TCP proxy (fault injection)."""
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import multiprocessing
 import socket
@@ -90,7 +91,7 @@ class ServerProcess:
             self.kill()
 
 
-class _Relay:
+class _Relay(abc.ABC):
     """A listener on 127.0.0.1 in front of ``upstream``: each connection accepted is paired with a new
     one to ``upstream`` and handed to :meth:`_relay`. A subclass sets its own fields, then calls
     :meth:`_start`. Owned threads; ``close()`` ends them."""
@@ -123,8 +124,9 @@ class _Relay:
             self._socks += [c, s]
             self._relay(c, s)
 
+    @abc.abstractmethod
     def _relay(self, client: socket.socket, server: socket.socket) -> None:
-        raise NotImplementedError
+        """Start the pumps between one accepted client and its upstream connection."""
 
     @staticmethod
     def _shut(*socks: socket.socket) -> None:
