@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -155,8 +156,19 @@ def complete(port: int, token_ids: list[int]) -> dict[str, Any]:
             "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # name what the server said, not just its status
+        raise AssertionError(f"POST :{port}/v1/completions answered {e.code}: {e.read()[:2000]!r}") from e
+
+
+def engine_warnings(log: Path, limit: int = 40) -> str:
+    """The last ``limit`` WARNING/ERROR lines an engine core or worker wrote to the server log
+    ``log`` (the connector's reports of failed loads and saves land there), for failure messages."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines()
+             if ("WARNING" in ln or "ERROR" in ln) and "APIServer" not in ln and "base.py:214" not in ln]
+    return "\n".join(lines[-limit:]) or "(none)"
 
 
 def metric(port: int, name: str) -> float:

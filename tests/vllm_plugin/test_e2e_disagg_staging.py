@@ -22,18 +22,29 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, disagg_cluster, metric, vllm_server
+from tests.vllm_plugin.disagg_cluster import (
+    MAX_TOKENS,
+    complete,
+    disagg_cluster,
+    engine_warnings,
+    metric,
+    vllm_server,
+)
 from tests.vllm_plugin.test_e2e_staging import CHUNK_BYTES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [prompt(70 + i, 700) for i in range(4)]
 REMOTE_WAIT_S = 120  # far longer than the test takes: a wait that runs out shows as a missed hit
+# Loads get as long: the subject is staging, and a 2-core CI machine under the whole suite must not
+# turn a slow read into a failed load (with vLLM's default policy "fail", a 500).
+LOAD_TIMEOUT_S = REMOTE_WAIT_S
 
 
 def _server(model: Path, port: int, role: str, ssd: Path, log: Path) -> subprocess.Popen:
     return vllm_server(model, port, role, ssd, log,
-                       extra_config={"staging_bytes": 10 * CHUNK_BYTES, "remote_prefill_wait_s": REMOTE_WAIT_S},
+                       extra_config={"staging_bytes": 10 * CHUNK_BYTES, "remote_prefill_wait_s": REMOTE_WAIT_S,
+                                     "load_timeout_s": LOAD_TIMEOUT_S},
                        args=["--max-num-batched-tokens", "256"])
 
 
@@ -46,8 +57,12 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_decode_loads_every_announced_chunk_without_waiting_out(cluster: dict[str, Any], tiny_model: Path) -> None:
     t0 = time.monotonic()
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        outputs = list(pool.map(lambda p: complete(cluster["ports"]["proxy"], p), PROMPTS))
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = list(pool.map(lambda p: complete(cluster["ports"]["proxy"], p), PROMPTS))
+    except AssertionError as e:  # a request failed: say what each engine reported
+        raise AssertionError(f"{e}\n-- decode:\n{engine_warnings(cluster['work'] / 'decode.log')}"
+                             f"\n-- prefill:\n{engine_warnings(cluster['work'] / 'prefill.log')}") from e
     elapsed_s = time.monotonic() - t0
     baseline = run_engine({"model_dir": str(tiny_model), "connector": None,
                            "rounds": [{"prompts": PROMPTS, "max_tokens": MAX_TOKENS}]},
