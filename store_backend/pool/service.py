@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from store_backend.pool.cache import CachedDirectory
@@ -40,10 +41,13 @@ _PEER_PUTS_MAX = 65536
 class _LocalStore:
     """A store as a peer's transport sees it: ``lease`` stages in and ``remove`` deletes from this
     node's own tiers only (``local_only``), so a peer's read or remove never goes round the pool
-    again; everything else is the store's."""
+    again; everything else is the store's. A peer's remove first drops the keys from this node's
+    location cache (``forget``): after this node confirmed, it must not pull them back from a
+    holder the remove has not reached yet."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None) -> None:
         self._store = store
+        self._forget = forget
         self._lock = threading.Lock()
         # Keys a peer's put is committing here (marked before the commit publishes its event):
         # the registrar registers those as copies received from a peer (see Registrar).
@@ -70,12 +74,15 @@ class _LocalStore:
         return self._store.lease(keys, local_only=True, **kwargs)
 
     def remove(self, keys: Any, **kwargs: Any) -> Any:
+        if self._forget is not None:
+            self._forget(keys)
         return self._store.remove(keys, local_only=True, **kwargs)
 
 
-def local_view(store: Any) -> Any:
-    """``store`` with reads and removes limited to this node's tiers (what the transport server serves)."""
-    return _LocalStore(store)
+def local_view(store: Any, tier: PoolTier | None = None) -> Any:
+    """``store`` with reads and removes limited to this node's tiers (what the transport server
+    serves); a peer's remove also drops the keys from ``tier``'s location cache."""
+    return _LocalStore(store, tier.forget_cached if tier is not None else None)
 
 
 class PoolService:
@@ -112,7 +119,7 @@ class PoolService:
         try:
             self.directory = CachedDirectory(make_directory(cfg.directory, node_id=self.node_id),
                                              max_entries=cfg.cache_entries, cache_ttl_s=cfg.cache_ttl_s)
-            served = local_view(self.store)
+            served = local_view(self.store, self.tier)
             self.server = TcpTransportServer(served, secret, host, port, ssl_context=server_ssl)
             self.server.start()
             self.address = cfg.advertise or self.server.address

@@ -109,6 +109,18 @@ class PoolTier:
             if retry.is_alive():
                 logger.warning("pool tier: the remove retry thread still runs after 5 s")
 
+    def forget_cached(self, keys: Sequence[str]) -> None:
+        """Drop ``keys`` from the bound directory's location cache (a :class:`CachedDirectory`;
+        nothing for another directory). A peer's remove of them calls this before this node
+        deletes its own copies: the remover dropped them from the directory first, and the
+        invalidation telling this node's cache so is at-most-once and may come later, while a
+        holder not yet reached would still serve a pull. Quick, never calls the directory."""
+        with self._lock:
+            directory = self._directory
+        forget = getattr(directory, "forget", None)
+        if forget is not None:
+            forget(list(keys))
+
     def _parts(self) -> tuple[Directory, Transport] | None:
         with self._lock:
             if self._closed or self._directory is None or self._transport is None:

@@ -54,7 +54,7 @@ class Node:
         self.tier = PoolTier(node_id, timeout_s=5.0, **tier_kw)
         self.store = TieredStore({"dram": {"capacity_bytes": dram, "shm_name": f"mkv-pr-{uuid.uuid4().hex[:10]}"}},
                                  tiers=[self.tier], fresh_segment=True).start()
-        served = local_view(self.store)
+        served = local_view(self.store, self.tier)
         self.server = TcpTransportServer(served, SECRET)
         self.server.start()
         self.transport = transport if transport is not None else TcpTransport(SECRET)
@@ -188,6 +188,80 @@ def test_a_remote_read_racing_a_remove_keeps_no_copy(nodes: Callable[..., Node])
     assert _locs(d, k) == []
     for n in (a, b, c):
         assert n.store.get_into([k], [bytearray(size)])[0].status is Status.NOT_FOUND, n.node_id
+
+
+class _LostInvalidations:
+    """Fault injection: a directory whose invalidations never reach the subscriber (Redis pub/sub
+    is at-most-once); everything else is ``inner``'s."""
+
+    def __init__(self, inner: Directory) -> None:
+        self.inner = inner
+
+    def subscribe(self, fn: Callable[[list[str]], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _HeldRemoves(TcpTransport):
+    """Fault injection (timing only): removes sent to ``held`` wait for ``release``; ``sent`` is
+    set once every other peer's remove returned."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.held = ""
+        self.others = 0
+        self.release, self.sent = threading.Event(), threading.Event()
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def remove(self, address: str, keys: Any, **kw: Any) -> Any:
+        if address == self.held:
+            self.release.wait(30)
+            return super().remove(address, keys, **kw)
+        got = super().remove(address, keys, **kw)
+        with self._lock:
+            self._done += 1
+            if self._done == self.others:
+                self.sent.set()
+        return got
+
+
+def test_a_node_that_confirmed_a_remove_does_not_pull_the_key_back_through_its_cache(
+        nodes: Callable[..., Node]) -> None:
+    """A's location cache still names B for K and the invalidation of C's remove never reaches it.
+    C's remove reaches A first (A confirms: it holds nothing) and B later; A's read of K in between
+    used to pull K from B, which still held it, and A kept that copy: once the remove had returned,
+    A served the removed bytes. A peer's remove now drops the keys from the node's cache, so A's
+    read finds no location. (A runs no registrar: no refusal comes to delete a copy it took.)"""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    cached = CachedDirectory(_LostInvalidations(d), close_inner=False)
+    tc = _HeldRemoves(SECRET)
+    a = nodes("A", cached, registrar=False)
+    b, c = nodes("B", d), nodes("C", d, transport=tc)
+    k, size = "cached/1", 256 << 10
+    data = payload(k, size)
+    assert b.store.put([k], [data]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    assert [(loc.node, loc.tier) for loc in cached.locate([k])[0]] == [("B", "dram")]  # now cached
+    tc.held, tc.others = b.server.address, 1  # the live peers C asks: A, then B (held)
+    removed: dict[str, Any] = {}
+    remover = threading.Thread(target=lambda: removed.setdefault("st", c.store.remove([k])))
+    remover.start()
+    try:
+        assert tc.sent.wait(10), "C's remove never reached A"
+        buf = bytearray(size)
+        during = a.store.get_into([k], [buf])[0].status  # overlaps the remove: old bytes or a miss
+        assert during is Status.NOT_FOUND or bytes(buf) == bytes(data), during
+    finally:
+        tc.release.set()
+        remover.join(30)
+    assert removed["st"] == [Status.OK]
+    for n in (a, b, c):
+        buf = bytearray(size)
+        assert n.store.get_into([k], [buf])[0].status is Status.NOT_FOUND, n.node_id
+    assert a.store.tier_of([k], local_only=True) == [None]
 
 
 class _SlowRegister:
