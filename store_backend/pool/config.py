@@ -155,6 +155,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_after_s: float = 1.0
     # TLS on the transport (section `pool.tls`); null: none (the secret alone, nothing encrypted).
     tls: TlsConfig | None = None
+    # At start, how long the service waits for its first resync with the directory before it
+    # serves its engines: the resync deletes recovered copies of keys removed from the pool while
+    # this node was away. Past it (the directory unreachable) it serves, and logs that it does; 0:
+    # do not wait.
+    start_resync_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.node_id is not None and (not self.node_id or any(c.isspace() for c in self.node_id)):
@@ -175,6 +180,8 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
         for name in ("heartbeat_s", "node_ttl_s", "timeout_s", "cache_ttl_s", "retry_after_s"):
             _positive(name, getattr(self, name))
+        if not isinstance(self.start_resync_wait_s, (int, float)) or not 0 <= self.start_resync_wait_s < math.inf:
+            raise ValueError(f"start_resync_wait_s: must be a number of seconds >= 0, got {self.start_resync_wait_s!r}")
         if self.node_ttl_s <= self.heartbeat_s:
             raise ValueError(f"node_ttl_s: must be longer than heartbeat_s ({self.heartbeat_s}), "
                              f"got {self.node_ttl_s}")

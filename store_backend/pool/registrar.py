@@ -84,6 +84,7 @@ class Registrar:
         # key -> (size, new, stored_at_s for the directory's remove rule)
         self._queue: collections.OrderedDict[str, tuple[int, bool, float]] = collections.OrderedDict()
         self._resync = True  # at start
+        self._resynced = threading.Event()  # set once a resync completed
         self._stopping = False
         self._checksums: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Commit times (stored_at_s) of objects this node holds, from their events: a later move
@@ -131,6 +132,12 @@ class Registrar:
         with self._cond:
             self._resync = True
             self._cond.notify_all()
+
+    def wait_resynced(self, timeout_s: float) -> bool:
+        """Whether a resync has completed (the first one runs at start) within ``timeout_s``.
+        Until then, recovered copies of keys removed from the pool while this node was away may
+        still be here."""
+        return self._resynced.wait(timeout_s)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether nothing is queued and no resync is owed within ``timeout_s`` (tests, drain)."""
@@ -195,6 +202,7 @@ class Registrar:
             try:
                 if resync:
                     self._do_resync()
+                    self._resynced.set()
                 else:
                     self._apply(batch)
                 self.directory_ok = True

@@ -134,6 +134,12 @@ class PoolService:
                 on_stored=self.replicator.offer if self.replicator is not None else None,
                 pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
                 peer_put=served.take_peer_put).start()
+            # Engines are served once the first resync has deleted what the pool removed meanwhile.
+            if cfg.start_resync_wait_s and not self.registrar.wait_resynced(cfg.start_resync_wait_s):
+                logger.warning("pool: node %s serves before its first resync with the directory (not done "
+                               "after start_resync_wait_s = %g s): until it is, copies this node recovered of "
+                               "keys removed from the pool while it was away can be read here",
+                               self.node_id, cfg.start_resync_wait_s)
         except BaseException:
             self.close()
             raise

@@ -18,8 +18,8 @@ def test_no_pool_by_default_and_the_documented_defaults() -> None:
     cfg = load_node_config({"pool": {"secret": "s"}}).pool
     assert cfg is not None
     assert (cfg.listen, cfg.advertise, cfg.replicas, cfg.heartbeat_s, cfg.node_ttl_s, cfg.timeout_s, cfg.streams,
-            cfg.checksum, cfg.cache_entries, cfg.cache_ttl_s, cfg.retry_after_s) == (
-        "127.0.0.1:0", None, 1, 1.0, 5.0, 10.0, 2, True, 65536, 5.0, 1.0)
+            cfg.checksum, cfg.cache_entries, cfg.cache_ttl_s, cfg.retry_after_s, cfg.start_resync_wait_s) == (
+        "127.0.0.1:0", None, 1, 1.0, 5.0, 10.0, 2, True, 65536, 5.0, 1.0, 30.0)
     d = cfg.directory
     assert (d.kind, d.url, d.sentinels, d.sentinel_master, d.namespace, d.op_timeout_s) == (
         "embedded", None, [], "mymaster", "mkv", 1.0)
@@ -39,6 +39,8 @@ def test_no_pool_by_default_and_the_documented_defaults() -> None:
     ({"secret": "s", "timeout_s": 0}, "pool.timeout_s"),
     ({"secret": "s", "streams": 0}, "pool.streams"),
     ({"secret": "s", "cache_entries": -1}, "pool.cache_entries"),
+    ({"secret": "s", "start_resync_wait_s": -1}, "pool.start_resync_wait_s"),
+    ({"secret": "s", "start_resync_wait_s": float("inf")}, "pool.start_resync_wait_s"),
     ({"secret": "s", "directory": {"kind": "redis"}}, "pool.directory.url"),
     ({"secret": "s", "directory": {"kind": "etcd"}}, "pool.directory.kind"),
     ({"secret": "s", "directory": {"kind": "redis", "url": "http://x"}}, "pool.directory.url"),

@@ -11,11 +11,13 @@ import threading
 import time
 
 import pytest
+import redis
 
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.pool_nodes import (
     Pool,
+    PoolNode,
     check_payload,
     make_payload,
     put_all,
@@ -28,6 +30,7 @@ from tests.store_backend.pool.redis_server import RedisProcess
 SIZE = 256 << 10
 NODE_TTL_S = 1.5  # PoolNode's pool.node_ttl_s
 RETRY_AFTER_S = 0.5  # and its pool.retry_after_s
+PAUSE_MS = 8000  # longer than a node service takes to start
 
 
 def _stream_reads(client, keys: list[str], version: int, batch: int, outcomes: list[tuple[str, Status]],
@@ -125,6 +128,53 @@ def test_a_restarted_node_registers_its_ssd_objects_again_and_serves_them(
     a.start()  # the same node id and SSD directory: recovery, then a resync
     wait_located(d, keys, "A", tier="ssd")
     read_ok(cb, keys, SIZE, 9)
+
+
+def test_a_node_restarted_after_a_remove_never_serves_its_recovered_copy(
+        redis_server: RedisProcess, pool: Pool) -> None:
+    """A holds K on SSD, is killed, and K is removed through B while A is dead. A restarts with the
+    same SSD directory while Redis holds back writes for a few seconds (CLIENT PAUSE WRITE: A's
+    first resync cannot finish before it ends). A's first client, once the service is ready, must
+    already find K gone: the service serves once its first resync deleted the recovered copy (it
+    used to serve at once, and the copy stayed readable until the resync reached it). A fresh put
+    of K is then stored and read as usual."""
+    (a, b, _c), d = pool
+    keys = [f"rr-{i:02d}" for i in range(12)]
+    ca = a.client()
+    put_all(ca, {k: make_payload(k, 5, SIZE) for k in keys})
+    assert ca.flush(timeout_s=30)  # on A's SSD
+    wait_located(d, keys, "A")
+    a.kill()
+    wait_until(lambda: all(not ls for ls in d.locate(keys)), NODE_TTL_S + 2.0, "A's locations dropped")
+    cb = b.client()
+    assert all(s in (Status.OK, Status.NOT_FOUND) for s in cb.remove(keys))  # nobody live holds them
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.client_pause(PAUSE_MS, all=False)  # writes (the resync's registrations) wait; reads answer
+    a.start()  # recovery finds every key on SSD, then the first resync
+    got, _ = read(a.client(), keys, SIZE)
+    assert [r.status for r in got] == [Status.NOT_FOUND] * len(keys), got
+    assert "keys removed from the pool while this node was away deleted here" in a.log()
+    put_all(cb, {keys[0]: make_payload(keys[0], 6, SIZE)})
+    read_ok(a.client(), keys[:1], SIZE, 6)
+
+
+def test_a_node_started_while_redis_is_down_serves_after_start_resync_wait_s_and_says_so(
+        redis_server: RedisProcess) -> None:
+    """With the directory unreachable, the first resync cannot run: the service waits
+    start_resync_wait_s, then serves its own tiers and logs why it serves before the resync."""
+    node = PoolNode("Z", redis_server.url, start_resync_wait_s=1.0)
+    redis_server.stop()
+    try:
+        t0 = time.monotonic()
+        node.start()
+        assert time.monotonic() - t0 >= 1.0
+        assert "serves before its first resync" in node.log()
+        c = node.client()
+        put_all(c, {"z-1": make_payload("z-1", 1, SIZE)})
+        read_ok(c, ["z-1"], SIZE, 1)
+    finally:
+        node.close()
+        redis_server.start()
 
 
 def test_redis_down_then_back_empty_nodes_serve_their_own_and_re_register_by_themselves(
