@@ -1616,8 +1616,10 @@ class TieredStore:
         Per key: OK (it was stored and is gone), NOT_FOUND, INVALID_KEY, IO_ERROR (its SSD copy
         could not be deleted, or an offload that was writing it when the remove began has not
         landed it and deleted it again within ``_REMOVE_LANDED_S``: the key reads as absent from
-        this store from now on, but the copy may be found again when the directory is reopened).
-        An OK or NOT_FOUND therefore also means no copy is left on disk for a crash to bring back.
+        this store from now on, but the copy may be found again when the directory is reopened;
+        or, with a pool tier, a node of the pool did not confirm: the pool retries that itself,
+        and the key is not hidden here for it). An OK or NOT_FOUND therefore also means no copy
+        is left on disk for a crash to bring back.
 
         The contract, whatever runs in the background: once ``remove`` returns, no read from any
         thread returns the removed bytes, from any tier, and a ``put`` of the key stores new
@@ -1655,14 +1657,21 @@ class TieredStore:
                 if not below:
                     self._publish_removed(keys, out, sizes)
             if below:
-                statuses = self._delete_below([keys[i] for i in below], self._local_tiers() if local_only else None)
+                # This node's tiers decide whether the key stays hidden here (a copy left on its
+                # SSD: deleted again before a new put of the key lands there). A pool's failure
+                # (a peer that did not confirm) is in the answer only: the pool retries it itself,
+                # and a later put of the key must not remove it pool-wide again.
+                below_keys = [keys[i] for i in below]
+                statuses = self._delete_below(below_keys, self._local_tiers())
+                pooled = [] if local_only else [t for t in self._below if not t.traits.local_index]
+                pool_statuses = self._delete_below(below_keys, pooled) if pooled else statuses
                 with self._lock:
                     again: list[str] = []
-                    for i, st in zip(below, statuses):
+                    for i, st, pst in zip(below, statuses, pool_statuses):
                         deleted = st in (Status.OK, Status.NOT_FOUND)
-                        if st is Status.OK:
+                        if Status.OK in (st, pst):
                             out[i] = Status.OK
-                        elif not deleted:
+                        if not deleted or pst not in (Status.OK, Status.NOT_FOUND):
                             out[i] = Status.IO_ERROR
                         if self._end_removal(keys[i], deleted):
                             again.append(keys[i])
@@ -2026,7 +2035,7 @@ class TieredStore:
                 else:
                     todo.append(e)
         if stuck:
-            statuses = self._delete_below([e.key for e in stuck])
+            statuses = self._delete_below([e.key for e in stuck], self._local_tiers())  # stuck: a local copy
             with self._lock:
                 for e, st in zip(stuck, statuses):
                     deleted = st in (Status.OK, Status.NOT_FOUND)

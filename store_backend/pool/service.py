@@ -30,24 +30,36 @@ from store_backend.pool.replicator import Replicator
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer
 from store_backend.pool.tls import client_context, server_context
 from store_backend.pool.tier import PoolTier
+from store_backend.slots import Reservation
+from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
 
 # Peer puts remembered until their stored event is seen (past it the oldest are forgotten: such a
 # copy then registers as a local put).
 _PEER_PUTS_MAX = 65536
+# Keys of peers' removes remembered (within their window), at most.
+_PEER_REMOVES_MAX = 65536
 
 
 class _LocalStore:
     """A store as a peer's transport sees it: ``lease`` stages in and ``remove`` deletes from this
     node's own tiers only (``local_only``), so a peer's read or remove never goes round the pool
-    again; everything else is the store's. A peer's remove first drops the keys from this node's
-    location cache (``forget``): after this node confirmed, it must not pull them back from a
-    holder the remove has not reached yet."""
+    again; everything else is the store's.
 
-    def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None) -> None:
+    A peer's remove first drops the keys from this node's location cache (``forget``): after this
+    node confirmed, it must not pull them back from a holder the remove has not reached yet. And
+    for ``removed_window_s`` after it, a peer's put of those keys is refused (IO_ERROR) at
+    ``reserve``: a replica whose bytes the sender leased before the remove may arrive after this
+    node confirmed, and must not land (a fresh put of the key in that window loses its replica
+    here, nothing more)."""
+
+    def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None,
+                 removed_window_s: float = 0.0) -> None:
         self._store = store
         self._forget = forget
+        self._removed_window_s = removed_window_s
+        self._removed: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> monotonic time
         self._lock = threading.Lock()
         # Keys a peer's put is committing here (marked before the commit publishes its event):
         # the registrar registers those as copies received from a peer (see Registrar).
@@ -74,15 +86,52 @@ class _LocalStore:
         return self._store.lease(keys, local_only=True, **kwargs)
 
     def remove(self, keys: Any, **kwargs: Any) -> Any:
+        if self._removed_window_s > 0:
+            now = time.monotonic()
+            with self._lock:
+                for k in keys:
+                    self._removed[k] = now
+                    self._removed.move_to_end(k)
+                while len(self._removed) > _PEER_REMOVES_MAX:
+                    self._removed.popitem(last=False)
         if self._forget is not None:
             self._forget(keys)
         return self._store.remove(keys, local_only=True, **kwargs)
 
+    def reserve(self, keys: Any, sizes: Any, *args: Any, **kwargs: Any) -> Any:
+        """The store's ``reserve``, but IO_ERROR for keys a peer removed here within
+        ``removed_window_s``."""
+        refused = self._recently_removed(keys)
+        if not refused:
+            return self._store.reserve(keys, sizes, *args, **kwargs)
+        rest = [i for i in range(len(keys)) if i not in refused]
+        got = iter(self._store.reserve([keys[i] for i in rest], [sizes[i] for i in rest], *args, **kwargs)
+                   if rest else ())
+        return [Reservation(Status.IO_ERROR, keys[i]) if i in refused else next(got) for i in range(len(keys))]
+
+    def _recently_removed(self, keys: Sequence[str]) -> set[int]:
+        if self._removed_window_s <= 0:
+            return set()
+        horizon = time.monotonic() - self._removed_window_s
+        with self._lock:
+            while self._removed:  # oldest first: drop what is past the window
+                key, at = next(iter(self._removed.items()))
+                if at >= horizon:
+                    break
+                del self._removed[key]
+            if not self._removed:
+                return set()
+            return {i for i, k in enumerate(keys) if k in self._removed}
+
 
 def local_view(store: Any, tier: PoolTier | None = None) -> Any:
     """``store`` with reads and removes limited to this node's tiers (what the transport server
-    serves); a peer's remove also drops the keys from ``tier``'s location cache."""
-    return _LocalStore(store, tier.forget_cached if tier is not None else None)
+    serves); a peer's remove also drops the keys from ``tier``'s location cache and refuses a
+    peer's put of them for twice ``tier.timeout_s`` (the longest a replica leased before the
+    remove may take to arrive)."""
+    if tier is None:
+        return _LocalStore(store)
+    return _LocalStore(store, tier.forget_cached, removed_window_s=2 * tier.timeout_s)
 
 
 class PoolService:

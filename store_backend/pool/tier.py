@@ -316,11 +316,14 @@ class PoolTier:
         """Pool-wide: the directory drops (and tombstones) every location, then every live node but
         this one is asked to delete its copy (not only the listed holders: a copy whose
         registration is still on its way is deleted too; the tombstone refuses its registration
-        later anyway). Per key OK (some node held it and every live node confirmed), NOT_FOUND
-        (nobody held it), IO_ERROR (the directory is unreachable or backing off after an outage:
-        a copy may be anywhere; or a live node did not confirm, or has no address: the remove is
-        retried on it in the background until it confirms or is dead). Blocking (one directory
-        call, one transport call per live peer, in parallel)."""
+        later anyway), and so is every node the directory counts dead but listed as holding one
+        of the keys, for those keys: dead to the directory is not dead (a node cut off from Redis
+        still serves its engines). Per key OK (some node held it and every node asked confirmed),
+        NOT_FOUND (nobody held it), IO_ERROR (the directory is unreachable or backing off after an
+        outage: a copy may be anywhere; or a live node, or a dead holder of the key, did not
+        confirm or has no address: the remove is retried on it in the background until it
+        confirms or the directory forgets the node). Blocking (one directory call, one transport
+        call per node asked, in parallel)."""
         parts = self._parts()
         if parts is None or not keys:
             return [Status.NOT_FOUND] * len(keys)
@@ -337,25 +340,36 @@ class PoolTier:
         except DirectoryUnavailable as e:
             logger.warning("pool: remove of %d keys: the live nodes are unknown (%s)", len(keys), e)
             return [Status.IO_ERROR] * len(keys)
-        peers = [n for n in infos if n.alive and n.node_id != self.node_id]
         known = {n.node_id for n in infos}
         for i, k in enumerate(keys):  # a holder the directory does not confirm dead nor name alive
             if any(node != self.node_id and node not in known for node in holders.get(k, [])):
                 failed[i] = True
+        # (node, address, indices of the keys it is asked for): every live peer for all of them,
+        # a dead holder for the keys the directory listed on it.
+        asked: list[tuple[str, str, list[int]]] = []
+        for n in infos:
+            if n.node_id == self.node_id:
+                continue
+            if n.alive:
+                asked.append((n.node_id, n.address, list(range(len(keys)))))
+            else:
+                held = [i for i, k in enumerate(keys) if n.node_id in holders.get(k, [])]
+                if held:
+                    asked.append((n.node_id, n.address, held))
 
-        def one(node: str, address: str) -> list[Status]:
+        def one(node: str, address: str, idx: list[int]) -> list[Status]:
             if not address:
-                return [Status.IO_ERROR] * len(keys)
+                return [Status.IO_ERROR] * len(idx)
             try:
-                return transport.remove(address, list(keys), timeout_s=self.timeout_s)
+                return transport.remove(address, [keys[i] for i in idx], timeout_s=self.timeout_s)
             except Exception:
-                logger.exception("pool: remove of %d keys on %s raised", len(keys), node)
-                return [Status.IO_ERROR] * len(keys)
+                logger.exception("pool: remove of %d keys on %s raised", len(idx), node)
+                return [Status.IO_ERROR] * len(idx)
 
-        results = self._each_peer(one, [(n.node_id, n.address) for n in peers])
-        for (node, _address), got in zip(((n.node_id, n.address) for n in peers), results):
+        results = self._each_peer(one, asked)
+        for (node, _address, idx), got in zip(asked, results):
             unconfirmed = []
-            for i, st in enumerate(got):
+            for i, st in zip(idx, got):
                 if st is Status.OK:
                     found[i] = True
                 elif st is not Status.NOT_FOUND:
@@ -366,7 +380,7 @@ class PoolTier:
         return [Status.IO_ERROR if failed[i] else Status.OK if found[i] else Status.NOT_FOUND
                 for i in range(len(keys))]
 
-    def _each_peer(self, fn: Callable[[str, str], list[Status]], peers: list[tuple[str, str]]) -> list[list[Status]]:
+    def _each_peer(self, fn: Callable[..., list[Status]], peers: list[tuple[Any, ...]]) -> list[list[Status]]:
         if len(peers) <= 1:
             return [fn(*p) for p in peers]
         pool = self._executor()
@@ -377,7 +391,7 @@ class PoolTier:
         return [first, *(f.result() for f in futures)]
 
     def _retry_remove(self, node: str, keys: list[str]) -> None:
-        """Queue a remove a live peer did not confirm (bounded; the owned thread retries it)."""
+        """Queue a remove a node did not confirm (bounded; the owned thread retries it)."""
         with self._lock:
             if self._closed:
                 return
@@ -392,9 +406,10 @@ class PoolTier:
             self._retry_wake.notify_all()
 
     def _run_remove_retry(self) -> None:
-        """Every ``retry_after_s``: each owed remove tried again on its node while the node is alive
-        (a dead node's copy is refused by the tombstone when it comes back); until :meth:`close`
-        or the tier is unbound (a later retry starts the thread again)."""
+        """Every ``retry_after_s``: each owed remove tried again on its node while the directory
+        knows the node, alive or dead (dead to the directory may be cut off from Redis only, and
+        still serving); dropped once the directory forgets it (pruned after ``dead_node_gc_s``);
+        until :meth:`close` or the tier is unbound (a later retry starts the thread again)."""
         try:
             self._remove_retry_loop()
         finally:
@@ -419,12 +434,12 @@ class PoolTier:
                 return
             directory, transport = parts
             try:
-                address = {n.node_id: n.address for n in directory.nodes() if n.alive}
+                address = {n.node_id: n.address for n in directory.nodes()}
             except DirectoryUnavailable:
                 address = None
             for node, keys in owed:
                 if address is not None and node not in address:
-                    continue  # dead: nothing to ask
+                    continue  # forgotten by the directory: nothing to ask
                 got: list[Status] = [Status.IO_ERROR] * len(keys)
                 if address is not None and address[node]:
                     try:

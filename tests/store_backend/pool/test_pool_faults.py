@@ -147,7 +147,7 @@ def test_a_node_restarted_after_a_remove_never_serves_its_recovered_copy(
     a.kill()
     wait_until(lambda: all(not ls for ls in d.locate(keys)), NODE_TTL_S + 2.0, "A's locations dropped")
     cb = b.client()
-    assert all(s in (Status.OK, Status.NOT_FOUND) for s in cb.remove(keys))  # nobody live holds them
+    assert cb.remove(keys) == [Status.IO_ERROR] * len(keys)  # A, their holder, is dead: not confirmed
     with redis.Redis.from_url(redis_server.url) as r:
         r.client_pause(PAUSE_MS, all=False)  # writes (the resync's registrations) wait; reads answer
     a.start()  # recovery finds every key on SSD, then the first resync
@@ -155,6 +155,7 @@ def test_a_node_restarted_after_a_remove_never_serves_its_recovered_copy(
     assert [r.status for r in got] == [Status.NOT_FOUND] * len(keys), got
     assert "keys removed from the pool while this node was away deleted here" in a.log()
     put_all(cb, {keys[0]: make_payload(keys[0], 6, SIZE)})
+    wait_located(d, keys[:1], "B")
     read_ok(a.client(), keys[:1], SIZE, 6)
 
 
@@ -216,10 +217,11 @@ def test_a_node_down_during_a_pool_wide_remove_deletes_its_copy_when_it_comes_ba
     assert ch.flush(timeout_s=30)  # the received copy is on the holder's SSD
     assert ch.tier_of([gone]) == ["dram"]
     holder.kill()
-    # Once the directory has it dead (its TTL), a remove does not ask it: the key is tombstoned.
-    # (A holder still marked alive that cannot be reached makes the remove answer IO_ERROR.)
+    # The directory has it dead (its TTL), but dead to the directory need not be gone (a node cut
+    # off from Redis still serves its engines): a remove asks every holder of the key; killed, this
+    # one does not confirm, so the remove answers IO_ERROR (and retries it). The key is tombstoned.
     wait_until(lambda: not next(n for n in d.nodes() if n.node_id == holder.name).alive, NODE_TTL_S + 2, "dead")
-    assert ca.remove([gone]) == [Status.OK]
+    assert ca.remove([gone]) == [Status.IO_ERROR]
     assert d.locate([gone]) == [[]]
     holder.start()  # recovery finds the copy on SSD; the resync's tombstone deletes it
     wait_located(d, kept, holder.name)

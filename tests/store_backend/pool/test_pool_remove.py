@@ -264,6 +264,137 @@ def test_a_node_that_confirmed_a_remove_does_not_pull_the_key_back_through_its_c
     assert a.store.tier_of([k], local_only=True) == [None]
 
 
+class _HeldPut(TcpTransport):
+    """Fault injection (timing only): a put waits until ``go`` (the replicator has leased the
+    bytes by then); ``entered`` when it is called, ``done`` when it returned."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.entered, self.go, self.done = threading.Event(), threading.Event(), threading.Event()
+
+    def put(self, *a: Any, **kw: Any) -> Any:
+        self.entered.set()
+        self.go.wait(30)
+        try:
+            return super().put(*a, **kw)
+        finally:
+            self.done.set()
+
+
+class _RegisterDown:
+    """Fault injection: while ``down``, this node's registrations find the directory unreachable
+    (so no refusal comes to delete a copy it took); everything else is ``inner``'s."""
+
+    def __init__(self, inner: Directory) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def register(self, *a: Any, **kw: Any) -> Any:
+        if self.down:
+            raise DirectoryUnavailable("injected: the directory is unreachable from this node")
+        return self.inner.register(*a, **kw)
+
+
+@pytest.mark.parametrize("target_registers", [True, False], ids=["target-registers", "target-cut-off"])
+def test_a_replica_sent_before_a_remove_does_not_land_after_it(
+        nodes: Callable[..., Node], target_registers: bool) -> None:
+    """replicas 2: A's replicator leased K's bytes for B, then A removes K (B confirms: it holds
+    nothing yet), then the replica's put reaches B. B used to commit it and serve the removed
+    bytes to its engines until its registration was refused (for as long as it could not reach the
+    directory). A peer's put of a key a peer removed within twice timeout_s is now refused."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    bdir = _RegisterDown(d)
+    a, b = nodes("A", d), nodes("B", bdir)
+    k, size = "replica-after-remove/1", 256 << 10
+    data = payload(k, size)
+    held = _HeldPut(SECRET)
+    rep = Replicator(a.store, d, held, "A", 2, timeout_s=5.0).start()
+    try:
+        assert a.store.put([k], [data]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, k) == [("A", "dram")])
+        rep.offer([(k, size, time.time())])
+        assert held.entered.wait(10)  # put_start done, K leased on A
+        bdir.down = not target_registers
+        assert a.store.remove([k]) == [Status.OK]
+        held.go.set()  # the replica, under way since before the remove, reaches B
+        assert held.done.wait(10)
+        for n in (a, b):
+            buf = bytearray(size)
+            assert n.store.get_into([k], [buf])[0].status is Status.NOT_FOUND, n.node_id
+        assert b.store.tier_of([k], local_only=True) == [None]
+        assert _locs(d, k) == []
+        assert rep.counters["replicas_sent"] == 0
+    finally:
+        held.go.set()
+        bdir.down = False
+        rep.close()
+
+
+class _CutOff:
+    """Fault injection: while ``down``, every call of this node to the directory raises (it cannot
+    reach Redis; its transport and its engines still work)."""
+
+    def __init__(self, inner: Directory) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name == "subscribe":
+            return attr
+
+        def call(*a: Any, **kw: Any) -> Any:
+            if self.down:
+                raise DirectoryUnavailable("injected: cut off from the directory")
+            return attr(*a, **kw)
+        return call
+
+
+def test_a_holder_counted_dead_but_reachable_is_asked_to_remove(nodes: Callable[..., Node]) -> None:
+    """B holds K and loses the directory (not its peers) for longer than its liveness TTL: the
+    directory counts it dead. A's remove used to skip it and answer OK while B's engines went on
+    reading the removed bytes. A dead holder is now asked too, for the keys listed on it."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    cut = _CutOff(d)
+    a = nodes("A", d)
+    b = nodes("B", cut, registrar=False)
+    d.heartbeat(node_info(b.store, "B", b.server.address, 1), 0.5)  # B's mark: 0.5 s from now
+    reg = Registrar(b.store, cut, "B", info=lambda: node_info(b.store, "B", b.server.address, 1),
+                    heartbeat_s=0.1, node_ttl_s=0.5, pull_margin_s=5.0).start()
+    try:
+        k, size = "dead-holder/1", 64 << 10
+        assert b.store.put([k], [payload(k, size)]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+        cut.down = True
+        assert wait_for(lambda: not {n.node_id: n.alive for n in d.nodes()}["B"], 5)
+        assert a.store.remove([k]) == [Status.OK]
+        buf = bytearray(size)
+        assert b.store.get_into([k], [buf])[0].status is Status.NOT_FOUND
+    finally:
+        cut.down = False
+        reg.close()
+
+
+def test_a_dead_holder_that_does_not_answer_makes_the_remove_io_error_and_is_retried(
+        nodes: Callable[..., Node]) -> None:
+    """B holds K, stops answering (its server closed) and goes dead in the directory: A's remove
+    cannot know whether B still serves K, so it answers IO_ERROR and retries B in the
+    background; B's copy is refused by the tombstone when it registers again."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    a = nodes("A", d)
+    b = nodes("B", d, registrar=False)
+    d.heartbeat(node_info(b.store, "B", b.server.address, 1), 0.5)
+    k, size = "dead-holder/2", 64 << 10
+    assert b.store.put([k], [payload(k, size)]) == [Status.OK]
+    d.register("B", [(k, Location("B", "dram", size, 0))])
+    b.server.close()
+    assert wait_for(lambda: not {n.node_id: n.alive for n in d.nodes()}["B"], 5)
+    assert a.store.remove([k]) == [Status.IO_ERROR]
+    assert wait_for(lambda: a.tier.extra_stats().get("remove_retries", 0) >= 1, 10)
+    assert _locs(d, k) == []
+
+
 class _SlowRegister:
     """Fault injection: this node's registrations arrive ``delay_s`` late (a loaded registrar)."""
 
