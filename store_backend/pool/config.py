@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 import xxhash
 
-from store_backend.pool.private_file import private_file_problem
+from store_backend.pool.private_file import check_private_file
 
 DirectoryKind = Literal["embedded", "redis"]
 _NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -204,12 +204,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return self.secret.encode()
         path = self.secret_file
         assert path is not None
-        try:
-            problem = private_file_problem(path)
-        except OSError as e:
-            raise ValueError(f"secret_file: cannot read {path}: {e.strerror}") from None
-        if problem is not None:
-            raise ValueError(f"secret_file: {path} {problem}")
+        check_private_file(path, "secret_file: ")
         with open(path, "rb") as f:
             data = f.read().strip()
         if not data:

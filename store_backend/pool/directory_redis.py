@@ -89,7 +89,7 @@ from store_backend.pool.directory import (
     NodeInfo,
 )
 from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
-from store_backend.pool.private_file import private_file_problem
+from store_backend.pool.private_file import check_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -465,12 +465,7 @@ def check_namespace(namespace: object) -> str:
 def read_password_file(path: str) -> str:
     """The password in ``path`` (one line). ValueError naming the file when it is not a regular
     file, is readable or writable by group or other, or cannot be read; never the password."""
-    try:
-        problem = private_file_problem(path)
-    except OSError as e:
-        raise ValueError(f"password_file {path} cannot be read: {e.strerror}") from None
-    if problem is not None:
-        raise ValueError(f"password_file {path} {problem}")
+    check_private_file(path, "password_file ")
     try:
         return Path(path).read_text().strip("\r\n")
     except OSError as e:

@@ -17,3 +17,15 @@ def private_file_problem(path: str) -> str | None:
     if st.st_mode & 0o077:
         return f"is readable by group or other (mode {st.st_mode & 0o777:04o}): chmod 600 it"
     return None
+
+
+def check_private_file(path: str, lead: str) -> None:
+    """ValueError unless ``path`` passes :func:`private_file_problem`, its text ``lead`` (what names
+    the field, e.g. ``"tls.key_file: "``) then the path and what is wrong, or that it cannot be
+    read and why. Blocking (one stat)."""
+    try:
+        problem = private_file_problem(path)
+    except OSError as e:
+        raise ValueError(f"{lead}cannot read {path}: {e.strerror}") from None
+    if problem is not None:
+        raise ValueError(f"{lead}{path} {problem}")

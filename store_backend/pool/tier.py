@@ -49,6 +49,10 @@ _ADDRESS_TTL_S = 5.0
 # Removes owed to live peers that did not confirm one, waiting for their retry (past it the oldest
 # is dropped and counted: that copy stays until its node re-registers it and the tombstone refuses it).
 REMOVE_RETRY_MAX = 4096
+# A node the directory counts dead is asked again this often at most (a crashed one may stay down
+# for hours: one connection attempt, and one warning, per owed remove every retry_after_s would be
+# noise); a live one every retry_after_s.
+DEAD_RETRY_S = 30.0
 
 
 class PoolTier:
@@ -79,6 +83,8 @@ class PoolTier:
         self._probing = False
         # Removes a live peer did not confirm: (node, keys), retried by the owned thread.
         self._remove_retry: collections.deque[tuple[str, tuple[str, ...]]] = collections.deque()
+        # Dead node -> monotonic time of its next retry (the retry thread's alone: no lock).
+        self._dead_retry_at: dict[str, float] = {}
         self._retry_thread: threading.Thread | None = None
         self._retry_wake = threading.Condition(self._lock)
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
@@ -434,12 +440,26 @@ class PoolTier:
                 return
             directory, transport = parts
             try:
-                address = {n.node_id: n.address for n in directory.nodes()}
+                infos = directory.nodes()
             except DirectoryUnavailable:
-                address = None
+                infos = None
+            address = {n.node_id: n.address for n in infos} if infos is not None else None
+            dead = {n.node_id for n in infos if not n.alive} if infos is not None else set()
+            now = time.monotonic()
+            for node in [n for n in self._dead_retry_at if n not in dead]:
+                del self._dead_retry_at[node]  # alive again, or forgotten
+            due = {node for node in dead & {node for node, _keys in owed}
+                   if self._dead_retry_at.get(node, now) <= now}
+            for node in due:
+                self._dead_retry_at[node] = now + DEAD_RETRY_S
             for node, keys in owed:
                 if address is not None and node not in address:
                     continue  # forgotten by the directory: nothing to ask
+                if node in dead and node not in due:
+                    with self._lock:  # not its turn yet: kept for a later round
+                        if not self._closed:
+                            self._remove_retry.append((node, keys))
+                    continue
                 got: list[Status] = [Status.IO_ERROR] * len(keys)
                 if address is not None and address[node]:
                     try:

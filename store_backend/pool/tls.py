@@ -23,18 +23,13 @@ from __future__ import annotations
 import ssl
 
 from store_backend.pool.config import TlsConfig
-from store_backend.pool.private_file import private_file_problem
+from store_backend.pool.private_file import check_private_file
 
 
 def _checked_key_file(cfg: TlsConfig) -> str:
     path = cfg.key_file
     assert path is not None  # TlsConfig requires it
-    try:
-        problem = private_file_problem(path)
-    except OSError as e:
-        raise ValueError(f"tls.key_file: cannot read {path}: {e.strerror}") from None
-    if problem is not None:
-        raise ValueError(f"tls.key_file: {path} {problem}")
+    check_private_file(path, "tls.key_file: ")
     return path
 
 
