@@ -16,6 +16,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 need_pkgs=()
 command -v redis-server >/dev/null 2>&1 || need_pkgs+=(redis-server)
 command -v fio >/dev/null 2>&1 || need_pkgs+=(fio)
+# ip (iproute2): the pool tests run node services on hosts made of network namespaces.
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || need_pkgs+=(iproute2)
 if [ "$WHAT" = all ] && [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_pkgs[*]}"

@@ -164,6 +164,13 @@ class ResidencyBus:
     def depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def published_seq(self) -> int:
+        """The ``seq`` of the last event published (dropped ones counted): a subscriber that has
+        seen an event with this ``seq`` has seen every change made so far. Thread-safe."""
+        with self._cond:
+            return self._seq
+
     # -- the delivery thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:

@@ -392,6 +392,11 @@ class TieredStore:
         unsubscribes. Thread-safe."""
         return self._bus.subscribe(fn, on_gap)
 
+    def residency_seq(self) -> int:
+        """The ``seq`` of the last residency event published (see ``ResidencyBus.published_seq``):
+        a subscriber whose latest event has it knows every change made before this call. Thread-safe."""
+        return self._bus.published_seq
+
     def note_stuck_threads(self, count: int) -> None:
         """Count ``count`` threads of this store's users (a connector's I/O pool, lookup service,
         sweeper) still running when their close() reached its deadline, in
@@ -525,12 +530,17 @@ class TieredStore:
         # changed visibility since the lookup (an old copy landed after a remove and was deleted
         # just after the lookup saw it) is asked again, and after a few tries taken as a miss.
         # Only tiers that answer from memory are asked (a pool's lookup is a network round trip).
+        # A key whose DRAM copy was dropped for its SSD copy between the lookup and the lock (it is
+        # then known below) is asked once more: without that, the put stored its bytes beside the
+        # SSD copy, and a put of other bytes under a key removed while a node was unreachable (the
+        # pool's case) could later be served the old SSD bytes.
         local = [t for t in self._below if t.traits.local_index]
         on_ssd = [False] * len(keys)
         on_backing = [False] * len(keys)  # the hit was in the backing tier
         asked_at = [0] * len(keys)
         ask = [i for i, ok in enumerate(valid) if ok] if local else []
         tries = 0
+        reasked: set[int] = set()  # asked again because they turned up known below (see above)
         with self._lock:
             evicted_at = self._evictions.generation()
         while True:
@@ -550,6 +560,11 @@ class TieredStore:
             with self._lock:
                 stale = [i for i in ask if on_ssd[i] and not self._removals.hidden(keys[i])
                          and self._removals.changed_since(keys[i], asked_at[i])]
+                landed = [i for i in range(len(keys)) if valid[i] and local and not on_ssd[i] and i not in reasked
+                          and keys[i] in self._known_below and keys[i] not in self._dram.entries
+                          and not self._removals.hidden(keys[i])]
+                reasked.update(landed)
+                stale = sorted({*stale, *landed})
                 tries += 1
                 if stale and tries < _LOOKUP_TRIES:
                     ask = stale

@@ -1,6 +1,6 @@
 """Mutual shared-secret authentication of a pool transport connection (HMAC-SHA256 both ways).
 
-1. server -> client: ``MKVP2`` + a 32-byte random nonce ``ns``;
+1. server -> client: ``MKVP3`` + a 32-byte random nonce ``ns``;
 2. client -> server: its own 32-byte nonce ``nc`` + HMAC(secret, ``b"c" + ns + nc``);
 3. server checks it (``hmac.compare_digest``) and answers an ``auth_ok`` header whose ``proof`` is
    HMAC(secret, ``b"s" + nc + ns``), which the client checks; or an ``error`` header, then closes
@@ -25,8 +25,9 @@ from collections.abc import Callable
 from store_backend.pool.frames import (LEN, MAX_HEADER_BYTES, FrameError, Header, PeerClosedError, Session, decode,
                                        read_header, recv_exactly_into, send_header)
 
-# The wire format's version: 2 tags every frame after the handshake (a version-1 peer fails here).
-MAGIC = b"MKVP2"
+# The wire format's version: 2 tagged every frame after the handshake; 3 adds a remove's before_s
+# (a peer of another version fails here, with an error that names both).
+MAGIC = b"MKVP3"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
@@ -118,6 +119,9 @@ def refuse(sock: socket.socket, why: str, deadline: float) -> None:
 def _raise_refusal(sock: socket.socket, first: bytes, deadline: float) -> None:
     """The greeting was not ``MAGIC``: an ``error`` header (:func:`refuse`) raises RefusedError
     with its text, anything else AuthError (another protocol)."""
+    if first[:len(MAGIC) - 1] == MAGIC[:-1]:
+        raise AuthError(f"the server speaks the pool's wire version {first[len(MAGIC) - 1:]!r}, this node "
+                        f"{MAGIC[len(MAGIC) - 1:]!r}: run the same mooncake-kv release on every node")
     (length,) = LEN.unpack(first[:LEN.size])
     if length > MAX_HEADER_BYTES:
         raise AuthError(f"the server's greeting starts {first!r}, not {MAGIC!r}: another protocol")

@@ -15,7 +15,10 @@ order and sizes the header names. Exchanges (``req`` numbers a request; its answ
   slot released (and reused) before the reader copied them out would change bytes in flight.
 - put: ``put`` (keys, sizes) -> ``put_accept`` (statuses: OK = send it) -> the payload of every
   accepted key -> ``put_end`` (checksums of the sent keys) -> ``put_reply`` (statuses).
-- remove: ``remove`` (keys) -> ``remove_reply`` (statuses).
+- remove: ``remove`` (keys, optionally ``before_s``) -> ``remove_reply`` (statuses). ``before_s``
+  > 0 (a retried remove: the wall-clock seconds, on the remover's clock, at which the remove was
+  made) limits it to copies not known to be committed after that time (see
+  :meth:`store_backend.pool.transport.Transport.remove`).
 - ``error`` (error text) answers anything the peer refuses; the connection is closed after it.
 - Handshake (:mod:`store_backend.pool.auth`): ``auth_ok`` carries the server's proof. Every frame
   after it ends with a :data:`TAG_BYTES` tag, and payload checksums are keyed (:class:`Session`).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import select
 import socket
 import struct
@@ -89,6 +93,7 @@ class Header(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     statuses: list[int] = []
     error: str = ""
     proof: bytes = b""  # handshake only: the server's HMAC
+    before_s: float = 0.0  # remove only: see the module docstring (0: every copy)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -198,6 +203,9 @@ def validate(h: Header, max_object_bytes: int) -> Header:
         raise FrameError(f"checksums: {len(h.checksums)} checksums for {len(h.statuses)} statuses")
     if len(h.error) > 4096:
         raise FrameError(f"error: {len(h.error)} characters, more than 4096")
+    if h.before_s and (h.op != "remove" or not math.isfinite(h.before_s) or h.before_s < 0):
+        raise FrameError(f"before_s: {h.before_s!r} is not a time of a remove (a finite number >= 0, "
+                         f"remove requests only)")
     if len(h.proof) > 64:
         raise FrameError(f"proof: {len(h.proof)} bytes, more than 64")
     return h

@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -91,6 +91,13 @@ class Registrar:
         # and a resync register with them, so a put made after a pool-wide remove of its key is
         # not refused as a copy of unknown age.
         self._stored_at: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Commit times of the objects this node's own engines put here (``stored`` events that
+        # are not a peer's put), kept on the bus thread as the events come: a pulled or replicated
+        # copy, a remove, the loss of the last copy or a gap forgets the key. Only these times
+        # let a retried remove keep a copy (committed_after); the seq of the last event seen says
+        # whether they are current.
+        self._own_at: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._seen_seq = 0
         self._threads: list[threading.Thread] = []
         self._unsubscribe: Callable[[], None] | None = None
         self._stop_event = threading.Event()
@@ -104,6 +111,9 @@ class Registrar:
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> Registrar:
         """Subscribe to the store and start both threads (the first heartbeat and resync follow at once)."""
+        seq = getattr(self.store, "residency_seq", None)
+        with self._cond:
+            self._seen_seq = seq() if seq is not None else 0  # what came before is not this node's to vouch for
         self._unsubscribe = self.store.subscribe(self._on_events, self._on_gap)
         for name, target in (("mkv-pool-registrar", self._run), ("mkv-pool-heartbeat", self._beat)):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -133,6 +143,27 @@ class Registrar:
             self._resync = True
             self._cond.notify_all()
 
+    def committed_after(self, keys: Sequence[str], t_s: float, wait_s: float = 1.0) -> list[bool]:
+        """Per key, whether this node knows its copy here is one its own engines put after the
+        wall-clock time ``t_s`` (the commit time of its ``stored`` event). False when that is not
+        known for sure, and then a retried remove deletes the copy (a miss at worst): a copy
+        received from a peer (pulled, or a peer's put: its event's time is not its bytes' age), one
+        recovered from SSD, one whose events were lost (a gap), or any key while events the store
+        published before this call have not reached this registrar after ``wait_s``. Thread-safe;
+        waits at most ``wait_s``."""
+        seq = getattr(self.store, "residency_seq", None)
+        if seq is None:
+            return [False] * len(keys)
+        target = seq()
+        end = time.monotonic() + wait_s
+        with self._cond:
+            while self._seen_seq < target:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return [False] * len(keys)
+                self._cond.wait(min(left, 0.05))
+            return [self._own_at.get(k, 0.0) > t_s for k in keys]
+
     def wait_resynced(self, timeout_s: float) -> bool:
         """Whether a resync has completed (the first one runs at start) within ``timeout_s``.
         Until then, recovered copies of keys removed from the pool while this node was away may
@@ -154,13 +185,15 @@ class Registrar:
     def _on_events(self, events: list[ResidencyEvent]) -> None:
         with self._cond:
             for ev in events:
+                peer = ev.kind == "stored" and self._peer_put is not None and self._peer_put(ev.key)
+                self._note_own(ev, peer)
                 old = self._queue.pop(ev.key, None)
                 if len(self._queue) >= self._queue_max:
                     self._resync = True  # too far behind: the resync covers everything
                     continue
                 if ev.kind == "removed":
                     old = None  # whatever comes after is another object
-                if ev.kind == "stored" and self._peer_put is not None and self._peer_put(ev.key):
+                if peer:
                     new, at_s = True, max(0.0, ev.at_s - self._pull_margin_s)  # a peer's copy
                 elif ev.kind == "stored":
                     new, at_s = True, ev.at_s
@@ -173,8 +206,25 @@ class Registrar:
                 self._queue[ev.key] = (ev.size or (old[0] if old else 0), new or bool(old and old[1]), at_s)
             self._cond.notify_all()
 
+    def _note_own(self, ev: ResidencyEvent, peer: bool) -> None:
+        """Keep ``_own_at`` (see __init__) for one event (``peer``: a stored event of a peer's
+        put); called under ``_cond``, in seq order."""
+        own = self._own_at
+        if ev.seq and self._seen_seq and ev.seq != self._seen_seq + 1:
+            own.clear()  # events between were dropped (the gap's own call may come later)
+        self._seen_seq = max(self._seen_seq, ev.seq)
+        if ev.kind == "stored" and not peer:
+            own[ev.key] = ev.at_s
+            own.move_to_end(ev.key)
+            while len(own) > _CHECKSUMS_MAX:
+                own.popitem(last=False)
+        elif ev.kind in ("stored", "removed") or (ev.kind == "moved" and ev.src_tier == "pool") or (
+                ev.kind == "evicted" and ev.lost):
+            own.pop(ev.key, None)
+
     def _on_gap(self) -> None:
         with self._cond:
+            self._own_at.clear()  # events were lost: no copy's origin is known any more
             self.counters["gaps"] += 1
             self._resync = True
             self._cond.notify_all()

@@ -52,13 +52,22 @@ class _LocalStore:
     for ``removed_window_s`` after it, a peer's put of those keys is refused (IO_ERROR) at
     ``reserve``: a replica whose bytes the sender leased before the remove may arrive after this
     node confirmed, and must not land (a fresh put of the key in that window loses its replica
-    here, nothing more)."""
+    here, nothing more).
+
+    A retried remove (``before_s`` > 0: when the remover made it, on its clock) keeps the copies
+    ``committed_after`` knows this node's engines put later than ``before_s + 2 × clock_skew_s``
+    (each of the two clocks may be ``clock_skew_s`` off the directory's; answered NOT_FOUND: no
+    copy from before the remove is here) and deletes the rest, those of unknown age or received
+    from a peer included. ``committed_after`` is set once the registrar, which knows the
+    commit times, runs; until then every copy is deleted."""
 
     def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None,
-                 removed_window_s: float = 0.0) -> None:
+                 removed_window_s: float = 0.0, clock_skew_s: float = 1.0) -> None:
         self._store = store
         self._forget = forget
         self._removed_window_s = removed_window_s
+        self._clock_skew_s = clock_skew_s
+        self.committed_after: Callable[[Sequence[str], float], list[bool]] | None = None
         self._removed: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> monotonic time
         self._lock = threading.Lock()
         # Keys a peer's put is committing here (marked before the commit publishes its event):
@@ -85,7 +94,7 @@ class _LocalStore:
     def lease(self, keys: Any, **kwargs: Any) -> Any:
         return self._store.lease(keys, local_only=True, **kwargs)
 
-    def remove(self, keys: Any, **kwargs: Any) -> Any:
+    def remove(self, keys: Any, before_s: float = 0.0, **kwargs: Any) -> Any:
         if self._removed_window_s > 0:
             now = time.monotonic()
             with self._lock:
@@ -96,6 +105,14 @@ class _LocalStore:
                     self._removed.popitem(last=False)
         if self._forget is not None:
             self._forget(keys)
+        committed_after = self.committed_after
+        if before_s and committed_after is not None:
+            # The remover's clock and this node's may each be clock_skew_s off the directory's.
+            newer = committed_after(keys, before_s + 2 * self._clock_skew_s)
+            if any(newer):
+                older = [k for k, n in zip(keys, newer) if not n]
+                got = iter(self._store.remove(older, local_only=True, **kwargs) if older else ())
+                return [Status.NOT_FOUND if n else next(got) for n in newer]
         return self._store.remove(keys, local_only=True, **kwargs)
 
     def reserve(self, keys: Any, sizes: Any, *args: Any, **kwargs: Any) -> Any:
@@ -131,7 +148,8 @@ def local_view(store: Any, tier: PoolTier | None = None) -> Any:
     remove may take to arrive)."""
     if tier is None:
         return _LocalStore(store)
-    return _LocalStore(store, tier.forget_cached, removed_window_s=2 * tier.timeout_s)
+    return _LocalStore(store, tier.forget_cached, removed_window_s=2 * tier.timeout_s,
+                       clock_skew_s=tier.clock_skew_s)
 
 
 class PoolService:
@@ -152,7 +170,7 @@ class PoolService:
     def make_tier(cfg: PoolConfig, socket_path: str) -> PoolTier:
         """The tier a store is opened with before the service starts (bound by :meth:`start`)."""
         return PoolTier(cfg.node_id_for(socket_path), timeout_s=cfg.timeout_s, retry_after_s=cfg.retry_after_s,
-                        checksum=cfg.checksum)
+                        checksum=cfg.checksum, clock_skew_s=cfg.directory.clock_skew_s)
 
     def start(self) -> PoolService:
         """Open the directory, bind the listener, start the registrar (and replicator). ValueError
@@ -183,6 +201,7 @@ class PoolService:
                 on_stored=self.replicator.offer if self.replicator is not None else None,
                 pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
                 peer_put=served.take_peer_put).start()
+            served.committed_after = self.registrar.committed_after
             # Engines are served once the first resync has deleted what the pool removed meanwhile.
             if cfg.start_resync_wait_s and not self.registrar.wait_resynced(cfg.start_resync_wait_s):
                 logger.warning("pool: node %s serves before its first resync with the directory (not done "

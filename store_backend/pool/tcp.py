@@ -375,7 +375,8 @@ class TcpTransportServer:
                     elif h.op == "put":
                         self._put(sock, session, h, owner, deadline)
                     else:
-                        statuses = self._store.remove(h.keys)
+                        statuses = (self._store.remove(h.keys, before_s=h.before_s) if h.before_s
+                                    else self._store.remove(h.keys))
                         send_header(sock, Header(op="remove_reply", req=h.req, statuses=[int(s) for s in statuses]),
                                     deadline, session)
                 except FrameError as e:
@@ -920,10 +921,13 @@ class TcpTransport:
             self._fail(e, address, "put", len(left))
 
     # -- remove -----------------------------------------------------------------------------------
-    def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0) -> list[Status]:
+    def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0,
+               before_s: float = 0.0) -> list[Status]:
         """See :meth:`store_backend.pool.transport.Transport.remove`."""
         check_batch(keys)
         parse_address(address)
+        if not (isinstance(before_s, (int, float)) and 0 <= before_s < float("inf")):
+            raise ValueError(f"before_s must be a finite number >= 0, got {before_s!r}")
         deadline = time.monotonic() + timeout_s
         results: list[Status] = [Status.IO_ERROR] * len(keys)
         todo = []
@@ -938,7 +942,8 @@ class TcpTransport:
             def body(conn: _Conn, idx: list[int] = idx) -> None:
                 req = next(self._req) & MAX_U64
                 self._count("requests")
-                self._send_request(conn, Header(op="remove", req=req, keys=[keys[i] for i in idx]), deadline)
+                self._send_request(conn, Header(op="remove", req=req, keys=[keys[i] for i in idx],
+                                                before_s=before_s), deadline)
                 reply = self._first_reply(conn, self._max_object_bytes, deadline, "remove_reply", req)
                 if len(reply.statuses) != len(idx):
                     raise _Failure("protocol", f"{address}: remove_reply has {len(reply.statuses)} statuses "

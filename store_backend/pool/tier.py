@@ -62,15 +62,18 @@ class PoolTier:
     traits = TierTraits(backs_dram=False, durable=False, exclusive=False, local_index=False)
 
     def __init__(self, node_id: str, *, timeout_s: float = 10.0, retry_after_s: float = 1.0,
-                 checksum: bool = True, peer_threads: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
+                 checksum: bool = True, peer_threads: int = 8, clock: Callable[[], float] = time.monotonic,
+                 clock_skew_s: float = 1.0) -> None:
         """``peer_threads``: the owned threads reading from peers in parallel (made at the first
-        read that names more than one peer; closed by :meth:`close`)."""
+        read that names more than one peer; closed by :meth:`close`). ``clock_skew_s``: how much
+        two nodes' clocks may disagree (the directory's; a node serving a retried remove uses it)."""
         if peer_threads < 1:
             raise ValueError(f"peer_threads must be >= 1, got {peer_threads}")
         self.node_id = node_id
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.checksum = checksum
+        self.clock_skew_s = clock_skew_s
         self._peer_threads = peer_threads
         self._clock = clock
         self._directory: Directory | None = None
@@ -81,8 +84,9 @@ class PoolTier:
         self._down_until = 0.0  # monotonic: the directory failed; misses until then
         self._outage = False  # the last directory call failed: one probe at a time until one succeeds
         self._probing = False
-        # Removes a live peer did not confirm: (node, keys), retried by the owned thread.
-        self._remove_retry: collections.deque[tuple[str, tuple[str, ...]]] = collections.deque()
+        # Removes a peer did not confirm: (node, keys, wall-clock time of the remove), retried by
+        # the owned thread with that time (the peer keeps a copy committed after it).
+        self._remove_retry: collections.deque[tuple[str, tuple[str, ...], float]] = collections.deque()
         # Dead node -> monotonic time of its next retry (the retry thread's alone: no lock).
         self._dead_retry_at: dict[str, float] = {}
         self._retry_thread: threading.Thread | None = None
@@ -335,6 +339,7 @@ class PoolTier:
             return [Status.NOT_FOUND] * len(keys)
         directory, transport = parts
         self._count("removes", len(keys))
+        removed_at_s = time.time()  # before the directory's tombstone: a retry keeps only later copies
         holders = self._ask(lambda: directory.remove(keys), len(keys))
         if holders is None:
             return [Status.IO_ERROR] * len(keys)
@@ -382,7 +387,7 @@ class PoolTier:
                     failed[i] = True
                     unconfirmed.append(keys[i])
             if unconfirmed:
-                self._retry_remove(node, unconfirmed)
+                self._retry_remove(node, unconfirmed, removed_at_s)
         return [Status.IO_ERROR if failed[i] else Status.OK if found[i] else Status.NOT_FOUND
                 for i in range(len(keys))]
 
@@ -396,12 +401,13 @@ class PoolTier:
         first = fn(*peers[0])
         return [first, *(f.result() for f in futures)]
 
-    def _retry_remove(self, node: str, keys: list[str]) -> None:
-        """Queue a remove a node did not confirm (bounded; the owned thread retries it)."""
+    def _retry_remove(self, node: str, keys: list[str], removed_at_s: float) -> None:
+        """Queue a remove a node did not confirm (bounded; the owned thread retries it, telling the
+        node ``removed_at_s`` so that a put of a key made there since is kept)."""
         with self._lock:
             if self._closed:
                 return
-            self._remove_retry.append((node, tuple(keys)))
+            self._remove_retry.append((node, tuple(keys), removed_at_s))
             while len(self._remove_retry) > REMOVE_RETRY_MAX:
                 self._remove_retry.popleft()
                 self._counts["remove_retries_dropped"] += 1
@@ -414,7 +420,9 @@ class PoolTier:
     def _run_remove_retry(self) -> None:
         """Every ``retry_after_s``: each owed remove tried again on its node while the directory
         knows the node, alive or dead (dead to the directory may be cut off from Redis only, and
-        still serving); dropped once the directory forgets it (pruned after ``dead_node_gc_s``);
+        still serving), with the remove's own time (``before_s``: the node keeps a copy it knows
+        was committed after the remove, a put made there since, and deletes the others); dropped
+        once the directory forgets it (pruned after ``dead_node_gc_s``);
         until :meth:`close` or the tier is unbound (a later retry starts the thread again)."""
         try:
             self._remove_retry_loop()
@@ -448,22 +456,23 @@ class PoolTier:
             now = time.monotonic()
             for node in [n for n in self._dead_retry_at if n not in dead]:
                 del self._dead_retry_at[node]  # alive again, or forgotten
-            due = {node for node in dead & {node for node, _keys in owed}
+            due = {node for node in dead & {node for node, _keys, _at in owed}
                    if self._dead_retry_at.get(node, now) <= now}
             for node in due:
                 self._dead_retry_at[node] = now + DEAD_RETRY_S
-            for node, keys in owed:
+            for node, keys, removed_at_s in owed:
                 if address is not None and node not in address:
                     continue  # forgotten by the directory: nothing to ask
                 if node in dead and node not in due:
                     with self._lock:  # not its turn yet: kept for a later round
                         if not self._closed:
-                            self._remove_retry.append((node, keys))
+                            self._remove_retry.append((node, keys, removed_at_s))
                     continue
                 got: list[Status] = [Status.IO_ERROR] * len(keys)
                 if address is not None and address[node]:
                     try:
-                        got = transport.remove(address[node], list(keys), timeout_s=self.timeout_s)
+                        got = transport.remove(address[node], list(keys), timeout_s=self.timeout_s,
+                                               before_s=removed_at_s)
                     except Exception:
                         logger.exception("pool: a retried remove of %d keys on %s raised", len(keys), node)
                 self._count("remove_retries")
@@ -471,7 +480,7 @@ class PoolTier:
                 if left:
                     with self._lock:
                         if not self._closed:
-                            self._remove_retry.append((node, tuple(left)))
+                            self._remove_retry.append((node, tuple(left), removed_at_s))
 
     # -- observability -------------------------------------------------------------------------------
     def gauges(self) -> TierGauges:

@@ -65,9 +65,16 @@ class Transport(Protocol):
         NO_SPACE, TOO_LARGE, ...), CORRUPT, or IO_ERROR."""
         ...
 
-    def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0) -> list[Status]:
+    def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0,
+               before_s: float = 0.0) -> list[Status]:
         """Remove ``keys`` from the node at ``address`` (its local tiers only; the peer does not
-        forward it into the pool). Per key the peer store's status, or IO_ERROR."""
+        forward it into the pool). Per key the peer store's status, or IO_ERROR.
+
+        ``before_s`` > 0 (a retried remove): the wall-clock time (the caller's clock) at which the
+        remove was made. The peer then keeps a copy it knows its own engines put later than
+        ``before_s`` plus twice the pool's clock skew (a put made there since: answered NOT_FOUND,
+        no older copy is there) and deletes every other, a copy of unknown age or received from
+        a peer included (a miss at worst, never the removed bytes)."""
         ...
 
     def stats(self) -> dict[str, int]:

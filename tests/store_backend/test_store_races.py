@@ -703,3 +703,36 @@ def test_an_unpin_of_a_removed_entry_does_not_release_a_pin_on_the_new_one() -> 
         assert s.contains(["x"]) == [False]
     finally:
         s.close()
+
+
+def test_a_put_whose_lookup_missed_a_copy_just_moved_to_ssd_is_exists_not_a_second_copy(tmp_path) -> None:  # noqa: ANN001
+    """A put asks the SSD tier before it takes the store lock; if the key's DRAM copy is dropped for
+    its SSD copy in between, the put used to store its bytes beside the SSD copy: two objects under
+    one key, and once the DRAM one went, the SSD bytes were served (other bytes, when the key was
+    removed meanwhile on a node the remove could not reach). The lookup's miss is replayed here:
+    the SSD tier answers "no" once for a key that is in fact there, dropped from DRAM as persisted."""
+    store, ssd = gated_store(tmp_path)
+    try:
+        only_on_ssd(store, "k")
+        real = ssd.contains
+        missed: list[bool] = []
+
+        def misses_once(keys):  # noqa: ANN001, ANN202
+            got = real(keys)
+            if "k" in keys and not missed:
+                missed.append(True)
+                return [False if key == "k" else hit for key, hit in zip(keys, got)]
+            return got
+
+        ssd.contains = misses_once  # type: ignore[method-assign]
+        assert store.put(["k"], [versioned(0, 2)]) == [Status.EXISTS]
+        assert missed == [True]
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        assert store.tier_of(["k"]) == ["ssd"]  # one object: the SSD one (read without promoting it)
+        assert ssd.inner.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 1)
+        # A key known below whose SSD copy is really gone is stored (asked again, still a miss).
+        assert ssd.inner.remove(["k"]) == [Status.OK]
+        assert store.put(["k"], [versioned(0, 3)]) == [Status.OK]
+        assert store.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 3)
+    finally:
+        store.close()

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +191,8 @@ class Raw:
 class ServiceProcess:
     """``python -m store_backend.node serve`` in a subprocess, its log in ``directory``."""
 
-    def __init__(self, cfg: dict[str, Any], directory: str, *args: str) -> None:
+    def __init__(self, cfg: dict[str, Any], directory: str, *args: str, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command the service runs under (``ip netns exec NAME``: another host)."""
         self.cfg = cfg
         self.config_path = os.path.join(directory, "node.yaml")
         with open(self.config_path, "w") as f:
@@ -200,7 +201,7 @@ class ServiceProcess:
         self.log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "store_backend.node", "serve", "--config", self.config_path, *args],
+            [*prefix, sys.executable, "-m", "store_backend.node", "serve", "--config", self.config_path, *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
         self.socket_path = cfg["socket"]
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,8 +57,11 @@ class PoolNode:
     """One node service process in the pool (``node_id`` = ``name``), with an SSD tier."""
 
     def __init__(self, name: str, redis_url: str, *, dram_bytes: int = 16 * MiB, replicas: int = 1,
-                 ssd: bool = True, **pool: Any) -> None:
+                 ssd: bool = True, prefix: Sequence[str] = (), **pool: Any) -> None:
+        """``prefix``: the command the service runs under (``ip netns exec NAME``: another host);
+        ``pool``: more fields of its pool section (``listen``, ...)."""
         self.name = name
+        self.prefix = list(prefix)
         self.dir = short_dir()
         store: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes,
                                           "shm_name": f"mkn-pool-{uuid.uuid4().hex[:10]}"}}
@@ -81,7 +84,7 @@ class PoolNode:
 
     def start(self) -> PoolNode:
         self.runs += 1
-        self.proc = ServiceProcess(self.cfg, self.dir)
+        self.proc = ServiceProcess(self.cfg, self.dir, prefix=self.prefix)
         self.proc.wait_ready(60)
         return self
 

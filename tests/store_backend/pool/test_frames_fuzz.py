@@ -36,6 +36,7 @@ _field_values = {
     "statuses": st.lists(st.integers(-2, 12), max_size=5) | _any,
     "error": st.text(max_size=30) | _any,
     "proof": st.binary(max_size=70) | _any,
+    "before_s": st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 1 << 40) | _any,
 }
 _headers = st.fixed_dictionaries({}, optional={**_field_values, "extra": _any})
 
@@ -55,6 +56,21 @@ def test_decode_gives_a_valid_header_or_frame_error(body):
     assert isinstance(h, Header) and h.op in OPS
     if h.op in ("put",):
         assert len(h.sizes) == len(h.keys) and all(0 <= s <= MAX_OBJECT for s in h.sizes)
+    assert h.before_s == 0 or (h.op == "remove" and 0 < h.before_s < float("inf"))
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"op": "get", "keys": ["a/1"], "sizes": [1], "before_s": 5.0}, "remove requests only"),
+    ({"op": "remove", "keys": ["a/1"], "before_s": -1.0}, "before_s"),
+    ({"op": "remove", "keys": ["a/1"], "before_s": float("nan")}, "before_s"),
+    ({"op": "remove", "keys": ["a/1"], "before_s": float("inf")}, "before_s"),
+])
+def test_a_remove_time_is_a_finite_time_on_remove_requests_only(fields: dict, why: str) -> None:
+    with pytest.raises(FrameError, match=why):
+        validate(decode(_body(fields)), MAX_OBJECT)
+    ok = validate(decode(_body({"op": "remove", "keys": ["a/1"], "before_s": 1.5e9})), MAX_OBJECT)
+    assert ok.before_s == 1.5e9
+    assert validate(decode(_body({"op": "remove", "keys": ["a/1"], "before_s": 7})), MAX_OBJECT).before_s == 7
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ class Node:
                                  info=lambda: node_info(self.store, node_id, self.server.address, 1),
                                  heartbeat_s=0.1, node_ttl_s=60.0, pull_margin_s=5.0,
                                  peer_put=served.take_peer_put).start()
+            served.committed_after = self.reg.committed_after  # as PoolService wires it
 
     def close(self) -> None:
         if self.reg is not None:
@@ -470,6 +471,7 @@ class _FailRemovesTo:
     def __init__(self, inner: TcpTransport, address: str, n: int) -> None:
         self._inner, self._address, self.left = inner, address, n
         self.removes: list[tuple[str, list[str]]] = []
+        self.answered: list[tuple[list[str], float, list[Status]]] = []  # (keys, before_s, statuses) at address
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -479,7 +481,10 @@ class _FailRemovesTo:
         if address == self._address and self.left:
             self.left -= 1
             return [Status.IO_ERROR] * len(keys)
-        return self._inner.remove(address, keys, **kw)
+        got = self._inner.remove(address, keys, **kw)
+        if address == self._address:
+            self.answered.append((list(keys), kw.get("before_s", 0.0), got))
+        return got
 
 
 def test_a_live_node_that_does_not_confirm_gets_io_error_and_a_retry(nodes: Callable[..., Node]) -> None:
@@ -498,6 +503,41 @@ def test_a_live_node_that_does_not_confirm_gets_io_error_and_a_retry(nodes: Call
     assert [a for a, _k in flaky.removes].count(b.server.address) == 3  # the remove, a failed retry, one that did
     assert b.reg is not None and b.reg.wait_idle(5)
     assert _locs(d, k) == []
+
+
+def test_a_retried_remove_keeps_a_put_made_on_the_node_since_and_deletes_older_copies(
+        nodes: Callable[..., Node]) -> None:
+    """Review of the remove rule: the retry of a remove B did not confirm used to delete whatever B
+    held under the key when it finally answered, a put made on B after the remove included (a
+    miss for every engine). Now the retry carries the remove's time: B keeps a copy it knows was
+    committed after it, and still deletes a copy from before it."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    b = nodes("B", d, clock_skew_s=0.05)
+    flaky = _FailRemovesTo(TcpTransport(SECRET), b.server.address, 10 ** 6)
+    c = nodes("C", d, registrar=False, transport=flaky, retry_after_s=0.2, clock_skew_s=0.05)
+    fresh, old = "retry/fresh", "retry/old"
+    for k in (fresh, old):
+        assert b.store.put([k], [payload(k, SIZE)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, fresh) == [("B", "dram")] and _locs(d, old) == [("B", "dram")])
+    t_remove = time.time()
+    assert c.tier.remove([fresh, old]) == [Status.IO_ERROR, Status.IO_ERROR]  # B does not answer
+    # On B, ``fresh``'s old copy goes (an eviction would do the same) and an engine puts it anew
+    # after the remove: the directory accepts the new copy (committed after the tombstone).
+    assert b.store.remove([fresh], local_only=True) == [Status.OK]
+    time.sleep(0.2)  # past clock_skew_s
+    v2 = payload("v2", SIZE)
+    assert b.store.put([fresh], [v2]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, fresh) == [("B", "dram")]), b.reg.counters
+    assert b.reg.committed_after([fresh, old, "never/stored"], t_remove) == [True, False, False]
+    flaky.left = 0  # B answers again: the retry reaches it
+    assert wait_for(lambda: any(old in keys for keys, _t, _st in flaky.answered), 10), flaky.removes
+    keys, before_s, got = next(a for a in flaky.answered if old in a[0])
+    assert t_remove <= before_s <= t_remove + 1.0  # the remove's own time, not the retry's
+    assert dict(zip(keys, got)) == {fresh: Status.NOT_FOUND, old: Status.OK}
+    assert b.store.tier_of([fresh, old], local_only=True) == ["dram", None]
+    buf = bytearray(SIZE)
+    assert c.store.get_into([fresh], [buf])[0].status is Status.OK and bytes(buf) == v2.tobytes()
+    assert c.store.get_into([old], [bytearray(SIZE)])[0].status is Status.NOT_FOUND
 
 
 def test_a_live_holder_without_an_address_is_io_error(nodes: Callable[..., Node]) -> None:

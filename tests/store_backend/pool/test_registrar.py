@@ -139,3 +139,59 @@ def test_a_batch_of_128_puts_is_registered_whole_through_a_blip_and_a_refused_ke
         assert reg.counters["refused_registrations"] == 0
     finally:
         reg.close()
+
+
+def test_committed_after_vouches_only_for_own_puts_and_only_with_every_event_seen(store: TieredStore) -> None:
+    """What lets a retried remove keep a copy (the pool's remove rule): a put by this node's own
+    engines after the time asked, known from its stored event. A peer's put, a copy pulled from a
+    peer, a removed key, events lost (a gap) or not yet delivered: not vouched for."""
+    import threading
+
+    from store_backend.residency import ResidencyEvent
+
+    d = EmbeddedDirectory()
+    from_peer = {"peer"}
+    reg = _registrar(store, d, peer_put=lambda k: k in from_peer)
+    held = threading.Event()
+    release = threading.Event()
+
+    def blocker(events: list) -> None:  # a slow subscriber: holds the bus on a batch naming "hold"
+        if any(e.key == "hold" for e in events):
+            held.set()
+            release.wait(10)
+
+    unsubscribe = store.subscribe(blocker)
+    try:
+        t0 = time.time()
+        time.sleep(0.01)
+        assert store.put(["own", "peer"], [payload("own", SIZE), payload("peer", SIZE)]) == [Status.OK] * 2
+        assert reg.committed_after(["own", "peer", "never"], t0) == [True, False, False]
+        assert reg.committed_after(["own"], time.time() + 1) == [False]
+        # Moved to SSD and out of DRAM, the same object: still this node's own put.
+        for i in range(12):
+            assert store.put([f"fill{i}"], [payload(f"fill{i}", SIZE)]) == [Status.OK]
+            assert store.flush(timeout_s=30)
+        assert store.tier_of(["own"], local_only=True) == ["ssd"]
+        assert reg.committed_after(["own"], t0) == [True]
+        # Events published but not delivered yet: nothing is vouched for (after the wait).
+        assert store.put(["hold"], [payload("hold", SIZE)]) == [Status.OK]
+        assert held.wait(10)
+        assert store.put(["own2"], [payload("own2", SIZE)]) == [Status.OK]
+        assert reg.committed_after(["own", "own2"], t0, wait_s=0.3) == [False, False]
+        release.set()
+        assert reg.committed_after(["own", "own2"], t0) == [True, True]
+        # Removed: forgotten.
+        assert store.remove(["own2"]) == [Status.OK]
+        assert reg.committed_after(["own2"], t0) == [False]
+        # A copy pulled from a peer replaces what was known of the key.
+        seq = store.residency_seq()
+        reg._on_events([ResidencyEvent("moved", "own", "dram", SIZE, src_tier="pool", seq=seq + 1, at_s=time.time())])
+        assert reg.committed_after(["own"], t0) == [False]
+        # Lost events: nothing known any more.
+        assert reg.committed_after(["fill11"], t0) == [True]
+        reg._on_gap()
+        assert reg.committed_after(["fill11"], t0) == [False]
+    finally:
+        release.set()
+        unsubscribe()
+        reg.close()

@@ -330,3 +330,26 @@ def test_a_replayed_frame_fails_its_tag():
             assert wait_for(lambda: bool(closed), 5.0)
         assert store.contains(["nope", "again"]) == [True, True]
         assert srv.stats()["bad_tags"] == 1
+
+
+def test_a_server_of_another_wire_version_is_named_as_such():
+    """A node of an older release greets with MKVP2: the client says which versions met, so a mixed
+    pool is diagnosed at the first connection (not as 'another protocol')."""
+    from store_backend.pool.auth import AuthError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        def greet() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"MKVP2" + os.urandom(32))
+                time.sleep(0.5)
+
+        th = threading.Thread(target=greet)
+        th.start()
+        with socket.create_connection(listener.getsockname(), timeout=5) as sock:
+            with pytest.raises(AuthError, match=r"wire version b'2', this node b'3'.*same mooncake-kv release"):
+                client_handshake(sock, secret_bytes(SECRET), time.monotonic() + 5)
+        th.join(5)
+    finally:
+        listener.close()
