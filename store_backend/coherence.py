@@ -65,6 +65,11 @@ class RemovalTracker:
             for old in list(islice(self._changed_at, len(self._changed_at) // 2)):
                 self._floor = max(self._floor, self._changed_at.pop(old))
 
+    def touch(self, key: str) -> None:
+        """Number a change of ``key`` that does not hide it: reads of it in flight from another
+        tier keep no copy (see ``TieredStore.invalidate_reads``)."""
+        self._stamp(key)
+
     def begin(self, key: str) -> None:
         """A remove of ``key`` starts: number it and hide the key until :meth:`end`."""
         self._stamp(key)

@@ -392,6 +392,17 @@ class TieredStore:
         unsubscribes. Thread-safe."""
         return self._bus.subscribe(fn, on_gap)
 
+    def invalidate_reads(self, keys: Sequence[str]) -> None:
+        """Reads of ``keys`` in flight from a lower tier (a pool pull, a promotion) keep no local
+        copy when they land, as if the keys had been removed; what is stored stays. For a remove
+        that keeps a newer copy (the pool's retried remove): a pull of the older bytes that began
+        before it must not be kept beside, or after, the newer one. Thread-safe, quick."""
+        check_batch(keys)
+        with self._call():
+            with self._lock:
+                for k in keys:
+                    self._removals.touch(k)
+
     def residency_seq(self) -> int:
         """The ``seq`` of the last residency event published (see ``ResidencyBus.published_seq``):
         a subscriber whose latest event has it knows every change made before this call. Thread-safe."""

@@ -72,6 +72,36 @@ def test_sample_conversations_takes_whole_conversations_deterministically() -> N
     assert sample_conversations(CONV_ROWS, requests=5) == sample_conversations(list(CONV_ROWS), requests=5)
 
 
+def test_min_turns_and_window_choose_which_whole_conversations_are_taken(tmp_path: Path) -> None:
+    times = [float(i) for i in range(len(CONV_ROWS))]  # row i arrives at i s
+    # A (rows 0, 2, 5) is the only conversation of three turns.
+    assert sample_conversations(CONV_ROWS, requests=10, min_turns=3) == [(0, 0, 1), (2, 0, 2), (5, 0, 3)]
+    # --start counts the conversations that pass --min-turns: none after A.
+    assert sample_conversations(CONV_ROWS, requests=10, min_turns=3, start=1) == []
+    # The window opens at A's first request (0 s): A ends at 5 s, past 4.5 s, and is skipped; B
+    # (1 s .. 4 s) is taken; D starts at 8 s, after the window, and ends the sample.
+    assert sample_conversations(CONV_ROWS, requests=10, times_s=times, window_s=4.5) == [(1, 1, 1), (4, 1, 2)]
+    assert sample_conversations(CONV_ROWS, requests=10, times_s=times, window_s=5) == [
+        (0, 0, 1), (1, 1, 1), (2, 0, 2), (4, 1, 2), (5, 0, 3)]
+    # The window opens at the first conversation considered, B's first request at 1 s, even when B is skipped.
+    assert sample_conversations(CONV_ROWS, requests=10, start=1, times_s=times, window_s=2) == []
+    with pytest.raises(ValueError, match="times_s"):
+        sample_conversations(CONV_ROWS, requests=10, window_s=5)
+    trace = _write_rows(tmp_path / "c.jsonl", CONV_ROWS)
+    w = build_workload(trace, requests=10, tokens_per_block=32, time_scale=1, vocab=1024, sample="conversations",
+                       window_s=4.5)
+    assert [r.hash_ids for r in w] == [tuple(CONV_ROWS[1]), tuple(CONV_ROWS[4])]
+    assert [r.send_at_s for r in w] == [0.0, 3.0]
+    with pytest.raises(ValueError, match="within 2 s"):
+        build_workload(trace, requests=10, tokens_per_block=32, time_scale=1, vocab=1024, sample="conversations",
+                       start=1, window_s=2)
+    for bad, match in (({"min_turns": 1}, "--min-turns"), ({"window_s": 0.0}, "--window"),
+                       ({"sample": "time", "min_turns": 3}, "need --sample conversations")):
+        kwargs = {"sample": "conversations", **bad}
+        with pytest.raises(ValueError, match=match):
+            build_workload(trace, requests=10, tokens_per_block=32, time_scale=1, vocab=1024, **kwargs)
+
+
 def test_conversation_workload_times_and_ceiling_are_those_of_the_requests_sent(tmp_path: Path) -> None:
     trace = _write_rows(tmp_path / "c.jsonl", CONV_ROWS)
     w = build_workload(trace, requests=5, tokens_per_block=32, time_scale=2, vocab=1024, sample="conversations")
@@ -90,7 +120,7 @@ def test_conversation_workload_times_and_ceiling_are_those_of_the_requests_sent(
                           sample="conversations") == w
     with pytest.raises(ValueError, match="--sample"):
         build_workload(trace, requests=5, tokens_per_block=32, time_scale=2, vocab=1024, sample="turns")
-    with pytest.raises(ValueError, match="no multi-turn conversation"):
+    with pytest.raises(ValueError, match="no conversation of 2 to 1 requests"):
         build_workload(trace, requests=1, tokens_per_block=32, time_scale=2, vocab=1024, sample="conversations")
 
 

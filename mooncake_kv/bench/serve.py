@@ -90,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", choices=SAMPLES, default="time",
                    help="time: the first --requests in arrival order; conversations: whole multi-turn "
                         "conversations (derived from the hash ids) at their own trace times")
+    p.add_argument("--min-turns", type=int, default=2,
+                   help="conversations: only those of at least this many requests (--start counts these)")
+    p.add_argument("--window", type=float, default=None, metavar="SECONDS",
+                   help="conversations: only those that end within SECONDS of trace time of the first "
+                        "one's start (bounds the run's length)")
     p.add_argument("--tokens-per-block", type=int, default=32,
                    help="tokens per 512-token trace block (< 512; a multiple of 32)")
     p.add_argument("--time-scale", type=float, default=0.5,
@@ -523,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = build_workload(args.trace, requests=args.requests, tokens_per_block=tpb,
                                   time_scale=args.time_scale, vocab=shape.vocab, start=args.start,
-                                  sample=args.sample)
+                                  sample=args.sample, min_turns=args.min_turns, window_s=args.window)
     except ValueError as e:  # TraceError included
         raise SystemExit(str(e)) from None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-serve-"))
@@ -545,7 +550,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     if not cuda:
         _progress(CPU_PEERS_SKIPPED)
-    _progress(f"{len(workload)} requests from {args.trace.name} ({args.sample} sample from #{args.start}), {tpb} tokens per trace block, "
+    _progress(f"{len(workload)} requests from {args.trace.name} ({args.sample} sample from #{args.start}), "
+              f"sent over {workload[-1].send_at_s:.0f} s, {tpb} tokens per trace block, "
               f"time scale {args.time_scale}; working set {working_set_bytes / 2**20:.0f} MiB of KV, DRAM tier "
               f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
     runs: dict[str, list[dict]] = {}
@@ -599,7 +605,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_checked_requests": checked, "token_mismatches": mismatches,
         "configs": summary, "plot": str(plot),
         "workload": {"trace": str(args.trace), "sample": args.sample, "requests": len(workload),
-                     "start": args.start,
+                     "start": args.start, "min_turns": args.min_turns, "window_s": args.window,
                      "conversations": len({r.conversation for r in workload if r.turn}),
                      "tokens_per_block": tpb, "time_scale": args.time_scale, "max_tokens": args.max_tokens,
                      "prompt_tokens": prompt_total, "working_set_bytes": working_set_bytes,

@@ -20,9 +20,10 @@ Two ways to choose the requests (``sample``):
   (:func:`shared_prefix_blocks`: a system prompt is no conversation). Among the requests B
   continues, its parent is the one with the longest such common part, the latest on a tie. A
   conversation is a parent with all its descendants (a tree: a turn may be continued more than
-  once, a retry or a branch); only those with two requests or more are taken. Conversations are
-  taken whole in the order of their first request, from the ``start``-th on, skipping one that
-  would take the total past ``requests``; their requests are sent in arrival order at their own
+  once, a retry or a branch); only those with ``min_turns`` requests or more (default two) are
+  taken. Conversations are taken whole in the order of their first request, from the ``start``-th
+  such one on, skipping one that would take the total past ``requests`` or, with ``window_s``,
+  one that does not end within ``window_s`` trace seconds of the first one's start; their requests are sent in arrival order at their own
   trace times (relative to the first chosen request, divided by ``time_scale``), so conversations
   interleave as in the trace.
 
@@ -135,13 +136,30 @@ def conversations(hash_rows: Sequence[Sequence[int]]) -> list[list[tuple[int, in
     return [g for _, g in sorted(groups.items()) if len(g) > 1]
 
 
-def sample_conversations(hash_rows: Sequence[Sequence[int]], *, requests: int,
-                         start: int = 0) -> list[tuple[int, int, int]]:
-    """Whole conversations from the ``start``-th on, in the order of their first request, each
-    skipped when it would take the total past ``requests``: (row index, conversation, turn) in
-    arrival order, ``conversation`` the index of its first row."""
+def sample_conversations(hash_rows: Sequence[Sequence[int]], *, requests: int, start: int = 0,
+                         min_turns: int = 2, times_s: Sequence[float] | None = None,
+                         window_s: float | None = None) -> list[tuple[int, int, int]]:
+    """Whole conversations of ``min_turns`` requests or more, from the ``start``-th such one on, in
+    the order of their first request, each skipped when it would take the total past ``requests``:
+    (row index, conversation, turn) in arrival order, ``conversation`` the index of its first row.
+
+    With ``window_s`` (``times_s``, the rows' arrival times, is then required), only conversations
+    that lie wholly within ``window_s`` seconds of the first taken one's first request: one whose
+    last request comes later is skipped, and the sample ends at the first conversation that starts
+    after the window (a window bounds the run's length; long conversations are what stretch it).
+    """
+    if window_s is not None and times_s is None:
+        raise ValueError("window_s needs times_s")
     chosen: list[tuple[int, int, int]] = []
-    for conv in conversations(hash_rows)[start:]:
+    t0: float | None = None
+    for conv in [c for c in conversations(hash_rows) if len(c) >= min_turns][start:]:
+        if window_s is not None:
+            assert times_s is not None
+            t0 = times_s[conv[0][0]] if t0 is None else t0
+            if times_s[conv[0][0]] > t0 + window_s:
+                break
+            if times_s[conv[-1][0]] > t0 + window_s:
+                continue
         if len(chosen) + len(conv) > requests:
             continue
         chosen += [(i, conv[0][0], t) for i, t in conv]
@@ -154,11 +172,13 @@ SAMPLES = ("time", "conversations")
 
 
 def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, time_scale: float,
-                   vocab: int, start: int = 0, sample: str = "time") -> list[ServeRequest]:
+                   vocab: int, start: int = 0, sample: str = "time", min_turns: int = 2,
+                   window_s: float | None = None) -> list[ServeRequest]:
     """The chosen requests of the trace as :class:`ServeRequest`, in arrival order (raises
     ValueError naming the bad argument; TraceError for an unreadable trace). ``sample``: ``time``
-    (requests ``start`` .. ``start + requests``) or ``conversations`` (whole conversations from
-    the ``start``-th on, see the module docstring).
+    (requests ``start`` .. ``start + requests``) or ``conversations`` (whole conversations of
+    ``min_turns`` requests or more from the ``start``-th such one on, within ``window_s`` trace
+    seconds when given; see the module docstring and :func:`sample_conversations`).
 
     Arrival times are relative to the first chosen request and divided by ``time_scale``; the
     trace's ceiling (``max_hit_blocks``) is computed over exactly the chosen requests.
@@ -173,6 +193,12 @@ def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, ti
         raise ValueError(f"--time-scale must be > 0, got {time_scale}")
     if start < 0:
         raise ValueError(f"--start must be >= 0, got {start}")
+    if min_turns < 2:
+        raise ValueError(f"--min-turns must be >= 2 (a conversation has two requests or more), got {min_turns}")
+    if window_s is not None and window_s <= 0:
+        raise ValueError(f"--window must be > 0 trace seconds, got {window_s}")
+    if sample == "time" and (min_turns != 2 or window_s is not None):
+        raise ValueError("--min-turns and --window choose conversations: they need --sample conversations")
     if sample == "time":
         trace = load_trace(trace_path, max_requests=start + requests)
         picked = [(start + i, -1, 0) for i in range(len(trace.requests[start:start + requests]))]
@@ -180,9 +206,12 @@ def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, ti
             raise ValueError(f"{trace_path} has no requests from index {start}")
     else:
         trace = load_trace(trace_path)
-        picked = sample_conversations([r.hash_ids for r in trace.requests], requests=requests, start=start)
+        picked = sample_conversations([r.hash_ids for r in trace.requests], requests=requests, start=start,
+                                      min_turns=min_turns, times_s=[r.timestamp_s for r in trace.requests],
+                                      window_s=window_s)
         if not picked:
-            raise ValueError(f"{trace_path}: no multi-turn conversation of at most {requests} requests "
+            within = "" if window_s is None else f" within {window_s:g} s"
+            raise ValueError(f"{trace_path}: no conversation of {min_turns} to {requests} requests{within} "
                              f"from conversation {start} on")
     chosen = [trace.requests[i] for i, _, _ in picked]
     cache: dict[int, list[int]] = {}

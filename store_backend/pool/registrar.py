@@ -52,7 +52,7 @@ class Registrar:
                  on_stored: Callable[[list[tuple[str, int, float]]], None] | None = None,
                  queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX, pull_margin_s: float = 10.0,
                  dead_node_gc_s: float | None = None, gc_every_s: float = 60.0,
-                 peer_put: Callable[[str], bool] | None = None) -> None:
+                 peer_put: Callable[[str, int], bool] | None = None) -> None:
         """``info()`` builds this node's :class:`NodeInfo` for each heartbeat; ``on_stored`` gets
         (key, size, stored_at_s) of objects newly stored here once registered (the replicator's offer).
 
@@ -61,7 +61,7 @@ class Registrar:
         from a peer (``moved`` from tier "pool") with ``at_s - pull_margin_s`` (the pool's
         transfer timeout: a remove that ran while the bytes were on the way refuses it, a cache
         miss rather than stale bytes), and so does an object a peer's put stored here
-        (``peer_put(key)`` True: a replica, whose bytes were read from the source before they
+        (``peer_put(key, seq)`` True for its event: a replica, whose bytes were read from the source before they
         came); other re-registrations (moves, evictions) with 0.0. A key
         the directory refuses is deleted here (``remove(local_only=True)``) and counted in
         ``refused_registrations``. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
@@ -185,7 +185,7 @@ class Registrar:
     def _on_events(self, events: list[ResidencyEvent]) -> None:
         with self._cond:
             for ev in events:
-                peer = ev.kind == "stored" and self._peer_put is not None and self._peer_put(ev.key)
+                peer = ev.kind == "stored" and self._peer_put is not None and self._peer_put(ev.key, ev.seq)
                 self._note_own(ev, peer)
                 old = self._queue.pop(ev.key, None)
                 if len(self._queue) >= self._queue_max:

@@ -70,26 +70,35 @@ class _LocalStore:
         self.committed_after: Callable[[Sequence[str], float], list[bool]] | None = None
         self._removed: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> monotonic time
         self._lock = threading.Lock()
-        # Keys a peer's put is committing here (marked before the commit publishes its event):
-        # the registrar registers those as copies received from a peer (see Registrar).
-        self._peer_puts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Keys a peer's put is committing here -> the store's residency seq when marked (before the
+        # commit publishes its event): the registrar registers those as copies received from a
+        # peer (see Registrar); only an event published after the mark takes it.
+        self._peer_puts: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
     def commit(self, reservations: Any, **kwargs: Any) -> Any:
+        seq_of = getattr(self._store, "residency_seq", None)
+        seq = seq_of() if seq_of is not None else 0
         with self._lock:
             for r in reservations:
-                self._peer_puts[r.key] = None
+                self._peer_puts[r.key] = seq
                 self._peer_puts.move_to_end(r.key)
             while len(self._peer_puts) > _PEER_PUTS_MAX:
                 self._peer_puts.popitem(last=False)
         return self._store.commit(reservations, **kwargs)
 
-    def take_peer_put(self, key: str) -> bool:
-        """Whether ``key``'s last commit here was a peer's put (forgotten once asked). Thread-safe, quick."""
+    def take_peer_put(self, key: str, seq: int = 0) -> bool:
+        """Whether the ``stored`` event of ``key`` numbered ``seq`` is a peer's put committing here
+        (the mark is forgotten once it answered True). An event published before the mark (an
+        earlier put of the key, still on its way) does not take it. Thread-safe, quick."""
         with self._lock:
-            return self._peer_puts.pop(key, 0) is None
+            mark = self._peer_puts.get(key)
+            if mark is None or (seq and seq <= mark):
+                return False
+            del self._peer_puts[key]
+            return True
 
     def lease(self, keys: Any, **kwargs: Any) -> Any:
         return self._store.lease(keys, local_only=True, **kwargs)
@@ -110,6 +119,9 @@ class _LocalStore:
             # The remover's clock and this node's may each be clock_skew_s off the directory's.
             newer = committed_after(keys, before_s + 2 * self._clock_skew_s)
             if any(newer):
+                # A pull of a kept key that began before now (older bytes, from a holder the remove
+                # has not reached) must not land beside or after the newer copy.
+                self._store.invalidate_reads([k for k, n in zip(keys, newer) if n])
                 older = [k for k, n in zip(keys, newer) if not n]
                 got = iter(self._store.remove(older, local_only=True, **kwargs) if older else ())
                 return [Status.NOT_FOUND if n else next(got) for n in newer]

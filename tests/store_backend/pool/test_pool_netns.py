@@ -111,6 +111,7 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     read_ok(cb, removed, SIZE, 1)  # B's engines are still served from B's own tiers
 
     # C removes them: A deletes its copies, B cannot be asked: IO_ERROR for every key (B holds them).
+    t_remove = time.time()
     assert cc.remove([*removed, again]) == [Status.IO_ERROR] * (len(removed) + 1)
     assert ca.tier_of([*removed, again]) == [None] * (len(removed) + 1)
     got, _ = read(cc, removed, SIZE)
@@ -120,7 +121,8 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     # puts a new version of it, after C's remove.
     assert cb.remove([again]) == [Status.IO_ERROR]
     assert cb.tier_of([again]) == [None]
-    time.sleep(1.1)  # past the directory's clock_skew_s (1 s): clearly newer than the remove
+    # Clearly newer than the remove: past twice clock_skew_s (1 s), what a retry asks of a copy it keeps.
+    time.sleep(max(0.0, t_remove + 2.5 - time.time()))
     put_all(cb, {again: make_payload(again, 2, SIZE)})
 
     hosts.heal(1)
@@ -130,7 +132,8 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     # accepted by the directory.
     wait_until(lambda: cb.tier_of(removed) == [None] * len(removed), 60, "B's removed copies deleted")
     # C retries B every retry_after_s (0.5 s) once B is alive again: well within these 5 s the
-    # retry has reached B (before the fix it deleted the new version here).
+    # retry has reached B. With the retry deleting whatever B holds (before the fix), the new
+    # version was gone here and the wait for its location below failed.
     time.sleep(5)
     for client in (ca, cb, cc):
         got, _ = read(client, removed, SIZE)

@@ -191,6 +191,26 @@ def test_a_remote_read_racing_a_remove_keeps_no_copy(nodes: Callable[..., Node])
         assert n.store.get_into([k], [bytearray(size)])[0].status is Status.NOT_FOUND, n.node_id
 
 
+def test_a_pull_in_flight_when_its_reads_are_invalidated_keeps_no_copy(nodes: Callable[..., Node]) -> None:
+    """A retried remove that keeps this node's newer copy of K invalidates the reads of K in flight
+    (``TieredStore.invalidate_reads``): a pull of the older bytes from a holder the remove has not
+    reached yet, begun before, must not be kept (beside the newer copy, or after it left)."""
+    d = EmbeddedDirectory(clock_skew_s=0.05)
+    ta = _HookedTransport(SECRET)
+    a, b = nodes("A", d, transport=ta), nodes("B", d)
+    k, size = "inflight/1", 256 << 10
+    assert b.store.put([k], [payload(k, size)]) == [Status.OK]
+    assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
+    ta.hook = lambda: a.store.invalidate_reads([k])
+    buf = bytearray(size)
+    assert a.store.get_into([k], [buf])[0].status is Status.OK  # the read itself began before
+    assert bytes(buf) == payload(k, size).tobytes()
+    assert a.store.tier_of([k], local_only=True) == [None]  # but no copy of it was kept
+    # A read that is not invalidated keeps its copy, as before.
+    assert a.store.get_into([k], [bytearray(size)])[0].status is Status.OK
+    assert wait_for(lambda: a.store.tier_of([k], local_only=True) == ["dram"], 10)
+
+
 class _LostInvalidations:
     """Fault injection: a directory whose invalidations never reach the subscriber (Redis pub/sub
     is at-most-once); everything else is ``inner``'s."""

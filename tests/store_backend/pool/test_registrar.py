@@ -151,7 +151,7 @@ def test_committed_after_vouches_only_for_own_puts_and_only_with_every_event_see
 
     d = EmbeddedDirectory()
     from_peer = {"peer"}
-    reg = _registrar(store, d, peer_put=lambda k: k in from_peer)
+    reg = _registrar(store, d, peer_put=lambda k, _seq: k in from_peer)
     held = threading.Event()
     release = threading.Event()
 
