@@ -124,10 +124,13 @@ class Pool(NamedTuple):
 
 
 @contextlib.contextmanager
-def started_pool(redis_url: str, names: tuple[str, ...] = ("A", "B", "C"), **node_kw: Any) -> Iterator[Pool]:
-    """Start a PoolNode per name (``node_kw`` to each) and yield them with a directory once all are
-    alive; everything is closed on the way out, also after a failed start."""
-    made = [PoolNode(name, redis_url, **node_kw) for name in names]
+def started_pool(redis_url: str, names: tuple[str, ...] = ("A", "B", "C"),
+                 per_node: Sequence[dict[str, Any]] | None = None, **node_kw: Any) -> Iterator[Pool]:
+    """Start a PoolNode per name (``node_kw`` to each, and ``per_node[i]`` to the i-th) and yield
+    them with a directory once all are alive; everything is closed on the way out, also after a
+    failed start."""
+    made = [PoolNode(name, redis_url, **node_kw, **(per_node[i] if per_node else {}))
+            for i, name in enumerate(names)]
     try:
         for n in made:
             n.start()

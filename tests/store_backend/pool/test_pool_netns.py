@@ -25,12 +25,11 @@ from tests.store_backend.pool.netns import Hosts, require_netns
 from tests.store_backend.pool.pool_nodes import (
     MiB,
     Pool,
-    PoolNode,
-    directory_of,
     make_payload,
     put_all,
     read,
     read_ok,
+    started_pool,
     wait_located,
     wait_nodes_alive,
 )
@@ -51,21 +50,10 @@ def hosts() -> Iterator[Hosts]:
 def _pool_on(hosts: Hosts) -> Iterator[Pool]:
     # Redis listens on the bridge (the hosts' way to it) and on loopback (the test's own checks).
     with RedisProcess(extra=[f"bind 127.0.0.1 {hosts.gateway}"]) as server:
-        url = f"redis://{hosts.gateway}:{server.port}/0"
-        made = [PoolNode(name, url, prefix=hosts.exec_prefix(i), listen=f"{hosts.ips[i]}:0")
-                for i, name in enumerate(NAMES)]
-        try:
-            for n in made:
-                n.start()
-            d = directory_of(url)
-            try:
-                wait_nodes_alive(d, list(NAMES))
-                yield Pool(made, d)
-            finally:
-                d.close()
-        finally:
-            for n in made:
-                n.close()
+        with started_pool(f"redis://{hosts.gateway}:{server.port}/0", NAMES,
+                          per_node=[{"prefix": hosts.exec_prefix(i), "listen": f"{hosts.ips[i]}:0"}
+                                    for i in range(len(NAMES))]) as pool:
+            yield pool
 
 
 @pytest.fixture
