@@ -151,6 +151,24 @@ def put_all(client: NodeClient, items: dict[str, bytes]) -> None:
     assert all(s.ok for s in st), st
 
 
+def put_past_dram(client: NodeClient, directory: RedisDirectory, node: str, keys: list[str],
+                  size: int) -> tuple[list[str], list[str]]:
+    """Put ``keys`` (version 1) through ``client`` in batches of 6, flushed as it goes (so DRAM drops
+    only persisted ones); (keys on SSD only, keys in DRAM) once the directory lists both on
+    ``node`` in those tiers. AssertionError unless both lists are non-empty (more than DRAM holds)."""
+    for at in range(0, len(keys), 6):
+        put_all(client, {k: make_payload(k, 1, size) for k in keys[at:at + 6]})
+        report = client.flush_report(timeout_s=30)
+        assert report.ok, report
+    tiers = client.tier_of(keys)
+    on_ssd = [k for k, t in zip(keys, tiers) if t == "ssd"]
+    in_dram = [k for k, t in zip(keys, tiers) if t == "dram"]
+    assert on_ssd and in_dram, tiers
+    wait_located(directory, on_ssd, node, tier="ssd")
+    wait_located(directory, in_dram, node, tier="dram")
+    return on_ssd, in_dram
+
+
 def read(client: NodeClient, keys: list[str], size: int) -> tuple[list[Any], list[bytearray]]:
     bufs = [bytearray(size) for _ in keys]
     return client.get_into(keys, bufs), bufs

@@ -27,6 +27,7 @@ from tests.store_backend.pool.pool_nodes import (
     Pool,
     make_payload,
     put_all,
+    put_past_dram,
     read,
     read_ok,
     started_pool,
@@ -70,15 +71,7 @@ def test_objects_written_on_one_host_are_read_on_the_others_over_veth(hosts: Hos
         assert addresses[name].startswith(f"{hosts.ips[i]}:"), addresses
     ca = a.client()
     keys = [f"host-{i:02d}" for i in range(24)]  # 24 MiB into 16 MiB of DRAM: the first ones on SSD only
-    for at in range(0, len(keys), 6):
-        put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys[at:at + 6]})
-        assert ca.flush_report(timeout_s=30).ok
-    tiers = ca.tier_of(keys)
-    on_ssd = [k for k, t in zip(keys, tiers) if t == "ssd"]
-    in_dram = [k for k, t in zip(keys, tiers) if t == "dram"]
-    assert on_ssd and in_dram, tiers
-    wait_located(d, on_ssd, "A", tier="ssd")
-    wait_located(d, in_dram, "A", tier="dram")
+    on_ssd, in_dram = put_past_dram(ca, d, "A", keys, SIZE)
     read_ok(b.client(), keys, SIZE, 1)
     read_ok(c.client(), [*on_ssd[:4], *in_dram[:4]], SIZE, 1)
     assert b.client().stats().pool.bytes_read >= len(keys) * SIZE

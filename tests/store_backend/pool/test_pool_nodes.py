@@ -22,6 +22,7 @@ from tests.store_backend.pool.pool_nodes import (
     directory_of,
     make_payload,
     put_all,
+    put_past_dram,
     read,
     read_ok,
     wait_located,
@@ -38,16 +39,7 @@ def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
     ca = a.client()
     # 24 MiB into A's 16 MiB of DRAM: the first ones are on A's SSD only by the end (eager offload).
     keys = [f"obj-{i:02d}" for i in range(24)]
-    for at in range(0, len(keys), 6):  # flushed as it goes, so DRAM drops only persisted ones
-        put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys[at:at + 6]})
-        report = ca.flush_report(timeout_s=30)
-        assert report.ok, report
-    tiers = ca.tier_of(keys)
-    on_ssd = [k for k, t in zip(keys, tiers) if t == "ssd"]
-    in_dram = [k for k, t in zip(keys, tiers) if t == "dram"]
-    assert on_ssd and in_dram, tiers
-    wait_located(d, on_ssd, "A", tier="ssd")
-    wait_located(d, in_dram, "A", tier="dram")
+    on_ssd, in_dram = put_past_dram(ca, d, "A", keys, SIZE)
     cb, cc = b.client(), c.client()
     # B reads every object, SSD ones and DRAM ones, in one batch; C a few of each.
     assert cb.exists(keys) == len(keys)
