@@ -1,5 +1,6 @@
-"""examples/lib/healthy.sh, the wait the example scripts source: it returns once the server answers
-/health, and ends the script with 1 (naming the port) when the server's process exits first."""
+"""examples/lib/healthy.sh, the waits the example scripts source: ``healthy`` returns once the server
+answers /health, and ends the script with 1 (naming the port) when the server's process exits first;
+``first_exit`` returns the status of the first of several processes to exit."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def test_a_server_that_exits_first_ends_the_script_with_1() -> None:
     out = _run("sleep 0 & dead=$!; wait $dead; healthy 1 $dead; echo not reached")
     assert out.returncode == 1, out
     assert out.stdout == "" and "the server on port 1 exited before it was healthy" in out.stderr, out
+
+
+def test_first_exit_returns_when_the_first_process_exits_with_its_status() -> None:
+    # The long sleeper would keep a plain `wait` going for 50 s; first_exit returns on the quick one.
+    out = _run("sleep 50 & slow=$!; (sleep 0.2; exit 3) & quick=$!; rc=0; first_exit $slow $quick || rc=$?; "
+               "kill $slow; echo rc=$rc quick=$quick")
+    assert out.returncode == 0, out
+    quick = out.stdout.split("quick=")[1].strip()
+    assert out.stdout.startswith("rc=3 "), out
+    assert f"process {quick} exited with status 3; stopping the others" in out.stderr, out
+
+
+def test_first_exit_under_set_e_ends_the_script_with_the_status() -> None:
+    out = _run("(exit 5) & p=$!; first_exit $p; echo not reached")
+    assert out.returncode == 5 and out.stdout == "", out

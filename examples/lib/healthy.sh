@@ -7,3 +7,13 @@ healthy() {  # $1: port; $2: pid of the server behind it
     sleep 2
   done
 }
+
+# first_exit PID...: waits until the first of these processes exits, says which one, and returns its
+# exit status, so the script's cleanup stops the others instead of leaving a half-working set behind
+# (a proxy that could not bind its port used to leave the script waiting on the servers forever).
+first_exit() {
+  local done_pid rc=0
+  wait -n -p done_pid "$@" || rc=$?
+  echo "process $done_pid exited with status $rc; stopping the others" >&2
+  return "$rc"
+}

@@ -50,4 +50,4 @@ healthy "$DECODE_PORT" "${pids[1]}"
     --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" &
 pids+=($!)
 echo "1P1D ready: proxy on port $PROXY_PORT (prefill $PREFILL_PORT, decode $DECODE_PORT)"
-wait
+first_exit "${pids[@]}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -33,25 +34,64 @@ STARTUP_TIMEOUT_S = 400
 StartServer = Callable[[int, str, Path], subprocess.Popen]
 
 
+# Ports handed to servers that bind them a minute later come from below the kernel's ephemeral range
+# (ip_local_port_range, 32768-60999 by default): a port from bind(0) can meanwhile become the local
+# end of one of the servers' own connections, and the server started last then fails to bind it.
+_PORTS_BELOW_EPHEMERAL = (20000, 32768)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _PORTS_BELOW_EPHEMERAL[1]
+
+
 def free_port() -> int:
+    """A loopback TCP port nothing is bound to now, below the ephemeral range where it has room
+    (else one from the kernel)."""
+    low, high = _PORTS_BELOW_EPHEMERAL[0], min(_PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    for _ in range(200 if high - low > 1000 else 0):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+class PortClash(AssertionError):
+    """A process exited before it was healthy because a port it was given was taken meanwhile."""
+
+
+def _exited(proc: subprocess.Popen, log: Path) -> AssertionError:
+    text = log.read_text(errors="replace")
+    kind = PortClash if "address already in use" in text.lower() else AssertionError
+    return kind(f"{log.name} exited with {proc.returncode}:\n{text[-4000:]}")
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Wait until ``url``/health answers 200. A process of ``procs`` that exits first fails with its
+    log (:class:`PortClash` when the log says a port was taken); after :data:`STARTUP_TIMEOUT_S` it
+    fails with the tail of every log."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         for proc, log in zip(procs, logs):
             if proc.poll() is not None:
-                raise AssertionError(f"{log.name} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                raise _exited(proc, log)
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             time.sleep(1)
-    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s")
+    tails = "\n".join(f"--- {log.name} (last 4000 characters) ---\n{log.read_text(errors='replace')[-4000:]}"
+                      for log in logs if log.exists())
+    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; every process is still running\n{tails}")
 
 
 def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path, *,
@@ -121,34 +161,57 @@ SERVER_FLAGS = ("--served-model-name tiny --host 127.0.0.1 --skip-tokenizer-init
 
 
 @contextmanager
+def script_cluster(script: Path, work: Path, env: dict[str, str], *, stop_wait_s: float = 60,
+                   attempts: int = 2) -> Iterator[dict[str, int]]:
+    """``script`` (an example that starts a prefill server, a decode server and the proxy) run as a
+    user runs it, with ``env`` added to its environment and the ports in ``PREFILL_PORT``,
+    ``DECODE_PORT`` and ``PROXY_PORT``; its output goes to ``work/<script stem>.log``.
+
+    Yields the ports (``"prefill"``, ``"decode"``, ``"proxy"``) once the proxy answers /health. The
+    script exiting first fails with its log, except that a port taken meanwhile (:class:`PortClash`)
+    starts it again on fresh ports, up to ``attempts`` times. The script's whole process group is
+    stopped on exit (SIGTERM, ``stop_wait_s`` for it to clean up, then SIGKILL)."""
+    for attempt in range(1, attempts + 1):
+        ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+        log = work / (f"{script.stem}.log" if attempt == 1 else f"{script.stem}.{attempt}.log")
+        run_env = {**env, "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
+                   "PROXY_PORT": str(ports["proxy"])}
+        proc = subprocess.Popen(["bash", str(script)], env=run_env, cwd=ROOT, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [proc], [log])
+            except PortClash:
+                if attempt == attempts:
+                    raise
+                continue
+            yield ports
+            return
+        finally:
+            _stop_group(proc, stop_wait_s)
+
+
+def _stop_group(proc: subprocess.Popen, wait_s: float) -> None:
+    for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
 def example_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
     """``examples/vllm_disagg/run_1p1d.sh`` as a user runs it (both servers and the proxy), on ``model``
-    with the CPU build's flags, its SSD directory and logs under ``work``.
-
-    Yields the ports, as :func:`disagg_cluster` does; the script exiting before the proxy is healthy
-    fails with its log. The whole process group is stopped (SIGTERM, then SIGKILL) on exit."""
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    log = work / "run_1p1d.log"
+    with the CPU build's flags, its SSD directory and logs under ``work``; see :func:`script_cluster`."""
     env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
-           "DRAM": "64MiB", "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
-           "PROXY_PORT": str(ports["proxy"]), "EXTRA_ARGS": SERVER_FLAGS,
-           "MOONCAKE_KV_VENV": sys.prefix}
-    script = subprocess.Popen(["bash", str(ROOT / "examples" / "vllm_disagg" / "run_1p1d.sh")], env=env, cwd=ROOT,
-                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [script], [log])
+           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
+    with script_cluster(ROOT / "examples" / "vllm_disagg" / "run_1p1d.sh", work, env) as ports:
         yield ports
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(script.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                script.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
 
 
 def complete(port: int, token_ids: list[int]) -> dict[str, Any]:

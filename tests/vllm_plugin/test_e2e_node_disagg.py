@@ -10,9 +10,6 @@ may still be in flight), and its lookup waits in the service for their commit ra
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -24,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, free_port, metric, wait_healthy
+from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, metric, script_cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,28 +32,12 @@ DIRECT = prompt(233, 520)  # sent by the test itself: prefill, then decode at on
 @contextmanager
 def node_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
     """``run_1p1d_node.sh`` as a user runs it, on ``model`` with the CPU build's flags; yields the
-    ports. The script's whole process group is stopped (SIGTERM, then SIGKILL) on exit."""
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    log = work / "run_1p1d_node.log"
+    ports (see :func:`~tests.vllm_plugin.disagg_cluster.script_cluster`)."""
     env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
-           "DRAM": "64MiB", "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
-           "PROXY_PORT": str(ports["proxy"]), "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
-    script = subprocess.Popen(["bash", str(ROOT / "examples" / "vllm_disagg" / "run_1p1d_node.sh")], env=env,
-                              cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [script], [log])
+           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
+    with script_cluster(ROOT / "examples" / "vllm_disagg" / "run_1p1d_node.sh", work, env,
+                        stop_wait_s=120) as ports:
         yield ports
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 120), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(script.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                script.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
 
 
 def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
