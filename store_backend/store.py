@@ -544,7 +544,7 @@ class TieredStore:
         # A key whose DRAM copy was dropped for its SSD copy between the lookup and the lock (it is
         # then known below) is asked once more: without that, the put stored its bytes beside the
         # SSD copy, and a put of other bytes under a key removed while a node was unreachable (the
-        # pool's case) could later be served the old SSD bytes.
+        # pool's case) could later be served the old SSD bytes; on the last try it is EXISTS.
         local = [t for t in self._below if t.traits.local_index]
         on_ssd = [False] * len(keys)
         on_backing = [False] * len(keys)  # the hit was in the backing tier
@@ -581,7 +581,10 @@ class TieredStore:
                     ask = stale
                     continue
                 for i in stale:
-                    on_ssd[i] = False
+                    # Out of tries: a copy whose visibility kept changing is taken as a miss; a key that
+                    # turned up known below only now (its DRAM copy dropped for its SSD copy since the
+                    # last lookup) is EXISTS, never a second object beside the SSD copy.
+                    on_ssd[i] = i in landed
                 reserved = self._reserve_puts(keys, sizes, parents, valid, on_ssd, out, slot)
                 for i, st in enumerate(out):  # EXISTS because it is below: a parent admission may ask of
                     if st is Status.EXISTS and on_ssd[i] and on_backing[i] and keys[i] not in self._dram.entries \

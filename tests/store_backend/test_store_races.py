@@ -736,3 +736,26 @@ def test_a_put_whose_lookup_missed_a_copy_just_moved_to_ssd_is_exists_not_a_seco
         assert store.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 3)
     finally:
         store.close()
+
+
+def test_a_copy_moved_to_ssd_after_the_last_lookup_round_is_exists_not_a_second_copy(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The same miss on the put's last lookup round (a round with no try left to ask again): the key
+    turned up known below after that round's lookup, and the put used to store a second object
+    beside the SSD copy. With one round allowed, the first round is the last."""
+    import store_backend.store as store_module
+
+    monkeypatch.setattr(store_module, "_LOOKUP_TRIES", 1)
+    store, ssd = gated_store(tmp_path)
+    try:
+        only_on_ssd(store, "k")
+        real = ssd.contains
+        ssd.contains = lambda keys: [False if key == "k" else hit  # type: ignore[method-assign]
+                                     for key, hit in zip(keys, real(keys))]
+        assert store.put(["k"], [versioned(0, 2)]) == [Status.EXISTS]
+        ssd.contains = real  # type: ignore[method-assign]
+        assert store.tier_of(["k"]) == ["ssd"]
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        assert ssd.inner.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 1)
+        assert store.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 1)
+    finally:
+        store.close()
