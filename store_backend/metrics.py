@@ -65,6 +65,9 @@ class QueueGauges(msgspec.Struct):
 
     offload: int = 0
     promotion: int = 0
+    # Keys of pool-wide removes that a peer holding them has not confirmed yet, owed a retry
+    # (pool.retry_after_s; a peer the directory counts dead less often).
+    pool_remove: int = 0
 
 
 class LatencyHistogram(msgspec.Struct):

@@ -131,6 +131,8 @@ LABEL_VALUES: dict[str, dict[str, str]] = {
     "queue": {
         "offload": "objects waiting to be written from DRAM to SSD",
         "promotion": "objects waiting to be copied from SSD back into DRAM",
+        "pool_remove": ("keys of pool-wide removes a peer holding them has not confirmed yet, retried every "
+                        "pool.retry_after_s (a peer counted dead less often)"),
     },
 }
 

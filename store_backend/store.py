@@ -2324,6 +2324,7 @@ class TieredStore:
                 ts.hits = g.hits
             if g.bytes_read is not None:
                 ts.bytes_read = g.bytes_read
+        stats.queues.pool_remove = sum(g.owed_removes for g in below.values())
         return stats
 
     def metrics(self) -> dict[str, Any]:

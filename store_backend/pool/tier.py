@@ -87,6 +87,7 @@ class PoolTier:
         # Removes a peer did not confirm: (node, keys, wall-clock time of the remove), retried by
         # the owned thread with that time (the peer keeps a copy committed after it).
         self._remove_retry: collections.deque[tuple[str, tuple[str, ...], float]] = collections.deque()
+        self._retrying_keys = 0  # keys of the owed removes the retry thread is trying now
         # Dead node -> monotonic time of its next retry (the retry thread's alone: no lock).
         self._dead_retry_at: dict[str, float] = {}
         self._retry_thread: threading.Thread | None = None
@@ -428,6 +429,7 @@ class PoolTier:
             self._remove_retry_loop()
         finally:
             with self._lock:
+                self._retrying_keys = 0  # what it was trying when it ended is no longer owed by anyone
                 if self._retry_thread is threading.current_thread():
                     self._retry_thread = None
 
@@ -443,6 +445,7 @@ class PoolTier:
                     return
                 owed = list(self._remove_retry)
                 self._remove_retry.clear()
+                self._retrying_keys = sum(len(keys) for _node, keys, _at in owed)
             parts = self._parts()
             if parts is None:
                 return
@@ -462,11 +465,14 @@ class PoolTier:
                 self._dead_retry_at[node] = now + DEAD_RETRY_S
             for node, keys, removed_at_s in owed:
                 if address is not None and node not in address:
-                    continue  # forgotten by the directory: nothing to ask
+                    with self._lock:  # forgotten by the directory: nothing to ask
+                        self._retrying_keys -= len(keys)
+                    continue
                 if node in dead and node not in due:
                     with self._lock:  # not its turn yet: kept for a later round
                         if not self._closed:
                             self._remove_retry.append((node, keys, removed_at_s))
+                        self._retrying_keys -= len(keys)
                     continue
                 got: list[Status] = [Status.IO_ERROR] * len(keys)
                 if address is not None and address[node]:
@@ -477,19 +483,21 @@ class PoolTier:
                         logger.exception("pool: a retried remove of %d keys on %s raised", len(keys), node)
                 self._count("remove_retries")
                 left = [k for k, st in zip(keys, got) if st not in (Status.OK, Status.NOT_FOUND)]
-                if left:
-                    with self._lock:
-                        if not self._closed:
-                            self._remove_retry.append((node, tuple(left), removed_at_s))
+                with self._lock:
+                    if left and not self._closed:
+                        self._remove_retry.append((node, tuple(left), removed_at_s))
+                    self._retrying_keys -= len(keys)
 
     # -- observability -------------------------------------------------------------------------------
     def gauges(self) -> TierGauges:
         """No objects of its own; every object read from a peer (``hits``, ``bytes_read``: for
-        gets, stage-ins and promotions alike) and the failures by kind (the transport's and the
-        directory's)."""
+        gets, stage-ins and promotions alike), the failures by kind (the transport's and the
+        directory's), and the keys of removes owed a retry (``owed_removes``: queued, or being
+        tried now; 0 once every peer confirmed, or was forgotten by the directory)."""
         with self._lock:
             hits, nbytes = self._counts["hits"], self._counts["bytes_read"]
-        return TierGauges(failures=self.failure_counters(), hits=hits, bytes_read=nbytes)
+            owed = sum(len(keys) for _node, keys, _at in self._remove_retry) + self._retrying_keys
+        return TierGauges(failures=self.failure_counters(), hits=hits, bytes_read=nbytes, owed_removes=owed)
 
     def failure_counters(self) -> FailureCounters:
         parts = self._parts()

@@ -50,6 +50,8 @@ class TierGauges(msgspec.Struct):
     # stage-ins and a pin's promotions alike) reports them; None: the store's count of gets stands.
     hits: int | None = None
     bytes_read: int | None = None
+    # Keys of removes the tier still owes a retry (the pool: peers holding them did not confirm).
+    owed_removes: int = 0
 
 
 @runtime_checkable

@@ -101,6 +101,8 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     # On B, cut off, an engine removes ``again`` (B's own copy goes; the pool part fails) and
     # puts a new version of it, after C's remove.
     assert cb.remove([again]) == [Status.IO_ERROR]
+    owed = len(removed) + 1
+    assert cc.stats().queues.pool_remove == owed  # C owes B the remove of every key
     assert cb.tier_of([again]) == [None]
     # Clearly newer than the remove: past twice clock_skew_s (1 s), what a retry asks of a copy it keeps.
     time.sleep(max(0.0, t_remove + 2.5 - time.time()))
@@ -112,10 +114,10 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     # new version of ``again`` stays: committed after the remove, it is kept by the retry and
     # accepted by the directory.
     wait_until(lambda: cb.tier_of(removed) == [None] * len(removed), 60, "B's removed copies deleted")
-    # C retries B every retry_after_s (0.5 s) once B is alive again: well within these 5 s the
-    # retry has reached B. With the retry deleting whatever B holds (before the fix), the new
+    # C's retry reaches B and B confirms every key: deleted, or (``again``) kept as newer and
+    # answered NOT_FOUND. With the retry deleting whatever B holds (before the fix), the new
     # version was gone here and the wait for its location below failed.
-    time.sleep(5)
+    wait_until(lambda: cc.stats().queues.pool_remove == 0, 90, "C's remove confirmed by B")
     for client in (ca, cb, cc):
         got, _ = read(client, removed, SIZE)
         assert [r.status for r in got] == [Status.NOT_FOUND] * len(removed)

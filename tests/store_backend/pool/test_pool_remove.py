@@ -414,6 +414,8 @@ def test_a_dead_holder_that_does_not_answer_makes_the_remove_io_error_and_is_ret
     assert a.store.remove([k]) == [Status.IO_ERROR]
     assert wait_for(lambda: a.tier.extra_stats().get("remove_retries", 0) >= 1, 10)
     assert _locs(d, k) == []
+    # B never answers: the key stays owed (queued, or being tried), counted in the queue gauge.
+    assert a.store.stats().queues.pool_remove == 1
 
 
 class _SlowRegister:
@@ -549,8 +551,12 @@ def test_a_retried_remove_keeps_a_put_made_on_the_node_since_and_deletes_older_c
     assert b.store.put([fresh], [v2]) == [Status.OK]
     assert wait_for(lambda: _locs(d, fresh) == [("B", "dram")]), b.reg.counters
     assert b.reg.committed_after([fresh, old, "never/stored"], t_remove) == [True, False, False]
+    # Both keys are owed a retry while B does not answer (the gauge operators see).
+    assert c.store.stats().queues.pool_remove == 2
+    assert c.tier.gauges().owed_removes == 2
     flaky.left = 0  # B answers again: the retry reaches it
     assert wait_for(lambda: any(old in keys for keys, _t, _st in flaky.answered), 10), flaky.removes
+    assert wait_for(lambda: c.store.stats().queues.pool_remove == 0, 10)  # B confirmed both: nothing owed
     keys, before_s, got = next(a for a in flaky.answered if old in a[0])
     assert t_remove <= before_s <= t_remove + 1.0  # the remove's own time, not the retry's
     assert dict(zip(keys, got)) == {fresh: Status.NOT_FOUND, old: Status.OK}
