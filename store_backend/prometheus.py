@@ -132,7 +132,8 @@ LABEL_VALUES: dict[str, dict[str, str]] = {
         "offload": "objects waiting to be written from DRAM to SSD",
         "promotion": "objects waiting to be copied from SSD back into DRAM",
         "pool_remove": ("keys of pool-wide removes a peer holding them has not confirmed yet, retried every "
-                        "pool.retry_after_s (a peer counted dead less often)"),
+                        "pool.retry_after_s (a peer counted dead less often; past 4096 owed removes the oldest "
+                        "is dropped, with a warning)"),
     },
 }
 

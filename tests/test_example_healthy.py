@@ -58,3 +58,13 @@ def test_first_exit_returns_when_the_first_process_exits_with_its_status() -> No
 def test_first_exit_under_set_e_ends_the_script_with_the_status() -> None:
     out = _run("(exit 5) & p=$!; first_exit $p; echo not reached")
     assert out.returncode == 5 and out.stdout == "", out
+
+
+def test_first_exit_counts_a_process_that_exited_before_the_call() -> None:
+    # bash forgets a finished child at its next command: the first child has exited (and been
+    # reaped) before first_exit starts, while the second runs for 20 s.
+    out = _run("(exit 3) & early=$!; sleep 0.3; x=$(echo hi); sleep 20 & slow=$!; SECONDS=0; rc=0; "
+               "first_exit $slow $early || rc=$?; kill $slow; echo rc=$rc took=$SECONDS")
+    assert out.returncode == 0, out
+    assert out.stdout.startswith("rc=3 "), out
+    assert int(out.stdout.split("took=")[1]) < 10, out

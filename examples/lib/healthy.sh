@@ -11,9 +11,19 @@ healthy() {  # $1: port; $2: pid of the server behind it
 # first_exit PID...: waits until the first of these processes exits, says which one, and returns its
 # exit status, so the script's cleanup stops the others instead of leaving a half-working set behind
 # (a proxy that could not bind its port used to leave the script waiting on the servers forever).
+# It polls: a child that exited before the call (while an earlier wait ran) counts too, and any
+# bash the scripts run on has kill -0 and wait PID.
 first_exit() {
-  local done_pid rc=0
-  wait -n -p done_pid "$@" || rc=$?
-  echo "process $done_pid exited with status $rc; stopping the others" >&2
-  return "$rc"
+  local p rc
+  while true; do
+    for p in "$@"; do
+      if ! kill -0 "$p" 2>/dev/null; then
+        rc=0
+        wait "$p" 2>/dev/null || rc=$?
+        echo "process $p exited with status $rc; stopping the others" >&2
+        return "$rc"
+      fi
+    done
+    sleep 1
+  done
 }

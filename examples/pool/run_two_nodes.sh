@@ -52,6 +52,7 @@ engine_config() {  # $1: node name
 
 pids=()
 services=()
+service_pids=()
 redis=""
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -60,7 +61,9 @@ cleanup() {
   if [ -n "$redis" ]; then kill "$redis" 2>/dev/null || true; wait "$redis" 2>/dev/null || true; fi
   rm -rf "$RUN_DIR"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap "exit 130" INT  # the EXIT trap cleans up, once
+trap "exit 143" TERM
 
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$RUN_DIR" \
     --logfile "$RUN_DIR/redis.log" &
@@ -70,6 +73,7 @@ for n in node1 node2; do
   node_config "$n"
   "$PY" -m store_backend.node serve --config "$RUN_DIR/$n.json" &
   services+=("$n")
+  service_pids+=($!)
 done
 for n in node1 node2; do
   "$PY" -m store_backend.node status --socket "$RUN_DIR/$n/node.sock" --wait 120 >/dev/null
@@ -86,4 +90,4 @@ healthy "$PORT1" "${pids[0]}"
 healthy "$PORT2" "${pids[1]}"
 echo "pool ready: vLLM on ports $PORT1 (node1) and $PORT2 (node2), Redis on 127.0.0.1:$REDIS_PORT"
 echo "  $PY -m mooncake_kv.cli status --pool --config $RUN_DIR/node2.json   # every node of the pool"
-first_exit "${pids[@]}"
+first_exit "$redis" "${service_pids[@]}" "${pids[@]}"

@@ -34,7 +34,9 @@ config() {  # $1: kv_producer | kv_consumer
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap "exit 130" INT  # the EXIT trap cleans up, once
+trap "exit 143" TERM
 
 # shellcheck disable=SC2086
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$PREFILL_PORT" $EXTRA_ARGS \

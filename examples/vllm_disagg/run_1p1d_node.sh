@@ -47,7 +47,9 @@ cleanup() {
   if [ -n "$service" ]; then "$PY" -m store_backend.node stop --socket "$SOCKET" --wait 120 || true; fi
   rm -rf "$RUN_DIR"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap "exit 130" INT  # the EXIT trap cleans up, once
+trap "exit 143" TERM
 
 "$PY" -m store_backend.node serve --config "$RUN_DIR/node.json" &
 service=$!
@@ -67,4 +69,4 @@ healthy "$DECODE_PORT" "${pids[1]}"
     --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" &
 pids+=($!)
 echo "1P1D ready: proxy on port $PROXY_PORT (prefill $PREFILL_PORT, decode $DECODE_PORT), node service at $SOCKET"
-first_exit "${pids[@]}"
+first_exit "$service" "${pids[@]}"

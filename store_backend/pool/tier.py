@@ -410,8 +410,11 @@ class PoolTier:
                 return
             self._remove_retry.append((node, tuple(keys), removed_at_s))
             while len(self._remove_retry) > REMOVE_RETRY_MAX:
-                self._remove_retry.popleft()
+                lost, lost_keys, _at = self._remove_retry.popleft()
                 self._counts["remove_retries_dropped"] += 1
+                logger.warning("pool: %d removes are owed a retry; the oldest (%d keys on %s) is dropped: that "
+                               "node's copies stay until it re-registers them and the directory refuses them",
+                               REMOVE_RETRY_MAX, len(lost_keys), lost)
             if self._retry_thread is None:
                 self._retry_thread = threading.Thread(target=self._run_remove_retry, name="mkv-pool-remove-retry",
                                                       daemon=True)
@@ -493,7 +496,8 @@ class PoolTier:
         """No objects of its own; every object read from a peer (``hits``, ``bytes_read``: for
         gets, stage-ins and promotions alike), the failures by kind (the transport's and the
         directory's), and the keys of removes owed a retry (``owed_removes``: queued, or being
-        tried now; 0 once every peer confirmed, or was forgotten by the directory)."""
+        tried now; 0 once every peer confirmed, was forgotten by the directory, or the remove was
+        dropped: past :data:`REMOVE_RETRY_MAX` owed, counted in ``remove_retries_dropped``)."""
         with self._lock:
             hits, nbytes = self._counts["hits"], self._counts["bytes_read"]
             owed = sum(len(keys) for _node, keys, _at in self._remove_retry) + self._retrying_keys

@@ -64,6 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(*names: str) -> dict[str, int]:
+    """One distinct :func:`free_port` per name."""
+    ports: dict[str, int] = {}
+    while len(ports) < len(names):
+        port = free_port()
+        if port not in ports.values():
+            ports[names[len(ports)]] = port
+    return ports
+
+
 class PortClash(AssertionError):
     """A process exited before it was healthy because a port it was given was taken meanwhile."""
 
@@ -137,7 +147,7 @@ def disagg_cluster(work: Path, start_server: StartServer) -> Iterator[dict[str, 
 
     Yields the ports (``"prefill"``, ``"decode"``, ``"proxy"``); a server that exits before it is
     healthy fails with its log. Every process is stopped on exit."""
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    ports = free_ports("prefill", "decode", "proxy")
     logs = [work / "prefill.log", work / "decode.log"]
     servers = [start_server(ports["prefill"], "kv_producer", logs[0]),
                start_server(ports["decode"], "kv_consumer", logs[1])]
@@ -172,7 +182,7 @@ def script_cluster(script: Path, work: Path, env: dict[str, str], *, stop_wait_s
     starts it again on fresh ports, up to ``attempts`` times. The script's whole process group is
     stopped on exit (SIGTERM, ``stop_wait_s`` for it to clean up, then SIGKILL)."""
     for attempt in range(1, attempts + 1):
-        ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+        ports = free_ports("prefill", "decode", "proxy")
         log = work / (f"{script.stem}.log" if attempt == 1 else f"{script.stem}.{attempt}.log")
         run_env = {**env, "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
                    "PROXY_PORT": str(ports["proxy"])}
@@ -192,16 +202,22 @@ def script_cluster(script: Path, work: Path, env: dict[str, str], *, stop_wait_s
 
 
 def _stop_group(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM to the script's whole process group, ``wait_s`` for every process of it to end (not
+    just the script: it may have exited already), then SIGKILL to what is left."""
     for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the script itself, or the group never empties
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+    proc.wait(timeout=30)
 
 
 @contextmanager
