@@ -172,30 +172,34 @@ SERVER_FLAGS = ("--served-model-name tiny --host 127.0.0.1 --skip-tokenizer-init
 
 @contextmanager
 def script_cluster(script: Path, work: Path, env: dict[str, str], *, stop_wait_s: float = 60,
-                   attempts: int = 2) -> Iterator[dict[str, int]]:
-    """``script`` (an example that starts a prefill server, a decode server and the proxy) run as a
-    user runs it, with ``env`` added to its environment and the ports in ``PREFILL_PORT``,
-    ``DECODE_PORT`` and ``PROXY_PORT``; its output goes to ``work/<script stem>.log``.
+                   attempts: int = 2, ports: Sequence[str] = ("PREFILL_PORT", "DECODE_PORT", "PROXY_PORT"),
+                   healthy: Sequence[str] = ("PROXY_PORT",)) -> Iterator[dict[str, int]]:
+    """``script`` (an example that starts servers, by default a prefill server, a decode server and
+    the proxy) run as a user runs it, with ``env`` added to its environment and a free port in each
+    variable of ``ports``; its output goes to ``work/<script stem>.log``.
 
-    Yields the ports (``"prefill"``, ``"decode"``, ``"proxy"``) once the proxy answers /health. The
-    script exiting first fails with its log, except that a port taken meanwhile (:class:`PortClash`)
-    starts it again on fresh ports, up to ``attempts`` times. The script's whole process group is
-    stopped on exit (SIGTERM, ``stop_wait_s`` for it to clean up, then SIGKILL)."""
+    Yields the ports by name (the variable without ``_PORT``, lower case: ``"prefill"``, ``"decode"``,
+    ``"proxy"``) once every server of ``healthy`` answers /health. The script exiting first fails
+    with its log, except that a port taken meanwhile (:class:`PortClash`) starts it again on fresh
+    ports, up to ``attempts`` times. The script's whole process group is stopped on exit (SIGTERM,
+    ``stop_wait_s`` for it to clean up, then SIGKILL)."""
+    def name(var: str) -> str:
+        return var.removesuffix("_PORT").lower()
+
     for attempt in range(1, attempts + 1):
-        ports = free_ports("prefill", "decode", "proxy")
+        got = free_ports(*ports)
         log = work / (f"{script.stem}.log" if attempt == 1 else f"{script.stem}.{attempt}.log")
-        run_env = {**env, "PREFILL_PORT": str(ports["prefill"]), "DECODE_PORT": str(ports["decode"]),
-                   "PROXY_PORT": str(ports["proxy"])}
-        proc = subprocess.Popen(["bash", str(script)], env=run_env, cwd=ROOT, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(["bash", str(script)], env={**env, **{var: str(port) for var, port in got.items()}},
+                                cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
             try:
-                wait_healthy(f"http://127.0.0.1:{ports['proxy']}", [proc], [log])
+                for var in healthy:
+                    wait_healthy(f"http://127.0.0.1:{got[var]}", [proc], [log])
             except PortClash:
                 if attempt == attempts:
                     raise
                 continue
-            yield ports
+            yield {name(var): port for var, port in got.items()}
             return
         finally:
             _stop_group(proc, stop_wait_s)
