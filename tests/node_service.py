@@ -8,6 +8,8 @@ directory. :class:`ServiceRun` starts, SIGKILLs, restarts and stops it, and asks
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -102,8 +104,15 @@ class ServiceRun:
         return self.proc.returncode
 
     def close(self) -> None:
+        """Stop the service, remove its socket directory and any arena segment of it left in
+        /dev/shm (a service killed with SIGKILL never unlinks its own)."""
         self.stop()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        shm = self.config["store"].get("dram", {}).get("shm_name")
+        if shm:
+            for path in glob.glob(f"/dev/shm/{glob.escape(shm)}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 @contextmanager

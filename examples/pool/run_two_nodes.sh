@@ -58,6 +58,8 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait "${pids[@]}" 2>/dev/null || true
   for n in "${services[@]}"; do "$PY" -m store_backend.node stop --socket "$RUN_DIR/$n/node.sock" --wait 120 || true; done
+  wait "${service_pids[@]}" 2>/dev/null || true
+  for n in "${services[@]}"; do rm -f /dev/shm/mkv-example-"$n"-$$-*; done   # the arena of a service that was killed
   if [ -n "$redis" ]; then kill "$redis" 2>/dev/null || true; wait "$redis" 2>/dev/null || true; fi
   rm -rf "$RUN_DIR"
 }

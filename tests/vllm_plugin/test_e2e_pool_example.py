@@ -1,11 +1,13 @@
 """``examples/pool/run_two_nodes.sh`` as a user runs it: Redis, two node services forming one pool
 and one vLLM server attached to each (on vLLM's CPU build with the tiny model). A prompt computed by
 the first server is loaded by the second from the first node over the pool, with the tokens of a
-no-connector engine; a node service killed underneath stops the whole script (its cleanup runs).
+no-connector engine; a node service killed underneath stops the whole script (its cleanup stops
+the servers and removes the killed service's arena from /dev/shm).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
@@ -33,11 +35,12 @@ REGISTER_TIMEOUT_S = 30.0
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     require_redis()
     work = tmp_path_factory.mktemp("pool-example")
+    started = time.time() - 1
     env = {**engine_env(), "MODEL": str(tiny_model), "CHUNK_TOKENS": str(CHUNK_TOKENS), "DRAM": "64MiB",
            "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
     with script_cluster(SCRIPT, work, env, stop_wait_s=120, ports=("PORT1", "PORT2", "REDIS_PORT"),
                         healthy=("PORT1", "PORT2")) as ports:
-        yield {"ports": ports, "work": work, "log": work / "run_two_nodes.log"}
+        yield {"ports": ports, "work": work, "log": work / "run_two_nodes.log", "started": started}
 
 
 def _node_keys(redis_port: int, node_id: str, at_least: int) -> set[str]:
@@ -102,3 +105,20 @@ def test_a_node_service_killed_underneath_stops_the_script(cluster: dict[str, An
         time.sleep(1)
     else:
         raise AssertionError("the vLLM server on PORT1 still answers after the script's cleanup")
+    # ... and the killed service's arena segment does not stay behind in /dev/shm.
+    deadline = time.monotonic() + 120
+    while _arenas(cluster["started"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _arenas(cluster["started"]) == []
+
+
+def _arenas(since: float) -> list[str]:
+    """The example's arena segments in /dev/shm made since ``since`` (a wall-clock time)."""
+    out = []
+    for path in glob.glob("/dev/shm/mkv-example-node*"):
+        try:
+            if os.stat(path).st_mtime >= since:
+                out.append(path)
+        except FileNotFoundError:
+            pass
+    return out
