@@ -11,8 +11,9 @@
 #
 # On real machines run one node service per machine instead (listen on the address the nodes share,
 # the same secret file on each, directory.url naming the shared Redis): docs/POOL.md. Ctrl-C (or
-# SIGTERM) stops everything: the servers, then the node services, then Redis.
-# tests/vllm_plugin/test_e2e_pool.py checks the same arrangement on vLLM's CPU build with a tiny model.
+# SIGTERM) stops everything: the servers, then the node services, then Redis; so does any one of
+# them exiting.
+# tests/vllm_plugin/test_e2e_pool_example.py runs this script on vLLM's CPU build with a tiny model.
 set -euo pipefail
 # shellcheck source=../lib/healthy.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/healthy.sh"

@@ -6,7 +6,8 @@
 #        -d '{"model": "'"$MODEL"'", "prompt": "...", "max_tokens": 64}'
 #
 # Both servers use the embedded store on one node; they share its SSD directory (shared_ssd), which
-# is how the decode server finds what the prefill server saved. Ctrl-C (or SIGTERM) stops everything.
+# is how the decode server finds what the prefill server saved. Ctrl-C (or SIGTERM) stops everything;
+# so does any one of the three processes exiting.
 # tests/vllm_plugin/test_e2e_disagg.py runs this script on vLLM's CPU build with a tiny model.
 set -euo pipefail
 # shellcheck source=../lib/healthy.sh
