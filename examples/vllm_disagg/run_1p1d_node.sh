@@ -9,8 +9,8 @@
 # the SSD tier. Both servers attach to it (store: {"node": ...}): the prefill server's saves are in
 # the decode server's store the moment they are committed, and the decode server's lookup waits in
 # the service for them (no shared directory, no polling). Ctrl-C (or SIGTERM) stops everything, the
-# service last (it flushes to SSD); so does any one of them exiting. tests/vllm_plugin/test_e2e_node_disagg.py runs this script on
-# vLLM's CPU build with a tiny model.
+# service last (it flushes to SSD); so does any one of them exiting.
+# tests/vllm_plugin/test_e2e_node_disagg.py runs this script on vLLM's CPU build with a tiny model.
 set -euo pipefail
 # shellcheck source=../lib/healthy.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/healthy.sh"
