@@ -67,6 +67,38 @@ class Entry:
         )
 
 
+def unlink_leftover_segments(shm_name: str) -> None:
+    """Unlink every fresh segment ``<shm_name>-<digits>`` in /dev/shm whose lock is free: its owner
+    died (a live owner holds its lock, and its segment is left alone). What a fresh arena does
+    before it makes its own; also for whoever ran owners that were killed (tests, scripts)."""
+    prefix = shm_name + "-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live owner holds it
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    os.unlink(path)
+                    logger.info("unlinked %s, a segment left by an owner that exited", path)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+
+
 class Arena:
     """The mapped bytes: anonymous private memory, or a named /dev/shm segment.
 
@@ -100,39 +132,13 @@ class Arena:
 
     @staticmethod
     def _fresh_name(shm_name: str) -> str:
-        """``<shm_name>-<start_ns>``, after unlinking every leftover ``<shm_name>-<digits>`` whose
-        lock is free (its owner died; a live owner's lock is held and its segment left alone).
+        """``<shm_name>-<start_ns>``, after :func:`unlink_leftover_segments` of ``shm_name``.
 
         A killed owner's client may still map its segment: a fresh inode keeps that client's late
         writes out of the new owner's objects, and the unlink gives the leftover's pages back once
         the last such mapping closes."""
-        prefix = shm_name + "-"
-        try:
-            names = os.listdir(SHM_DIR)
-        except OSError:
-            names = []
-        for name in names:
-            if not name.startswith(prefix) or not name[len(prefix):].isdigit():
-                continue
-            path = os.path.join(SHM_DIR, name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except OSError:
-                continue  # gone meanwhile, or not ours to open
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # a live owner holds it
-                try:
-                    if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                        os.unlink(path)
-                        logger.info("unlinked %s, a segment left by an owner that exited", path)
-                except OSError:
-                    pass
-            finally:
-                os.close(fd)
-        return f"{prefix}{time.time_ns()}"
+        unlink_leftover_segments(shm_name)
+        return f"{shm_name}-{time.time_ns()}"
 
     def _map_segment(self, capacity_bytes: int, shm_name: str) -> mmap.mmap:
         assert self.shm_path is not None

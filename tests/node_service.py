@@ -8,8 +8,6 @@ directory. :class:`ServiceRun` starts, SIGKILLs, restarts and stops it, and asks
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
 import shutil
@@ -22,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from store_backend.dram import unlink_leftover_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
@@ -110,9 +110,7 @@ class ServiceRun:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         shm = self.config["store"].get("dram", {}).get("shm_name")
         if shm:
-            for path in glob.glob(f"/dev/shm/{glob.escape(shm)}-*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            unlink_leftover_segments(shm)
 
 
 @contextmanager

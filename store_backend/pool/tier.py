@@ -468,14 +468,10 @@ class PoolTier:
                 self._dead_retry_at[node] = now + DEAD_RETRY_S
             for node, keys, removed_at_s in owed:
                 if address is not None and node not in address:
-                    with self._lock:  # forgotten by the directory: nothing to ask
-                        self._retrying_keys -= len(keys)
+                    self._settle_retry(node, keys, (), removed_at_s)  # forgotten by the directory
                     continue
                 if node in dead and node not in due:
-                    with self._lock:  # not its turn yet: kept for a later round
-                        if not self._closed:
-                            self._remove_retry.append((node, keys, removed_at_s))
-                        self._retrying_keys -= len(keys)
+                    self._settle_retry(node, keys, keys, removed_at_s)  # not its turn yet: a later round
                     continue
                 got: list[Status] = [Status.IO_ERROR] * len(keys)
                 if address is not None and address[node]:
@@ -485,11 +481,16 @@ class PoolTier:
                     except Exception:
                         logger.exception("pool: a retried remove of %d keys on %s raised", len(keys), node)
                 self._count("remove_retries")
-                left = [k for k, st in zip(keys, got) if st not in (Status.OK, Status.NOT_FOUND)]
-                with self._lock:
-                    if left and not self._closed:
-                        self._remove_retry.append((node, tuple(left), removed_at_s))
-                    self._retrying_keys -= len(keys)
+                left = tuple(k for k, st in zip(keys, got) if st not in (Status.OK, Status.NOT_FOUND))
+                self._settle_retry(node, keys, left, removed_at_s)
+
+    def _settle_retry(self, node: str, tried: tuple[str, ...], left: tuple[str, ...], removed_at_s: float) -> None:
+        """One owed remove the retry thread took is done with: ``left`` (those of its keys still
+        unconfirmed) goes back in the queue, and ``tried`` stops counting as being tried."""
+        with self._lock:
+            if left and not self._closed:
+                self._remove_retry.append((node, left, removed_at_s))
+            self._retrying_keys -= len(tried)
 
     # -- observability -------------------------------------------------------------------------------
     def gauges(self) -> TierGauges:
