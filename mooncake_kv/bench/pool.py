@@ -46,7 +46,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import xxhash
 from rich.console import Console
@@ -57,14 +56,14 @@ from mooncake_kv.bench.node_service import BenchNodeService
 from mooncake_kv.bench.store import _aligned
 from store_backend.config import parse_size
 from store_backend.node.client import NodeClient
-from store_backend.pool.config import DirectoryConfig, PoolConfig
+from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.directory import Directory, Location, NodeInfo
 from store_backend.pool.socket_limit import raw_socket_limit_gbps
+from store_backend.pool.tcp import TcpTransport, auto_streams, usable_cpus
 from store_backend.types import Status
 
 SIZES = "1MiB,4MiB,16MiB"
 LOOKUP_KEYS = 1024
-DEFAULT_STREAMS = next(f.default for f in msgspec.structs.fields(PoolConfig) if f.name == "streams")
 REGISTER_TIMEOUT_S = 60.0
 
 
@@ -74,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=SIZES, help="object sizes, comma-separated")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions of each measurement (best counts)")
     p.add_argument("--lookups", type=int, default=200, help="lookup calls of 1024 keys timed (median counts)")
-    p.add_argument("--streams", type=int, default=DEFAULT_STREAMS, help="TCP connections per peer for one batch")
+    p.add_argument("--streams", type=int, default=None,
+                   help="TCP connections per peer for one batch (default: the pool's own, 1 below 4 usable CPUs, else 2)")
     p.add_argument("--redis-url", default=None, help="use this Redis (redis://host:port/db) instead of starting one")
     p.add_argument("--mooncake-python", default=None,
                    help="the interpreter of the Mooncake environment (default $MKV_MOONCAKE_PYTHON, "
@@ -137,8 +137,6 @@ def _make_directory(cfg: DirectoryConfig, node_id: str) -> Directory:
 
 
 def _make_transport(secret: bytes, streams: int):
-    from store_backend.pool.tcp import TcpTransport
-
     return TcpTransport(secret, streams=streams)
 
 
@@ -298,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, width=110)
     batch_bytes = parse_size(args.batch_bytes)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    if args.streams is None:
+        args.streams = auto_streams()
     if not sizes or args.repeat < 1 or args.lookups < 1 or args.streams < 1:
         raise SystemExit("bench pool: --sizes must name at least one size; --repeat, --lookups and --streams "
                          "must be >= 1")
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_bytes": batch_bytes,
         "streams": args.streams,
         "repeat": args.repeat,
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
     }
     if mooncake_reason is not None:
         summary["mooncake_reason"] = mooncake_reason

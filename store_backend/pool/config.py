@@ -143,8 +143,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_ttl_s: float = 5.0
     # Bound of one remote transfer (a batch from one peer).
     timeout_s: float = 10.0
-    # TCP connections per peer used in parallel for one batch.
-    streams: int = 2
+    # TCP connections per peer used in parallel for one batch; null: 1 on a host with fewer than 4
+    # usable CPUs (there a second one costs more CPU than it overlaps), 2 otherwise.
+    streams: int | None = None
     # Record each object's xxh3-64 in the directory (readers check it besides the frame checksum).
     checksum: bool = True
     # Locations this node caches (looked up, not yet invalidated), at most.
@@ -185,7 +186,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.node_ttl_s <= self.heartbeat_s:
             raise ValueError(f"node_ttl_s: must be longer than heartbeat_s ({self.heartbeat_s}), "
                              f"got {self.node_ttl_s}")
-        if self.streams < 1:
+        if self.streams is not None and self.streams < 1:
             raise ValueError(f"streams: must be >= 1, got {self.streams}")
         if self.cache_entries < 0:
             raise ValueError(f"cache_entries: must be >= 0, got {self.cache_entries}")

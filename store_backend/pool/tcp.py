@@ -63,6 +63,29 @@ KEYS_PER_FRAME = 512
 # A batch smaller than this per extra stream is not split (a connection's round trip costs more).
 MIN_STREAM_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.2
+# Usable CPUs below which one batch goes over a single connection (see auto_streams).
+MIN_CPUS_FOR_TWO_STREAMS = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_streams(cpus: int | None = None) -> int:
+    """Connections one batch is split over when none is configured: 1 on a host with fewer than
+    MIN_CPUS_FOR_TWO_STREAMS usable CPUs (``cpus``, default :func:`usable_cpus`), else 2.
+
+    Measured on a 2-CPU host (a reader and a server on loopback): a second stream cost the reader
+    0.31-0.55 CPU-s per GB against 0.19-0.29 for one (GIL hand-offs and four busy threads on two
+    CPUs) and moved 0.76-0.91 of a plain socket's rate where one stream moved 0.88-1.04
+    (docs/PERFORMANCE.md, the pool section). Streams overlap only where there are CPUs to run
+    them."""
+    n = usable_cpus() if cpus is None else cpus
+    return 1 if n < MIN_CPUS_FOR_TWO_STREAMS else 2
 
 
 def checksum(view: memoryview, seed: int = 0) -> int:
@@ -582,15 +605,18 @@ class TcpTransport:
     """Client of :class:`TcpTransportServer` peers (implements
     :class:`~store_backend.pool.transport.Transport`). Thread-safe; ``close()`` ends it."""
 
-    def __init__(self, secret: str | bytes, *, streams: int = 2, max_idle_per_peer: int | None = None,
+    def __init__(self, secret: str | bytes, *, streams: int | None = None, max_idle_per_peer: int | None = None,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER_BYTES, workers: int = 8,
                  min_stream_bytes: int = MIN_STREAM_BYTES, max_object_bytes: int = MAX_U64,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        """``streams``: connections one batch is split over; ``max_idle_per_peer`` (default
+        """``streams``: connections one batch is split over (default :func:`auto_streams`);
+        ``max_idle_per_peer`` (default
         ``2 * streams``): idle connections kept per peer; ``workers``: owned threads running the
         extra streams of every call. ``ssl_context`` (a client-side ``ssl.SSLContext``, e.g.
         ``ssl.create_default_context(cafile=...)``): every connection is TLS, the server's
         certificate checked for the address's host name (when the context checks host names)."""
+        if streams is None:
+            streams = auto_streams()
         for name, v in (("streams", streams), ("workers", workers)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -19,7 +19,7 @@ def test_no_pool_by_default_and_the_documented_defaults() -> None:
     assert cfg is not None
     assert (cfg.listen, cfg.advertise, cfg.replicas, cfg.heartbeat_s, cfg.node_ttl_s, cfg.timeout_s, cfg.streams,
             cfg.checksum, cfg.cache_entries, cfg.cache_ttl_s, cfg.retry_after_s, cfg.start_resync_wait_s) == (
-        "127.0.0.1:0", None, 1, 1.0, 5.0, 10.0, 2, True, 65536, 5.0, 1.0, 30.0)
+        "127.0.0.1:0", None, 1, 1.0, 5.0, 10.0, None, True, 65536, 5.0, 1.0, 30.0)
     d = cfg.directory
     assert (d.kind, d.url, d.sentinels, d.sentinel_master, d.namespace, d.op_timeout_s) == (
         "embedded", None, [], "mymaster", "mkv", 1.0)
@@ -38,6 +38,7 @@ def test_no_pool_by_default_and_the_documented_defaults() -> None:
     ({"secret": "s", "heartbeat_s": 2.0, "node_ttl_s": 1.0}, "pool.node_ttl_s"),
     ({"secret": "s", "timeout_s": 0}, "pool.timeout_s"),
     ({"secret": "s", "streams": 0}, "pool.streams"),
+    ({"secret": "s", "streams": "auto"}, "pool.streams"),
     ({"secret": "s", "cache_entries": -1}, "pool.cache_entries"),
     ({"secret": "s", "start_resync_wait_s": -1}, "pool.start_resync_wait_s"),
     ({"secret": "s", "start_resync_wait_s": float("inf")}, "pool.start_resync_wait_s"),
@@ -86,3 +87,19 @@ def test_status_pool_document_and_table(capsys: pytest.CaptureFixture[str], monk
     print_pool_status(doc)
     out = capsys.readouterr().out
     assert "peer" in out and "10.0.0.2:7000" in out and "75.0%" in out and "no" in out
+
+
+def test_unset_streams_follow_the_usable_cpus() -> None:
+    """One connection per batch below four usable CPUs (a second one costs more than it overlaps
+    there), two from four on; a configured count is used as it is."""
+    from store_backend.pool.tcp import MIN_CPUS_FOR_TWO_STREAMS, TcpTransport, auto_streams, usable_cpus
+
+    assert [auto_streams(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
+    assert MIN_CPUS_FOR_TWO_STREAMS == 4
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+    for configured, want in ((None, auto_streams()), (3, 3)):
+        t = TcpTransport("s", streams=configured)
+        try:
+            assert t.streams == want and t.max_idle_per_peer == 2 * want
+        finally:
+            t.close()
