@@ -16,7 +16,9 @@ What a directory holds:
   at lookup time, not by a sweeper), and :meth:`Directory.nodes` reports it ``alive=False``;
 - per removed key, a *tombstone* holding ``removed_at_s``, the directory's own clock at the
   remove (Redis ``TIME`` inside the script; ``time.time()`` embedded), kept for
-  ``tombstone_ttl_s``. A later put does not delete it; it only expires.
+  ``tombstone_ttl_s``. A later put does not delete it; it only expires. A directory that lost
+  its data gets them back from the nodes (:meth:`Directory.restore_tombstones`, fed by each
+  node's :mod:`~store_backend.pool.remove_log`).
 
 The remove rule (docs: notes REMOVE_RULE). Every registration path (:meth:`Directory.register`,
 :meth:`Directory.put_start`, :meth:`Directory.put_end`) takes per entry ``stored_at_s``: the
@@ -64,6 +66,7 @@ and keys are text (keys as :func:`store_backend.types.check_key` allows).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -80,6 +83,17 @@ DEFAULT_TOMBSTONE_TTL_S = 24 * 3600.0
 DEFAULT_CLOCK_SKEW_S = 1.0
 # A node dead this long is forgotten by prune_dead (its locations, key set and info).
 DEFAULT_DEAD_NODE_GC_S = 24 * 3600.0
+
+
+def check_tombstones(keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> None:
+    """The arguments of :meth:`Directory.restore_tombstones`: ValueError naming what is wrong."""
+    if not len(keys) == len(removed_at_s) == len(ttl_s):
+        raise ValueError(f"restore_tombstones: {len(keys)} keys, {len(removed_at_s)} removal times and "
+                         f"{len(ttl_s)} ttls: one of each per key")
+    for name, seq in (("removed_at_s", removed_at_s), ("ttl_s", ttl_s)):
+        for i, v in enumerate(seq):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"restore_tombstones: {name}[{i}] must be a finite number of seconds, got {v!r}")
 
 
 class DirectoryError(RuntimeError):
@@ -188,6 +202,18 @@ class Directory(Protocol):
         """Pool-wide remove: tombstone each key, drop every location of it (invalidated) and
         return, per key that had any, the node ids that held it (alive or not), so the caller
         deletes the copies on the live ones."""
+        ...
+
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+        """Put back tombstones the directory may have lost (a Redis restarted empty, a failover to
+        a replica that missed writes), from a node's own record of the removes
+        (:class:`~store_backend.pool.remove_log.RemoveLog`): per key, a tombstone with
+        ``removed_at_s`` (wall-clock seconds, the node's clock) that expires in ``ttl_s`` seconds.
+        A key whose tombstone is already there with a removal at least as late keeps it; a
+        ``ttl_s`` of 0 or less sets nothing. Locations are not touched: a copy registered before
+        its tombstone came back stays listed (only later registrations meet the remove rule).
+        Returns how many tombstones were set. ValueError for sequences of different lengths or a
+        time that is not finite. Chunked as every batch call is (atomic per chunk)."""
         ...
 
     def clear_node(self, node_id: str) -> int:

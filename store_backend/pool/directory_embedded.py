@@ -32,6 +32,7 @@ from store_backend.pool.directory import (
     Invalidation,
     Location,
     NodeInfo,
+    check_tombstones,
 )
 
 logger = logging.getLogger(__name__)
@@ -280,6 +281,22 @@ class EmbeddedDirectory:
         with self._lock:
             for key in keys:
                 self._clear_pending(key, node_id)
+
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+        check_tombstones(keys, removed_at_s, ttl_s)
+        n = 0
+        with self._lock:
+            now = self._clock()
+            for key, at, ttl in zip(keys, removed_at_s, ttl_s):
+                if ttl <= 0:
+                    continue
+                cur = self._tombstones.get(key)
+                if cur is not None and cur[0] > now and cur[1] >= at:
+                    continue
+                self._tombstones[key] = (now + ttl, float(at))
+                n += 1
+            self._sweep(now)
+        return n
 
     def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
         if tombstone_ttl_s < 0:

@@ -7,7 +7,8 @@ script. Layout under ``<ns>`` (the configured namespace):
 
 ``<ns>:k:<key>``      hash node -> tier rank digit + the Location as JSON: the key's locations
 ``<ns>:p:<key>``      hash node -> deadline (ms, Redis clock): pending put_start marks
-``<ns>:t:<key>``      tombstone: removed_at (ms, Redis TIME at the remove), PX tombstone_ttl_s
+``<ns>:t:<key>``      tombstone: removed_at (ms, Redis TIME at the remove; a node's clock when
+                      restore_tombstones put it back), PX tombstone_ttl_s
 ``<ns>:nk:<node>``    set of the keys the node has a location for (node_keys, clear_node)
 ``<ns>:live:<node>``  liveness mark (PX ttl_s, set by heartbeat)
 ``<ns>:info:<node>``  the node's NodeInfo as JSON
@@ -87,6 +88,7 @@ from store_backend.pool.directory import (
     Invalidation,
     Location,
     NodeInfo,
+    check_tombstones,
 )
 from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
 from store_backend.pool.private_file import check_private_file
@@ -256,6 +258,22 @@ _PUT_ABORT = _PRELUDE + """
 local node = ARGV[2]
 for i = 1, #L do redis.call('HDEL', ns .. ':p:' .. L[i], node) end
 return 0
+"""
+
+# ARGV: ns, (key, removed_at ms, ttl ms) triples. Sets each tombstone unless one with a removal at
+# least as late is there; returns how many were set.
+_RESTORE_TOMBSTONES = _PRELUDE + """
+local n = 0
+for i = 1, #L, 3 do
+  local tk = ns .. ':t:' .. L[i]
+  local at, ttl = tonumber(L[i + 1]), tonumber(L[i + 2])
+  local cur = tonumber(redis.call('GET', tk) or '')
+  if ttl > 0 and (cur == nil or cur < at) then
+    redis.call('SET', tk, L[i + 1], 'PX', ttl)
+    n = n + 1
+  end
+end
+return n
 """
 
 # ARGV: ns, tombstone_ms, keys. Returns {key, {holders}, ...} for the keys that had any.
@@ -625,6 +643,7 @@ class RedisDirectory:
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("register", _REGISTER), ("unregister", _UNREGISTER), ("put_start", _PUT_START),
             ("put_end", _PUT_END), ("put_abort", _PUT_ABORT), ("remove", _REMOVE),
+            ("restore_tombstones", _RESTORE_TOMBSTONES),
             ("clear_node", _CLEAR_NODE), ("locate", _LOCATE), ("leading", _LEADING),
             ("heartbeat", _HEARTBEAT), ("nodes", _NODES), ("address_of", _ADDRESS_OF), ("dead", _DEAD))}
         self._gen_lock = threading.Lock()
@@ -811,6 +830,17 @@ class RedisDirectory:
             flat = self._call("remove", [int(tombstone_ttl_s * 1000), _joined(keys[i:i + MAX_KEYS_PER_SCRIPT])])
             out.update((flat[m], sorted(flat[m + 1])) for m in range(0, len(flat), 2))
         return out
+
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+        check_tombstones(keys, removed_at_s, ttl_s)
+        n = 0
+        for i in _chunks(len(keys)):
+            j = i + MAX_KEYS_PER_SCRIPT
+            flat: list[str] = []
+            for key, at, ttl in zip(keys[i:j], removed_at_s[i:j], ttl_s[i:j]):
+                flat += (key, str(int(at * 1000)), str(int(ttl * 1000)))
+            n += int(self._call("restore_tombstones", [_joined(flat)]))
+        return n
 
     def clear_node(self, node_id: str) -> int:
         return self._clear(_check_node_id(node_id), "0")[0]

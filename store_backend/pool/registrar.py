@@ -8,7 +8,8 @@ objects (xxh3-64, through a lease of its own owner id: ``lease`` -> hash -> ``re
 with ``checksum`` False), and calls ``directory.register`` / ``unregister`` once per batch. New
 objects (``stored`` events) are then offered to the replicator, when there is one.
 
-Resync (``register`` of everything ``store.keys()`` lists, with the commit times known here and
+Resync (the tombstones of the removes this node remembers restored first, see
+:mod:`store_backend.pool.remove_log`; then ``register`` of everything ``store.keys()`` lists, with the commit times known here and
 0.0 for the rest, as ``resync=True`` would; the keys the remove rule refuses removed locally, stale locations of this node unregistered) runs at start, after the
 bus dropped events (``on_gap``), when a heartbeat answers False (the directory did not know this
 node: Redis restarted empty, a failover lost writes, the mark expired) and after any directory
@@ -30,6 +31,7 @@ import xxhash
 
 from store_backend.api import StoreClosedError
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location, NodeInfo, TierUsage
+from store_backend.pool.remove_log import RemoveLog
 from store_backend.residency import ResidencyEvent
 from store_backend.types import Status
 
@@ -52,7 +54,7 @@ class Registrar:
                  on_stored: Callable[[list[tuple[str, int, float]]], None] | None = None,
                  queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX, pull_margin_s: float = 10.0,
                  dead_node_gc_s: float | None = None, gc_every_s: float = 60.0,
-                 peer_put: Callable[[str, int], bool] | None = None) -> None:
+                 peer_put: Callable[[str, int], bool] | None = None, remove_log: RemoveLog | None = None) -> None:
         """``info()`` builds this node's :class:`NodeInfo` for each heartbeat; ``on_stored`` gets
         (key, size, stored_at_s) of objects newly stored here once registered (the replicator's offer).
 
@@ -64,7 +66,9 @@ class Registrar:
         (``peer_put(key, seq)`` True for its event: a replica, whose bytes were read from the source before they
         came); other re-registrations (moves, evictions) with 0.0. A key
         the directory refuses is deleted here (``remove(local_only=True)``) and counted in
-        ``refused_registrations``. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
+        ``refused_registrations``. ``remove_log``: every resync first gives the directory back
+        the tombstones of the removes it remembers (``restore_tombstones``; counted in
+        ``restored_tombstones``), so a directory that lost its data refuses old copies again. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
         from the directory, once per ``gc_every_s``; None: never."""
         self.store = store
         self.directory = directory
@@ -80,6 +84,7 @@ class Registrar:
         self._dead_node_gc_s = dead_node_gc_s
         self._gc_every_s = gc_every_s
         self._peer_put = peer_put
+        self._remove_log = remove_log
         self._cond = threading.Condition()
         # key -> (size, new, stored_at_s for the directory's remove rule)
         self._queue: collections.OrderedDict[str, tuple[int, bool, float]] = collections.OrderedDict()
@@ -103,7 +108,7 @@ class Registrar:
         self._stop_event = threading.Event()
         self.counters = dict.fromkeys(("registered", "unregistered", "resyncs", "directory_errors", "gaps",
                                        "tombstoned", "heartbeats", "hashed", "refused_registrations",
-                                       "pruned_nodes"), 0)
+                                       "pruned_nodes", "restored_tombstones"), 0)
         self.directory_ok = True
         self.last_resync_ns = 0
         self._busy = False  # the thread is working on a batch (wait_idle)
@@ -388,6 +393,11 @@ class Registrar:
                 self._stored_at[k] = at_s
         fresh = {k for k, (_size, new, _at) in queued if new}
         offered: list[tuple[str, int, float]] = []
+        if self._remove_log is not None:
+            # Before this node's own copies: the tombstones also refuse its stale ones.
+            gone, removed_at_s, ttl_s = self._remove_log.live()
+            if gone:
+                self.counters["restored_tombstones"] += self.directory.restore_tombstones(gone, removed_at_s, ttl_s)
         keys = self.store.keys()
         held: set[str] = set()
         tombstoned: list[str] = []

@@ -26,6 +26,7 @@ from store_backend.pool.config import PoolConfig
 from store_backend.pool.directory import Directory, DirectoryUnavailable, NodeInfo
 from store_backend.pool.factory import make_directory
 from store_backend.pool.registrar import Registrar, node_info
+from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.replicator import Replicator
 from store_backend.pool.tcp import TcpTransport, TcpTransportServer
 from store_backend.pool.tls import client_context, server_context
@@ -58,12 +59,15 @@ class _LocalStore:
     ``committed_after`` knows this node's engines put later than ``before_s + 2 × clock_skew_s``
     (each of the two clocks may be ``clock_skew_s`` off the directory's; answered NOT_FOUND: no
     copy from before the remove is here) and deletes the rest, those of unknown age or received
-    from a peer included. ``committed_after`` is set once the registrar, which knows the
+    from a peer included. Every peer's remove is also written to ``remove_log`` (with ``before_s``,
+    or now for a first remove), from which the registrar restores the directory's tombstones. ``committed_after`` is set once the registrar, which knows the
     commit times, runs; until then every copy is deleted."""
 
     def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None,
-                 removed_window_s: float = 0.0, clock_skew_s: float = 1.0) -> None:
+                 removed_window_s: float = 0.0, clock_skew_s: float = 1.0,
+                 remove_log: RemoveLog | None = None) -> None:
         self._store = store
+        self._remove_log = remove_log
         self._forget = forget
         self._removed_window_s = removed_window_s
         self._clock_skew_s = clock_skew_s
@@ -114,6 +118,9 @@ class _LocalStore:
                     self._removed.popitem(last=False)
         if self._forget is not None:
             self._forget(keys)
+        if self._remove_log is not None:
+            # A first remove carries no time: it is being made now (at most its timeout ago).
+            self._remove_log.add(keys, before_s or None)
         committed_after = self.committed_after
         if before_s and committed_after is not None:
             # The remover's clock and this node's may each be clock_skew_s off the directory's.
@@ -161,7 +168,7 @@ def local_view(store: Any, tier: PoolTier | None = None) -> Any:
     if tier is None:
         return _LocalStore(store)
     return _LocalStore(store, tier.forget_cached, removed_window_s=2 * tier.timeout_s,
-                       clock_skew_s=tier.clock_skew_s)
+                       clock_skew_s=tier.clock_skew_s, remove_log=tier.remove_log)
 
 
 class PoolService:
@@ -212,7 +219,7 @@ class PoolService:
                 node_ttl_s=cfg.node_ttl_s, checksum=cfg.checksum,
                 on_stored=self.replicator.offer if self.replicator is not None else None,
                 pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
-                peer_put=served.take_peer_put).start()
+                peer_put=served.take_peer_put, remove_log=self.tier.remove_log).start()
             served.committed_after = self.registrar.committed_after
             # Engines are served once the first resync has deleted what the pool removed meanwhile.
             if cfg.start_resync_wait_s and not self.registrar.wait_resynced(cfg.start_resync_wait_s):

@@ -35,6 +35,7 @@ from typing import Any
 
 from store_backend.metrics import FailureCounters
 from store_backend.pool.directory import Directory, DirectoryUnavailable, Location
+from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.transport import FAILURE_KINDS, Transport
 from store_backend.threads import Deadline, shutdown_pool
 from store_backend.tiers.base import TierGauges, TierTraits
@@ -74,6 +75,9 @@ class PoolTier:
         self.retry_after_s = retry_after_s
         self.checksum = checksum
         self.clock_skew_s = clock_skew_s
+        # This node's record of the pool's removes (its own and those peers asked of it): the
+        # registrar gives the directory its tombstones back from it after a loss.
+        self.remove_log = RemoveLog()
         self._peer_threads = peer_threads
         self._clock = clock
         self._directory: Directory | None = None
@@ -344,6 +348,7 @@ class PoolTier:
         holders = self._ask(lambda: directory.remove(keys), len(keys))
         if holders is None:
             return [Status.IO_ERROR] * len(keys)
+        self.remove_log.add(keys, removed_at_s)
         found = [bool(holders.get(k)) for k in keys]
         failed = [False] * len(keys)
         try:

@@ -226,6 +226,51 @@ def test_tombstones_expire(directory: Directory) -> None:
     assert directory.register("a", [("k", loc("a"))], resync=True) == []
 
 
+def test_restored_tombstones_refuse_old_copies_as_the_lost_ones_did(directory: Directory) -> None:
+    """A directory that lost its tombstones gets them back from a node's record: an old copy is
+    refused again, a copy committed after the remove is not, a later tombstone is never moved back."""
+    up(directory, "a", "b")
+    removed_at = time.time() - 10.0
+    later = time.time() - 1.0
+    directory.remove(["newer"])  # the directory's own tombstone, now: later than what is restored
+    assert directory.restore_tombstones(["k", "j", "newer", "none"], [removed_at, removed_at, removed_at, removed_at],
+                                        [TTL_S, TTL_S, TTL_S, 0.0]) == 2
+    # b was down during the remove and registers its old copy: refused, as before the loss.
+    assert directory.register("b", [("k", loc("b", TIER_SSD))], resync=True) == ["k"]
+    assert directory.register("b", [("j", loc("b"))], stored_at_s=[removed_at - 5.0]) == ["j"]
+    # a put after the remove (by more than clock_skew_s) is listed.
+    assert directory.register("a", [("j", loc("a"))], stored_at_s=[removed_at + 5.0]) == []
+    # "newer" kept its own (later) removal time: a copy from between the two is still refused.
+    assert directory.register("a", [("newer", loc("a"))], stored_at_s=[later]) == ["newer"]
+    # a ttl of 0 set nothing: "none" was never tombstoned.
+    assert directory.register("b", [("none", loc("b"))], resync=True) == []
+    assert directory.locate(["k", "j", "newer", "none"]) == [[], [loc("a")], [], [loc("b")]]
+    # Restoring what is there already (same time) sets nothing; a later time replaces it.
+    assert directory.restore_tombstones(["k"], [removed_at], [TTL_S]) == 0
+    assert directory.restore_tombstones(["k"], [removed_at + 20.0], [TTL_S]) == 1
+    assert directory.register("a", [("k", loc("a"))], stored_at_s=[removed_at + 5.0]) == ["k"]
+    assert directory.restore_tombstones([], [], []) == 0
+
+
+def test_restored_tombstones_expire_after_their_ttl(directory: Directory) -> None:
+    up(directory, "a")
+    assert directory.restore_tombstones(["k"], [time.time()], [0.2]) == 1
+    assert directory.register("a", [("k", loc("a"))], resync=True) == ["k"]
+    time.sleep(0.35)
+    assert directory.register("a", [("k", loc("a"))], resync=True) == []
+
+
+@pytest.mark.parametrize(("args", "what"), [
+    ((["k"], [1.0, 2.0], [1.0]), "one of each per key"),
+    ((["k"], [float("nan")], [1.0]), "removed_at_s"),
+    ((["k"], [1.0], [float("inf")]), "ttl_s"),
+    ((["k"], [1.0], [True]), "ttl_s"),
+])
+def test_restore_tombstones_refuses_bad_arguments(directory: Directory, args: tuple, what: str) -> None:
+    with pytest.raises(ValueError, match=what):
+        directory.restore_tombstones(*args)
+
+
 def test_clear_node_and_deregister_node(directory: Directory) -> None:
     up(directory, "a", "b")
     seen: list[str] = []

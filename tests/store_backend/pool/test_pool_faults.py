@@ -1,7 +1,8 @@
 """Failures of a pool of three node services (separate processes) over one Redis: a node killed
 (SIGKILL) in the middle of a stream of reads from it, with one replica and with two; a node
 restarted (its SSD objects registered and served again); Redis restarted empty (nodes re-register
-by themselves) and Redis down (each node keeps serving its own objects). Every byte read is
+by themselves, and the tombstones of earlier removes come back from the nodes) and Redis down
+(each node keeps serving its own objects). Every byte read is
 checked against a versioned, self-verifying payload."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.store_backend.pool.pool_nodes import (
     read,
     read_ok,
     wait_located,
+    wait_nodes_alive,
 )
 from tests.store_backend.pool.redis_server import RedisProcess
 
@@ -232,6 +234,39 @@ def test_a_node_down_during_a_pool_wide_remove_deletes_its_copy_when_it_comes_ba
     got, _ = read(ch, [gone], SIZE)
     assert got[0].status is Status.NOT_FOUND  # never the removed bytes
     read_ok(ch, kept, SIZE, 1)
+
+
+def test_a_node_away_while_redis_restarts_empty_after_a_remove_never_serves_its_copy(
+        redis_server: RedisProcess, pool: Pool) -> None:
+    """A holds K on SSD and is killed; K is removed through B (tombstoned; A, its dead holder, is
+    owed a retry); then Redis restarts empty: the tombstone is gone and B's retry is dropped (the
+    directory no longer knows A). B and C give the tombstone back at the resync their heartbeats
+    start; A, restarted with its SSD, has its recovered copy of K refused and deleted, and no
+    client anywhere reads the removed bytes. A's key that nobody removed is served again."""
+    (a, b, c), d = pool
+    gone, kept = [f"rg-{i}" for i in range(3)], [f"rk-{i}" for i in range(3)]
+    ca = a.client()
+    put_all(ca, {k: make_payload(k, 7, SIZE) for k in [*gone, *kept]})
+    assert ca.flush(timeout_s=30)  # on A's SSD
+    wait_located(d, [*gone, *kept], "A")
+    a.kill()
+    wait_until(lambda: all(not ls for ls in d.locate(gone)), NODE_TTL_S + 2.0, "A's locations dropped")
+    cb = b.client()
+    assert cb.remove(gone) == [Status.IO_ERROR] * len(gone)  # A did not confirm: owed a retry
+    redis_server.restart_empty()
+    with redis.Redis.from_url(redis_server.url) as r:
+        wait_until(lambda: r.exists(*(f"mkv:t:{k}" for k in gone)) == len(gone), 20, "tombstones restored")
+    wait_nodes_alive(d, ["B", "C"])
+    wait_until(lambda: cb.stats().queues.pool_remove == 0, 20, "B's retry dropped with A forgotten")
+    a.start()  # recovery finds every key on SSD; the first resync meets the restored tombstones
+    wait_located(d, kept, "A", tier="ssd")
+    got, _ = read(a.client(), gone, SIZE)
+    assert [r.status for r in got] == [Status.NOT_FOUND] * len(gone), got
+    assert all(not ls for ls in d.locate(gone))
+    for client in (cb, c.client()):
+        got, _ = read(client, gone, SIZE)
+        assert [r.status for r in got] == [Status.NOT_FOUND] * len(gone), got
+        read_ok(client, kept, SIZE, 7)
 
 
 def test_a_clean_stop_leaves_the_directory_at_once(pool: Pool) -> None:

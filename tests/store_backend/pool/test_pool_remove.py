@@ -10,7 +10,9 @@ embedded directory or a real redis-server.
   and is retried in the background; during an outage it answers IO_ERROR at once;
 - the replicator never records a peer's EXISTS as a replica;
 - one caller at a time probes a mute directory;
-- the heartbeat tells the location cache of dead nodes and prunes long-dead ones.
+- the heartbeat tells the location cache of dead nodes and prunes long-dead ones;
+- a Redis that restarted empty gets its tombstones back from the nodes that made or received the
+  removes, so a node that was away still has its old copy refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 import xxhash
 
 from store_backend.pool.cache import CachedDirectory
@@ -65,7 +68,7 @@ class Node:
             self.reg = Registrar(self.store, directory, node_id,
                                  info=lambda: node_info(self.store, node_id, self.server.address, 1),
                                  heartbeat_s=0.1, node_ttl_s=60.0, pull_margin_s=5.0,
-                                 peer_put=served.take_peer_put).start()
+                                 peer_put=served.take_peer_put, remove_log=self.tier.remove_log).start()
             served.committed_after = self.reg.committed_after  # as PoolService wires it
 
     def close(self) -> None:
@@ -730,3 +733,43 @@ def test_the_heartbeat_forgets_a_dead_nodes_cached_locations_and_prunes_it() -> 
     finally:
         reg.close()
         store.close(flush=False)
+
+
+# -- a directory that lost its tombstones ---------------------------------------------------------------
+
+def test_a_redis_restarted_empty_gets_the_tombstones_back_from_the_remover_and_the_holder(
+        redis_server: RedisProcess, nodes: Callable[..., Node]) -> None:
+    """A Redis without persistence restarted empty lost the tombstones: a node that was away
+    during a remove (its SSD copy recovered) could list its old copy again, and every engine
+    would be served the removed bytes. Each node remembers the removes it made (C) or was asked
+    to make (B); the resync its heartbeat starts after the loss gives them back before anything
+    of its own is registered. Over the tombstone's lifetime, a late resync of an old copy is
+    refused; a key nobody removed is not."""
+    d = CachedDirectory(RedisDirectory(url=redis_server.url, namespace="tb1", op_timeout_s=0.5,
+                                      clock_skew_s=0.05), cache_ttl_s=0.2)
+    b, c = nodes("B", d), nodes("C", d)
+    gone = ["tb/0", "tb/1"]
+    assert b.store.put(gone, [payload(k, SIZE) for k in gone]) == [Status.OK] * 2
+    assert wait_for(lambda: all(_locs(d, k) == [("B", "dram")] for k in gone))
+    assert c.store.remove(gone[:1]) == [Status.OK]  # C made this remove, B (every live peer) was asked
+    assert b.store.remove(gone[1:]) == [Status.OK]  # and B this one
+    assert sorted(c.tier.remove_log.live()[0]) == gone and sorted(b.tier.remove_log.live()[0]) == gone
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        resyncs = (b.reg.counters["resyncs"], c.reg.counters["resyncs"])
+        redis_server.restart_empty()
+        assert wait_for(lambda: raw.exists(*(f"tb1:t:{k}" for k in gone)) == 2, 10), \
+            (b.reg.counters, c.reg.counters)
+        assert wait_for(lambda: b.reg.counters["resyncs"] > resyncs[0] and c.reg.counters["resyncs"] > resyncs[1], 10)
+        assert b.reg.counters["restored_tombstones"] + c.reg.counters["restored_tombstones"] >= 2
+        # A node that was away comes back with old copies of both and of a key never removed.
+        d.heartbeat(NodeInfo("Z", "127.0.0.1:9"), 60.0)
+        old = [(k, Location("Z", "ssd", SIZE)) for k in [*gone, "tb/kept"]]
+        assert d.register("Z", old, resync=True) == gone
+        assert _locs(d, "tb/kept") == [("Z", "ssd")] and all(_locs(d, k) == [] for k in gone)
+        # A fresh put of a removed key, committed after the remove, is stored and listed as usual.
+        time.sleep(0.2)  # past clock_skew_s: clearly newer than the remove
+        assert c.store.put(gone[:1], [payload("v2", SIZE)]) == [Status.OK]
+        assert wait_for(lambda: _locs(d, gone[0]) == [("C", "dram")]), c.reg.counters
+    finally:
+        raw.close()
