@@ -482,7 +482,8 @@ class Registrar:
 def node_info(store: Any, node_id: str, address: str, started_ns: int,
               counters: Callable[[], dict[str, int]] | None = None) -> NodeInfo:
     """This node's :class:`NodeInfo` now: its address, capacity and use per tier (from the store's
-    stats) and counters for ``status`` (hits and misses per tier, plus ``counters()``)."""
+    stats) and counters for ``status`` (hits and misses per tier, the depth of each background
+    queue as ``queue_<name>``, plus ``counters()``)."""
     st = store.stats()
     tiers = {name: TierUsage(objects=t.objects, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
              for name, t in (("dram", st.dram), ("ssd", st.ssd)) if t.capacity_bytes or name == "dram"}
@@ -491,6 +492,8 @@ def node_info(store: Any, node_id: str, address: str, started_ns: int,
         out[f"{name}_hits"], out[f"{name}_misses"], out[f"{name}_bytes_read"] = t.hits, t.misses, t.bytes_read
     for kind in ("peer_gone", "timeout", "checksum", "refused", "protocol", "directory"):
         out[f"pool_failures_{kind}"] = getattr(st.pool.failures, kind)
+    for name in st.queues.__struct_fields__:  # offload, promotion, pool_remove: waiting now
+        out[f"queue_{name}"] = getattr(st.queues, name)
     if counters is not None:
         out.update(counters())
     return NodeInfo(node_id, address, started_ns=started_ns,

@@ -38,6 +38,7 @@ def node_document(n: NodeInfo) -> dict[str, Any]:
                   for name, t in n.tiers.items()},
         "hit_rates": {tier: _rate(c.get(f"{tier}_hits", 0), c.get(f"{tier}_misses", 0))
                       for tier in ("dram", "ssd", "pool")},
+        "queues": {k[len("queue_"):]: v for k, v in c.items() if k.startswith("queue_")},
         "counters": dict(c),
     }
 
@@ -66,13 +67,16 @@ def print_pool_status(doc: dict[str, Any]) -> None:
         console.print(f"[red]pool status unavailable[/red]: {doc.get('error', '')}")
         return
     table = Table(title=f"pool ({doc['directory']} directory; this node {doc['this_node']})")
-    for col in ("node", "address", "alive", "tiers", "used", "capacity", "dram hit", "ssd hit", "pool hit"):
-        table.add_column(col, justify="left" if col in ("node", "address", "tiers") else "right")
+    for col in ("node", "address", "alive", "tiers", "used", "capacity", "dram hit", "ssd hit", "pool hit",
+                "queued"):
+        table.add_column(col, justify="left" if col in ("node", "address", "tiers", "queued") else "right")
     for n in doc["nodes"]:
         rates = ["-" if r is None else f"{100 * r:.1f}%" for r in n["hit_rates"].values()]
         tiers = ", ".join(f"{k} {v['objects']}" for k, v in n["tiers"].items())
+        # The queues with something waiting (a remove owed a retry is a peer not confirming it).
+        queued = ", ".join(f"{k} {v}" for k, v in n.get("queues", {}).items() if v) or "-"
         table.add_row(n["node_id"], n["address"], "yes" if n["alive"] else "[red]no[/red]", tiers,
-                      human_bytes(n["used_bytes"]), human_bytes(n["capacity_bytes"]), *rates)
+                      human_bytes(n["used_bytes"]), human_bytes(n["capacity_bytes"]), *rates, queued)
     console.print(table)
 
 

@@ -71,6 +71,7 @@ def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
     assert set(by_id) == {"A", "B", "C"} and all(n["alive"] for n in by_id.values())
     assert by_id["A"]["tiers"]["ssd"]["objects"] >= len(on_ssd)
     assert by_id["B"]["counters"]["pool_hits"] >= len(keys)
+    assert set(by_id["A"]["queues"]) == {"offload", "promotion", "pool_remove"}
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)

@@ -557,6 +557,7 @@ def test_a_retried_remove_keeps_a_put_made_on_the_node_since_and_deletes_older_c
     # Both keys are owed a retry while B does not answer (the gauge operators see).
     assert c.store.stats().queues.pool_remove == 2
     assert c.tier.gauges().owed_removes == 2
+    assert node_info(c.store, "C", c.server.address, 1).counters["queue_pool_remove"] == 2  # status --pool
     flaky.left = 0  # B answers again: the retry reaches it
     assert wait_for(lambda: any(old in keys for keys, _t, _st in flaky.answered), 10), flaky.removes
     assert wait_for(lambda: c.store.stats().queues.pool_remove == 0, 10)  # B confirmed both: nothing owed
