@@ -241,10 +241,13 @@ class CachedDirectory:
         finally:
             self.forget(keys)
 
-    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
-        # A cached location of such a key may be of a copy registered before the tombstone came back.
-        self.forget(keys)
-        return self.inner.restore_tombstones(keys, removed_at_s, ttl_s)
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float],
+                           ttl_s: Sequence[float]) -> dict[str, list[str]]:
+        # The keys whose tombstone came back had their locations dropped: forget them here too
+        # (the invalidation may come later, or not at all). The others were not touched.
+        got = self.inner.restore_tombstones(keys, removed_at_s, ttl_s)
+        self.forget(list(got))
+        return got
 
     def clear_node(self, node_id: str) -> int:
         self.forget_node(node_id)

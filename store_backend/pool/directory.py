@@ -85,6 +85,9 @@ DEFAULT_CLOCK_SKEW_S = 1.0
 DEFAULT_DEAD_NODE_GC_S = 24 * 3600.0
 
 
+MAX_TOMBSTONE_TTL_S = 366 * 24 * 3600.0  # a restored tombstone's ttl: a year at most
+
+
 def check_tombstones(keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> None:
     """The arguments of :meth:`Directory.restore_tombstones`: ValueError naming what is wrong."""
     if not len(keys) == len(removed_at_s) == len(ttl_s):
@@ -94,6 +97,9 @@ def check_tombstones(keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: 
         for i, v in enumerate(seq):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"restore_tombstones: {name}[{i}] must be a finite number of seconds, got {v!r}")
+    for i, v in enumerate(ttl_s):
+        if v > MAX_TOMBSTONE_TTL_S:
+            raise ValueError(f"restore_tombstones: ttl_s[{i}] must be at most {MAX_TOMBSTONE_TTL_S:.0f} s, got {v!r}")
 
 
 class DirectoryError(RuntimeError):
@@ -204,16 +210,21 @@ class Directory(Protocol):
         deletes the copies on the live ones."""
         ...
 
-    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float],
+                           ttl_s: Sequence[float]) -> dict[str, list[str]]:
         """Put back tombstones the directory may have lost (a Redis restarted empty, a failover to
         a replica that missed writes), from a node's own record of the removes
         (:class:`~store_backend.pool.remove_log.RemoveLog`): per key, a tombstone with
-        ``removed_at_s`` (wall-clock seconds, the node's clock) that expires in ``ttl_s`` seconds.
-        A key whose tombstone is already there with a removal at least as late keeps it; a
-        ``ttl_s`` of 0 or less sets nothing. Locations are not touched: a copy registered before
-        its tombstone came back stays listed (only later registrations meet the remove rule).
-        Returns how many tombstones were set. ValueError for sequences of different lengths or a
-        time that is not finite. Chunked as every batch call is (atomic per chunk)."""
+        ``removed_at_s`` (wall-clock seconds: an upper bound, on the node's clock, of the
+        directory's own time of the remove) that expires in ``ttl_s`` seconds. Only where the key
+        has no tombstone (one that is there is the directory's own, or an earlier restore: kept
+        as it is); a ``ttl_s`` of 0 or less sets nothing. A key whose tombstone is set this way is
+        treated as a remove treats it: its pending marks and locations are dropped (invalidated),
+        since a copy listed since the loss may be one the remove should have refused. Returns,
+        per key whose tombstone was set, the nodes whose locations were dropped (often none):
+        the caller asks them to delete their copies. ValueError for sequences of different
+        lengths or a time that is not finite. Chunked as every batch call is (atomic per
+        chunk)."""
         ...
 
     def clear_node(self, node_id: str) -> int:

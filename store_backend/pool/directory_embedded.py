@@ -282,21 +282,28 @@ class EmbeddedDirectory:
             for key in keys:
                 self._clear_pending(key, node_id)
 
-    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float],
+                           ttl_s: Sequence[float]) -> dict[str, list[str]]:
         check_tombstones(keys, removed_at_s, ttl_s)
-        n = 0
+        holders: dict[str, list[str]] = {}
         with self._lock:
             now = self._clock()
             for key, at, ttl in zip(keys, removed_at_s, ttl_s):
-                if ttl <= 0:
-                    continue
                 cur = self._tombstones.get(key)
-                if cur is not None and cur[0] > now and cur[1] >= at:
+                if ttl <= 0 or (cur is not None and cur[0] > now) or key in holders:
                     continue
                 self._tombstones[key] = (now + ttl, float(at))
-                n += 1
+                # As a remove: what was listed meanwhile may be an old copy, and goes.
+                self._pending.pop(key, None)
+                locs = self._locs.pop(key, None) or {}
+                holders[key] = sorted(locs)
+                for node_id in locs:
+                    nk = self._node_keys.get(node_id)
+                    if nk is not None:
+                        nk.discard(key)
             self._sweep(now)
-        return n
+        self._notify([k for k, nodes in holders.items() if nodes])
+        return holders
 
     def remove(self, keys: Sequence[str], *, tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S) -> dict[str, list[str]]:
         if tombstone_ttl_s < 0:

@@ -64,6 +64,7 @@ connection).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -260,20 +261,30 @@ for i = 1, #L do redis.call('HDEL', ns .. ':p:' .. L[i], node) end
 return 0
 """
 
-# ARGV: ns, (key, removed_at ms, ttl ms) triples. Sets each tombstone unless one with a removal at
-# least as late is there; returns how many were set.
+# ARGV: ns, (key, removed_at ms, ttl ms) triples. Sets each tombstone that is not there, and
+# drops that key's locations and pending marks as _REMOVE does; returns {key, {holders}, ...} for
+# the keys whose tombstone was set.
 _RESTORE_TOMBSTONES = _PRELUDE + """
-local n = 0
+local out, dropped = {}, {}
 for i = 1, #L, 3 do
-  local tk = ns .. ':t:' .. L[i]
-  local at, ttl = tonumber(L[i + 1]), tonumber(L[i + 2])
-  local cur = tonumber(redis.call('GET', tk) or '')
-  if ttl > 0 and (cur == nil or cur < at) then
-    redis.call('SET', tk, L[i + 1], 'PX', ttl)
-    n = n + 1
+  local key = L[i]
+  local tk = ns .. ':t:' .. key
+  if tonumber(L[i + 2]) > 0 and redis.call('EXISTS', tk) == 0 then
+    redis.call('SET', tk, L[i + 1], 'PX', L[i + 2])
+    redis.call('DEL', ns .. ':p:' .. key)
+    local kk = ns .. ':k:' .. key
+    local holders = redis.call('HKEYS', kk)
+    if #holders > 0 then
+      redis.call('DEL', kk)
+      for j = 1, #holders do redis.call('SREM', ns .. ':nk:' .. holders[j], key) end
+      dropped[#dropped + 1] = key
+    end
+    out[#out + 1] = key
+    out[#out + 1] = holders
   end
 end
-return n
+publish(dropped)
+return out
 """
 
 # ARGV: ns, tombstone_ms, keys. Returns {key, {holders}, ...} for the keys that had any.
@@ -831,16 +842,18 @@ class RedisDirectory:
             out.update((flat[m], sorted(flat[m + 1])) for m in range(0, len(flat), 2))
         return out
 
-    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float], ttl_s: Sequence[float]) -> int:
+    def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float],
+                           ttl_s: Sequence[float]) -> dict[str, list[str]]:
         check_tombstones(keys, removed_at_s, ttl_s)
-        n = 0
+        out: dict[str, list[str]] = {}
         for i in _chunks(len(keys)):
             j = i + MAX_KEYS_PER_SCRIPT
             flat: list[str] = []
             for key, at, ttl in zip(keys[i:j], removed_at_s[i:j], ttl_s[i:j]):
-                flat += (key, str(int(at * 1000)), str(int(ttl * 1000)))
-            n += int(self._call("restore_tombstones", [_joined(flat)]))
-        return n
+                flat += (key, str(math.ceil(at * 1000)), str(math.ceil(ttl * 1000)))
+            got = self._call("restore_tombstones", [_joined(flat)])
+            out.update((got[m], sorted(got[m + 1])) for m in range(0, len(got), 2) if got[m] not in out)
+        return out
 
     def clear_node(self, node_id: str) -> int:
         return self._clear(_check_node_id(node_id), "0")[0]

@@ -8,8 +8,9 @@ objects (xxh3-64, through a lease of its own owner id: ``lease`` -> hash -> ``re
 with ``checksum`` False), and calls ``directory.register`` / ``unregister`` once per batch. New
 objects (``stored`` events) are then offered to the replicator, when there is one.
 
-Resync (the tombstones of the removes this node remembers restored first, see
-:mod:`store_backend.pool.remove_log`; then ``register`` of everything ``store.keys()`` lists, with the commit times known here and
+Resync (after a directory that did not know this node or was out of reach, the tombstones of
+the removes this node remembers restored first, see :mod:`store_backend.pool.remove_log`; then
+``register`` of everything ``store.keys()`` lists, with the commit times known here and
 0.0 for the rest, as ``resync=True`` would; the keys the remove rule refuses removed locally, stale locations of this node unregistered) runs at start, after the
 bus dropped events (``on_gap``), when a heartbeat answers False (the directory did not know this
 node: Redis restarted empty, a failover lost writes, the mark expired) and after any directory
@@ -54,7 +55,8 @@ class Registrar:
                  on_stored: Callable[[list[tuple[str, int, float]]], None] | None = None,
                  queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX, pull_margin_s: float = 10.0,
                  dead_node_gc_s: float | None = None, gc_every_s: float = 60.0,
-                 peer_put: Callable[[str, int], bool] | None = None, remove_log: RemoveLog | None = None) -> None:
+                 peer_put: Callable[[str, int], bool] | None = None, remove_log: RemoveLog | None = None,
+                 on_restored: Callable[[dict[str, list[str]], dict[str, float]], object] | None = None) -> None:
         """``info()`` builds this node's :class:`NodeInfo` for each heartbeat; ``on_stored`` gets
         (key, size, stored_at_s) of objects newly stored here once registered (the replicator's offer).
 
@@ -66,9 +68,13 @@ class Registrar:
         (``peer_put(key, seq)`` True for its event: a replica, whose bytes were read from the source before they
         came); other re-registrations (moves, evictions) with 0.0. A key
         the directory refuses is deleted here (``remove(local_only=True)``) and counted in
-        ``refused_registrations``. ``remove_log``: every resync first gives the directory back
-        the tombstones of the removes it remembers (``restore_tombstones``; counted in
-        ``restored_tombstones``), so a directory that lost its data refuses old copies again. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
+        ``refused_registrations``. ``remove_log``: a resync that follows a heartbeat finding this
+        node unknown or the directory out of reach, or a directory error here, first gives the
+        directory back the tombstones of the removes it remembers (``restore_tombstones``, the
+        ones set counted in ``restored_tombstones``), so a directory that lost its data refuses
+        old copies again; ``on_restored(holders, removed_at_s)`` gets, per key whose tombstone was
+        set, the nodes whose locations were dropped with it (a copy listed before the tombstone
+        came back) and the time restored, to have them delete their copies. ``dead_node_gc_s``: the heartbeat prunes nodes dead that long
         from the directory, once per ``gc_every_s``; None: never."""
         self.store = store
         self.directory = directory
@@ -85,6 +91,8 @@ class Registrar:
         self._gc_every_s = gc_every_s
         self._peer_put = peer_put
         self._remove_log = remove_log
+        self._on_restored = on_restored
+        self._restore_due = True  # under _cond; the first resync restores too (an empty log at a start)
         self._cond = threading.Condition()
         # key -> (size, new, stored_at_s for the directory's remove rule)
         self._queue: collections.OrderedDict[str, tuple[int, bool, float]] = collections.OrderedDict()
@@ -143,9 +151,12 @@ class Registrar:
                 logger.warning("pool registrar: thread %s still running after %.1f s", t.name, timeout_s)
         self._threads = []
 
-    def request_resync(self) -> None:
+    def request_resync(self, restore: bool = False) -> None:
+        """Resync soon; ``restore``: give the directory the remove log's tombstones back first
+        (the directory may have lost its data)."""
         with self._cond:
             self._resync = True
+            self._restore_due = self._restore_due or restore
             self._cond.notify_all()
 
     def committed_after(self, keys: Sequence[str], t_s: float, wait_s: float = 1.0) -> list[bool]:
@@ -268,6 +279,7 @@ class Registrar:
                 self.directory_ok = False
                 with self._cond:
                     self._resync = True  # whatever was lost meanwhile, the resync covers it
+                    self._restore_due = True  # and the directory may have lost its data
                 if self._stop_event.wait(retry_s):
                     return
             except StoreClosedError:
@@ -379,6 +391,22 @@ class Registrar:
             self._checksums.pop(k, None)
             self._stored_at.pop(k, None)
 
+    def _restore_tombstones(self, log: RemoveLog) -> None:
+        gone, removed_at_s, ttl_s = log.live()
+        if not gone:
+            return
+        got = self.directory.restore_tombstones(gone, removed_at_s, ttl_s)
+        if not got:
+            return
+        self.counters["restored_tombstones"] += len(got)
+        holders = {k: nodes for k, nodes in got.items() if nodes}
+        logger.warning("pool registrar: the directory had lost %d tombstones of removes this node remembers; "
+                       "restored (%d keys were listed again meanwhile, their locations dropped)", len(got),
+                       len(holders))
+        if holders and self._on_restored is not None:
+            at = dict(zip(gone, removed_at_s))
+            self._on_restored(holders, {k: at[k] for k in holders})
+
     def _do_resync(self) -> None:
         """Register everything this node holds (``resync=True``); delete tombstoned keys locally;
         unregister what the directory still lists for this node but the node no longer holds."""
@@ -393,11 +421,15 @@ class Registrar:
                 self._stored_at[k] = at_s
         fresh = {k for k, (_size, new, _at) in queued if new}
         offered: list[tuple[str, int, float]] = []
-        if self._remove_log is not None:
-            # Before this node's own copies: the tombstones also refuse its stale ones.
-            gone, removed_at_s, ttl_s = self._remove_log.live()
-            if gone:
-                self.counters["restored_tombstones"] += self.directory.restore_tombstones(gone, removed_at_s, ttl_s)
+        with self._cond:
+            restore, self._restore_due = self._restore_due, False
+        if restore and self._remove_log is not None:
+            try:  # before this node's own copies: the tombstones also refuse its stale ones
+                self._restore_tombstones(self._remove_log)
+            except BaseException:
+                with self._cond:
+                    self._restore_due = True  # the next resync tries again
+                raise
         keys = self.store.keys()
         held: set[str] = set()
         tombstoned: list[str] = []
@@ -463,7 +495,7 @@ class Registrar:
                     if not known:
                         logger.warning("pool: the directory did not know this node (restarted empty, failed "
                                        "over, or the mark expired): resyncing")
-                    self.request_resync()
+                    self.request_resync(restore=True)
                 was_down = False
                 dead, next_gc = self._watch_nodes(dead, next_gc)
             except DirectoryUnavailable as e:

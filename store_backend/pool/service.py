@@ -60,7 +60,8 @@ class _LocalStore:
     (each of the two clocks may be ``clock_skew_s`` off the directory's; answered NOT_FOUND: no
     copy from before the remove is here) and deletes the rest, those of unknown age or received
     from a peer included. Every peer's remove is also written to ``remove_log`` (with ``before_s``,
-    or now for a first remove), from which the registrar restores the directory's tombstones. ``committed_after`` is set once the registrar, which knows the
+    or now for a first remove: both after the directory's remove), from which the registrar
+    restores the directory's tombstones. ``committed_after`` is set once the registrar, which knows the
     commit times, runs; until then every copy is deleted."""
 
     def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None,
@@ -119,7 +120,7 @@ class _LocalStore:
         if self._forget is not None:
             self._forget(keys)
         if self._remove_log is not None:
-            # A first remove carries no time: it is being made now (at most its timeout ago).
+            # Asked after the directory's remove: now, or the remover's time after it (a retry).
             self._remove_log.add(keys, before_s or None)
         committed_after = self.committed_after
         if before_s and committed_after is not None:
@@ -219,7 +220,8 @@ class PoolService:
                 node_ttl_s=cfg.node_ttl_s, checksum=cfg.checksum,
                 on_stored=self.replicator.offer if self.replicator is not None else None,
                 pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
-                peer_put=served.take_peer_put, remove_log=self.tier.remove_log).start()
+                peer_put=served.take_peer_put, remove_log=self.tier.remove_log,
+                on_restored=self.tier.owe_removes).start()
             served.committed_after = self.registrar.committed_after
             # Engines are served once the first resync has deleted what the pool removed meanwhile.
             if cfg.start_resync_wait_s and not self.registrar.wait_resynced(cfg.start_resync_wait_s):

@@ -77,7 +77,7 @@ class PoolTier:
         self.clock_skew_s = clock_skew_s
         # This node's record of the pool's removes (its own and those peers asked of it): the
         # registrar gives the directory its tombstones back from it after a loss.
-        self.remove_log = RemoveLog()
+        self.remove_log = RemoveLog(margin_s=clock_skew_s)
         self._peer_threads = peer_threads
         self._clock = clock
         self._directory: Directory | None = None
@@ -344,11 +344,14 @@ class PoolTier:
             return [Status.NOT_FOUND] * len(keys)
         directory, transport = parts
         self._count("removes", len(keys))
-        removed_at_s = time.time()  # before the directory's tombstone: a retry keeps only later copies
         holders = self._ask(lambda: directory.remove(keys), len(keys))
+        # After the directory's tombstone (with clock_skew_s, an upper bound of its time): what a
+        # directory that loses it gets back, and what a retry tells a peer (it keeps only copies
+        # committed later). Also when the call failed: it may have been applied all the same.
+        removed_at_s = time.time()
+        self.remove_log.add(keys, removed_at_s)
         if holders is None:
             return [Status.IO_ERROR] * len(keys)
-        self.remove_log.add(keys, removed_at_s)
         found = [bool(holders.get(k)) for k in keys]
         failed = [False] * len(keys)
         try:
@@ -406,6 +409,20 @@ class PoolTier:
         futures = [pool.submit(fn, *p) for p in peers[1:]]
         first = fn(*peers[0])
         return [first, *(f.result() for f in futures)]
+
+    def owe_removes(self, holders: dict[str, list[str]], removed_at_s: dict[str, float]) -> int:
+        """Have every node in ``holders`` (key -> node ids) but this one delete its copy of the
+        keys listed for it, in the background, as a remove it did not confirm is retried (with
+        the latest ``removed_at_s`` of its keys: a copy it knows was committed after that stays).
+        For the locations dropped with a restored tombstone. Returns how many copies were owed."""
+        by_node: dict[str, list[str]] = {}
+        for key, nodes in holders.items():
+            for node in nodes:
+                if node != self.node_id:
+                    by_node.setdefault(node, []).append(key)
+        for node, keys in by_node.items():
+            self._retry_remove(node, keys, max(removed_at_s[k] for k in keys))
+        return sum(len(keys) for keys in by_node.values())
 
     def _retry_remove(self, node: str, keys: list[str], removed_at_s: float) -> None:
         """Queue a remove a node did not confirm (bounded; the owned thread retries it, telling the

@@ -226,38 +226,47 @@ def test_tombstones_expire(directory: Directory) -> None:
     assert directory.register("a", [("k", loc("a"))], resync=True) == []
 
 
-def test_restored_tombstones_refuse_old_copies_as_the_lost_ones_did(directory: Directory) -> None:
+def test_restored_tombstones_refuse_old_copies_and_drop_what_was_listed_meanwhile(directory: Directory) -> None:
     """A directory that lost its tombstones gets them back from a node's record: an old copy is
-    refused again, a copy committed after the remove is not, a later tombstone is never moved back."""
+    refused again, a copy committed after the remove is not; a copy listed since the loss is
+    dropped (invalidated) and its holders named; a tombstone that is there is never touched."""
     up(directory, "a", "b")
+    seen: list[str] = []
+    directory.subscribe(seen.extend)
+    time.sleep(0.2)  # the Redis subscriber thread is connected
     removed_at = time.time() - 10.0
-    later = time.time() - 1.0
-    directory.remove(["newer"])  # the directory's own tombstone, now: later than what is restored
-    assert directory.restore_tombstones(["k", "j", "newer", "none"], [removed_at, removed_at, removed_at, removed_at],
-                                        [TTL_S, TTL_S, TTL_S, 0.0]) == 2
+    directory.remove(["own"])  # the directory's own tombstone, now: later than what is restored
+    directory.register("a", [("listed", loc("a"))])  # registered after the loss, before the restore
+    directory.register("b", [("listed", loc("b", TIER_SSD))])
+    got = directory.restore_tombstones(["k", "j", "own", "none", "listed"], [removed_at] * 5,
+                                       [TTL_S, TTL_S, TTL_S, 0.0, TTL_S])
+    assert got == {"k": [], "j": [], "listed": ["a", "b"]}
+    assert directory.locate(["listed"]) == [[]] and "listed" not in directory.node_keys("a")
+    assert wait_for(lambda: "listed" in seen)
     # b was down during the remove and registers its old copy: refused, as before the loss.
     assert directory.register("b", [("k", loc("b", TIER_SSD))], resync=True) == ["k"]
     assert directory.register("b", [("j", loc("b"))], stored_at_s=[removed_at - 5.0]) == ["j"]
     # a put after the remove (by more than clock_skew_s) is listed.
     assert directory.register("a", [("j", loc("a"))], stored_at_s=[removed_at + 5.0]) == []
-    # "newer" kept its own (later) removal time: a copy from between the two is still refused.
-    assert directory.register("a", [("newer", loc("a"))], stored_at_s=[later]) == ["newer"]
+    assert directory.register("a", [("listed", loc("a"))], stored_at_s=[removed_at + 5.0]) == []
+    # "own" kept its own (later) removal time: a copy from between the two is still refused.
+    assert directory.register("a", [("own", loc("a"))], stored_at_s=[removed_at + 5.0]) == ["own"]
     # a ttl of 0 set nothing: "none" was never tombstoned.
     assert directory.register("b", [("none", loc("b"))], resync=True) == []
-    assert directory.locate(["k", "j", "newer", "none"]) == [[], [loc("a")], [], [loc("b")]]
-    # Restoring what is there already (same time) sets nothing; a later time replaces it.
-    assert directory.restore_tombstones(["k"], [removed_at], [TTL_S]) == 0
-    assert directory.restore_tombstones(["k"], [removed_at + 20.0], [TTL_S]) == 1
-    assert directory.register("a", [("k", loc("a"))], stored_at_s=[removed_at + 5.0]) == ["k"]
-    assert directory.restore_tombstones([], [], []) == 0
+    assert directory.locate(["k", "j", "own", "none", "listed"]) == [[], [loc("a")], [], [loc("b")], [loc("a")]]
+    # Every key has its tombstone now: restoring again, even later times, touches nothing.
+    assert directory.restore_tombstones(["k", "listed"], [removed_at + 20.0] * 2, [TTL_S] * 2) == {}
+    assert directory.locate(["listed"]) == [[loc("a")]]
+    assert directory.register("b", [("k", loc("b"))], stored_at_s=[removed_at + 15.0]) == []
+    assert directory.restore_tombstones([], [], []) == {}
 
 
 def test_restored_tombstones_expire_after_their_ttl(directory: Directory) -> None:
     up(directory, "a")
-    assert directory.restore_tombstones(["k"], [time.time()], [0.2]) == 1
+    assert directory.restore_tombstones(["k", "k"], [time.time()] * 2, [0.3] * 2) == {"k": []}
     assert directory.register("a", [("k", loc("a"))], resync=True) == ["k"]
-    time.sleep(0.35)
-    assert directory.register("a", [("k", loc("a"))], resync=True) == []
+    assert wait_for(lambda: directory.register("a", [("k", loc("a"))], resync=True) == [], 5.0)
+    assert directory.locate(["k"]) == [[loc("a")]]
 
 
 @pytest.mark.parametrize(("args", "what"), [
@@ -265,6 +274,7 @@ def test_restored_tombstones_expire_after_their_ttl(directory: Directory) -> Non
     ((["k"], [float("nan")], [1.0]), "removed_at_s"),
     ((["k"], [1.0], [float("inf")]), "ttl_s"),
     ((["k"], [1.0], [True]), "ttl_s"),
+    ((["k"], [1.0], [1e12]), "at most"),
 ])
 def test_restore_tombstones_refuses_bad_arguments(directory: Directory, args: tuple, what: str) -> None:
     with pytest.raises(ValueError, match=what):
@@ -454,8 +464,9 @@ def test_misuse_is_a_value_error(directory: Directory) -> None:
 
 def test_a_hypothesis_state_machine_agrees_with_a_dict_model(make_directory_for: Callable[..., Directory],
                                                              directory_kind: str) -> None:
-    """Rules drive register / resync / unregister / two-phase puts / remove / clear_node; after
-    each, every lookup is compared with a dict model (hypothesis shrinks a failure to its core)."""
+    """Rules drive register / resync / unregister / two-phase puts / remove / restore_tombstones /
+    clear_node; after each, every lookup is compared with a dict model (hypothesis shrinks a
+    failure to its core)."""
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -530,6 +541,16 @@ def test_a_hypothesis_state_machine_agrees_with_a_dict_model(make_directory_for:
                 self.locs.pop(k, None)
                 self.tombs.add(k)
                 self.pending.difference_update((k, self.prefix + n) for n in nodes)
+
+        @rule(ks=some_keys)
+        def restore_tombstones(self, ks: list[str]) -> None:
+            got = self.d.restore_tombstones([self.k(k) for k in ks], [time.time()] * len(ks), [60.0] * len(ks))
+            assert got == {self.k(k): sorted(self.locs.get(k, {})) for k in ks if k not in self.tombs}
+            for k in ks:
+                if k not in self.tombs:  # set, with what was listed and pending dropped
+                    self.locs.pop(k, None)
+                    self.tombs.add(k)
+                    self.pending.difference_update((k, self.prefix + n) for n in nodes)
 
         @rule(node=st.sampled_from(nodes))
         def clear_node(self, node: str) -> None:

@@ -68,7 +68,8 @@ class Node:
             self.reg = Registrar(self.store, directory, node_id,
                                  info=lambda: node_info(self.store, node_id, self.server.address, 1),
                                  heartbeat_s=0.1, node_ttl_s=60.0, pull_margin_s=5.0,
-                                 peer_put=served.take_peer_put, remove_log=self.tier.remove_log).start()
+                                 peer_put=served.take_peer_put, remove_log=self.tier.remove_log,
+                                 on_restored=self.tier.owe_removes).start()
             served.committed_after = self.reg.committed_after  # as PoolService wires it
 
     def close(self) -> None:
@@ -744,14 +745,16 @@ def test_a_redis_restarted_empty_gets_the_tombstones_back_from_the_remover_and_t
     during a remove (its SSD copy recovered) could list its old copy again, and every engine
     would be served the removed bytes. Each node remembers the removes it made (C) or was asked
     to make (B); the resync its heartbeat starts after the loss gives them back before anything
-    of its own is registered. Over the tombstone's lifetime, a late resync of an old copy is
-    refused; a key nobody removed is not."""
+    of its own is registered. Over the tombstone's lifetime, a late registration of a copy
+    committed before the remove is refused; a key nobody removed, or put again after, is not."""
     d = CachedDirectory(RedisDirectory(url=redis_server.url, namespace="tb1", op_timeout_s=0.5,
                                       clock_skew_s=0.05), cache_ttl_s=0.2)
-    b, c = nodes("B", d), nodes("C", d)
+    b, c = nodes("B", d, clock_skew_s=0.05), nodes("C", d, clock_skew_s=0.05)
     gone = ["tb/0", "tb/1"]
+    t_put = time.time()
     assert b.store.put(gone, [payload(k, SIZE) for k in gone]) == [Status.OK] * 2
     assert wait_for(lambda: all(_locs(d, k) == [("B", "dram")] for k in gone))
+    time.sleep(0.2)  # the remove is clearly later than the put
     assert c.store.remove(gone[:1]) == [Status.OK]  # C made this remove, B (every live peer) was asked
     assert b.store.remove(gone[1:]) == [Status.OK]  # and B this one
     assert sorted(c.tier.remove_log.live()[0]) == gone and sorted(b.tier.remove_log.live()[0]) == gone
@@ -762,11 +765,11 @@ def test_a_redis_restarted_empty_gets_the_tombstones_back_from_the_remover_and_t
         assert wait_for(lambda: raw.exists(*(f"tb1:t:{k}" for k in gone)) == 2, 10), \
             (b.reg.counters, c.reg.counters)
         assert wait_for(lambda: b.reg.counters["resyncs"] > resyncs[0] and c.reg.counters["resyncs"] > resyncs[1], 10)
-        assert b.reg.counters["restored_tombstones"] + c.reg.counters["restored_tombstones"] >= 2
-        # A node that was away comes back with old copies of both and of a key never removed.
+        assert b.reg.counters["restored_tombstones"] + c.reg.counters["restored_tombstones"] == 2  # one each
+        # A node that was away comes back with its copies, committed with B's, and a key never removed.
         d.heartbeat(NodeInfo("Z", "127.0.0.1:9"), 60.0)
         old = [(k, Location("Z", "ssd", SIZE)) for k in [*gone, "tb/kept"]]
-        assert d.register("Z", old, resync=True) == gone
+        assert d.register("Z", old, stored_at_s=[t_put] * 3) == gone
         assert _locs(d, "tb/kept") == [("Z", "ssd")] and all(_locs(d, k) == [] for k in gone)
         # A fresh put of a removed key, committed after the remove, is stored and listed as usual.
         time.sleep(0.2)  # past clock_skew_s: clearly newer than the remove
@@ -774,3 +777,38 @@ def test_a_redis_restarted_empty_gets_the_tombstones_back_from_the_remover_and_t
         assert wait_for(lambda: _locs(d, gone[0]) == [("C", "dram")]), c.reg.counters
     finally:
         raw.close()
+
+
+def test_an_old_copy_listed_before_the_tombstone_came_back_is_dropped_and_deleted_on_its_node(
+        redis_server: RedisProcess, nodes: Callable[..., Node]) -> None:
+    """Review of the tombstone restore: a node that was away (Z) re-registered its old copy after
+    Redis restarted empty and before any node that remembers the remove gave the tombstone back.
+    The restore only refused later registrations, so the copy stayed listed and every node read
+    the removed bytes. Now the restore drops what was listed meanwhile and has its holder delete
+    it (as a retried remove); a key nobody removed stays."""
+    d = CachedDirectory(RedisDirectory(url=redis_server.url, namespace="tb2", op_timeout_s=0.5,
+                                      clock_skew_s=0.05), cache_ttl_s=0.2)
+    z = nodes("Z", d, clock_skew_s=0.05)
+    b = nodes("B", d, registrar=False, clock_skew_s=0.05, retry_after_s=0.2)  # its registrar comes later
+    flaky = _FailRemovesTo(TcpTransport(SECRET), z.server.address, 10 ** 6)  # Z does not answer removes
+    c = nodes("C", d, registrar=False, transport=flaky, clock_skew_s=0.05)
+    k, kept = "tb2/old", "tb2/kept"
+    assert z.store.put([k, kept], [payload(k, SIZE), payload(kept, SIZE)]) == [Status.OK] * 2
+    assert wait_for(lambda: _locs(d, k) == [("Z", "dram")] and _locs(d, kept) == [("Z", "dram")])
+    time.sleep(0.2)
+    assert c.tier.remove([k]) == [Status.IO_ERROR]  # B confirmed; Z, the holder, did not
+    assert b.tier.remove_log.live()[0] == [k] and z.store.tier_of([k], local_only=True) == ["dram"]
+    c.tier.close()  # the remover goes away, and its retry with it
+    redis_server.restart_empty()
+    # Z's heartbeat finds it unknown and resyncs first: its old copy is listed, no tombstone to refuse it.
+    assert wait_for(lambda: _locs(d, k) == [("Z", "dram")], 10), z.reg.counters
+    b.reg = Registrar(b.store, d, "B", info=lambda: node_info(b.store, "B", b.server.address, 1), heartbeat_s=0.1,
+                      node_ttl_s=60.0, remove_log=b.tier.remove_log, on_restored=b.tier.owe_removes).start()
+    assert wait_for(lambda: b.reg.counters["restored_tombstones"] == 1, 10), b.reg.counters
+    assert _locs(d, k) == []
+    assert wait_for(lambda: z.store.tier_of([k], local_only=True) == [None], 10), b.tier.extra_stats()
+    assert b.store.get_into([k], [bytearray(SIZE)])[0].status is Status.NOT_FOUND
+    assert z.store.get_into([k], [bytearray(SIZE)])[0].status is Status.NOT_FOUND
+    assert wait_for(lambda: b.store.stats().queues.pool_remove == 0, 10)  # Z confirmed
+    buf = bytearray(SIZE)
+    assert b.store.get_into([kept], [buf])[0].status is Status.OK and bytes(buf) == payload(kept, SIZE).tobytes()

@@ -1,7 +1,7 @@
 """RemoveLog, each node's record of the pool's removes (what it gives a directory that lost its
-tombstones back): the later time of a key wins, removes are forgotten after their ttl and past
-max_entries (oldest first, counted), bad arguments are refused; many threads adding at once lose
-nothing within the bound."""
+tombstones back): the later time of a key wins, times carry the margin and never lie ahead of the
+node's clock, removes are forgotten after their ttl and past max_entries (oldest first, counted),
+bad arguments are refused; many threads adding at once lose nothing within the bound."""
 
 from __future__ import annotations
 
@@ -58,10 +58,20 @@ def test_past_max_entries_the_oldest_added_are_forgotten_and_counted() -> None:
     assert log.dropped == 2
 
 
+def test_live_times_carry_the_margin_and_a_time_to_come_counts_as_now() -> None:
+    """What live() gives is an upper bound of the directory's removal time (margin_s: this
+    clock may be behind the directory's); a peer's time ahead of this clock is taken as now, so
+    no tombstone is restored later than this node saw the remove (nor lives past ttl_s)."""
+    log = RemoveLog(ttl_s=100.0, margin_s=1.5, wall_clock=_Clock())
+    log.add(["past"], 990.0)
+    log.add(["ahead"], 5000.0)  # a peer whose clock is more than an hour ahead
+    assert log.live() == (["past", "ahead"], [991.5, 1001.5], [90.0, 100.0])
+
+
 @pytest.mark.parametrize("kw, what", [
     ({"ttl_s": 0}, "ttl_s"), ({"ttl_s": -1.0}, "ttl_s"), ({"ttl_s": math.inf}, "ttl_s"),
     ({"ttl_s": "60"}, "ttl_s"), ({"max_entries": 0}, "max_entries"), ({"max_entries": True}, "max_entries"),
-    ({"max_entries": 2.0}, "max_entries"),
+    ({"max_entries": 2.0}, "max_entries"), ({"margin_s": -1.0}, "margin_s"), ({"margin_s": math.nan}, "margin_s"),
 ])
 def test_bad_settings_are_refused_by_name(kw: dict, what: str) -> None:
     with pytest.raises(ValueError, match=what):
@@ -77,8 +87,8 @@ def test_a_removal_time_that_is_not_finite_is_refused_and_nothing_is_added(at: f
 
 
 def test_threads_adding_at_once_lose_no_key_within_the_bound() -> None:
-    clock = _Clock()
-    log = RemoveLog(ttl_s=1000.0, max_entries=4000, wall_clock=clock)
+    clock = _Clock(2000.0)
+    log = RemoveLog(ttl_s=2000.0, max_entries=4000, wall_clock=clock)
     start = threading.Barrier(8)
 
     def add(t: int) -> None:
