@@ -282,6 +282,17 @@ class EmbeddedDirectory:
             for key in keys:
                 self._clear_pending(key, node_id)
 
+    def _drop_key_locked(self, key: str) -> list[str]:
+        """A removed key (remove, restore_tombstones): its pending marks and locations dropped (an
+        in-flight replica write must not become visible afterwards); the nodes that held it."""
+        self._pending.pop(key, None)
+        locs = self._locs.pop(key, None) or {}
+        for node_id in locs:
+            nk = self._node_keys.get(node_id)
+            if nk is not None:
+                nk.discard(key)
+        return sorted(locs)
+
     def restore_tombstones(self, keys: Sequence[str], removed_at_s: Sequence[float],
                            ttl_s: Sequence[float]) -> dict[str, list[str]]:
         check_tombstones(keys, removed_at_s, ttl_s)
@@ -294,13 +305,7 @@ class EmbeddedDirectory:
                     continue
                 self._tombstones[key] = (now + ttl, float(at))
                 # As a remove: what was listed meanwhile may be an old copy, and goes.
-                self._pending.pop(key, None)
-                locs = self._locs.pop(key, None) or {}
-                holders[key] = sorted(locs)
-                for node_id in locs:
-                    nk = self._node_keys.get(node_id)
-                    if nk is not None:
-                        nk.discard(key)
+                holders[key] = self._drop_key_locked(key)
             self._sweep(now)
         self._notify([k for k, nodes in holders.items() if nodes])
         return holders
@@ -314,16 +319,9 @@ class EmbeddedDirectory:
             tomb = (now + tombstone_ttl_s, self._wall_clock())
             for key in keys:
                 self._tombstones[key] = tomb
-                # An in-flight replica write of a removed key must not become visible afterwards.
-                self._pending.pop(key, None)
-                locs = self._locs.pop(key, None)
-                if not locs:
-                    continue
-                holders[key] = sorted(locs)
-                for node_id in locs:
-                    nk = self._node_keys.get(node_id)
-                    if nk is not None:
-                        nk.discard(key)
+                dropped = self._drop_key_locked(key)
+                if dropped:
+                    holders[key] = dropped
             self._sweep(now)
         self._notify(list(holders))
         return holders

@@ -148,6 +148,18 @@ end
 local function object_of(stored)
   return string.match(stored, ',(%%-?%%d+,%%-?%%d+)%%]$')
 end
+-- A removed key (remove, restore_tombstones): its pending marks and locations dropped (an
+-- in-flight replica write must not become visible afterwards); returns the nodes that held it.
+local function drop_key(key)
+  redis.call('DEL', ns .. ':p:' .. key)
+  local kk = ns .. ':k:' .. key
+  local holders = redis.call('HKEYS', kk)
+  if #holders > 0 then
+    redis.call('DEL', kk)
+    for j = 1, #holders do redis.call('SREM', ns .. ':nk:' .. holders[j], key) end
+  end
+  return holders
+end
 -- The remove rule (directory.py): refused when the node has no location for the key and a
 -- tombstone's removed_at (ms, this server's clock) is >= the copy's stored_at - skew (ms).
 local function refused(key, node, stored, skew)
@@ -271,14 +283,8 @@ for i = 1, #L, 3 do
   local tk = ns .. ':t:' .. key
   if tonumber(L[i + 2]) > 0 and redis.call('EXISTS', tk) == 0 then
     redis.call('SET', tk, L[i + 1], 'PX', L[i + 2])
-    redis.call('DEL', ns .. ':p:' .. key)
-    local kk = ns .. ':k:' .. key
-    local holders = redis.call('HKEYS', kk)
-    if #holders > 0 then
-      redis.call('DEL', kk)
-      for j = 1, #holders do redis.call('SREM', ns .. ':nk:' .. holders[j], key) end
-      dropped[#dropped + 1] = key
-    end
+    local holders = drop_key(key)
+    if #holders > 0 then dropped[#dropped + 1] = key end
     out[#out + 1] = key
     out[#out + 1] = holders
   end
@@ -295,13 +301,8 @@ local out, dropped = {}, {}
 for i = 1, #L do
   local key = L[i]
   if tomb > 0 then redis.call('SET', ns .. ':t:' .. key, removed_at, 'PX', tomb) end
-  -- an in-flight replica write of a removed key must not become visible afterwards
-  redis.call('DEL', ns .. ':p:' .. key)
-  local kk = ns .. ':k:' .. key
-  local holders = redis.call('HKEYS', kk)
+  local holders = drop_key(key)
   if #holders > 0 then
-    redis.call('DEL', kk)
-    for j = 1, #holders do redis.call('SREM', ns .. ':nk:' .. holders[j], key) end
     out[#out + 1] = key
     out[#out + 1] = holders
     dropped[#dropped + 1] = key
