@@ -301,7 +301,7 @@ class EmbeddedDirectory:
             now = self._clock()
             for key, at, ttl in zip(keys, removed_at_s, ttl_s):
                 cur = self._tombstones.get(key)
-                if ttl <= 0 or (cur is not None and cur[0] > now) or key in holders:
+                if ttl <= 0 or (cur is not None and cur[0] > now):  # a key given twice: set by the first
                     continue
                 self._tombstones[key] = (now + ttl, float(at))
                 # As a remove: what was listed meanwhile may be an old copy, and goes.

@@ -853,7 +853,7 @@ class RedisDirectory:
             for key, at, ttl in zip(keys[i:j], removed_at_s[i:j], ttl_s[i:j]):
                 flat += (key, str(math.ceil(at * 1000)), str(math.ceil(ttl * 1000)))
             got = self._call("restore_tombstones", [_joined(flat)])
-            out.update((got[m], sorted(got[m + 1])) for m in range(0, len(got), 2) if got[m] not in out)
+            out.update((got[m], sorted(got[m + 1])) for m in range(0, len(got), 2))
         return out
 
     def clear_node(self, node_id: str) -> int:
