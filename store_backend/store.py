@@ -925,8 +925,10 @@ class TieredStore:
         stage-in read failed). An object only in a lower tier is, with ``stage_in``, read into a
         slot first (blocks on that read; it evicts clean objects only): the slot becomes the
         object's DRAM copy when the promotion rule says so, else a transient slot freed at
-        release. ``wait_pending_s`` > 0: a key being written (reserved, not committed) is waited
-        for up to that long (an abort or expiry meanwhile: NOT_FOUND). ``ttl_s`` bounds the result:
+        release. ``wait_pending_s`` > 0: a key being written into DRAM (reserved, not committed;
+        being promoted or staged in by another call, also one that began after this call looked)
+        is waited for up to that long, then leased, or staged in again when that write was given
+        up and a lower tier still holds the object. ``ttl_s`` bounds the result:
         a release after it answers False, but the bytes stay held until the release or
         :meth:`reclaim`. ``local_only``: stage in from this node's tiers only, never from the pool
         (what a peer's transport asks: the pool's read must not go round the pool again)."""
@@ -940,6 +942,7 @@ class TieredStore:
         out = [SlotLease(Status.NOT_FOUND, k) for k in keys]
         m = self.metrics_counters
         below: list[int] = []
+        until = time.monotonic() + wait_pending_s
         with self._call(self.metrics_counters.latency.get):  # the store's part of a slot get
             arena = self._dram.arena.view
             with self._lock:
@@ -947,7 +950,7 @@ class TieredStore:
                 m.store.gets += len(keys)
                 valid = [check_key(k) is None for k in keys]
                 if wait_pending_s > 0:
-                    self._wait_pending([k for k, ok in zip(keys, valid) if ok], time.monotonic() + wait_pending_s)
+                    self._wait_pending([k for k, ok in zip(keys, valid) if ok], until)
                     self._check_open()  # close began during the wait: hand out nothing
                 for i, key in enumerate(keys):
                     if not valid[i]:
@@ -960,9 +963,24 @@ class TieredStore:
                             below.append(i)
                         continue
                     out[i] = self._lease_entry(e, owner, account, ttl_s, "dram", arena)
-            if below:
-                self._stage_in(keys, below, owner, account, ttl_s, out,
-                               self._local_tiers() if local_only else self._below)
+            tiers = self._local_tiers() if local_only else self._below
+            while below:
+                # A key another call began writing into DRAM after the wait above (a promotion
+                # queued by a pin, another caller's stage-in, a put) is waited for too, within the
+                # same bound, then leased from DRAM or, gone again, staged in again.
+                busy = self._stage_in(keys, below, owner, account, ttl_s, out, tiers)
+                if not busy or time.monotonic() >= until:
+                    break
+                below = []
+                with self._lock:
+                    self._wait_pending(sorted({keys[i] for i in busy}), until)
+                    self._check_open()
+                    for i in busy:
+                        e = self._dram.entries.get(keys[i])
+                        if e is None:
+                            below.append(i)
+                        elif e.state is EntryState.READY:
+                            out[i] = self._lease_entry(e, owner, account, ttl_s, "dram", arena)
         return out
 
     def _lease_entry(self, e: Entry, owner: int, account: tuple[str, int], ttl_s: float, source: str,
@@ -1002,12 +1020,16 @@ class TieredStore:
             self._expire_slots()
 
     def _stage_in(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int], ttl_s: float,
-                  out: list[SlotLease], tiers: Sequence[Tier]) -> None:
+                  out: list[SlotLease], tiers: Sequence[Tier]) -> list[int]:
         """Lease objects found only below DRAM by reading each into a slot (no store lock held
         while a tier is asked or reads). The slot is reserved as a WRITING entry under the key
         (evicting clean entries only, as a promotion does), so it stays invisible and a put of the
         key answers EXISTS; a remove meanwhile takes it, and so does a removal that began after the
-        size lookup (``changed_since``): either way NOT_FOUND, never the removed bytes."""
+        size lookup (``changed_since``): either way NOT_FOUND, never the removed bytes.
+
+        Returns the indices (a key's repeats in the batch with it) left NOT_FOUND because another
+        call began writing the key into DRAM meanwhile (a promotion, a stage-in, a put): the
+        caller may wait for that write and ask again."""
         # A key named again in the batch is staged once and leased once more per repeat, in the
         # lock section that leases its first mention: once the lock is dropped a reclaim of the
         # owner, or an eviction, may free the entry.
@@ -1018,11 +1040,13 @@ class TieredStore:
             if lead != i:
                 repeats.setdefault(lead, []).append(i)
         leased: set[int] = set()  # leader indices whose lease was granted
-        self._stage_in_once(keys, list(first.values()), owner, account, ttl_s, out, repeats, leased, tiers)
+        busy: list[int] = []  # leader indices whose key another call was writing
+        self._stage_in_once(keys, list(first.values()), owner, account, ttl_s, out, repeats, leased, tiers, busy)
         for lead, more in repeats.items():
             if lead not in leased:  # no lease, no entry touched: the repeats answer as their leader
                 for i in more:
                     out[i] = SlotLease(out[lead].status, keys[i])
+        return [j for lead in busy for j in (lead, *repeats.get(lead, ()))]
 
     def _lease_repeats(self, e: Entry, more: list[int], owner: int, account: tuple[str, int], ttl_s: float,
                        source: str, arena: memoryview, out: list[SlotLease]) -> None:
@@ -1033,9 +1057,10 @@ class TieredStore:
 
     def _stage_in_once(self, keys: Sequence[str], idx: list[int], owner: int, account: tuple[str, int],
                        ttl_s: float, out: list[SlotLease], repeats: dict[int, list[int]], leased: set[int],
-                       tiers: Sequence[Tier]) -> None:
-        """:meth:`_stage_in` for distinct keys; leases each key's repeats (``repeats``) with it and
-        notes each leader whose lease it granted in ``leased``."""
+                       tiers: Sequence[Tier], busy: list[int]) -> None:
+        """:meth:`_stage_in` for distinct keys; leases each key's repeats (``repeats``) with it,
+        notes each leader whose lease it granted in ``leased`` and each it found being written by
+        another call in ``busy``."""
         m = self.metrics_counters
         with self._lock:
             generation = self._removals.generation()
@@ -1071,6 +1096,8 @@ class TieredStore:
                         if out[i].status is Status.OK:
                             leased.add(i)
                             self._lease_repeats(e, repeats.get(i, []), owner, account, ttl_s, "dram", arena, out)
+                    else:
+                        busy.append(i)
                     continue
                 if self._removals.hidden(key) or self._removals.changed_since(key, generation):
                     continue  # removed since its size was asked: NOT_FOUND

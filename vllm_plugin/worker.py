@@ -458,6 +458,8 @@ class WorkerSide:
                 if object_key(self.digest, chunk.chunk_hash) in own:
                     self.counters["loads_own_held"] += 1
                     self._fail_load(plan.req_id, chunk)
+                    logger.warning("a load of a chunk this worker still holds unsaved is recomputed (request %s)",
+                                   plan.req_id)
                     continue
                 buf = None
                 if not slots:
@@ -466,6 +468,8 @@ class WorkerSide:
                         self.counters["loads_failed_staging"] += 1
                         self.client.count(staging_failures=1)
                         self._fail_load(plan.req_id, chunk)
+                        logger.warning("no staging buffer came free within %.1f s for a load of request %s; "
+                                       "recomputing the chunk", self.cfg.load_timeout_s, plan.req_id)
                         continue
                 chunks.append(LoadChunk(plan.req_id, chunk, kernel_block_ids(chunk.block_ids, self.ratio),
                                         chunk.first_block * self.ratio, buf=buf))
@@ -575,12 +579,19 @@ class WorkerSide:
                 self._fail_load(c.req_id, c.plan)
             return
         damaged: list[str] = []
+        failed: dict[str, int] = {}
         for c in job.chunks:
             if c.ok:
                 continue
             self._fail_load(c.req_id, c.plan)
+            failed[c.status.name] = failed.get(c.status.name, 0) + 1
             if c.status is Status.CORRUPT:
                 damaged.append(object_key(self.digest, c.plan.chunk_hash))
+        if failed:
+            # Named, so that a request vLLM fails (policy "fail") or recomputes says why in the log.
+            logger.warning("%d of %d chunks of this step's loads could not be read (%s); recomputing them",
+                           sum(failed.values()), len(job.chunks),
+                           ", ".join(f"{n} {why}" for why, n in sorted(failed.items())))
         if damaged:
             # NOT_FOUND: the store already dropped the record that failed its checksum.
             # On the slot thread (not waited for), ahead of any later step's reserve of the keys.

@@ -759,3 +759,40 @@ def test_a_copy_moved_to_ssd_after_the_last_lookup_round_is_exists_not_a_second_
         assert store.get_into(["k"], [out])[0].status is Status.OK and decode(out) == (0, 1)
     finally:
         store.close()
+
+
+def test_a_lease_that_meets_a_promotion_begun_after_it_looked_waits_for_it(tmp_path) -> None:  # noqa: ANN001
+    """The vLLM scheduler pins a hit (which queues an SSD-only object's promotion) and the worker
+    leases it a step later. If the promotion reserves the key's DRAM slot after the lease found no
+    DRAM copy and before its stage-in took the slot, the lease used to answer NOT_FOUND at once,
+    though ``wait_pending_s`` was given: the whole load failed and vLLM's "fail" policy ended the
+    request (a CI flake of the disaggregated staging test). It now waits for the promotion and
+    leases the promoted copy."""
+    store, ssd = gated_store(tmp_path, "get_into", "kv-promote", after=False)
+    try:
+        only_on_ssd(store, "x")
+        lessee = threading.current_thread()
+        real = ssd.size_of
+        raced: list[bool] = []
+
+        def promotion_begins_meanwhile(keys):  # noqa: ANN001, ANN202
+            if threading.current_thread() is lessee and "x" in keys and not raced:
+                raced.append(True)
+                assert store.pin(["x"]) == [True]  # queues the promotion, as the scheduler's pin does
+                assert ssd.entered.wait(10)  # it reserved the slot and reads the SSD copy now
+                threading.Timer(0.3, ssd.release.set).start()
+            return real(keys)
+
+        ssd.size_of = promotion_begins_meanwhile  # type: ignore[method-assign]
+        (lease,) = store.lease(["x"], wait_pending_s=10)
+        assert raced, "the stage-in never asked the SSD tier for the size: the race was not run"
+        assert lease.status is Status.OK, lease.status
+        assert decode(np.frombuffer(lease.view, np.uint8)) == (0, 1)
+        assert store.tier_of(["x"]) == ["dram"]  # the promoted copy, not a second one beside it
+        assert store.release([lease]) == [True]
+        ssd.size_of = real  # type: ignore[method-assign]
+        (gone,) = store.lease(["nothing"], wait_pending_s=0.2)
+        assert gone.status is Status.NOT_FOUND  # a key nobody writes is not waited on forever
+    finally:
+        ssd.release.set()
+        store.close()
