@@ -72,9 +72,13 @@ Limits, as the numbers are counted today:
 
 
 def label_values() -> dict[str, dict[str, str]]:
+    """The store's and the connector's label values; a value both use (a failure kind the pool
+    tier and the connector each count) is given both meanings, the store's first."""
     out = {label: dict(values) for label, values in LABEL_VALUES.items()}
     for label, values in CONNECTOR_LABEL_VALUES.items():
-        out.setdefault(label, {}).update(values)
+        mine = out.setdefault(label, {})
+        for value, meaning in values.items():
+            mine[value] = f"{mine[value]}; connector: {meaning}" if value in mine else meaning
     return out
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,6 +73,36 @@ def test_objects_written_on_one_node_are_read_on_the_others_from_dram_and_ssd(
     assert by_id["A"]["tiers"]["ssd"]["objects"] >= len(on_ssd)
     assert by_id["B"]["counters"]["pool_hits"] >= len(keys)
     assert set(by_id["A"]["queues"]) == {"offload", "promotion", "pool_remove"}
+
+
+def _served_bytes(d, node: str) -> int:  # noqa: ANN001
+    """What ``node``'s transport server has sent to peers, as its last heartbeat published it."""
+    return next(n.counters.get("server_bytes_sent", 0) for n in d.nodes() if n.node_id == node)
+
+
+def test_a_read_pulls_from_a_dram_holder_before_an_ssd_holder(pool: Pool) -> None:
+    """A key held in A's SSD and in B's DRAM (the local copy B kept when it read it) is pulled by
+    C from B: B's server sends the bytes, A's sends none of them."""
+    (a, b, c), d = pool
+    keys = [f"pick-{i:02d}" for i in range(24)]
+    ca = a.client()
+    on_ssd, _ = put_past_dram(ca, d, "A", keys, SIZE)
+    cb = b.client()
+    read_ok(cb, on_ssd, SIZE, 1)  # B pulls them from A's SSD and keeps DRAM copies
+    both = [k for k, t in zip(on_ssd, cb.tier_of(on_ssd)) if t == "dram"][:6]
+    assert len(both) >= 3, cb.tier_of(on_ssd)
+    wait_located(d, both, "B", tier="dram")
+    # A may have promoted them while serving B: more puts push them out of A's DRAM again.
+    put_past_dram(ca, d, "A", [f"pick-fill-{i:02d}" for i in range(24)], SIZE)
+    assert ca.tier_of(both) == ["ssd"] * len(both)
+    wait_located(d, both, "A", tier="ssd")
+    wait_until(lambda: _served_bytes(d, "A") >= len(on_ssd) * SIZE, 10, "A's heartbeat counts what B pulled")
+    a_before, b_before = _served_bytes(d, "A"), _served_bytes(d, "B")
+    read_ok(c.client(), both, SIZE, 1)
+    wait_until(lambda: _served_bytes(d, "B") >= b_before + len(both) * SIZE, 10, "B served C's read")
+    pool_heartbeats = 4 * 0.25  # heartbeat_s of pool_nodes.PoolNode: A's counters are fresh by then
+    time.sleep(pool_heartbeats)
+    assert _served_bytes(d, "A") < a_before + SIZE, "C pulled from A's SSD though B held the keys in DRAM"
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)

@@ -5,14 +5,14 @@ the node holds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import xxhash
 
-from store_backend.pool.directory import Location
+from store_backend.pool.directory import Directory, Location
 from store_backend.pool.directory_embedded import EmbeddedDirectory
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.store import TieredStore
@@ -67,6 +67,42 @@ def test_events_register_with_checksums_moves_and_removes_follow(store: TieredSt
     finally:
         reg.close()
         d.close()
+
+
+@pytest.mark.parametrize("backend", ["bucket", "offset", "file"])
+def test_objects_the_ssd_backend_evicts_leave_the_directory(
+        tmp_path: Path, backend: str, make_directory_for: Callable[..., Directory]) -> None:
+    """More than DRAM and SSD hold together: the SSD backend evicts whole objects by itself (the
+    bucket backend whole buckets) to stay under its capacity. Each such object leaves the
+    directory (for the Redis kind, a real redis-server), and every object still held is listed in
+    the tier that holds it: no peer is sent to this node for bytes it no longer has."""
+    s = TieredStore({"dram": {"capacity_bytes": 1 * MiB},
+                     "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 3 * MiB, "backend": backend,
+                             "bucket_size_bytes": 512 << 10, "bucket_max_keys": 2,
+                             "admission_policy": "all"}}).start()
+    d = make_directory_for()
+    reg = _registrar(s, d)  # type: ignore[arg-type]
+    try:
+        keys = [f"e{i:02d}" for i in range(24)]  # 6 MiB
+        for k in keys:
+            assert s.put([k], [payload(k, SIZE)]) == [Status.OK]
+            assert s.flush(timeout_s=30)
+        assert reg.wait_idle(10)
+        tiers = s.tier_of(keys, local_only=True)
+        assert None in tiers and "ssd" in tiers and "dram" in tiers, tiers
+        assert s.metrics()["ssd"]["evictions"] > 0
+
+        def listed_as_held() -> bool:
+            want = [[] if t is None else [(t, SIZE)] for t in s.tier_of(keys, local_only=True)]
+            return [[(loc.tier, loc.size) for loc in ls if loc.node == "N"] for ls in d.locate(keys)] == want
+
+        wait_until(listed_as_held, 10, "the directory lists exactly what the node holds")
+        gone = [k for k, t in zip(keys, s.tier_of(keys, local_only=True)) if t is None]
+        assert gone and d.leading(gone[:1]) == 0
+        assert not set(gone) & set(d.node_keys("N"))
+    finally:
+        reg.close()
+        s.close(flush=False)
 
 
 def test_a_directory_that_lost_the_node_and_dropped_events_are_resynced(store: TieredStore) -> None:
