@@ -1067,6 +1067,7 @@ class TieredStore:
             evicted_at = self._evictions.generation()
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
         sizes: dict[int, tuple[int, Tier]] = {}
+        absent: list[tuple[Tier, int]] = []  # per tier asked, the keys it did not hold: its misses
         todo = list(idx)
         for tier in tiers:
             if not todo:
@@ -1082,11 +1083,14 @@ class TieredStore:
                 if size is not None:
                     sizes[i] = (size, tier)
             todo = [i for i in todo if i not in sizes]
+            absent.append((tier, len(todo)))
         staged: list[tuple[int, Entry, Tier]] = []
         staged_bytes = staged_tokens = 0  # what the staged slots will hold against the share
         arena = self._dram.arena.view
         with self._lock:
             self._check_open()
+            for tier, n in absent:  # as get_into counts a tier's NOT_FOUND (_read_below)
+                m.tier(tier.name).misses += n
             for i, (size, tier) in sizes.items():
                 key = keys[i]
                 e = self._dram.entries.get(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -282,6 +283,91 @@ def test_a_big_batch_is_split_so_redis_never_answers_busy() -> None:
         d.close()
     assert busy == []
     assert calls["cmdstat_evalsha"]["calls"] >= 4 * (n // MAX_KEYS_PER_SCRIPT)  # register, leading, locate, remove
+
+
+class ClientCommands:
+    """The commands clients sent a Redis server, as the server executed them (MONITOR, on a
+    connection of its own): one per round trip of a client that does not pipeline. The commands a
+    script runs inside Redis (``redis.call`` within an EVALSHA) are listed under "lua" and are
+    not counted: only what crossed the network is."""
+
+    def __init__(self, port: int) -> None:
+        self._marker = redis.Redis(port=port, socket_timeout=30)
+        self._marker.ping()  # connected (and introduced) before the monitor starts
+        self._monitor = redis.Redis(port=port, socket_timeout=30).monitor()
+        self._monitor.__enter__()
+        self._seq = 0
+        self.take()
+
+    def take(self) -> list[str]:
+        """The names of the commands clients ran since the last take, in order (this counter's
+        own ECHO aside). Bounded: the ECHO of a fresh marker closes the window, and each read
+        waits 30 s at most (socket_timeout)."""
+        self._seq += 1
+        mark = f"mkv-window-{self._seq}"
+        self._marker.echo(mark)
+        names: list[str] = []
+        while True:
+            cmd = self._monitor.next_command()
+            if cmd["client_type"] == "lua":
+                continue
+            if cmd["command"] == f"ECHO {mark}":
+                return names
+            names.append(cmd["command"].split(" ", 1)[0].upper())
+
+    def close(self) -> None:
+        self._monitor.__exit__()
+        self._monitor.connection_pool.disconnect()
+        self._marker.close()
+
+
+def test_batched_lookups_are_one_round_trip_per_script_chunk(redis_server: RedisProcess) -> None:
+    """locate, leading, and the pool tier's lookups (PoolTier.contains and size_of: a locate with
+    this node excluded, the call its get_into makes too) of N keys cost one command each as Redis
+    executed it: exactly one EVALSHA for N = 1 .. MAX_KEYS_PER_SCRIPT, and exactly
+    ceil(N / MAX_KEYS_PER_SCRIPT) past it, never one per key (nor a pipeline of per-key
+    commands, which would show here as one command per key). leading stops at the first chunk
+    with a gap."""
+    from store_backend.pool.directory_redis import MAX_KEYS_PER_SCRIPT as limit
+    from store_backend.pool.tcp import TcpTransport
+    from store_backend.pool.tier import PoolTier
+
+    n_max = 2 * limit + 1
+    keys = [f"rt-{i}" for i in range(n_max)]
+    d = RedisDirectory(url=redis_server.url, namespace="rt", op_timeout_s=10.0)
+    d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 60.0)
+    d.heartbeat(NodeInfo("b", "127.0.0.1:2"), 60.0)
+    assert d.register("a", [(k, loc("a")) for k in keys]) == []
+    tier = PoolTier("b")
+    transport = TcpTransport("secret")  # bound, never dialled: lookups do not reach peers
+    tier.bind(d, transport)
+    lookups = {
+        "locate": lambda ks: sum(1 for row in d.locate(ks) if row == [loc("a")]),
+        "locate exclude": lambda ks: sum(1 for row in d.locate(ks, exclude="b") if row == [loc("a")]),
+        "leading": lambda ks: d.leading(ks),
+        "leading exclude": lambda ks: d.leading(ks, exclude="b"),
+        "PoolTier.contains": lambda ks: sum(tier.contains(ks)),
+        "PoolTier.size_of": lambda ks: sum(1 for size in tier.size_of(ks) if size == 10),
+    }
+    for fn in lookups.values():  # load the scripts first (a first EVALSHA is NOSCRIPT, then SCRIPT LOAD)
+        fn(["warm-up"])
+    counter = ClientCommands(redis_server.port)
+    try:
+        for n in (1, 64, 256, 1024, limit, limit + 1, n_max):
+            for name, fn in lookups.items():
+                assert fn(keys[:n]) == n, (name, n)
+                got = counter.take()
+                assert got == ["EVALSHA"] * math.ceil(n / limit), (name, n, len(got), sorted(set(got)))
+        # A gap in the first chunk: leading answers from that chunk alone.
+        assert d.leading([*keys[:10], "rt-absent", *keys[10:]]) == 10
+        assert counter.take() == ["EVALSHA"]
+        assert tier.contains(keys[:3] + ["rt-absent"]) == [True, True, True, False]
+        assert counter.take() == ["EVALSHA"]
+    finally:
+        counter.close()
+        tier.close()
+        transport.close()
+        d.close()
 
 
 def test_a_password_file_readable_by_others_is_refused_naming_it(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ from peers' TieredStores served by TcpTransportServer, located through an Embedd
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import xxhash
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
 from store_backend.pool.directory_embedded import EmbeddedDirectory
@@ -24,7 +26,7 @@ from store_backend.prometheus import StoreCollector
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
-from tests.store_backend.pool.transport_helpers import SECRET, payload
+from tests.store_backend.pool.transport_helpers import SECRET, FlipProxy, payload
 
 MiB = 1 << 20
 SIZE = 256 << 10
@@ -46,12 +48,12 @@ class Peer:
         self.server.start()
         directory.heartbeat(NodeInfo(node_id, self.server.address), 30.0)
 
-    def register(self, keys: list[str]) -> None:
+    def register(self, keys: list[str], size: int = SIZE) -> None:
         tiers = self.store.tier_of(keys, local_only=True)
         entries = []
         for k, t in zip(keys, tiers):
             assert t is not None, k
-            entries.append((k, Location(self.node_id, t, SIZE, xxh3(payload(k, SIZE)))))
+            entries.append((k, Location(self.node_id, t, size, xxh3(payload(k, size)))))
         self.directory.register(self.node_id, entries)
 
     def close(self) -> None:
@@ -64,9 +66,12 @@ def xxh3(a: np.ndarray) -> int:
 
 
 @contextmanager
-def local_node(directory: Any, node_id: str = "A", **tier_kw: Any) -> Iterator[tuple[TieredStore, PoolTier]]:
-    tier = PoolTier(node_id, timeout_s=5.0, **tier_kw)
-    transport = TcpTransport(SECRET)
+def local_node(directory: Any, node_id: str = "A", transport: TcpTransport | None = None,
+               **tier_kw: Any) -> Iterator[tuple[TieredStore, PoolTier]]:
+    """This node: a DRAM store whose last tier is a PoolTier (``tier_kw``; timeout_s 5 s unless
+    given) reading through ``transport`` (default: a new TcpTransport; closed at the end either way)."""
+    tier = PoolTier(node_id, **{"timeout_s": 5.0, **tier_kw})
+    transport = transport or TcpTransport(SECRET)
     store = TieredStore({"dram": {"capacity_bytes": 16 * MiB}}, tiers=[tier]).start()
     tier.bind(directory, transport)
     try:
@@ -255,3 +260,137 @@ def test_objects_a_pin_promotes_from_the_pool_count_as_pool_hits(directory: Embe
         assert store.tier_of(keys, local_only=True) == ["dram"] * 3
         st = store.stats().pool
         assert st.hits == 3 and st.bytes_read == 3 * SIZE
+
+
+# Batch 1: 24 objects of 128 KiB per peer (3 MiB: enough for a second stream, which takes at
+# least MIN_STREAM_BYTES = 1 MiB); batch 2: 550 objects of 4 KiB per peer (past KEYS_PER_FRAME =
+# 512 keys in one request frame: two frames, the first 2 MiB).
+# Get requests each peer's server sees per batch: with one stream, one per frame; with two, a
+# frame is also split by bytes over both streams (one request each, in parallel), a small one not.
+_REQUESTS_PER_PEER = {1: (1, 2), 2: (2, 3)}
+
+
+@pytest.mark.parametrize("streams", sorted(_REQUESTS_PER_PEER))
+def test_a_batch_is_one_get_request_per_peer_not_one_per_key(directory: EmbeddedDirectory, streams: int) -> None:
+    """A get_into of many keys held by two peers, interleaved in the batch, sends each peer's
+    transport server one get request for its share (its "requests" counter), one more per stream
+    or per 512-key frame only, never one per key; the client sent no other request, and every
+    object arrives byte for byte."""
+    from store_backend.pool.tcp import KEYS_PER_FRAME
+
+    batches = [([f"big{i}" for i in range(48)], 128 << 10), ([f"small{i}" for i in range(1100)], 4 << 10)]
+    assert len(batches[1][0]) // 2 > KEYS_PER_FRAME  # each peer's share of batch 2 needs two frames
+    with ExitStack() as stack:
+        peers = []
+        for node in ("B", "C"):
+            p = Peer(node, _peer_store(None), directory)
+            stack.callback(p.close)
+            peers.append(p)
+        for keys, size in batches:
+            for j, p in enumerate(peers):  # even keys on B, odd keys on C
+                mine = keys[j::2]
+                assert p.store.put(mine, [payload(k, size) for k in mine]) == [Status.OK] * len(mine)
+                p.register(mine, size)
+        transport = TcpTransport(SECRET, streams=streams)
+        store, tier = stack.enter_context(local_node(directory, transport=transport))
+        for (keys, size), per_peer in zip(batches, _REQUESTS_PER_PEER[streams]):
+            served_before = [p.server.stats()["requests"] for p in peers]
+            sent_before = transport.stats()["requests"]
+            bufs = [bytearray(size) for _ in keys]
+            assert [r.status for r in store.get_into(keys, bufs)] == [Status.OK] * len(keys)
+            for k, buf in zip(keys, bufs):
+                assert bytes(buf) == payload(k, size).tobytes(), k
+            served = [p.server.stats()["requests"] - b for p, b in zip(peers, served_before)]
+            assert served == [per_peer, per_peer], (len(keys), size, served)
+            assert transport.stats()["requests"] - sent_before == 2 * per_peer
+        assert tier.extra_stats()["hits"] == sum(len(keys) for keys, _ in batches)
+
+
+def _pool_samples(store: TieredStore) -> dict[str, float]:
+    """The pool tier's samples in the store's Prometheus exposition, rendered and parsed back as
+    a scrape reads them: ``name`` or ``name{kind}`` (failures) -> value."""
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            if sample.labels.get("tier") == "pool":
+                kind = sample.labels.get("kind")
+                out[f"{sample.name}{{{kind}}}" if kind else sample.name] = sample.value
+    return out
+
+
+def test_the_pool_tiers_hits_misses_bytes_and_failures_by_kind_are_exported_by_value(
+        directory: EmbeddedDirectory) -> None:
+    """One get_into over a peer that serves four keys (hits), two keys no node holds, a peer whose
+    bytes are flipped on the way (a relay: CORRUPT against the directory's checksum), a peer that
+    accepts connections and never answers (timeout) and one whose port is closed (peer gone): the
+    store's Prometheus exposition shows, under tier="pool", exactly 4 hits, 4 objects' bytes read,
+    5 misses (the absent and the failed keys), and failures checksum 1, timeout 1, peer_gone 1,
+    every other kind 0."""
+    fam = "mooncake_kv_tier_"
+    with ExitStack() as stack:
+        hits = [f"h{i}" for i in range(4)]
+        b = Peer("B", _peer_store(None), directory)
+        stack.callback(b.close)
+        assert b.store.put(hits, [payload(k, SIZE) for k in hits]) == [Status.OK] * 4
+        b.register(hits)
+        c = Peer("C", _peer_store(None), directory)
+        stack.callback(c.close)
+        assert c.store.put(["flip"], [payload("flip", SIZE)]) == [Status.OK]
+        c.register(["flip"])
+        # C is dialled through a relay that flips one byte of what C sends, inside the object
+        # (past the greeting and the reply header).
+        proxy = FlipProxy(c.server.address, flip_at=64 << 10, direction="down")
+        stack.callback(proxy.close)
+        directory.heartbeat(NodeInfo("C", proxy.address), 30.0)
+        # D: the kernel accepts its connections (backlog), nothing ever answers.
+        mute = socket.create_server(("127.0.0.1", 0))
+        stack.callback(mute.close)
+        directory.heartbeat(NodeInfo("D", "127.0.0.1:%d" % mute.getsockname()[1]), 30.0)
+        directory.register("D", [("slow", Location("D", "dram", SIZE, xxh3(payload("slow", SIZE))))])
+        # E: alive in the directory, its port closed (connection refused).
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            gone_port = s.getsockname()[1]
+        directory.heartbeat(NodeInfo("E", f"127.0.0.1:{gone_port}"), 30.0)
+        directory.register("E", [("gone", Location("E", "dram", SIZE, xxh3(payload("gone", SIZE))))])
+        store, _tier = stack.enter_context(local_node(directory, timeout_s=1.0))
+        before = _pool_samples(store)
+        assert before[f"{fam}hits_total"] == before[f"{fam}misses_total"] == before[f"{fam}read_bytes_total"] == 0
+        keys = [*hits, "flip", "slow", "gone", "absent0", "absent1"]
+        bufs = [bytearray(SIZE) for _ in keys]
+        got = [r.status for r in store.get_into(keys, bufs)]
+        assert got == [Status.OK] * 4 + [Status.CORRUPT, Status.IO_ERROR, Status.IO_ERROR] + [Status.NOT_FOUND] * 2
+        assert all(bytes(buf) == payload(k, SIZE).tobytes() for k, buf in zip(hits, bufs))
+        assert proxy.flipped == 1
+        samples = _pool_samples(store)
+        assert samples[f"{fam}hits_total"] == 4
+        assert samples[f"{fam}read_bytes_total"] == 4 * SIZE
+        assert samples[f"{fam}misses_total"] == 5
+        failures = {k.split("{")[1].rstrip("}"): v for k, v in samples.items() if k.startswith(f"{fam}failures_total")}
+        assert failures == {"checksum": 1, "io_error": 0, "capacity": 0, "peer_gone": 1, "timeout": 1,
+                            "refused": 0, "protocol": 0, "directory": 0}
+
+
+def test_a_lease_of_a_key_no_node_holds_counts_a_pool_miss_as_get_into_does(directory: EmbeddedDirectory) -> None:
+    """The node service's read path (lease, staging in from the tiers below) counts a key that no
+    node holds as a miss of the pool tier, as get_into does, and a key a peer serves as a hit
+    only: the two paths give the pool tier the same misses for the same keys."""
+    with ExitStack() as stack:
+        b = Peer("B", _peer_store(None), directory)
+        stack.callback(b.close)
+        assert b.store.put(["g", "l"], [payload("g", SIZE), payload("l", SIZE)]) == [Status.OK] * 2
+        b.register(["g", "l"])
+        store, _tier = stack.enter_context(local_node(directory))
+        assert [r.status for r in store.get_into(["g", "absent-g"], [bytearray(SIZE), bytearray(SIZE)])] == \
+            [Status.OK, Status.NOT_FOUND]
+        st = store.stats().pool
+        assert (st.hits, st.misses) == (1, 1)
+        leases = store.lease(["l", "absent-l"])
+        assert [ls.status for ls in leases] == [Status.OK, Status.NOT_FOUND]
+        assert bytes(leases[0].view) == payload("l", SIZE).tobytes()
+        assert store.release(leases[:1]) == [True]
+        st = store.stats().pool
+        assert (st.hits, st.misses) == (2, 2)
+        assert _pool_samples(store)["mooncake_kv_tier_misses_total"] == 2
