@@ -221,7 +221,9 @@ class PoolService:
                 on_stored=self.replicator.offer if self.replicator is not None else None,
                 pull_margin_s=cfg.timeout_s, dead_node_gc_s=cfg.directory.dead_node_gc_s,
                 peer_put=served.take_peer_put, remove_log=self.tier.remove_log,
-                on_restored=self.tier.owe_removes).start()
+                on_restored=self.tier.owe_removes)
+            # Assigned before it starts: its first heartbeat publishes info() with its counters.
+            self.registrar.start()
             served.committed_after = self.registrar.committed_after
             # Engines are served once the first resync has deleted what the pool removed meanwhile.
             if cfg.start_resync_wait_s and not self.registrar.wait_resynced(cfg.start_resync_wait_s):

@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from store_backend.node.client import NodeClient
+from store_backend.pool.directory import DirectoryUnavailable
 from store_backend.pool.directory_redis import RedisDirectory
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import ServiceProcess, service_config, short_dir, wait_until
@@ -185,6 +186,17 @@ def read_ok(client: NodeClient, keys: list[str], size: int, version: int | dict[
 
 def directory_of(redis_url: str) -> RedisDirectory:
     return RedisDirectory(url=redis_url, op_timeout_s=2.0)
+
+
+def published(directory: RedisDirectory, node: str) -> dict[str, int] | None:
+    """The counters ``node`` published with its last heartbeat (NodeInfo.counters: its tiers'
+    hits, its registrar's, its transport server's as ``server_<name>``), refreshed every
+    ``heartbeat_s``; None while the directory cannot be asked or does not list it alive."""
+    try:
+        info = next((n for n in directory.nodes() if n.node_id == node and n.alive), None)
+    except DirectoryUnavailable:
+        return None
+    return None if info is None else dict(info.counters)
 
 
 def wait_located(directory: RedisDirectory, keys: list[str], node: str, timeout_s: float = 20.0,

@@ -21,6 +21,7 @@ from tests.store_backend.pool.pool_nodes import (
     PoolNode,
     check_payload,
     make_payload,
+    published,
     put_all,
     read,
     read_ok,
@@ -99,6 +100,14 @@ def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_t
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(pool: Pool) -> None:
+    """C streams reads, two keys at a time, of objects A and B both hold (A listed first: DRAM
+    ties go by node id), and A is SIGKILLed once the first batch is in. The stream holds at its
+    halfway point until the kill has been delivered (A reaped), so half of the reads at least
+    start after it, whatever the machine's load. Every read, before and after, is OK and byte for
+    byte right; C's pool tier counts each one (C held none of them), C's transport counts the
+    reads A failed after the kill (C still asked it: its locations outlive it by up to its TTL),
+    which C then read again from B, and B's transport server counts at least the bytes of every
+    read started after the kill as sent."""
     (a, b, c), d = pool
     keys = [f"r2-{i:03d}" for i in range(60)]
     put_all(a.client(), {k: make_payload(k, 5, SIZE) for k in keys})
@@ -107,12 +116,58 @@ def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(pool: Pool) ->
     on_b = [k for k, ls in zip(keys, d.locate(keys)) if {loc.node for loc in ls} == {"A", "B"}]
     assert len(on_b) >= 10, d.locate(keys)
     cc = c.client()
-    outcomes: list[tuple[str, Status]] = []
-    t, errors = _start_stream_reads(cc, on_b, 5, outcomes)
-    a.kill()
-    t.join(120)
-    assert not errors, errors
-    assert [s for _k, s in outcomes] == [Status.OK] * len(on_b)
+    assert set(on_b).isdisjoint(cc.keys())  # every read of them is C's pool tier's
+    pool_before = cc.stats().pool
+    b_before = published(d, "B")
+    assert b_before is not None
+
+    killed = threading.Event()  # set once A's process was reaped
+    reads: list[tuple[str, Status, bool]] = []  # (key, status, the read started after the kill)
+    errors: list[BaseException] = []
+    first_batch = threading.Event()
+
+    def stream() -> None:
+        try:
+            for at in range(0, len(on_b), 2):
+                if at >= len(on_b) // 2 and not killed.wait(30):
+                    raise AssertionError("A was not reaped within 30 s")
+                after = killed.is_set()
+                chunk = on_b[at:at + 2]
+                got, bufs = read(cc, chunk, SIZE)
+                for k, r, buf in zip(chunk, got, bufs):
+                    if r.status is Status.OK:
+                        check_payload(k, buf, 5)
+                    reads.append((k, r.status, after))
+                first_batch.set()
+                time.sleep(0.02)
+        except BaseException as e:  # a wrong byte: reported below
+            errors.append(e)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert first_batch.wait(30)
+        a.kill()  # SIGKILL, then the wait for the process
+    finally:
+        killed.set()
+        t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert [k for k, _s, _a in reads] == on_b
+    assert [s for _k, s, _a in reads] == [Status.OK] * len(on_b), reads
+    after = [k for k, _s, aft in reads if aft]
+    assert len(after) >= len(on_b) // 2, reads
+    pool_after = cc.stats().pool
+    assert pool_after.hits - pool_before.hits == len(on_b)
+    failed = {k: getattr(pool_after.failures, k) - getattr(pool_before.failures, k)
+              for k in ("peer_gone", "timeout", "protocol")}
+    assert sum(failed.values()) > 0, failed  # C asked A after the kill, and got the bytes from B
+    # B's server, the only live holder after the kill, sent the bytes of every read since (its
+    # counters reach the directory with its next heartbeat).
+    def sent_by_b() -> int:
+        now = published(d, "B") or {}
+        return now.get("server_bytes_sent", 0) - b_before.get("server_bytes_sent", 0)
+
+    wait_until(lambda: sent_by_b() >= len(after) * SIZE, 5, "B's server counting what it sent after the kill")
 
 
 def test_a_restarted_node_registers_its_ssd_objects_again_and_serves_them(
