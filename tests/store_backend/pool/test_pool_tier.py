@@ -61,6 +61,16 @@ class Peer:
         self.store.close(flush=False)
 
 
+def serving_peer(stack: ExitStack, directory: Any, node_id: str, keys: list[str], size: int = SIZE) -> Peer:
+    """A DRAM-only peer ``node_id`` (closed with ``stack``) holding ``keys`` (``payload`` bytes of
+    ``size``), registered in ``directory``."""
+    p = Peer(node_id, _peer_store(None), directory)
+    stack.callback(p.close)
+    assert p.store.put(keys, [payload(k, size) for k in keys]) == [Status.OK] * len(keys)
+    p.register(keys, size)
+    return p
+
+
 def xxh3(a: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(a.tobytes())
 
@@ -104,10 +114,7 @@ def test_reads_come_from_peers_dram_and_ssd_byte_identical_and_stay_as_local_rep
     dram_keys = [f"d{i}" for i in range(6)]
     ssd_keys = [f"s{i}" for i in range(6)]
     with ExitStack() as stack:
-        b = Peer("B", _peer_store(None), directory)
-        stack.callback(b.close)
-        assert b.store.put(dram_keys, [payload(k, SIZE) for k in dram_keys]) == [Status.OK] * 6
-        b.register(dram_keys)
+        b = serving_peer(stack, directory, "B", dram_keys)
         c = Peer("C", _evicted_to_ssd(tmp_path / "c", ssd_keys), directory)
         stack.callback(c.close)
         c.register(ssd_keys)
@@ -198,10 +205,7 @@ class DownDirectory(EmbeddedDirectory):
 def test_a_directory_outage_is_answered_as_misses_at_once_for_retry_after_s() -> None:
     d = DownDirectory()
     with ExitStack() as stack:
-        b = Peer("B", _peer_store(None), d)
-        stack.callback(b.close)
-        assert b.store.put(["k"], [payload("k", SIZE)]) == [Status.OK]
-        b.register(["k"])
+        serving_peer(stack, d, "B", ["k"])
         store, tier = stack.enter_context(local_node(d, retry_after_s=1.0))
         assert store.put(["mine"], [payload("mine", SIZE)]) == [Status.OK]
         d.down = True
@@ -232,10 +236,7 @@ def test_a_directory_outage_is_answered_as_misses_at_once_for_retry_after_s() ->
 
 def test_remove_goes_through_the_pool_to_every_live_holder(directory: EmbeddedDirectory) -> None:
     with ExitStack() as stack:
-        b = Peer("B", _peer_store(None), directory)
-        stack.callback(b.close)
-        assert b.store.put(["k", "j"], [payload("k", SIZE), payload("j", SIZE)]) == [Status.OK] * 2
-        b.register(["k", "j"])
+        b = serving_peer(stack, directory, "B", ["k", "j"])
         store, _tier = stack.enter_context(local_node(directory))
         assert store.get_into(["k"], [bytearray(SIZE)])[0].status is Status.OK  # a local replica now
         assert store.remove(["k", "absent"]) == [Status.OK, Status.NOT_FOUND]
@@ -249,11 +250,8 @@ def test_remove_goes_through_the_pool_to_every_live_holder(directory: EmbeddedDi
 
 def test_objects_a_pin_promotes_from_the_pool_count_as_pool_hits(directory: EmbeddedDirectory) -> None:
     with ExitStack() as stack:
-        b = Peer("B", _peer_store(None), directory)
-        stack.callback(b.close)
         keys = ["p0", "p1", "p2"]
-        assert b.store.put(keys, [payload(k, SIZE) for k in keys]) == [Status.OK] * 3
-        b.register(keys)
+        serving_peer(stack, directory, "B", keys)
         store, _tier = stack.enter_context(local_node(directory))
         assert store.pin(keys) == [True] * 3  # queues their promotion: read from B into DRAM
         assert store._promoter.wait_idle(10)
@@ -331,14 +329,8 @@ def test_the_pool_tiers_hits_misses_bytes_and_failures_by_kind_are_exported_by_v
     fam = "mooncake_kv_tier_"
     with ExitStack() as stack:
         hits = [f"h{i}" for i in range(4)]
-        b = Peer("B", _peer_store(None), directory)
-        stack.callback(b.close)
-        assert b.store.put(hits, [payload(k, SIZE) for k in hits]) == [Status.OK] * 4
-        b.register(hits)
-        c = Peer("C", _peer_store(None), directory)
-        stack.callback(c.close)
-        assert c.store.put(["flip"], [payload("flip", SIZE)]) == [Status.OK]
-        c.register(["flip"])
+        serving_peer(stack, directory, "B", hits)
+        c = serving_peer(stack, directory, "C", ["flip"])
         # C is dialled through a relay that flips one byte of what C sends, inside the object
         # (past the greeting and the reply header).
         proxy = FlipProxy(c.server.address, flip_at=64 << 10, direction="down")
@@ -378,10 +370,7 @@ def test_a_lease_of_a_key_no_node_holds_counts_a_pool_miss_as_get_into_does(dire
     node holds as a miss of the pool tier, as get_into does, and a key a peer serves as a hit
     only: the two paths give the pool tier the same misses for the same keys."""
     with ExitStack() as stack:
-        b = Peer("B", _peer_store(None), directory)
-        stack.callback(b.close)
-        assert b.store.put(["g", "l"], [payload("g", SIZE), payload("l", SIZE)]) == [Status.OK] * 2
-        b.register(["g", "l"])
+        serving_peer(stack, directory, "B", ["g", "l"])
         store, _tier = stack.enter_context(local_node(directory))
         assert [r.status for r in store.get_into(["g", "absent-g"], [bytearray(SIZE), bytearray(SIZE)])] == \
             [Status.OK, Status.NOT_FOUND]
