@@ -60,6 +60,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -156,6 +157,15 @@ class _SaveJob:
     parent: str | None
     res: Reservation | None = None
     done: Any = None  # GPU: the side stream's event after this step's last gather
+
+
+def _log_failed_loads(reasons: Counter[str], planned: int) -> None:
+    """One warning per step naming why its failed chunk loads failed (``reasons``: count per
+    reason, of ``planned`` chunks), so a request vLLM fails (policy "fail") or recomputes says why
+    in the server log. Nothing when none failed."""
+    if reasons:
+        logger.warning("%d of %d chunks of this step's loads failed (%s); recomputing them",
+                       sum(reasons.values()), planned, ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())))
 
 
 class WorkerSide:
@@ -453,13 +463,13 @@ class WorkerSide:
         # in node mode counts them as present, but only this worker commits them, at a later step's
         # start, so a lease would wait for a commit that cannot come while it waits.
         own = {job.key for job in self._held.values()}
+        skipped: Counter[str] = Counter()  # chunks failed before any read, by reason
         for plan in meta.requests:
             for chunk in plan.loads:
                 if object_key(self.digest, chunk.chunk_hash) in own:
                     self.counters["loads_own_held"] += 1
                     self._fail_load(plan.req_id, chunk)
-                    logger.warning("a load of a chunk this worker still holds unsaved is recomputed (request %s)",
-                                   plan.req_id)
+                    skipped["still held unsaved by this worker"] += 1
                     continue
                 buf = None
                 if not slots:
@@ -468,12 +478,12 @@ class WorkerSide:
                         self.counters["loads_failed_staging"] += 1
                         self.client.count(staging_failures=1)
                         self._fail_load(plan.req_id, chunk)
-                        logger.warning("no staging buffer came free within %.1f s for a load of request %s; "
-                                       "recomputing the chunk", self.cfg.load_timeout_s, plan.req_id)
+                        skipped[f"no staging buffer free within {self.cfg.load_timeout_s:.1f} s"] += 1
                         continue
                 chunks.append(LoadChunk(plan.req_id, chunk, kernel_block_ids(chunk.block_ids, self.ratio),
                                         chunk.first_block * self.ratio, buf=buf))
                 keys.append(object_key(self.digest, chunk.chunk_hash))
+        _log_failed_loads(skipped, len(chunks) + sum(skipped.values()))
         if not chunks:
             return
         if slots:
@@ -579,19 +589,15 @@ class WorkerSide:
                 self._fail_load(c.req_id, c.plan)
             return
         damaged: list[str] = []
-        failed: dict[str, int] = {}
+        failed: Counter[str] = Counter()
         for c in job.chunks:
             if c.ok:
                 continue
             self._fail_load(c.req_id, c.plan)
-            failed[c.status.name] = failed.get(c.status.name, 0) + 1
+            failed[c.status.name] += 1
             if c.status is Status.CORRUPT:
                 damaged.append(object_key(self.digest, c.plan.chunk_hash))
-        if failed:
-            # Named, so that a request vLLM fails (policy "fail") or recomputes says why in the log.
-            logger.warning("%d of %d chunks of this step's loads could not be read (%s); recomputing them",
-                           sum(failed.values()), len(job.chunks),
-                           ", ".join(f"{n} {why}" for why, n in sorted(failed.items())))
+        _log_failed_loads(failed, len(job.chunks))
         if damaged:
             # NOT_FOUND: the store already dropped the record that failed its checksum.
             # On the slot thread (not waited for), ahead of any later step's reserve of the keys.
