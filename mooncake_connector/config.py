@@ -77,6 +77,10 @@ class NodeAttachConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op_timeout_s: float = 30.0
     # An auto-started service exits this long after its last client left (null: never).
     idle_exit_s: float | None = 300.0
+    # Check every object read against its writer's checksum (a mismatch is a failed load, never
+    # wrong bytes); null: as the service's `verify_reads` says (off unless set there: the service
+    # keeps no checksums then, and a true here only counts unverified reads).
+    verify_reads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.socket is not None:

@@ -7,11 +7,13 @@ then on) and the old epoch's objects are removed in the background by :class:`Ep
 
 The epoch must survive a restart, or KV stored before a reset would be found again at epoch 0 after
 a crash: :class:`EpochFile` keeps it in ``<ssd.path>/mooncake-kv-epoch`` (JSON ``{"epoch": N,
-"reset": bool}``), written atomically (temporary file, fsync, rename, fsync of the directory) under an exclusive
-``flock`` of ``mooncake-kv-epoch.lock`` beside it, and it only ever grows, whichever process of the
-node advances it. The SSD backends ignore files whose names are not theirs, and with several ranks
-the configured ``ssd.path`` holds one subdirectory per rank, so these two files sit beside them. A
-store without an SSD tier loses everything on a restart anyway: its epoch lives in memory.
+"reset": bool}``; mode 0600, in a directory nobody else may write: a planted older epoch would serve
+KV from before a reset), written atomically (temporary file, fsync, rename, fsync of the directory)
+under an exclusive ``flock`` of ``mooncake-kv-epoch.lock`` beside it, and it only ever grows,
+whichever process of the node advances it. The SSD backends ignore files whose names are not theirs,
+and with several ranks the configured ``ssd.path`` holds one subdirectory per rank, so these two
+files sit beside them. A store without an SSD tier loses everything on a restart anyway: its epoch
+lives in memory.
 
 An epoch created by a reset is never reused by a restart. A reset usually follows a weight update
 made in memory (an RL weight sync, ``collective_rpc``): the KV saved after it was computed with
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from store_backend.api import KVStore
 from store_backend.config import ConfigError
 from store_backend.ownership import lock_holders
+from store_backend.private import ensure_private_dir, open_private
 from store_backend.threads import Deadline, join_threads
 from store_backend.types import Status
 
@@ -90,6 +93,8 @@ class EpochFile:
         if self.directory is None:
             return self._memory_epoch, self._memory_epoch > 0
         assert self.path is not None
+        if os.path.lexists(self.directory):
+            self._check_directory()
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
@@ -143,6 +148,14 @@ class EpochFile:
                             epoch - 1, epoch)
             return epoch
 
+    def _check_directory(self) -> None:
+        """Make the directory (0700) or refuse one another user could write the epoch into
+        (:func:`store_backend.private.ensure_private_dir`: NotPrivateError naming its path, owner,
+        mode and the fix). In node mode it is the service's SSD directory: a client running as
+        root accepts the service user's (it trusts that service already)."""
+        assert self.directory is not None
+        ensure_private_dir(self.directory, "ssd.path", root_trusts_owner=True)
+
     def _partials(self) -> list[str]:
         assert self.path is not None
         return glob.glob(glob.escape(self.path) + ".*" + PARTIAL_SUFFIX)
@@ -153,7 +166,7 @@ class EpochFile:
         reset in progress); then they stay for a later start, and this start never waits or fails."""
         assert self.directory is not None
         try:
-            lock_fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            lock_fd = open_private(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT)
         except OSError as e:
             logger.debug("cache epoch: left partial files in %s (lock file: %s)", self.directory, e.strerror)
             return
@@ -183,9 +196,9 @@ class EpochFile:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         assert self.directory is not None
-        os.makedirs(self.directory, exist_ok=True)
+        self._check_directory()
         lock_path = os.path.join(self.directory, LOCK_FILE)
-        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock_fd = open_private(lock_path, os.O_RDWR | os.O_CREAT)
         try:
             deadline = time.monotonic() + self.lock_timeout_s
             while True:
@@ -208,7 +221,7 @@ class EpochFile:
     def _write(self, epoch: int, *, from_reset: bool) -> None:
         assert self.directory is not None and self.path is not None
         tmp = f"{self.path}.{os.getpid()}.partial"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             os.write(fd, json.dumps({"epoch": epoch, "reset": from_reset}).encode())
             os.fsync(fd)

@@ -107,7 +107,7 @@ def _open_node(node: NodeAttachConfig, path: str, name: str, max_connections: in
     """A started NodeClient for the service at ``path`` (auto-started when configured)."""
     starter = _starter(node, path)
     client = NodeClient(path, name=name, max_connections=max_connections, connect_timeout_s=node.connect_timeout_s,
-                        op_timeout_s=node.op_timeout_s, starter=starter)
+                        op_timeout_s=node.op_timeout_s, starter=starter, verify_reads=node.verify_reads)
     try:
         client.start()
     except ConnectionError as e:

@@ -32,15 +32,16 @@ Contract shared by every method unless it says otherwise:
   to every reader (``get_into``, ``lease``, ``contains``, ``exists``) until ``commit`` returns OK;
   a second ``reserve`` or ``put`` of it answers EXISTS. A lease keeps the object's bytes from
   eviction and overwrite until ``release``; a ``remove`` meanwhile takes the key at once and the
-  last releaser frees the bytes. Every token has an owner (``owner``, default 0; the node service
-  passes its connection) and a TTL that bounds its *result*: a commit after it answers IO_ERROR, a
-  release after it answers False (the read is void); the bytes stay held until the owner commits,
-  aborts, releases, or ``reclaim(owner)`` runs, so a slot is never reused while a live process may
-  still touch it. A token unknown, used, or another owner's answers IO_ERROR/False with no effect.
-  Per owner at most ``max_held_fraction`` (0.5) of the arena, counted in whole allocator blocks, and
-  65536 tokens (beyond: NO_SPACE; one object larger than that share: TOO_LARGE, permanent). The
-  embedded store also takes ``group`` on reserve/lease: owners of one group share one limit (the
-  node service passes the peer process), while ``reclaim`` still ends one owner's tokens.
+  last releaser frees the bytes. Every token has an owner (``owner``, default 0) and a TTL that
+  bounds its *result*: a commit after it answers IO_ERROR, a release after it answers False (the
+  read is void); a reservation's bytes stay held until the owner commits, aborts, or
+  ``reclaim(owner)`` runs, so a slot is never reused while a live process may still write it. A
+  token unknown, used, or another owner's answers IO_ERROR/False with no effect. Per share at most
+  ``max_held_fraction`` (0.5) of the arena, counted in whole allocator blocks, and 65536 tokens
+  (beyond: NO_SPACE; one object larger than that share: TOO_LARGE, permanent). The embedded store's
+  share is the owner's (or a ``group`` of owners); the node service's is the client process's (all
+  of a NodeClient's owners, its puts and gets, and its pins), and it keeps a process's tokens until
+  the process ends them or exits (docs/NODE.md, "Slots, and when their memory is reused").
 - **Lookups across shards**: ``exists_all`` answers the shortest leading run over several key lists
   (one round trip for all TP ranks); ``exists(..., count_reserved=True)`` counts saves in flight,
   ``exists(..., wait_s=S)`` waits up to S seconds for the keys to be committed.

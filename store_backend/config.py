@@ -147,6 +147,13 @@ class SsdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         one_of("admission_policy", self.admission_policy, admission_names())
 
 
+# offload.put_wait_s: chosen from the write-burst benchmark (docs/PERFORMANCE.md, "Write bursts").
+PUT_WAIT_S_DEFAULT = 1.0
+# offload.write_threads: chosen from the offload-vs-fio benchmark (docs/PERFORMANCE.md, "Write bursts").
+WRITE_THREADS_DEFAULT = 4
+MAX_PUT_WAIT_S = 3600.0
+
+
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When objects move from DRAM to SSD (never on the put path)."""
 
@@ -162,8 +169,21 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     queue_max_objects: int = 65536
     # Most bytes handed to the SSD backend in one write batch.
     batch_bytes: int = 64 * MiB
+    # SSD write batches in flight at once (offload threads), so that one batch's checksums, file
+    # creation and sync overlap the next one's write. All of them together lease at most half of
+    # DRAM (each batch at most its share of that half).
+    write_threads: int = WRITE_THREADS_DEFAULT
+    # With an SSD tier, an object put in DRAM is never dropped before its SSD copy exists. When
+    # DRAM is full of objects not yet written down, a put waits up to this many seconds (blocking
+    # its caller, a connector's I/O thread) for the offload to make room, then is refused
+    # (NO_SPACE: a save not stored). 0: refused at once. Slot reserves wait only when asked. A wait
+    # seldom lasts past one batch write (10-30 ms here), so the default keeps every put of bursts
+    # at 1-4 times the SSD's rate; it bounds the stall of an SSD that hangs (docs/PERFORMANCE.md).
+    put_wait_s: float = PUT_WAIT_S_DEFAULT
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.put_wait_s <= MAX_PUT_WAIT_S:
+            raise ValueError(f"put_wait_s: must be in [0, {MAX_PUT_WAIT_S:g}] seconds, got {self.put_wait_s}")
         _fraction("high_watermark", self.high_watermark)
         _fraction("low_watermark", self.low_watermark)
         if self.low_watermark >= self.high_watermark:
@@ -172,6 +192,8 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         _positive("queue_max_objects", self.queue_max_objects)
         _size("batch_bytes", self.batch_bytes)
+        if not 1 <= self.write_threads <= 16:
+            raise ValueError(f"write_threads: must be in [1, 16], got {self.write_threads}")
 
 
 class PromotionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

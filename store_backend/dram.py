@@ -13,12 +13,14 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable
 
 from store_backend.allocator import OffsetAllocator
 from store_backend.config import ConfigError, DramConfig
 from store_backend.ownership import HeldLock, flock_or_raise
+from store_backend.private import NotPrivateError, check_private_fd, open_private
 from store_backend.policies.base import EvictionPolicy
 from store_backend.policies.registry import make_policy
 
@@ -34,7 +36,7 @@ class EntryState(enum.Enum):
 
 class Entry:
     __slots__ = ("key", "offset", "size", "state", "leases", "persisted", "declined", "offload_failures",
-                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq", "freed", "replica")
+                 "offload_queued", "pins", "pin_deadline", "parent", "put_seq", "freed", "replica", "checksum")
 
     def __init__(self, key: str, offset: int, size: int, parent: str | None) -> None:
         self.key = key
@@ -52,6 +54,9 @@ class Entry:
         self.put_seq = 0  # the store's number of the put that stored it (0: not numbered)
         self.freed = False  # its block went back to the allocator (it may belong to another entry now)
         self.replica = False  # a copy read from another node (the pool): dropping it loses nothing
+        # object_checksum(key, bytes) of what was written, when the store keeps checksums (its arena
+        # is shared: readers in other processes verify what they copied); None otherwise.
+        self.checksum: int | None = None
 
     @property
     def clean(self) -> bool:
@@ -68,8 +73,9 @@ class Entry:
 
 
 def unlink_leftover_segments(shm_name: str) -> None:
-    """Unlink every fresh segment ``<shm_name>-<digits>`` in /dev/shm whose lock is free: its owner
-    died (a live owner holds its lock, and its segment is left alone). What a fresh arena does
+    """Unlink every fresh segment ``<shm_name>-<digits>`` in /dev/shm of this user whose lock is
+    free: its owner died (a live owner holds its lock, and its segment is left alone; so is every
+    segment of another user). What a fresh arena does
     before it makes its own; also for whoever ran owners that were killed (tests, scripts)."""
     prefix = shm_name + "-"
     try:
@@ -85,6 +91,8 @@ def unlink_leftover_segments(shm_name: str) -> None:
         except OSError:
             continue  # gone meanwhile, or not ours to open
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue  # another user's (root can open it): never ours to unlink
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -107,6 +115,8 @@ class Arena:
     open (``posix_fallocate``): an arena that does not fit /dev/shm, alone or beside the segments
     of other ranks, is refused with :class:`ConfigError` at open instead of dying of SIGBUS at the
     first write past the room. Every failure after the segment was made removes it again. A
+    segment is made with O_EXCL, 0600; one that is there already (a crashed owner's) is reused
+    only when it is this user's and neither group nor others may open it. A
     private arena is anonymous memory, mapped lazily as before.
     """
 
@@ -140,13 +150,52 @@ class Arena:
         unlink_leftover_segments(shm_name)
         return f"{shm_name}-{time.time_ns()}"
 
+    def _open_segment(self, shm_name: str) -> int:
+        """A read-write descriptor of the segment at ``shm_path``: one made here (O_EXCL, 0600
+        whatever the umask), or the one there once it passed
+        :func:`store_backend.private.check_private_fd` (this user's, no group or other access:
+        another user's segment, which that user could read and write under the store, is refused
+        and left as it is). -1 when the path vanished meanwhile (try again). Raises ConfigError
+        (NotPrivateError naming the path, owner, mode and fix)."""
+        path = self.shm_path
+        assert path is not None
+        field = f"dram.shm_name={shm_name!r}"
+        try:
+            return open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"{field}: cannot create {path}: {e.strerror}") from None
+        fix = (f"remove it (rm {path}, as its owner or root; the store then makes its own) or choose another "
+               "dram.shm_name")
+        try:
+            # O_NOFOLLOW: a symbolic link planted at the name is refused (ELOOP), never followed.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1
+        except OSError as e:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                raise ConfigError(f"{field}: cannot open {path}: {e.strerror}") from None
+            mode = stat.S_IMODE(st.st_mode)
+            raise NotPrivateError(f"{field}: {path} exists (owner uid {st.st_uid}, mode {mode:04o}) and cannot be "
+                                  f"opened: {e.strerror}; {fix}", path, st.st_uid, mode) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"{field}: {path} exists and is not a shared-memory segment; {fix}")
+            check_private_fd(fd, path, field, fix)
+        except BaseException:
+            os.close(fd)  # not ours: leave it exactly as it is
+            raise
+        return fd
+
     def _map_segment(self, capacity_bytes: int, shm_name: str) -> mmap.mmap:
         assert self.shm_path is not None
         for _attempt in range(10):
-            try:
-                fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as e:
-                raise ConfigError(f"dram.shm_name={shm_name!r}: cannot open {self.shm_path}: {e.strerror}") from None
+            fd = self._open_segment(shm_name)
+            if fd < 0:
+                continue
             try:
                 flock_or_raise(fd, self.shm_path, "dram.shm_name")
                 # The owner unlinks before it unlocks: a lock won on a segment it just unlinked is

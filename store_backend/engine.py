@@ -1,8 +1,9 @@
 """Owned background workers that move bytes between tiers (offload to SSD, promotion to DRAM).
 
-A :class:`BatchWorker` is one thread draining one bounded queue in batches. The store creates its
-workers, starts them in ``start()`` and stops them in ``close()``; nothing starts at import or in a
-constructor. ``submit`` never blocks: a full queue refuses the item and the caller counts it.
+A :class:`BatchWorker` is one thread (or a few, ``threads``, so that one batch's I/O overlaps the
+next one's) draining one bounded FIFO queue in batches. The store creates its workers, starts them
+in ``start()`` and stops them in ``close()``; nothing starts at import or in a constructor.
+``submit`` never blocks: a full queue refuses the item and the caller counts it.
 
 Errors are reported, never lost: an exception that escapes the handler (or the idle hook) is
 logged with its traceback, counted in ``errors`` and passed to ``on_error``, and the worker keeps
@@ -43,11 +44,17 @@ class BatchWorker(Generic[T]):
         idle_interval_s: float = 0.05,
         on_error: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
+        threads: int = 1,
     ) -> None:
-        """``on_error`` is called (from the worker thread, holding no lock of the worker's) once per
-        exception that escaped the handler, the idle hook or the loop. ``on_exit`` is called once,
-        from the worker thread as its last step (``running`` is already False then), however the
-        loop ended: an owner that left the thread behind at close releases what it kept for it."""
+        """``on_error`` is called (from a worker thread, holding no lock of the worker's) once per
+        exception that escaped the handler, the idle hook or the loop. ``on_exit`` is called by
+        each worker thread as its last step (once the last one ends, ``running`` is False), however
+        the loop ended: an owner that left a thread behind at close releases what it kept for it.
+        ``threads``: how many threads take batches off the queue at once (each one batch at a
+        time, all named ``name``; the handler must be thread-safe); the idle hook runs on one of
+        them at a time."""
+        if threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
         self.name = name
         self._handle = handle
         self._queue: deque[T] = deque()
@@ -58,38 +65,50 @@ class BatchWorker(Generic[T]):
         self._idle_hook = idle_hook
         self._idle_interval_s = idle_interval_s
         self._cond = threading.Condition()
-        self._in_flight = 0
+        self._in_flight = 0  # items (an idle pass counts one) the threads are handling now
+        self._nthreads = threads
+        self._hook_running = False  # a thread is in the idle hook (one at a time)
         self._hook_pending = False  # kick() asked for an idle pass that has not started yet
         self._submitted = 0  # items ever queued; with _handled, lets a caller wait for a prefix
         self._handled = 0  # items taken off the queue and handled (or dropped at close)
         self._passes_started = 0  # idle-hook passes
         self._passes_done = 0
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._on_error = on_error
-        self._dead = False  # the loop died of an exception; nothing is handled any more
+        self._dead = False  # a loop died of an exception; nothing is handled any more
         self._on_exit = on_exit
-        self._running = False  # started and its loop has not ended yet
+        self._running = 0  # threads started whose loop has not ended yet
         self.errors = 0
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._threads:
             return
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=self.name, daemon=True)
+                         for _ in range(self._nthreads)]
         with self._cond:
-            self._running = True
-        self._thread.start()
+            self._running = len(self._threads)
+        for t in self._threads:
+            t.start()
 
-    def submit(self, items: Iterable[T]) -> int:
-        """Queue items; returns how many did not fit (they are dropped). Never blocks."""
+    def submit(self, items: Iterable[T], *, front: bool = False) -> int:
+        """Queue items (FIFO: handled in the order submitted); returns how many did not fit (the
+        last ones; they are dropped). Never blocks. ``front``: ahead of everything queued, in
+        their order (work taken off the queue and handed back, which came before what is queued;
+        :meth:`wait_for` counts them as submitted now)."""
         refused = 0
+        taken: list[T] = []
         with self._cond:
             for item in items:
-                if len(self._queue) >= self._queue_max or self._stopping or self._dead:
+                if len(self._queue) + len(taken) >= self._queue_max or self._stopping or self._dead:
                     refused += 1
                 else:
-                    self._queue.append(item)
+                    taken.append(item)
                     self._submitted += 1
+            if front:
+                self._queue.extendleft(reversed(taken))
+            else:
+                self._queue.extend(taken)
             self._cond.notify()
         return refused
 
@@ -97,7 +116,7 @@ class BatchWorker(Generic[T]):
         """Ask for an idle-hook pass now (e.g. a watermark was crossed); wait_idle waits for it.
         Returns a pass number for :meth:`wait_for`: a pass that starts after this call."""
         with self._cond:
-            if self._idle_hook is not None and self._thread is not None:
+            if self._idle_hook is not None and self._threads:
                 self._hook_pending = True
             self._cond.notify()
             return self._passes_started + 1
@@ -115,7 +134,7 @@ class BatchWorker(Generic[T]):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while (self._handled < items or self._passes_done < passes) \
-                    and self._thread is not None and not self._stopping and not self._dead:
+                    and self._threads and not self._stopping and not self._dead:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -167,11 +186,11 @@ class BatchWorker(Generic[T]):
         its name; it is left behind, and stops after its current batch)."""
         if deadline is None:
             deadline = Deadline(timeout_s)
-        if drain and self._thread is not None:
+        if drain and self._threads:
             self.wait_idle(deadline.left())
         self.stop()
-        thread, self._thread = self._thread, None
-        return join_threads([thread], deadline, owner=self.name) == 0
+        threads, self._threads = self._threads, []
+        return join_threads(threads, deadline, owner=self.name) == 0
 
     def _take_batch(self) -> list[T]:
         batch: list[T] = []
@@ -195,22 +214,22 @@ class BatchWorker(Generic[T]):
 
     @property
     def running(self) -> bool:
-        """Started, and its loop has not ended yet (it may still be in a batch after close())."""
-        return self._running
+        """Started, and a loop has not ended yet (it may still be in a batch after close())."""
+        return self._running > 0
 
     @property
     def busy(self) -> bool:
-        """Its thread is inside a batch or an idle-hook pass now. After :meth:`stop`, a worker that
-        is not busy never calls its handler again, even while its thread is still winding down."""
+        """A thread is inside a batch or an idle-hook pass now. After :meth:`stop`, a worker that
+        is not busy never calls its handler again, even while its threads are still winding down."""
         with self._cond:
-            return self._running and self._in_flight > 0
+            return self._running > 0 and self._in_flight > 0
 
     def _run(self) -> None:
         try:
             self._run_loop()
         finally:
             with self._cond:
-                self._running = False
+                self._running -= 1
             if self._on_exit is not None:
                 try:
                     self._on_exit()
@@ -233,31 +252,40 @@ class BatchWorker(Generic[T]):
 
     def _loop(self) -> None:
         while True:
+            hook = False
             with self._cond:
-                while not self._queue and not self._stopping and not self._hook_pending:
+                while not self._queue and not self._stopping and not self._dead \
+                        and not (self._hook_pending and not self._hook_running):
                     self._cond.wait(self._idle_interval_s if self._idle_hook else None)
-                    if self._idle_hook and not self._queue:
+                    if self._idle_hook and not self._queue and not self._hook_running:
                         break
-                if self._stopping:
+                if self._stopping or self._dead:
                     return
                 batch = self._take_batch()
-                self._in_flight = max(1, len(batch))
+                if self._queue:
+                    self._cond.notify()  # more for another thread (submit woke only this one)
                 if not batch and self._idle_hook is not None:
+                    if self._hook_running:
+                        continue  # another thread is in the idle hook: wait again
                     # Cleared as the pass starts, so a kick() during it asks for one more.
                     self._hook_pending = False
+                    self._hook_running = hook = True
                     self._passes_started += 1
+                taken = max(1, len(batch))
+                self._in_flight += taken
             try:
                 if batch:
                     self._handle(batch)
-                elif self._idle_hook is not None:
-                    self._idle_hook()
+                elif hook:
+                    self._idle_hook()  # type: ignore[misc]
             except Exception:  # a worker must survive a bad batch; the owner counts it (on_error)
                 logger.exception("%s: batch of %d failed", self.name, len(batch))
                 self._error()
             finally:
                 with self._cond:
-                    self._in_flight = 0
+                    self._in_flight = max(0, self._in_flight - taken)
                     self._handled += len(batch)
-                    if not batch and self._idle_hook is not None:
+                    if hook:
+                        self._hook_running = False
                         self._passes_done += 1
                     self._cond.notify_all()

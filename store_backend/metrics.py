@@ -109,8 +109,14 @@ class StoreCounters(msgspec.Struct):
     puts: int = 0
     put_exists: int = 0
     put_no_space: int = 0
+    # Of put_no_space (and slot reserves refused for room): refused because DRAM was full of
+    # objects not yet written to SSD (the newest put gives way; offload.put_wait_s had passed).
+    put_no_space_dirty: int = 0
+    # Objects whose put (or slot reserve) waited for the offload to make DRAM room (offload.put_wait_s).
+    put_room_waits: int = 0
     gets: int = 0
-    # Objects evicted from DRAM before they reached SSD (SSD fell behind, or no SSD tier).
+    # Objects evicted from DRAM before they reached SSD: with an SSD tier, only objects whose SSD
+    # writes failed MAX_OFFLOAD_ATTEMPTS times (a broken or full disk); never for a slow SSD.
     dropped_unpersisted: int = 0
     offload_queue_full: int = 0
     # Objects queued for SSD again: a failed or refused write, or an SSD copy the SSD tier evicted.
@@ -156,6 +162,10 @@ class SlotGauges(msgspec.Struct):
     held_bytes: int = 0
     # Bytes of tokens whose TTL passed and that their owner has not given back (a stuck client).
     expired_held_bytes: int = 0
+    # Keys pinned with a share (the node service: per client process) and the arena bytes those
+    # pins count against the pinners' shares.
+    pins: int = 0
+    pinned_bytes: int = 0
 
 
 class StoreStats(msgspec.Struct):

@@ -34,6 +34,7 @@ import threading
 import weakref
 
 from store_backend.config import ConfigError
+from store_backend.private import open_private
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class DirectoryLock:
         self._dir = HeldLock(dir_fd)
         try:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
             except OSError as e:
                 raise ConfigError(f"{field}={directory!r}: cannot create the lock file {self.path}: "
                                   f"{e.strerror}") from None

@@ -29,31 +29,46 @@ class VictimFacts:
 
 class Verdict(enum.Enum):
     EVICT = 1  # drop it now
-    KEEP = 2  # not now (its write is coming, or it is the only copy and no write is owed)
+    KEEP = 2  # not now, and not for want of a write (leased, pinned, being written; or given up and spared)
     WRITE_BACK = 3  # not now; queue its write to the backing tier (then it may go)
+    WAIT = 4  # not now; its write is queued or in flight (or a demotion pass takes it): room comes when it lands
 
 
-def victim_verdict(f: VictimFacts, *, persisted_only: bool, max_attempts: int) -> Verdict:
-    """Whether DRAM eviction may take ``f``'s entry in this pass (see :func:`evict_pass_order`).
+class EvictPass(enum.Enum):
+    """Which DRAM entries one eviction pass may take (see :func:`evict_pass_order`)."""
 
-    ``persisted_only`` False (the last pass): anything evictable goes (the store counts a dirty
-    one as ``dropped_unpersisted``). Otherwise only clean entries go: a persisted one, or a
-    declined one that admission still declines; a declined one that admission now accepts is
-    written back first, and so is a dirty one whose earlier write failed or was refused (fewer
-    than ``max_attempts`` times) and that is not queued already. Any other dirty entry is kept:
-    its write is queued, or it has used up its attempts (the last pass may drop it).
+    CLEAN = 1  # entries with a copy below, or that admission keeps off it: dropping them loses nothing
+    GIVEN_UP = 2  # also dirty entries whose writes used up their attempts (the backing tier refuses them)
+    ANY = 3  # no backing tier: nothing is ever persisted, so any evictable entry goes
+
+
+def victim_verdict(f: VictimFacts, *, evict_pass: EvictPass, max_attempts: int, write_all: bool = False) -> Verdict:
+    """Whether DRAM eviction may take ``f``'s entry in this pass.
+
+    ``EvictPass.ANY`` (no backing tier): anything evictable goes. Otherwise a clean entry goes (a
+    persisted one, or a declined one that admission still declines; a declined one that admission
+    now accepts is written back first), and a dirty entry never does while its write is still
+    owed: it is written back when no write of it is queued and either an earlier write failed
+    (fewer than ``max_attempts`` times) or ``write_all`` (the offload workers run, so every dirty
+    entry is owed a write: in eager mode one put before ``start()`` or refused by a full queue, in
+    watermark mode one that eviction needs before a demotion pass came to it); else it waits for
+    the write that is coming (``WAIT``: a put may wait for that room). Only the ``GIVEN_UP`` pass
+    takes a dirty entry, and only one whose writes failed ``max_attempts`` times (the disk is
+    broken or full: the store counts it as ``dropped_unpersisted``).
     """
     if not f.evictable:
         return Verdict.KEEP
-    if not persisted_only:
+    if evict_pass is EvictPass.ANY:
         return Verdict.EVICT
     if f.declined:
         return Verdict.WRITE_BACK if f.readmit else Verdict.EVICT
     if f.persisted:
         return Verdict.EVICT
-    if 0 < f.offload_failures < max_attempts and not f.offload_queued:
+    if f.offload_failures >= max_attempts:
+        return Verdict.EVICT if evict_pass is EvictPass.GIVEN_UP else Verdict.KEEP
+    if not f.offload_queued and (f.offload_failures > 0 or write_all):
         return Verdict.WRITE_BACK
-    return Verdict.KEEP
+    return Verdict.WAIT
 
 
 def demotion_split(victims: Sequence[VictimFacts]) -> tuple[list[str], list[str]]:
@@ -84,13 +99,23 @@ def should_promote(ssd_hits: int, admission_hits: int, enabled: bool, dram_uses:
     return enabled and (ssd_hits >= admission_hits or (ssd_hits >= 1 and dram_uses >= 2))
 
 
-def evict_pass_order(has_ssd: bool) -> tuple[bool, ...]:
-    """Which DRAM entries eviction may take, pass by pass: persisted ones first, then any.
+def evict_pass_order(has_backing: bool) -> tuple[EvictPass, ...]:
+    """The passes of one DRAM eviction, in order: clean entries first, then entries given up on.
 
-    Without an SSD tier there is nothing to persist to, so any entry goes in one pass. The second
-    pass drops objects that never reached SSD; the store counts those as ``dropped_unpersisted``.
+    Without a backing tier there is nothing to persist to, so any entry goes in one pass. With
+    one, no pass takes a dirty entry whose write is still owed: when only such entries stand in
+    the way, the put waits for the offload (``offload.put_wait_s``) or is refused (NO_SPACE),
+    so the newest put gives way, never an older acknowledged object.
     """
-    return (False,) if not has_ssd else (True, False)
+    return (EvictPass.ANY,) if not has_backing else (EvictPass.CLEAN, EvictPass.GIVEN_UP)
+
+
+def room_owed(met_pending_write: bool, writes_in_flight: bool, offload_running: bool) -> bool:
+    """Whether a put that found no room may wait for the offload to make some: a write in flight
+    ends by itself, and a dirty entry that only waits for its write (:attr:`Verdict.WAIT`, or
+    one just queued, :attr:`Verdict.WRITE_BACK`) becomes clean once the running offload writes
+    it. Otherwise (everything leased, pinned or given up, or nothing writes) waiting is useless."""
+    return writes_in_flight or (met_pending_write and offload_running)
 
 
 def replica_targets(key_sizes: Sequence[tuple[str, int]], nodes: Sequence[Any], self_id: str,

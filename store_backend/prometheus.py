@@ -60,11 +60,16 @@ DESCRIPTIONS: dict[str, str] = {
     # store-wide counters
     "mooncake_kv_store_puts": "Objects stored by put (each one once, in DRAM).",
     "mooncake_kv_store_put_exists": "Objects a put found already stored (bytes kept, nothing written).",
-    "mooncake_kv_store_put_no_space": ("Objects a put refused for want of evictable DRAM (everything leased, pinned or "
-                                       "in flight)."),
+    "mooncake_kv_store_put_no_space": ("Objects a put refused for want of evictable DRAM (everything leased, pinned, "
+                                       "in flight, or not yet written to SSD)."),
+    "mooncake_kv_store_put_no_space_dirty": ("Of the puts refused for want of DRAM (and slot reserves): those refused "
+                                             "because DRAM was full of objects not yet written to SSD, after "
+                                             "waiting offload.put_wait_s (the SSD falls behind the writes)."),
+    "mooncake_kv_store_put_room_waits": ("Objects whose put (or slot reserve) waited for the offload to make DRAM room "
+                                         "(offload.put_wait_s)."),
     "mooncake_kv_store_gets": "Objects asked for by get.",
-    "mooncake_kv_store_dropped_unpersisted": ("Objects evicted from DRAM before they reached SSD (SSD fell behind, or "
-                                              "no SSD tier)."),
+    "mooncake_kv_store_dropped_unpersisted": ("Objects evicted from DRAM before they reached SSD: with an SSD tier, only "
+                                              "objects whose SSD writes kept failing (a broken or full disk)."),
     "mooncake_kv_store_offload_queue_full": ("Objects the offload queue refused (full); they are tried again when DRAM "
                                              "needs room."),
     "mooncake_kv_store_offload_retries": ("Objects queued for SSD again (a failed or refused write, or a copy the SSD "
@@ -88,7 +93,8 @@ DESCRIPTIONS: dict[str, str] = {
     "mooncake_kv_store_slot_stage_ins": "Leases served by reading an object from a tier below into a slot first.",
     "mooncake_kv_store_slot_expired": ("Slot tokens whose TTL passed before commit or release (the commit or the "
                                        "read failed; the bytes stay held until the owner lets go)."),
-    "mooncake_kv_store_slot_reclaimed": "Slot tokens ended by reclaim (their owner's connection or process ended).",
+    "mooncake_kv_store_slot_reclaimed": ("Slot tokens ended by reclaim (their owner's process exited, or forgot the "
+                                         "tokens of a connection it lost)."),
     "mooncake_kv_store_slot_refused": ("Reservations and leases refused because their owner holds its share of the "
                                        "arena or of tokens."),
     "mooncake_kv_store_slot_foreign": ("Tokens given to commit, abort or release that were unknown, already used, or "
@@ -98,10 +104,14 @@ DESCRIPTIONS: dict[str, str] = {
     # slot API gauges
     "mooncake_kv_slot_reservations": "Slots reserved now and not yet committed or aborted.",
     "mooncake_kv_slot_leases": "Leases held now and not yet released.",
-    "mooncake_kv_slot_owners": "Owners (node service connections, or the embedding process) holding slot tokens now.",
+    "mooncake_kv_slot_owners": ("Owners (node service connections that took tokens, or the embedding process) holding "
+                                "slot tokens now."),
     "mooncake_kv_slot_held_bytes": "Arena bytes held by slot tokens now (reserved or leased).",
-    "mooncake_kv_slot_expired_held_bytes": ("Arena bytes still held by slot tokens whose TTL passed (a stuck or slow "
-                                            "client; freed when it lets go or is reclaimed)."),
+    "mooncake_kv_slot_expired_held_bytes": ("Arena bytes still held by reservations whose TTL passed (a stuck or slow "
+                                            "client; freed when it lets go or its process exits)."),
+    "mooncake_kv_slot_pins": ("Keys pinned against a share now (the node service: by client processes; each ends by "
+                              "unpin, its TTL, or its process's exit)."),
+    "mooncake_kv_slot_pinned_bytes": "Arena bytes those pins count against their pinners' shares.",
     # gauges and histograms
     "mooncake_kv_queue_depth": "Objects waiting in, or being handled by, a background queue.",
     "mooncake_kv_store_get_seconds": ("Time a store get_into call took (DRAM copies and blocking SSD reads); and a "

@@ -9,15 +9,20 @@ slot), held by one *owner* (the node service passes its connection id; an embedd
 counted against one *share* of the arena (the owner's own, or a ``group`` naming several owners:
 the node service passes the peer process id, so that one process's connections share one limit).
 
+Pins taken with a ``group`` (``TieredStore.pin``; the node service passes the pinning process)
+count against that share too: each pinned key's block once, and one token.
+
 This module holds the caller-facing records (:class:`Reservation`, :class:`SlotLease`,
-:class:`SegmentInfo`) and the bookkeeping of tokens (:class:`SlotTable`): who holds what, until
-when, and how much each owner holds. The store owns one table and calls it under its lock only; the
-table is not thread-safe itself and never does I/O.
+:class:`SegmentInfo`) and the bookkeeping of tokens and accounted pins (:class:`SlotTable`): who
+holds what, until when, and how much each share holds. The store owns one table and calls it under
+its lock only; the table is not thread-safe itself and never does I/O.
 
 TTLs bound a token's *result*, never its memory: once a deadline passes the token is marked
 expired (commit answers IO_ERROR, release answers False), but its bytes stay allocated until the
 owner commits, aborts or releases it, or ``reclaim(owner)`` runs. A slot is reused only when no
-live process can still copy into or out of it.
+live process can still copy into it: the node service reclaims a process's tokens only once it
+exited or said they are void, and ends a lease (a read, whose late release answers False) at its
+TTL.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class Reservation:
     token: int = 0
     offset: int = 0
     view: memoryview | None = None
+    # NO_SPACE because DRAM was full of objects whose SSD writes were on their way: asked again
+    # with a wait (``room_wait_s``), it may be granted.
+    room_owed: bool = False
 
     def layer(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the slot (a layer's range of a canonical chunk), writable."""
@@ -77,6 +85,9 @@ class SlotLease:
     token: int = 0
     offset: int = 0
     view: memoryview | None = None
+    # The writer's object_checksum of these bytes (store_backend.checksum) when the store keeps
+    # checksums (a shared arena); None when it does not.
+    checksum: int | None = None
 
     def layer(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the object (a layer's range of a canonical chunk)."""
@@ -138,8 +149,20 @@ class SlotRow:
 
 @dataclass(slots=True)
 class _Use:
-    tokens: int = 0
+    tokens: int = 0  # slot tokens and pinned keys
     held_bytes: int = 0
+
+
+@dataclass(slots=True)
+class PinRow:
+    """One account's pins of one key (``store.pin`` with a ``group``): how many, on which entry,
+    the arena bytes they count against the account's share (the entry's block, once per key), and
+    until when (the latest pin's TTL)."""
+
+    entry: Entry | None  # None: the object was below DRAM when pinned (nothing held; promoted)
+    count: int
+    held_bytes: int
+    deadline: float
 
 
 @dataclass
@@ -166,6 +189,12 @@ class SlotTable:
     _numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1 + secrets.randbits(62)))
     held_bytes: int = 0  # bytes of every token held now
     expired_held_bytes: int = 0  # bytes of expired tokens not given back yet
+    # Pins taken with an account (the node service passes the pinning process): account -> key ->
+    # row; key -> the accounts pinning it (in pin order); expiry heap of (deadline, account, key).
+    _pins: dict[tuple[str, int], dict[str, PinRow]] = field(default_factory=dict)
+    _pinners: dict[str, dict[tuple[str, int], None]] = field(default_factory=dict)
+    _pin_deadlines: list[tuple[float, tuple[str, int], str]] = field(default_factory=list)
+    pinned_bytes: int = 0  # bytes of every account's pins
 
     def __post_init__(self) -> None:
         if not 0 < self.max_held_fraction <= 1:
@@ -223,16 +252,105 @@ class SlotTable:
         del mine[token]
         if not mine:
             del self._owners[row.owner]
-        use = self._shares[row.account]
-        use.tokens -= 1
-        use.held_bytes -= row.held_bytes
-        if not use.tokens:
-            del self._shares[row.account]
+        self._give_back(row.account, 1, row.held_bytes)
         self._kinds[row.kind] -= 1
         self.held_bytes -= row.held_bytes
         if row.expired:
             self.expired_held_bytes -= row.held_bytes
         return row
+
+    def _give_back(self, account: tuple[str, int], tokens: int, nbytes: int) -> None:
+        use = self._shares[account]
+        use.tokens -= tokens
+        use.held_bytes -= nbytes
+        if not use.tokens and not use.held_bytes:
+            del self._shares[account]
+
+    # -- pins of an account ------------------------------------------------------------------------
+    def pin(self, account: tuple[str, int], key: str, entry: Entry | None, nbytes: int, deadline: float) -> bool:
+        """One more pin of ``key`` (held in ``entry``, or None) by ``account``, until at least ``deadline``; False
+        (nothing recorded) when a new pinned key would take the account past its share of bytes or
+        tokens. A key pinned again by the same account counts its bytes once. The caller drops a
+        row of an older entry of the key first (:meth:`pin_row`, :meth:`drop_pin`)."""
+        rows = self._pins.get(account)
+        row = rows.get(key) if rows is not None else None
+        if row is not None:
+            row.count += 1
+            if deadline > row.deadline:
+                row.deadline = deadline
+                heapq.heappush(self._pin_deadlines, (deadline, account, key))
+            return True
+        if not self.admits(account, nbytes):
+            return False
+        self._pins.setdefault(account, {})[key] = PinRow(entry, 1, nbytes, deadline)
+        self._pinners.setdefault(key, {})[account] = None
+        use = self._shares.setdefault(account, _Use())
+        use.tokens += 1
+        use.held_bytes += nbytes
+        self.pinned_bytes += nbytes
+        heapq.heappush(self._pin_deadlines, (deadline, account, key))
+        return True
+
+    def pin_row(self, account: tuple[str, int], key: str) -> PinRow | None:
+        rows = self._pins.get(account)
+        return rows.get(key) if rows is not None else None
+
+    def drop_pin(self, account: tuple[str, int], key: str) -> PinRow | None:
+        """Forget ``account``'s pins of ``key`` (all of them); the row, or None when it had none."""
+        rows = self._pins.get(account)
+        row = rows.pop(key, None) if rows is not None else None
+        if row is None:
+            return None
+        if not rows:
+            del self._pins[account]
+        accounts = self._pinners[key]
+        del accounts[account]
+        if not accounts:
+            del self._pinners[key]
+        self._give_back(account, 1, row.held_bytes)
+        self.pinned_bytes -= row.held_bytes
+        return row
+
+    def unpin(self, account: tuple[str, int], key: str) -> PinRow | None:
+        """End one pin of ``key``: ``account``'s own when it has one, else the oldest other
+        account's (a load in one process ends the pin its scheduler took in another). The row that
+        pin was in (its ``entry`` is what the pin held), or None when no account pins the key."""
+        row = self.pin_row(account, key)
+        if row is None:
+            accounts = self._pinners.get(key)
+            if not accounts:
+                return None
+            account = next(iter(accounts))
+            row = self._pins[account][key]
+        row.count -= 1
+        if row.count <= 0:
+            self.drop_pin(account, key)
+        return row
+
+    def drop_pins(self, account: tuple[str, int]) -> list[PinRow]:
+        """Forget every pin of ``account`` (its process exited); their rows."""
+        return [r for k in list(self._pins.get(account, ())) if (r := self.drop_pin(account, k)) is not None]
+
+    def expire_pins(self, now: float) -> list[PinRow]:
+        """Forget the pins whose TTL passed; their rows (the caller lets go of the entries)."""
+        out: list[PinRow] = []
+        heap = self._pin_deadlines
+        while heap and heap[0][0] < now:
+            deadline, account, key = heapq.heappop(heap)
+            row = self.pin_row(account, key)
+            if row is not None and row.deadline == deadline:
+                self.drop_pin(account, key)
+                out.append(row)
+        if len(heap) > 4 * self.pin_count + 1024:
+            self._pin_deadlines = [(d, a, k) for d, a, k in heap if (r := self.pin_row(a, k)) is not None
+                                   and r.deadline == d]
+            heapq.heapify(self._pin_deadlines)
+        return out
+
+    @property
+    def pin_count(self) -> int:
+        """Pinned (account, key) rows now."""
+        return sum(len(rows) for rows in self._pins.values())
 
     def tokens_of(self, owner: int) -> list[int]:
         """Every token ``owner`` holds (O(its tokens); for reclaim)."""

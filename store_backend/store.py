@@ -8,8 +8,11 @@ SSD tier) is the offload target; reads, lookups and removes go through every tie
 Thread-safe; every public method may be called from any thread. One lock guards the index
 (DRAM entries, allocator, policy, counters); byte copies and SSD I/O run outside it, on entries
 that are reserved or leased, so a slow copy never blocks other callers' bookkeeping. Background
-movement (offload to SSD, promotion back to DRAM) runs on two owned :class:`BatchWorker` threads
-started by ``start()`` and stopped by ``close()``; it is never on the put path.
+movement (offload to SSD, promotion back to DRAM) runs on two owned :class:`BatchWorker` workers
+(the offload one with ``offload.write_threads`` threads) started by ``start()`` and stopped by
+``close()``; it is never on the put path. With an SSD tier, DRAM never drops an acknowledged object
+before its SSD copy exists: a put that finds only such objects in its way waits for the offload to
+make room (``offload.put_wait_s``, on a condition of the store lock) or answers NO_SPACE.
 
 Buffers: ``put`` copies from the caller's buffers before it returns (the caller may reuse them at
 once); ``get_into`` copies into the caller's writable buffers before it returns. No other copy of
@@ -37,7 +40,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -56,18 +59,22 @@ from store_backend.metrics import (
     StoreStats,
 )
 from store_backend.plans import (
+    EvictPass,
     Verdict,
     VictimFacts,
     demotion_bytes,
     demotion_split,
     evict_pass_order,
+    room_owed,
     should_promote,
     victim_verdict,
 )
 from store_backend.policies.admission import AdmissionPolicy, AdmitAll, make_admission, policy_uses
 from store_backend.residency import ALL_TIERS, ResidencyBus, ResidencyEvent, Subscriber
+from store_backend.checksum import object_checksum
 from store_backend.slots import (
     MAX_HELD_FRACTION,
+    PinRow,
     Reservation,
     SegmentInfo,
     SlotKind,
@@ -152,6 +159,7 @@ class TieredStore:
         tiers: Sequence[Tier] = (),
         fresh_segment: bool = False,
         max_held_fraction: float = MAX_HELD_FRACTION,
+        checksums: bool = False,
     ) -> None:
         """Open the tiers (an SSD directory is recovered here). ``ssd`` injects an SSD backend and
         ``tiers`` more tiers below it, in order (tests; the store owns them from here on).
@@ -159,11 +167,16 @@ class TieredStore:
         ``fresh_segment``: the DRAM arena is a new /dev/shm segment ``<dram.shm_name>-<start_ns>``
         (leftovers of owners that exited are unlinked first), never a reused one: what the node
         service passes to its clients (see :meth:`segment`). ``dram.shm_name`` must be set.
-        ``max_held_fraction``: the share of the arena one slot owner may hold (see :meth:`reserve`)."""
+        ``max_held_fraction``: the share of the arena one slot owner may hold (see :meth:`reserve`).
+        ``checksums``: keep each DRAM object's :func:`~store_backend.checksum.object_checksum`
+        (taken from a slot commit, or computed where the store writes the bytes itself: put,
+        stage-in, promotion, replicas) and hand it out with every lease, so a reader in another
+        process can verify what it copied (the node service: its arena is shared)."""
         self.config = load_config(config)
         dram = self.config.dram
         # Tokens of reserve/lease (before anything is opened: a bad fraction opens nothing).
         self._slots = SlotTable(dram.capacity_bytes - dram.capacity_bytes % dram.alignment_bytes, max_held_fraction)
+        self._checksums = checksums
         self._lock = threading.Lock()
         # The tiers below DRAM, fastest first (ssd, then a pool), each behind the Tier Protocol;
         # ``_backing`` is the first whose copy makes a DRAM copy clean: the offload target.
@@ -200,6 +213,9 @@ class TieredStore:
         # abort, an expiry, a reclaim, a remove, a promotion or stage-in ending) and at close: what
         # exists(wait_s) and lease(wait_pending_s) wait for.
         self._slot_changed = threading.Condition(self._lock)
+        # Notified when the offload may have made DRAM room (an SSD write landed, a demotion dropped
+        # what it wrote) and at close: what a put waiting for room (offload.put_wait_s) waits for.
+        self._room = threading.Condition(self._lock)
         self._removals = RemovalTracker()
         self._losses = LossLedger()
         self._evictions = EvictionClock()  # evictions the SSD tier reported, numbered per key
@@ -224,10 +240,12 @@ class TieredStore:
             queue_max=off.queue_max_objects,
             batch_max=max(1, self.config.ssd.bucket_max_keys if self.config.ssd else 256),
             batch_weight=self._queued_size,
-            batch_weight_max=off.batch_bytes,
+            # What one write may lease (at most half of DRAM), so a batch taken is a batch written.
+            batch_weight_max=self._write_batch_bytes(),
             idle_hook=self._watermark_tick if off.policy == "watermark" else None,
             on_error=self._worker_error,
             on_exit=self._worker_exited,
+            threads=off.write_threads,  # so that one batch's write overlaps the next one's
         )
         self._promoter: BatchWorker[str] = BatchWorker(
             "kv-promote", self._promote_batch, queue_max=self.config.promotion.queue_max_objects, batch_max=32,
@@ -272,6 +290,7 @@ class TieredStore:
                 return
             self._closing = True
             self._slot_changed.notify_all()  # waits in exists(wait_s) and lease(wait_pending_s) end now
+            self._room.notify_all()  # so do puts waiting for DRAM room (they answer NO_SPACE)
             limit = Deadline(timeout_s)
             deadline = limit.start + timeout_s
             while self._calls:
@@ -502,9 +521,14 @@ class TieredStore:
     ) -> list[Status]:
         """Store immutable objects; OK once in DRAM (offload to SSD follows in the background).
 
-        Per key: OK, EXISTS (already stored; bytes kept), INVALID_KEY, TOO_LARGE, NO_SPACE (nothing
-        evictable: every resident object is leased, pinned or being written). Never blocks on I/O.
-        A put that begins after a ``remove`` of its key returned stores the new bytes.
+        Per key: OK, EXISTS (already stored; bytes kept), INVALID_KEY, TOO_LARGE, NO_SPACE (no room
+        can be made: every resident object is leased, pinned or being written, or, with an SSD
+        tier, not written down yet: an acknowledged object is never dropped from DRAM before its
+        SSD copy exists, so the new put gives way). Never does I/O itself; when DRAM is full of
+        objects the offload has not written yet, it waits for that offload to make room, up to
+        ``offload.put_wait_s`` for the whole call (0: refused at once), so call it off the engine's
+        thread; ``close()`` ends the wait (NO_SPACE). A NO_SPACE is a save not stored, never an
+        error. A put that begins after a ``remove`` of its key returned stores the new bytes.
         """
         check_batch(keys, buffers)
         if parents is not None and len(parents) != len(keys):
@@ -516,7 +540,8 @@ class TieredStore:
     def _put(self, keys: Sequence[str], views: list[memoryview], parents: Sequence[str | None] | None,
              ) -> list[Status]:
         out = [Status.OK] * len(keys)
-        reserved = self._reserve_batch(keys, [v.nbytes for v in views], parents, out)
+        reserved = self._reserve_batch(keys, [v.nbytes for v in views], parents, out,
+                                       wait_s=self.config.offload.put_wait_s)
         self._finish_put(views, reserved)
         self._kick_watermark()
         return out
@@ -528,12 +553,13 @@ class TieredStore:
 
     def _reserve_batch(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
                        out: list[Status], slot: tuple[int, float, dict[int, int], tuple[str, int]] | None = None,
-                       ) -> list[tuple[int, Entry]]:
+                       *, wait_s: float = 0.0, room_owed: set[int] | None = None) -> list[tuple[int, Entry]]:
         """put's first half, shared with :meth:`reserve`: a WRITING entry for each key to be stored
         (an answer in ``out`` for the others), after asking the tiers below that answer from memory
         whether the key is already stored (no store lock held while they are asked). ``slot``
         (owner, deadline, tokens, account): record each reservation in the slot table, under the
-        account's limits, its token in ``tokens`` by key index."""
+        account's limits, its token in ``tokens`` by key index. ``wait_s``: how long the batch may
+        wait for the offload to make DRAM room; ``room_owed``: see :meth:`_reserve_puts`."""
         valid = [check_key(k) is None for k in keys]
         # Asked before taking the lock (the SSD index has its own): a key that reaches SSD meanwhile
         # only costs a redundant DRAM copy of the same immutable bytes. A key being removed is
@@ -585,7 +611,7 @@ class TieredStore:
                     # turned up known below only now (its DRAM copy dropped for its SSD copy since the
                     # last lookup) is EXISTS, never a second object beside the SSD copy.
                     on_ssd[i] = i in landed
-                reserved = self._reserve_puts(keys, sizes, parents, valid, on_ssd, out, slot)
+                reserved = self._reserve_puts(keys, sizes, parents, valid, on_ssd, out, slot, wait_s, room_owed)
                 for i, st in enumerate(out):  # EXISTS because it is below: a parent admission may ask of
                     if st is Status.EXISTS and on_ssd[i] and on_backing[i] and keys[i] not in self._dram.entries \
                             and not self._evictions.changed_since(keys[i], evicted_at):
@@ -596,11 +622,21 @@ class TieredStore:
     def _reserve_puts(self, keys: Sequence[str], sizes: list[int], parents: Sequence[str | None] | None,
                       valid: list[bool], on_ssd: list[bool], out: list[Status],
                       slot: tuple[int, float, dict[int, int], tuple[str, int]] | None = None,
-                      ) -> list[tuple[int, Entry]]:
+                      wait_s: float = 0.0, room_owed: set[int] | None = None) -> list[tuple[int, Entry]]:
         """(lock held) A WRITING entry for each key that is to be stored; the others' answers in ``out``.
-        With ``slot``, each is recorded in the slot table (see :meth:`_reserve_batch`)."""
+        With ``slot``, each is recorded in the slot table (see :meth:`_reserve_batch`). ``room_owed``
+        collects the indexes refused NO_SPACE while writes that will make room were owed (a caller
+        that waited less than it may wait can ask again for those).
+
+        A key that finds DRAM full of objects not yet written down (nothing clean to evict, writes
+        owed: :meth:`_make_room`) waits for the offload to make room, up to ``wait_s`` for the
+        whole batch (the store lock is let go meanwhile; offload completions and close wake it),
+        then is refused NO_SPACE (``put_no_space_dirty``): the newest put gives way, never an
+        older acknowledged object. Everything is looked at again after a wait."""
         m = self.metrics_counters
         reserved: list[tuple[int, Entry]] = []
+        until: float | None = None  # the batch's deadline, set at its first wait
+        waited_s = 0.0  # time spent waiting, added to the slot tokens' TTL (it starts after the wait)
         self._expire_slots()  # an expired reservation no longer holds its key (for put too)
         for i, key in enumerate(keys):
             if not valid[i]:
@@ -612,25 +648,68 @@ class TieredStore:
                     or (slot is not None and self._slots.too_large(block)):
                 out[i] = Status.TOO_LARGE
                 continue
-            if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
-                out[i] = Status.EXISTS
-                m.store.put_exists += 1
-                continue
-            if slot is not None and not self._slots.admits(slot[3], block):
-                out[i] = Status.NO_SPACE  # this owner holds its share of the arena (or of tokens)
-                m.store.slot_refused += 1
-                continue
-            entry = self._reserve(key, size, None if parents is None else parents[i], promotion=False)
+            waits = 0
+            while True:
+                entry = None
+                if key in self._dram.entries or (on_ssd[i] and not self._removals.hidden(key)):
+                    out[i] = Status.EXISTS
+                    m.store.put_exists += 1
+                elif slot is not None and not self._slots.admits(slot[3], block):
+                    out[i] = Status.NO_SPACE  # this owner holds its share of the arena (or of tokens)
+                    m.store.slot_refused += 1
+                else:
+                    entry, owed = self._make_room(key, size, None if parents is None else parents[i], promotion=False)
+                    if entry is None and owed and wait_s > 0:
+                        if until is None:
+                            until = time.monotonic() + wait_s
+                        t0 = time.monotonic()
+                        if self._wait_for_room(until):
+                            waits += 1
+                            waited_s += time.monotonic() - t0
+                            continue  # look again: the key may be stored by now, or room made
+                        waited_s += time.monotonic() - t0
+                    if entry is None:
+                        out[i] = Status.NO_SPACE
+                        m.store.put_no_space += 1
+                        if owed:  # DRAM is full of objects not on SSD yet: the new put gives way
+                            m.store.put_no_space_dirty += 1
+                            if room_owed is not None:
+                                room_owed.add(i)
+                        m.dram.failures.capacity += 1
+                if waits:
+                    m.store.put_room_waits += 1
+                break
             if entry is None:
-                out[i] = Status.NO_SPACE
-                m.store.put_no_space += 1
-                m.dram.failures.capacity += 1
                 continue
             if slot is not None:
-                slot[2][i] = self._slots.add(SlotKind.RESERVATION, entry, slot[0], slot[1], block, account=slot[3])
+                slot[2][i] = self._slots.add(SlotKind.RESERVATION, entry, slot[0], slot[1] + waited_s, block,
+                                             account=slot[3])
                 m.store.slot_reserves += 1
             reserved.append((i, entry))
         return reserved
+
+    def _room_wait_s(self, room_wait_s: float | None) -> float:
+        """A caller's ``room_wait_s`` checked (None: ``offload.put_wait_s``); ValueError naming it."""
+        if room_wait_s is None:
+            return self.config.offload.put_wait_s
+        if not isinstance(room_wait_s, (int, float)) or isinstance(room_wait_s, bool) \
+                or not math.isfinite(room_wait_s) or not 0 <= room_wait_s <= MAX_PIN_TTL_S:
+            raise ValueError(f"room_wait_s must be None or a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
+                             f"got {room_wait_s!r}")
+        return float(room_wait_s)
+
+    def _wait_for_room(self, until: float) -> bool:
+        """(lock held) Wait for the offload to make DRAM room, until ``until``: woken by an SSD
+        write landing (or a demotion dropping what it wrote) and by close; the store lock is let go
+        meanwhile. False when there is no time left or close began (the caller refuses)."""
+        left = until - time.monotonic()
+        if left <= 0 or self._closing:
+            return False
+        if self.config.offload.policy == "watermark":
+            self._offloader.kick()  # DRAM is full: a demotion pass now, not at the next idle tick
+        self._room.wait(min(left, _WAIT_SLICE_S))
+        self._expire_slots()  # an expired reservation gives its room back
+        return not self._closing
 
     def _finish_put(self, views: list[memoryview], reserved: list[tuple[int, Entry]]) -> None:
         """Copy the bytes in (no lock held), then commit each entry and queue its offload."""
@@ -639,6 +718,8 @@ class TieredStore:
         try:
             for i, entry in reserved:
                 copy_bytes(arena[entry.offset:entry.offset + entry.size], views[i])
+                if self._checksums:
+                    entry.checksum = object_checksum(entry.key, views[i])
                 copied += 1
         finally:
             with self._lock:
@@ -678,8 +759,7 @@ class TieredStore:
             refused = self._offloader.submit([e.key for e in queued])
             m.store.offload_queue_full += refused
             for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
-                entry.offload_queued = False
-                entry.offload_failures += 1
+                entry.offload_queued = False  # the next eviction queues it again (not a failed write)
         if stored:
             self._commits += 1
             self._slot_changed.notify_all()  # exists(wait_s) and lease(wait_pending_s) waiters
@@ -715,7 +795,15 @@ class TieredStore:
         events.append(ResidencyEvent("evicted", e.key, "dram", e.size, lost=not e.clean))
 
     def _reserve(self, key: str, size: int, parent: str | None, *, promotion: bool) -> Entry | None:
-        """Make a WRITING entry, evicting by policy (lock held). Promotions evict only clean entries.
+        """Make a WRITING entry, evicting by policy (lock held); None when no room can be made now.
+        Promotions evict only clean entries. See :meth:`_make_room`."""
+        return self._make_room(key, size, parent, promotion=promotion)[0]
+
+    def _make_room(self, key: str, size: int, parent: str | None, *, promotion: bool) -> tuple[Entry | None, bool]:
+        """Make a WRITING entry, evicting by policy (lock held): (the entry or None, whether the
+        offload owes room, so a put may wait for it: see :func:`room_owed`). Promotions evict only
+        clean entries; no pass evicts a dirty entry whose SSD write is still owed (only one whose
+        writes failed ``MAX_OFFLOAD_ATTEMPTS`` times goes, counted in ``dropped_unpersisted``).
 
         Which entries may go is :func:`victim_verdict`'s decision over in-memory facts; no lower
         tier is asked anything here (the SSD tier's eviction reports keep ``persisted`` honest)."""
@@ -724,31 +812,42 @@ class TieredStore:
         # failed or was never queued, or admission now wants one it declined before.
         retry: list[Entry] = []
         events: list[ResidencyEvent] = []
+        pending = False  # met a dirty entry whose write is coming (or was just queued)
         entry = None
         now = time.monotonic()
         passes = evict_pass_order(self._backing is not None)
-        if promotion and True not in passes:
+        if promotion and EvictPass.CLEAN not in passes:
             # No backing tier (a pool alone below DRAM): a promotion still evicts clean entries
             # only (replicas of other nodes' objects), never the only copy of something.
-            passes = (True,)
-        for persisted_only in passes:
-            if promotion and not persisted_only:
+            passes = (EvictPass.CLEAN,)
+        # The offload workers run: every dirty entry is owed a write, and one that has none queued
+        # gets one here (write_all). Those writes are queued for about the room this call needs
+        # (a failed policy scan meets every dirty entry): a watermark store under pressure writes
+        # what eviction needs, not all of DRAM; a waiting put asks again as they land.
+        write_all = self._backing is not None and self._started and not self._closing
+        queued_bytes = 0
+        for evict_pass in passes:
+            if promotion and evict_pass is not EvictPass.CLEAN:
                 break
 
-            def evict_ok(e: Entry, _p: bool = persisted_only) -> bool:
-                verdict = victim_verdict(self._victim_facts(e, now), persisted_only=_p,
-                                         max_attempts=MAX_OFFLOAD_ATTEMPTS)
-                if verdict is Verdict.WRITE_BACK:
+            def evict_ok(e: Entry, _p: EvictPass = evict_pass) -> bool:
+                nonlocal pending, queued_bytes
+                verdict = victim_verdict(self._victim_facts(e, now), evict_pass=_p,
+                                         max_attempts=MAX_OFFLOAD_ATTEMPTS, write_all=write_all)
+                if verdict is Verdict.WRITE_BACK and (queued_bytes < max(size, 1) or e.offload_failures or e.declined):
                     e.declined = False  # admission wants it now (or it was never declined)
                     if not e.offload_queued:
                         e.offload_queued = True
                         retry.append(e)
+                        queued_bytes += e.size
+                if verdict in (Verdict.WRITE_BACK, Verdict.WAIT):
+                    pending = True
                 return verdict is Verdict.EVICT
 
             def on_evict(e: Entry) -> None:
                 m.dram.evictions += 1
                 self._dropped_from_dram(e, events)
-                if self._backing is not None and not e.clean:
+                if self._backing is not None and not e.clean:  # its writes failed MAX_OFFLOAD_ATTEMPTS times
                     m.store.dropped_unpersisted += 1
                     self._losses.record(e.key, e.put_seq, "evicted from DRAM before it reached SSD" + (
                         f" ({e.offload_failures} failed or refused writes)" if e.offload_failures else ""))
@@ -758,11 +857,15 @@ class TieredStore:
                 break
         self._bus.publish(events)
         self._write_back(retry)
-        return entry
+        owed = entry is None and room_owed(pending, self._writing_bytes > 0,
+                                           self._started and not self._offloader.dead and not self._closing)
+        return entry, owed
 
     def _write_back(self, retry: list[Entry]) -> None:
-        """(lock held) Queue the offload of entries just marked ``offload_queued``; those the queue
-        refuses count a failed attempt, so that the next eviction asks again."""
+        """(lock held) Queue the offload of entries just marked ``offload_queued``. Those a full
+        queue refuses are not queued: the next eviction asks again (eager mode), or a demotion
+        pass writes them (watermark mode). A refusal is not a failed write: it never brings an
+        entry nearer to being dropped unpersisted (see :func:`victim_verdict`)."""
         if not retry:
             return
         m = self.metrics_counters
@@ -773,8 +876,6 @@ class TieredStore:
             m.store.offload_queue_full += refused
         for e in retry[len(retry) - refused:]:  # the queue takes a prefix
             e.offload_queued = False
-            if self._started:
-                e.offload_failures += 1  # so that the next eviction asks again (see victim_verdict)
 
     def _on_below_evicted(self, tier: Tier, keys: list[str]) -> None:
         """``tier`` evicted ``keys`` on its own (called by it, in the thread of the put that
@@ -808,10 +909,20 @@ class TieredStore:
 
     # -- slots: reserve -> write -> commit/abort, lease -> read -> release ------------------------
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
-                *, ttl_s: float = 60.0, owner: int = 0, group: int | None = None) -> list[Reservation]:
+                *, ttl_s: float = 60.0, owner: int = 0, group: int | None = None,
+                room_wait_s: float | None = 0.0) -> list[Reservation]:
         """Reserve an arena slot of ``sizes[i]`` bytes for each key, for the caller to fill
         through ``Reservation.view`` and then :meth:`commit` (or :meth:`abort`). Never blocks on
         I/O; thread-safe.
+
+        ``room_wait_s``: when DRAM is full of objects the offload has not written to SSD yet, how
+        long the call may wait (blocking, the store lock let go) for that offload to make room
+        before it answers NO_SPACE, for the whole batch; None: the config's
+        ``offload.put_wait_s``, as :meth:`put` waits. The default, 0, never waits: reserve is
+        called where a wait would stall others (vLLM's slot saves, on the engine's thread; the
+        node service, inline on its event loop), so a caller that may wait asks for it (the node
+        service: from a thread, after an inline try with 0 was refused). ``close()`` ends a
+        wait (NO_SPACE). A number outside [0, ``MAX_PIN_TTL_S``]: ValueError naming it.
 
         Per key: OK (with token, offset into the arena/segment, writable view), EXISTS (stored
         already, or reserved by another writer), INVALID_KEY, TOO_LARGE (permanent: larger than
@@ -836,33 +947,55 @@ class TieredStore:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"sizes[{i}] (for key {keys[i]!r}) must be a byte count >= 0, got {n!r}")
         ttl_s = check_ttl_s(ttl_s)
+        wait_s = self._room_wait_s(room_wait_s)
         account = self._slots.account(owner, check_group(group))
         out = [Status.OK] * len(keys)
         tokens: dict[int, int] = {}
         with self._call(self.metrics_counters.latency.put):  # the store's part of a slot put
+            owed: set[int] = set()
             reserved = self._reserve_batch(keys, list(sizes), parents, out,
-                                           (owner, time.monotonic() + ttl_s, tokens, account))
+                                           (owner, time.monotonic() + ttl_s, tokens, account), wait_s=wait_s,
+                                           room_owed=owed)
             arena = self._dram.arena.view
-            res = [Reservation(st, k) for k, st in zip(keys, out)]
+            res = [Reservation(st, k, room_owed=i in owed) for i, (k, st) in enumerate(zip(keys, out))]
             for i, e in reserved:
                 res[i] = Reservation(Status.OK, e.key, e.size, tokens[i], e.offset, arena[e.offset:e.offset + e.size])
             return res
 
-    def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
+    def commit(self, reservations: Sequence[Reservation], *, owner: int = 0,
+               checksums: Sequence[int | None] | None = None) -> list[Status]:
         """Make reserved objects visible, their bytes as the caller wrote them; per reservation:
         OK (stored; also when a ``remove`` of the key came in between, as a put answers: the bytes
         are dropped), IO_ERROR (its TTL had passed: nothing stored, the slot freed; or the token is
         unknown, already used, or held by another owner: nothing changes), or the reservation's
         own status when it was not OK. Each commit takes a put number (a later ``flush`` covers
         it), publishes ``stored``, and is queued for offload as a put is. Thread-safe; no I/O.
-        An item that is not a :class:`Reservation`: TypeError naming it, nothing committed."""
+        An item that is not a :class:`Reservation`: TypeError naming it, nothing committed.
+        ``checksums`` (one per reservation; None: not given): the writer's object checksum of
+        what it wrote, kept with the object when the store keeps checksums; one not given is
+        computed here over the slot's bytes (no lock held)."""
         reservations = _check_items(reservations, Reservation, "reservations")
+        if checksums is not None and len(checksums) != len(reservations):
+            raise ValueError(f"got {len(reservations)} reservations but {len(checksums)} checksums")
+        sums: list[int | None] = [None] * len(reservations)
+        computed = [False] * len(reservations)  # summed here over the range the caller's item names
+        if self._checksums:
+            arena = self._dram.arena.view
+            for i, r in enumerate(reservations):
+                given = None if checksums is None else checksums[i]
+                if given is not None:
+                    if not isinstance(given, int) or isinstance(given, bool) or not 0 <= given < 1 << 64:
+                        raise ValueError(f"checksums[{i}] must be an unsigned 64-bit int or None, got {given!r}")
+                    sums[i] = given
+                elif r.status is Status.OK and 0 <= r.offset and r.offset + r.nbytes <= len(arena):
+                    sums[i] = object_checksum(r.key, arena[r.offset:r.offset + r.nbytes])
+                    computed[i] = True
         out: list[Status] = []
         with self._call(), self._lock:
             self._expire_slots()
             m = self.metrics_counters
             live: list[Entry] = []
-            for r in reservations:
+            for r, checksum, here in zip(reservations, sums, computed):
                 if r.status is not Status.OK:
                     out.append(r.status)
                     continue
@@ -876,6 +1009,12 @@ class TieredStore:
                     self._end_reservation(row.entry)
                     out.append(Status.IO_ERROR)
                     continue
+                if self._checksums:
+                    e = row.entry
+                    if checksum is None or (here and (e.offset != r.offset or e.size != r.nbytes or e.key != r.key)):
+                        # Not computed above over this entry's own slot: its bytes are done, sum them.
+                        checksum = object_checksum(e.key, self._dram.arena.view[e.offset:e.offset + e.size])
+                    e.checksum = checksum
                 live.append(row.entry)
                 out.append(Status.OK)
                 m.store.slot_commits += 1
@@ -1004,7 +1143,7 @@ class TieredStore:
         token = self._slots.add(SlotKind.LEASE, e, owner, time.monotonic() + ttl_s, block, source, account)
         self.metrics_counters.store.slot_leases += 1
         return SlotLease(Status.OK, e.key, e.size, token, e.offset,
-                         arena[e.offset:e.offset + e.size].toreadonly())
+                         arena[e.offset:e.offset + e.size].toreadonly(), e.checksum)
 
     def _wait_pending(self, keys: list[str], until: float) -> None:
         """(lock held) Wait until none of ``keys`` is being written (committed, aborted, expired or
@@ -1135,6 +1274,8 @@ class TieredStore:
                 self._tier_raised(tier, "get_into", len(batch))
                 got = [ReadResult(Status.IO_ERROR)] * len(batch)
             results.update((i, r) for (i, _e), r in zip(batch, got))
+        if self._checksums:
+            self._sum_read(arena, [(e, results[i]) for i, e, _t in staged])
         with self._lock:
             events: list[ResidencyEvent] = []
             for i, e, tier in staged:
@@ -1233,14 +1374,17 @@ class TieredStore:
         self._check_open()
         return self._dram.arena.view
 
-    def reclaim(self, owner: int) -> tuple[int, int]:
-        """End every token ``owner`` holds, as if it aborted its reservations and released its
-        leases (its connection ended, its process exited): their bytes are free again. Returns
-        (reservations aborted, leases released). Thread-safe; no I/O; works on expired tokens."""
+    def reclaim(self, owner: int, keep: Collection[int] = ()) -> tuple[int, int]:
+        """End every token ``owner`` holds but those in ``keep``, as if it aborted its reservations
+        and released its leases (its process exited, or it said those tokens are void): their
+        bytes are free again. Returns (reservations aborted, leases released). Thread-safe; no
+        I/O; works on expired tokens."""
         n_res = n_lease = 0
         with self._call(), self._lock:
             self._expire_slots()
             for token in self._slots.tokens_of(owner):
+                if token in keep:
+                    continue
                 row = self._slots.take(token)
                 if row.kind is SlotKind.RESERVATION:
                     self._end_reservation(row.entry)
@@ -1256,7 +1400,9 @@ class TieredStore:
         """(lock held) Mark tokens past their deadline expired. An expired reservation's key is
         taken out of the index at once (another writer may store it; waiters stop waiting); its
         bytes, and an expired lease's, stay held until the owner lets go or is reclaimed."""
-        rows = self._slots.expire(time.monotonic())
+        now = time.monotonic()
+        self._let_go_pins(*self._slots.expire_pins(now))
+        rows = self._slots.expire(now)
         if not rows:
             return
         self.metrics_counters.store.slot_expired += len(rows)
@@ -1450,6 +1596,8 @@ class TieredStore:
         try:
             for i, e, _tier in staged:
                 copy_bytes(arena[e.offset:e.offset + e.size], byte_view(buffers[i])[:e.size])
+                if self._checksums:
+                    e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
                 copied += 1
         finally:
             with self._lock:
@@ -1461,6 +1609,14 @@ class TieredStore:
                         self._commit_promoted(e, tier, evicted_at, events)
                 self._bus.publish(events)
                 self._slot_changed.notify_all()
+
+    @staticmethod
+    def _sum_read(arena: memoryview, read: list[tuple[Entry, ReadResult]]) -> None:
+        """(no lock held) The checksum of each entry a read filled (its slot is WRITING: no one
+        else writes it), so a lease of it can be verified like a committed write."""
+        for e, res in read:
+            if res.status is Status.OK and res.nbytes == e.size:
+                e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
 
     def _tier_raised(self, tier: Tier, method: str, nkeys: int) -> None:
         """(no lock held; called from an ``except`` block) ``tier.method`` raised for ``nkeys``
@@ -1815,17 +1971,16 @@ class TieredStore:
         return out
 
     def _queue_again(self, entries: list[Entry], problems: dict[str, str]) -> None:
-        """(lock held) Entries a write batch had no room for: back on the offload queue."""
+        """(lock held) Entries a write batch had no room for: back on the offload queue, at its
+        head, so that older objects still reach SSD before newer ones. One a full queue refuses
+        is not queued: eviction queues it again before DRAM may drop it (eager mode), or a
+        demotion pass or a flush writes it (it never counts as a failed write)."""
         if not entries:
             return
-        refused = self._offloader.submit([e.key for e in entries]) if self._started else len(entries)
+        refused = self._offloader.submit([e.key for e in entries], front=True) if self._started else len(entries)
         self.metrics_counters.store.offload_queue_full += refused if self._started else 0
         for n, e in enumerate(entries):
             e.offload_queued = n < len(entries) - refused
-            if not e.offload_queued and self._started:
-                # Counted as a failed attempt, as put and _offload_again do, so that _reserve
-                # queues it again before DRAM may drop it (it retries only failed objects).
-                e.offload_failures += 1
             problems[e.key] = "its SSD write did not finish"
 
     def _offload_again(self, keys: list[str]) -> None:
@@ -1839,19 +1994,27 @@ class TieredStore:
         refused = self._offloader.submit([e.key for e in todo])
         self.metrics_counters.store.offload_queue_full += refused
         for e in todo[len(todo) - refused:]:
-            e.offload_queued = False
-            e.offload_failures += 1
+            e.offload_queued = False  # queued again by the next eviction (not a failed write)
 
-    def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
+    def pin(self, keys: Sequence[str], ttl_s: float = 30.0, *, group: int | None = None) -> list[bool]:
         """Lease objects for an in-flight load: DRAM copies are not evicted until ``unpin`` or
         ``ttl_s`` passes (so a crashed caller cannot pin forever). SSD-only objects are queued for
         promotion so the load that follows is served from DRAM. Returns presence per key.
-        ``ttl_s`` outside (0, ``MAX_PIN_TTL_S``] (inf, nan, negative): ValueError naming it."""
+        ``ttl_s`` outside (0, ``MAX_PIN_TTL_S``] (inf, nan, negative): ValueError naming it.
+
+        ``group`` (the node service passes the pinning process): the pins count against that
+        share of the arena as slot tokens do (each pinned key's block once, and one token), a key
+        past the share answers False (not pinned: that caller's load will find what it finds),
+        and :meth:`unpin_all` ends them when the process exits. Without a group, pins are
+        nobody's and end by unpin or TTL only."""
         ttl_s = check_ttl_s(ttl_s)
+        account = None if group is None else self._slots.account(0, check_group(group))
         present = self.contains(keys)
         deadline = time.monotonic() + ttl_s
         promote: list[str] = []
         with self._lock:
+            if account is not None:
+                self._expire_slots()
             for i, (key, hit) in enumerate(zip(keys, present)):
                 if not hit:
                     continue
@@ -1861,9 +2024,19 @@ class TieredStore:
                     # present would report a load nothing protects.
                     present[i] = False
                     continue
+                if account is not None:
+                    old = self._slots.pin_row(account, key)
+                    if old is not None and old.entry is not e:  # a pin of an older copy of the key
+                        self._let_go_pins(self._slots.drop_pin(account, key))
+                    if not self._slots.pin(account, key, e, 0 if e is None else self._dram.block_bytes(e.size),
+                                           deadline):
+                        present[i] = False  # past the share: not pinned, so not reported either
+                        self.metrics_counters.store.slot_refused += 1
+                        continue
                 if e is None:
                     promote.append(key)
-                    self._void_pin(key, 1, deadline)  # its unpin must not release a later pin
+                    if account is None:
+                        self._void_pin(key, 1, deadline)  # its unpin must not release a later pin
                     continue
                 e.pins += 1
                 e.pin_deadline = max(e.pin_deadline, deadline)
@@ -1871,10 +2044,38 @@ class TieredStore:
             self._promoter.submit(promote)
         return present
 
-    def unpin(self, keys: Sequence[str]) -> None:
+    @staticmethod
+    def _let_go_pins(*rows: PinRow | None) -> None:
+        """(lock held) The pins of ``rows`` are over: their entries may be evicted again."""
+        for row in rows:
+            if row is not None and row.entry is not None:
+                row.entry.pins = max(0, row.entry.pins - row.count)
+
+    def unpin_all(self, group: int) -> int:
+        """End every pin ``group`` took (:meth:`pin` with it): its process exited. Returns how
+        many pinned keys it had. Thread-safe; no I/O."""
+        account = self._slots.account(0, check_group(group))
+        with self._call(), self._lock:
+            rows = self._slots.drop_pins(account)
+            self._let_go_pins(*rows)
+        return len(rows)
+
+    def unpin(self, keys: Sequence[str], *, group: int | None = None) -> None:
         """Release one lease per key taken by ``pin``. A pin belongs to the entry it was taken on:
         once a remove took that entry (or when the object was only on SSD, so nothing was pinned),
-        its unpin releases nothing, even when the key was put again and pinned by someone else."""
+        its unpin releases nothing, even when the key was put again and pinned by someone else.
+        ``group``: the caller's own pin of the key when it has one, else another group's (a
+        worker's load ends the pin its scheduler took in another process); pins taken without a
+        group are not touched then."""
+        if group is not None:
+            account = self._slots.account(0, check_group(group))
+            with self._lock:
+                self._check_open()
+                for key in keys:
+                    row = self._slots.unpin(account, key)
+                    if row is not None and row.entry is not None and row.entry.pins > 0:
+                        row.entry.pins -= 1
+            return
         with self._lock:
             self._check_open()
             now = time.monotonic()
@@ -2047,10 +2248,12 @@ class TieredStore:
 
     def _write_batch_bytes(self) -> int:
         """Bytes one SSD write may lease: ``offload.batch_bytes``, but never more than half of DRAM,
-        so that slow writes in flight never leave a put without an object it may evict. The half
-        holds for all writes together (the worker's and every flushing caller's): see
+        so that slow writes in flight never leave a put without an object it may evict, shared by
+        the ``offload.write_threads`` writes the worker keeps in flight (so they overlap). The
+        half holds for all writes together (the worker's and every flushing caller's): see
         ``_writing_bytes`` and :meth:`_write_room_bytes`."""
-        return max(1, min(self.config.offload.batch_bytes, self._write_room_bytes()))
+        off = self.config.offload
+        return max(1, min(off.batch_bytes, self._write_room_bytes() // off.write_threads))
 
     def _write_room_bytes(self) -> int:
         """DRAM bytes that all SSD writes in flight together may lease (one object always may)."""
@@ -2153,6 +2356,8 @@ class TieredStore:
             self._writing_bytes += leased
             self._queue_again(later, problems)
             self._bus.publish(dropped)
+            if dropped:
+                self._room.notify_all()
         if not batch:
             return problems
         arena = self._dram.arena.view
@@ -2192,6 +2397,7 @@ class TieredStore:
                     problems[e.key] = f"{_WRITE_FAILED} {st.name}"
             self._bus.publish(events)
             self._changed.notify_all()
+            self._room.notify_all()  # clean now (or dropped): puts waiting for room look again
         if landed_after_remove:
             statuses = self._delete_below(landed_after_remove, [backing])
             with self._lock:
@@ -2224,6 +2430,8 @@ class TieredStore:
                 self._dram.drop(k)
                 self.metrics_counters.dram.evictions += 1
             self._bus.publish(events)
+            if clean:
+                self._room.notify_all()
         cap = self._write_batch_bytes()
         chunk: list[str] = []
         weight = 0
@@ -2303,6 +2511,8 @@ class TieredStore:
                 logger.exception("promotion of %d objects from the %s tier failed", len(batch), tier.name)
             results.extend(got)
         reserved = [(e, t) for tier in dict.fromkeys(t for _e, t in reserved) for e, t in reserved if t is tier]
+        if self._checksums:
+            self._sum_read(arena, [(e, res) for (e, _t), res in zip(reserved, results)])
         with self._lock:
             events: list[ResidencyEvent] = []
             for (e, tier), res in zip(reserved, results):
@@ -2340,7 +2550,8 @@ class TieredStore:
             stats.store.arena_double_frees = self._dram.double_frees
             stats.slots = SlotGauges(reservations=t.count(SlotKind.RESERVATION), leases=t.count(SlotKind.LEASE),
                                      owners=t.owner_count, held_bytes=t.held_bytes,
-                                     expired_held_bytes=t.expired_held_bytes)
+                                     expired_held_bytes=t.expired_held_bytes, pins=t.pin_count,
+                                     pinned_bytes=t.pinned_bytes)
         reported = stats.tiers
         for name, g in below.items():
             # A tier below evicts on its own (capacity): its evictions are the tier's own count.

@@ -5,9 +5,15 @@ segment), this process its client (:class:`~store_backend.node.client.NodeClient
 mapped with MAP_POPULATE). At each object size (1, 4, 16 MiB; batches of ``--batch-bytes``), best
 of ``--repeat``: a batched put and get through the service, the same through an embedded
 :class:`~store_backend.store.TieredStore` in this process, and a numpy memcpy of the same bytes
-between two private pre-faulted buffers (the limit). Then a lookup of 256 present keys
-(``exists``, median of ``--lookups`` calls) through the service and embedded, and the round trip
-of a one-key miss through the service. The last line printed with ``--json`` is one JSON object.
+between two private pre-faulted buffers (the limit). A second service keeps checksums
+(``verify_reads``): there gets are timed by a client that verifies every object against its
+writer's checksum (after the copy) and by one that does not, interleaved, best of ``--repeat``
+each: ``verify_reads_cost`` is the verifying get's time over the plain one's; and
+``checksum_put_cost`` a put's time there (the writer sums what it copies) over the default
+service's (means over the sizes; ``verify_reads`` would be on by default while the get's cost is
+at most 1.15, docs/NODE.md). Then a lookup of 256 present keys (``exists``, median
+of ``--lookups`` calls) through the service and embedded, and the round trip of a one-key miss
+through the service. The last line printed with ``--json`` is one JSON object.
 
 Not a timed test: figures depend on the machine and its load (docs/PERFORMANCE.md has them with
 the command that made them).
@@ -81,6 +87,28 @@ def _put_get(store: KVStore, tag: str, size: int, src: list[np.ndarray], dst: li
     return put_gbps, get_gbps
 
 
+def _verify_cost(plain: KVStore, checked: NodeClient, size: int, src: list[np.ndarray], dst: list[np.ndarray],
+                 repeat: int) -> float:
+    """A get's time with verification over the same get's without (best of ``repeat`` each, the
+    two interleaved so that the machine's drift touches both alike)."""
+    keys = [f"verify/{size}/{j}" for j in range(len(src))]
+    if not all(s is Status.OK for s in plain.put(keys, src)):
+        raise RuntimeError("bench node: cannot store the objects to verify")
+    best = {"plain": float("inf"), "checked": float("inf")}
+    for _ in range(repeat + 1):  # the first round warms both up
+        for name, client in (("plain", plain), ("checked", checked)):
+            t0 = time.perf_counter()
+            res = client.get_into(keys, dst)
+            elapsed = time.perf_counter() - t0
+            if not all(r.ok for r in res):
+                raise RuntimeError(f"bench node: {name} get of {size}-byte objects: {res[:3]}")
+            best[name] = min(best[name], elapsed)
+    if checked.counters.corrupt_reads:
+        raise RuntimeError("bench node: a verified read did not match its checksum")
+    plain.remove(keys)
+    return best["checked"] / best["plain"]
+
+
 def _median_us(fn: Callable[[], object], calls: int) -> float:
     times = []
     for _ in range(calls):
@@ -109,9 +137,14 @@ def run(args: argparse.Namespace) -> int:
     # Room for the batch being read and the one being written at once, and the lookup keys.
     capacity = 2 * max(max(2, batch_bytes // s) * s for s in sizes) + (64 << 20)
     service = BenchNodeService(capacity, args.start_timeout_s)
+    # A second service keeps checksums (verify_reads): its clients' puts send them, and one of its
+    # two clients verifies its gets.
+    checking = BenchNodeService(capacity, args.start_timeout_s, name="verify", verify_reads=True)
     per_size: dict[str, dict[str, float]] = {}
     try:
         node = NodeClient(service.socket, name="bench", max_connections=2).start()
+        plain = NodeClient(checking.socket, name="bench-plain", max_connections=2, verify_reads=False).start()
+        checked = NodeClient(checking.socket, name="bench-verify", max_connections=2, verify_reads=True).start()
         embedded = TieredStore({"dram": {"capacity_bytes": capacity}}).start()
         try:
             for size in sizes:
@@ -126,10 +159,14 @@ def run(args: argparse.Namespace) -> int:
                 memcpy()
                 row: dict[str, float] = {"memcpy_gbps": _best_gbps(n * size, memcpy, args.repeat)}
                 row["node_put_gbps"], row["node_get_gbps"] = _put_get(node, "node", size, src, dst, args.repeat)
+                row["verify_reads_cost"] = _verify_cost(plain, checked, size, src, dst, args.repeat)
+                put_checked, _get = _put_get(plain, "checked", size, src, dst, args.repeat)
+                row["checksum_put_cost"] = row["node_put_gbps"] / put_checked
                 row["embedded_put_gbps"], row["embedded_get_gbps"] = _put_get(embedded, "emb", size, src, dst,
                                                                               args.repeat)
                 per_size[str(size)] = {k: round(v, 3) for k, v in row.items()}
                 console.print(f"{size >> 10:>6} KiB  node put {row['node_put_gbps']:6.2f} get {row['node_get_gbps']:6.2f}"
+                              f" (verified: x{row['verify_reads_cost']:.3f} the time)"
                               f"  embedded put {row['embedded_put_gbps']:6.2f} get {row['embedded_get_gbps']:6.2f}"
                               f"  memcpy {row['memcpy_gbps']:6.2f} GB/s")
             lookup_node = _lookup_us(node, "node", args.lookups)
@@ -137,9 +174,12 @@ def run(args: argparse.Namespace) -> int:
             rtt = _median_us(lambda: node.exists(["bench/absent"]), args.lookups)
         finally:
             node.close(flush=False)
+            plain.close(flush=False)
+            checked.close(flush=False)
             embedded.close(flush=False)
     finally:
         service.close()
+        checking.close()
 
     def mean(field: str) -> float:
         return sum(r[field] for r in per_size.values()) / len(per_size)
@@ -152,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         "memcpy_gbps": round(mean("memcpy_gbps"), 3),
         "node_get_vs_memcpy": round(mean("node_get_gbps") / mean("memcpy_gbps"), 3),
         "node_put_vs_memcpy": round(mean("node_put_gbps") / mean("memcpy_gbps"), 3),
+        "verify_reads_cost": round(mean("verify_reads_cost"), 3),
+        "checksum_put_cost": round(mean("checksum_put_cost"), 3),
         "lookup_256_us_node": round(lookup_node, 1),
         "lookup_256_us_embedded": round(lookup_embedded, 1),
         "rtt_us": round(rtt, 1),

@@ -5,6 +5,7 @@ log. Started and stopped from the bench's own thread."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -24,17 +25,20 @@ class BenchNodeService:
     the end of its log after ``start_timeout_s`` or when it exits."""
 
     def __init__(self, capacity_bytes: int, start_timeout_s: float, *, name: str | None = None,
-                 pool: dict[str, Any] | None = None) -> None:
+                 pool: dict[str, Any] | None = None, verify_reads: bool = False) -> None:
         self.name = name
         self.directory = Path(tempfile.mkdtemp(prefix=f"mkv-bench-{name}-" if name else "mkv-bench-"))
         self.socket = str(self.directory / "node.sock")
         doc: dict[str, Any] = {
             "store": {"dram": {"capacity_bytes": capacity_bytes, "shm_name": f"mkv-bench-{uuid.uuid4().hex[:10]}"}},
-            "socket": self.socket, "metrics": None}
+            "socket": self.socket, "metrics": None, "verify_reads": verify_reads}
         if pool is not None:
             doc["pool"] = pool
         config = self.directory / "node.json"
-        config.write_text(json.dumps(doc))
+        # 0600: the pool section may hold a secret (a password in the Redis url), and the service
+        # refuses a config file holding one that others may read.
+        with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps(doc))
         self.log = self.directory / "node.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config", str(config)],

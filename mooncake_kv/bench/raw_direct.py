@@ -3,8 +3,9 @@
 :func:`raw_direct_bench` writes N objects of one size to a scratch file in the SSD directory with
 the same I/O engine and queue depth the store uses (one batched write, one fdatasync), reads them
 back the same way, and reports GB/s; where ``fio`` is installed it also runs fio over the same file
-size, block size and queue depth and reports fio's figures. Called by ``mooncake-kv bench store``
-from its main thread; blocking; the scratch file is removed afterwards.
+size, block size and queue depth and reports fio's figures. :func:`fio_seq_write` is fio's
+sequential O_DIRECT write alone (the limit of the store's offload path). Called by
+``mooncake-kv bench store`` from its main thread; blocking; the scratch files are removed afterwards.
 """
 
 from __future__ import annotations
@@ -118,6 +119,50 @@ def raw_direct_bench(
             pass
         if owns:
             eng.close()
+
+
+class FioWrite(msgspec.Struct):
+    """fio's sequential write of one file (see :func:`fio_seq_write`)."""
+
+    gbps: float | None  # None when fio is missing or failed (``note`` says why)
+    note: str
+    direct: bool
+
+
+def fio_seq_write(directory: str, size: int, block_bytes: int, iodepth: int = 32,
+                  timeout_s: float = 120.0) -> FioWrite:
+    """fio's sequential write of ``size`` bytes in ``block_bytes`` blocks to a scratch file in
+    ``directory`` (O_DIRECT where the file system allows it; an fsync at the end, as the store's
+    writes are synced; io_uring, else libaio, else psync), the file removed afterwards: the limit
+    the store's offload path is measured against. Blocking."""
+    fio = shutil.which("fio")
+    direct = probe_direct_io(directory)
+    if fio is None:
+        return FioWrite(None, "fio not installed", direct)
+    path = os.path.join(directory, f"fio-write-{os.getpid()}.dat")
+    try:
+        for ioengine in ("io_uring", "libaio", "psync"):
+            cmd = [fio, "--name=seqwrite", f"--filename={path}", f"--size={align_up(size)}",
+                   f"--bs={align_up(block_bytes)}", f"--iodepth={iodepth}", f"--ioengine={ioengine}",
+                   f"--direct={int(direct)}", "--rw=write", "--end_fsync=1", "--output-format=json", "--thread"]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                return FioWrite(None, f"fio timed out after {timeout_s:.0f} s", direct)
+            if proc.returncode != 0:
+                continue
+            try:
+                job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
+                gbps = job["write"]["bw_bytes"] / 1e9
+                return FioWrite(gbps, f"fio --ioengine={ioengine} --iodepth={iodepth}", direct)
+            except (ValueError, KeyError, IndexError):
+                continue
+        return FioWrite(None, "fio failed with every I/O engine tried", direct)
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _fio(result: RawBenchResult, path: str, size: int, direct: bool, timeout_s: float) -> None:

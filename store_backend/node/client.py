@@ -52,6 +52,7 @@ import msgspec
 
 from store_backend.api import StoreClosedError
 from store_backend.config import ConfigError
+from store_backend.checksum import object_checksum
 from store_backend.framing import READ_PIECE_BYTES, FrameError, FrameTooLargeError, read_frame
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
@@ -94,13 +95,21 @@ _HANDLES = itertools.count(1)
 
 @dataclass(slots=True)
 class _Held:
-    """What a handle names: the service's token on one connection (to one service start)."""
+    """What a handle names: the service's token, taken on connection ``conn_id`` (the welcome's)
+    of one service start (``segment_id``). Any connection to that start may end it: the service
+    keeps tokens for the process, not the connection. ``settling``: a commit/abort/release of it
+    is on its way (a Forget keeps it meanwhile)."""
 
-    conn: _Conn
+    segment_id: str
+    conn_id: int
     token: int
     owner: int
     kind: str  # "reserve" | "lease"
     key: str
+    offset: int
+    nbytes: int
+    checksum: int | None = None  # a lease's: the writer's object checksum
+    settling: bool = False
 
 
 class NodeAccessError(PermissionError):
@@ -122,6 +131,10 @@ class ClientCounters(msgspec.Struct):
     thread_join_timeouts: int = 0  # note_stuck_threads(): the client's users' threads
     worker_errors: int = 0  # note_worker_error()
     slot_foreign: int = 0  # commit/abort/release of a token this client does not hold (answered here)
+    corrupt_reads: int = 0  # reads whose bytes did not match their writer's checksum (verify_reads)
+    unverified_reads: int = 0  # reads verify_reads could not check: the object came without a checksum
+    forgets: int = 0  # tokens of lost connections the service was told to end (Forget)
+    owed_retries: int = 0  # aborts/releases sent again after the connection that carried them was lost
 
 
 class Backoff:
@@ -175,11 +188,10 @@ class _Conn:
     """One connected socket after its welcome. Used by one thread at a time (the pool's ``busy``)."""
 
     def __init__(self, sock: socket.socket, decoder: p.MessageDecoder, pending: list[bytes],
-                 welcome: p.Welcome, mapping: SegmentMapping, owner: int = 0) -> None:
+                 welcome: p.Welcome, mapping: SegmentMapping) -> None:
         self.sock = sock
-        self.owner = owner  # 0: the pool's; else the one connection of that slot owner
-        # Opened past the pool's bound (or beside an owner's own connection) for a call that waits
-        # on purpose while every connection it could use holds tokens: closed once it holds none.
+        # Opened past the pool's bound for a call that may not wait for a busy connection (a
+        # commit, abort or release: a call in flight may be waiting for it): closed after it.
         self.extra = False
         self.waiting = False  # in a call that waits on purpose (close interrupts it)
         self.decoder = decoder
@@ -187,7 +199,7 @@ class _Conn:
         self.welcome = welcome
         self.mapping = mapping
         self.max_frame_bytes = welcome.max_frame_bytes
-        self.tokens: set[int] = set()
+        self.granted = False  # the service may have granted tokens on it (a reserve or lease was sent)
         self.busy = False
         self.dead = False
         self.draining = False
@@ -376,17 +388,23 @@ class NodeClient:
     ConnectionError naming the path; NodeAccessError; ConfigError); after that, a lost service is a
     per-key miss, never an exception. ``starter``: called (at most one thread at a time) when a
     connect finds no service listening; it returns once one answers or raises ConfigError.
-    ``max_connections``: the pool's bound (a connector sizes it from its I/O threads). Slot owners:
-    owner 0's reservations and leases go through the pool; any other owner gets one connection of
-    its own (the service's owner is a connection, so its share of the arena and ``reclaim`` are per
-    owner), made at its first ``reserve``/``lease`` and ended by ``reclaim(owner)``. ``op_timeout_s``:
+    ``max_connections``: the pool's bound (a connector sizes it from its I/O threads); a commit,
+    abort or release never waits for a busy connection (the call it would wait for may be waiting
+    for that very commit): it opens one more, closed after it, at most ``max_connections`` more.
+    Slot ``owner``: a tag of this client's handles, so :meth:`reclaim` ends one owner's (the
+    service keeps every token for this process, whichever connection took it). ``op_timeout_s``:
     the longest one round trip may take before the service is taken for hung (calls that wait on
     purpose — ``flush``, ``exists(wait_s=)``, ``lease(wait_pending_s=)`` — add their own wait).
+    ``verify_reads``: check every object read against its writer's checksum after copying it
+    (``get_into``: the copy itself; a lease: the slot, at ``release``); a mismatch is CORRUPT
+    (``release`` False), counted in ``corrupt_reads`` and logged. None (the default): as the
+    service says (its ``verify_reads``). Writes send their checksum whenever the service keeps
+    them (its ``verify_reads``), whatever this client's choice for its own reads.
     """
 
     def __init__(self, socket_path: str, *, name: str = "", max_connections: int = 4,
                  connect_timeout_s: float = 5.0, op_timeout_s: float = 30.0,
-                 starter: Callable[[], object] | None = None) -> None:
+                 starter: Callable[[], object] | None = None, verify_reads: bool | None = None) -> None:
         if max_connections <= 0:
             raise ValueError(f"max_connections must be > 0, got {max_connections}")
         for field, v in (("connect_timeout_s", connect_timeout_s), ("op_timeout_s", op_timeout_s)):
@@ -397,6 +415,9 @@ class NodeClient:
         self.max_connections = max_connections
         self.connect_timeout_s = float(connect_timeout_s)
         self.op_timeout_s = float(op_timeout_s)
+        if verify_reads is not None and not isinstance(verify_reads, bool):
+            raise TypeError(f"verify_reads must be a bool or None, got {verify_reads!r}")
+        self._verify_reads = verify_reads
         self._starter = starter
         self.counters = ClientCounters()
         self._reset_process_state()
@@ -410,8 +431,6 @@ class NodeClient:
         self._start_lock = threading.Lock()
         self._conns: list[_Conn] = []
         self._opening = 0
-        self._owned: dict[int, _Conn] = {}  # owner -> its own connection (the service's owner is a connection)
-        self._opening_owners: set[int] = set()
         self._opening_extra = 0
         self._inflight = 0
         self._backoff = Backoff()
@@ -420,7 +439,23 @@ class NodeClient:
         self.welcome: p.Welcome | None = None  # the current service's welcome (ssd_path, tiers, ...)
         # handle (the token the caller sees) -> the service token it names and its connection
         self._tokens: dict[int, _Held] = {}
+        # Of the current service start: connections lost after a reserve or lease went out on them
+        # (their tokens this client does not hold are to be forgotten), and service tokens whose
+        # abort/release was not answered (sent again): settled at the start of the next call.
+        self._forget: set[int] = set()
+        self._owed: dict[str, set[int]] = {"abort": set(), "release": set()}
         self._shut = False  # close() has torn the pool down
+
+    @property
+    def verify_reads(self) -> bool:
+        """Whether this client verifies what it reads: its own choice, else the service's."""
+        return self._reads_verified(None)
+
+    def _reads_verified(self, conn: _Conn | None) -> bool:
+        if self._verify_reads is not None:
+            return self._verify_reads
+        welcome = conn.welcome if conn is not None else self.welcome
+        return bool(welcome is not None and welcome.verify_reads)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> NodeClient:
@@ -437,8 +472,11 @@ class NodeClient:
     def close(self, flush: bool = True, timeout_s: float = 60.0) -> None:
         """Stop using the service: new calls raise StoreClosedError at once; calls in flight finish
         first (waited for within ``timeout_s``); with ``flush``, the service's store is flushed (the
-        node's objects persist what they may); every open token is given back (``goodbye``) and the
-        sockets and this client's segment mapping are closed. The service keeps running. Idempotent."""
+        node's objects persist what they may); tokens of lost connections are forgotten and owed
+        aborts and releases sent; the sockets and this client's segment mapping are closed. The
+        service keeps running. A handle a caller still holds (a reservation or lease it did not
+        end) stays held by the service until this process exits: a thread may still be copying
+        through its view, so only the process's exit proves it is done. Idempotent."""
         deadline = time.monotonic() + timeout_s
         if self._pid != os.getpid():
             self._reset_process_state()
@@ -471,6 +509,11 @@ class NodeClient:
                     report = FlushReport(lost_untracked=1)
                 if not report.ok:
                     logger.warning("node client close: flush incomplete: %s", report.summary())
+        if attached and deadline > time.monotonic():
+            try:
+                self._run(lambda _conn: None, lambda _why: None)  # settles forgets and owed calls first
+            except StoreClosedError:
+                pass
         with self._cond:
             self._shut = True
             self._cond.notify_all()
@@ -519,48 +562,31 @@ class NodeClient:
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _checkout(self, deadline: float, strict: bool = False, owner: int = 0, clean: bool = False) -> _Conn:
-        """A connection marked busy: for ``owner`` 0 an idle one of the pool (one holding no tokens
-        first, so a commit or release rarely waits for it), or a new one while the pool has room;
-        for another owner, that owner's own connection (made at its first call). ``clean``: for a
-        call that waits on purpose (for a commit): never a connection holding tokens, since the
-        awaited commit may have to travel on it; when none is free, an extra connection is opened
-        (past the pool's bound, or beside the owner's own) and closed once it holds no tokens. _Lost
-        when the service cannot be reached (with ``strict``: ConnectionError naming why)."""
+    def _checkout(self, deadline: float, strict: bool = False, urgent: bool = False) -> _Conn:
+        """A connection marked busy: an idle one of the pool, or a new one while the pool has room.
+        ``urgent`` (a commit, abort or release, which a call in flight may be waiting for): never
+        wait for a busy connection; when none is idle and the pool is full, an extra one is opened
+        (at most ``max_connections`` of them) and closed after the call. _Lost when the service
+        cannot be reached (with ``strict``: ConnectionError naming why)."""
         extra = False
         with self._cond:
             while True:
                 if self._shut:
                     raise StoreClosedError("the node client is closed")
-                if owner:
-                    c = self._owned.get(owner)
-                    if clean and c is not None and not c.dead and (c.busy or c.tokens):
-                        self._opening_extra += 1
-                        extra = True
-                        break
-                    if c is not None and not c.dead:
-                        if not c.busy:
-                            c.busy = True
-                            return c
-                    elif owner not in self._opening_owners:
-                        self._opening_owners.add(owner)
-                        break
-                else:
-                    idle = [c for c in self._conns if c.owner == 0 and not c.busy and not c.dead]
-                    free = [c for c in idle if not c.tokens]
-                    room = sum(1 for c in self._conns if c.owner == 0 and not c.extra) + self._opening \
-                        < self.max_connections
-                    if clean and not free and not room:
-                        self._opening_extra += 1
-                        extra = True
-                        break
-                    if free or (idle and not room):
-                        c = free[0] if free else min(idle, key=lambda c: len(c.tokens))
-                        c.busy = True
-                        return c
-                    if room:
-                        self._opening += 1
-                        break
+                idle = [c for c in self._conns if not c.busy and not c.dead]
+                room = sum(1 for c in self._conns if not c.extra and not c.dead) + self._opening \
+                    < self.max_connections
+                if idle:
+                    c = next((c for c in idle if not c.extra), idle[0])
+                    c.busy = True
+                    return c
+                if room:
+                    self._opening += 1
+                    break
+                if urgent and sum(1 for c in self._conns if c.extra) + self._opening_extra < self.max_connections:
+                    self._opening_extra += 1
+                    extra = True
+                    break
                 if self._closed:  # close() began: a call that has no connection yet does not wait for one
                     raise StoreClosedError("the node client is closed")
                 left = deadline - time.monotonic()
@@ -568,13 +594,11 @@ class NodeClient:
                     raise _Lost(f"no free connection to {self.socket_path} within the op timeout")
                 self._cond.wait(left)
         try:
-            conn = self._open(strict, owner, extra)
+            conn = self._open(strict, extra)
         finally:
             with self._cond:
                 if extra:
                     self._opening_extra -= 1
-                elif owner:
-                    self._opening_owners.discard(owner)
                 else:
                     self._opening -= 1
                 self._cond.notify_all()
@@ -584,8 +608,8 @@ class NodeClient:
         retire = False
         with self._cond:
             conn.busy = False
-            if conn.extra and not conn.dead and not conn.tokens:
-                retire = True  # an extra connection holding nothing: the pool is back to its bound
+            if conn.extra and not conn.dead:
+                retire = True  # the pool is back to its bound
                 conn.dead = True
             if conn.dead and conn in self._conns:
                 self._conns.remove(conn)
@@ -599,20 +623,7 @@ class NodeClient:
                 pass
             conn.close()
 
-    def _acquire(self, conn: _Conn, deadline: float) -> bool:
-        """Check out this particular connection (a token's); False when it is dead or stays busy."""
-        with self._cond:
-            while conn.busy and not conn.dead:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            if conn.dead:
-                return False
-            conn.busy = True
-            return True
-
-    def _open(self, strict: bool, owner: int, extra: bool = False) -> _Conn:
+    def _open(self, strict: bool, extra: bool = False) -> _Conn:
         now = time.monotonic()
         with self._cond:
             if not self._backoff.ready(now) and not strict:
@@ -648,7 +659,7 @@ class NodeClient:
                        "node service at %s not reachable (%s); calls answer misses, next try in %.2f s",
                        self.socket_path, e, delay)
             raise _Lost(str(e)) from None
-        conn = _Conn(sock, decoder, pending, welcome, mapping, owner)
+        conn = _Conn(sock, decoder, pending, welcome, mapping)
         conn.extra = extra
         self._adopt(conn)
         return conn
@@ -681,6 +692,13 @@ class NodeClient:
                     self.counters.remaps += 1
                     for c in list(self._conns):
                         self._void(c)
+                    # The old start's tokens died with it: what callers still hold is answered here.
+                    for h in [h for h, held in self._tokens.items() if held.segment_id != seg]:
+                        if self._tokens.pop(h).kind == "reserve":
+                            self.counters.saves_dropped_disconnect += 1  # can never be committed now
+                    self._forget.clear()
+                    for owed in self._owed.values():
+                        owed.clear()
                 old_mapping = self._mapping
                 self._mapping = MAPPINGS.retain(conn.mapping)  # the client's own, until the segment changes
             self.counters.connects += 1
@@ -692,25 +710,21 @@ class NodeClient:
             self._backoff.succeeded()
             self.welcome = conn.welcome
             self._conns.append(conn)
-            if conn.owner and not conn.extra:
-                self._owned[conn.owner] = conn
             self._conns = [c for c in self._conns if not (c.dead and not c.busy)]
         if old_mapping is not None:
             MAPPINGS.release(old_mapping)
 
     def _void(self, conn: _Conn, lost: bool = True) -> None:
         """(Under the lock.) The connection is gone (``lost``: not by this client's choice): its
-        tokens are void, its socket closed."""
+        socket is closed. The tokens taken on it stay this process's (the handles callers hold
+        are ended on another connection); the service is told to forget the others (a reply the
+        client never read may have granted some) at the start of the next call."""
         if conn.dead:
             return
         conn.close()
-        for h in [h for h, held in self._tokens.items() if held.conn is conn]:
-            held = self._tokens.pop(h)
-            if lost and held.kind == "reserve":
-                self.counters.saves_dropped_disconnect += 1  # a reservation that can never commit now
-        conn.tokens.clear()
-        if conn.owner and self._owned.get(conn.owner) is conn:
-            del self._owned[conn.owner]
+        if lost and conn.granted and self._mapping is not None \
+                and conn.welcome.segment_id == self._mapping.segment_id:
+            self._forget.add(conn.welcome.conn_id)
         if not conn.busy and conn in self._conns:
             self._conns.remove(conn)
             MAPPINGS.release(conn.mapping)
@@ -726,46 +740,91 @@ class NodeClient:
             self._void(conn)
         logger.log(logging.WARNING if first else logging.DEBUG, "node service at %s lost: %s", self.socket_path, why)
 
-    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0,
-              clean: bool = False) -> T:
+    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], urgent: bool = False) -> T:
         """A public call: refused once closed, counted in flight (close waits for it), then _run."""
         self._enter()
         try:
-            return self._run(body, fail, owner, clean)
+            return self._run(body, fail, urgent)
         finally:
             self._exit()
 
-    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], owner: int = 0,
-             clean: bool = False) -> T:
+    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], urgent: bool = False) -> T:
         """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.
-        A connection from the pool that fails before answering anything (closed idle by the service)
-        is retried once on a new one. A call that close() cut short raises StoreClosedError."""
+        What earlier calls left owed to the service (forgets, aborts, releases) goes first, on the
+        same connection. A connection from the pool that fails before answering anything (closed
+        idle by the service) is retried once on a new one. A call that close() cut short raises
+        StoreClosedError."""
         for attempt in range(2):
             try:
-                conn = self._checkout(time.monotonic() + self.op_timeout_s, owner=owner, clean=clean)
+                conn = self._checkout(time.monotonic() + self.op_timeout_s, urgent=urgent)
             except _Lost as e:
                 return fail(str(e))
             reused = conn.answered > 0
             before = conn.answered
-            held = bool(conn.tokens)
             try:
+                try:
+                    self._settle_debts(conn)
+                except (_Lost, _Refused) as e:
+                    # Nothing of the call was sent yet: it goes on a new connection (what is owed
+                    # stays owed).
+                    self._lose(conn, str(e))
+                    if self._closed:
+                        raise StoreClosedError("the node client was closed during the call") from None
+                    if attempt == 0:
+                        continue
+                    return fail(str(e))
                 return body(conn)
             except _Lost as e:
                 self._lose(conn, str(e))
                 if self._closed:
                     raise StoreClosedError("the node client was closed during the call") from None
-                if attempt == 0 and e.hung_up and reused and conn.answered == before and not held:
+                if attempt == 0 and e.hung_up and reused and conn.answered == before:
                     continue
                 return fail(str(e))
             except _Refused as e:
-                if e.error.code != "closed":
-                    self._lose(conn, str(e))
-                else:
+                if e.error.code == "closed":
                     conn.draining = True
+                elif e.error.code != "bad_request":  # a bad value leaves the connection usable
+                    self._lose(conn, str(e))
                 return fail(str(e))
             finally:
                 self._checkin(conn)
         raise AssertionError("unreachable")
+
+    def _settle_debts(self, conn: _Conn) -> None:
+        """Before a call: tell the service to forget the tokens of lost connections that no handle
+        names any more, and send the aborts and releases a lost connection did not deliver.
+        _Lost/_Refused as a round trip raises them (the debts stay for the next call)."""
+        with self._cond:
+            if not self._forget and not self._owed["abort"] and not self._owed["release"]:
+                return
+            if self._mapping is None or conn.welcome.segment_id != self._mapping.segment_id:
+                return
+            seg = self._mapping.segment_id
+            lost = sorted(self._forget)
+            keep = [h.token for h in self._tokens.values() if h.segment_id == seg and h.conn_id in self._forget]
+            aborts, releases = sorted(self._owed["abort"]), sorted(self._owed["release"])
+        ended = 0
+        try:
+            if aborts:
+                self._ask_split(conn, len(aborts), lambda rid, lo, hi: p.Abort(rid, aborts[lo:hi]), p.Ack)
+            if releases:
+                self._ask_split(conn, len(releases), lambda rid, lo, hi: p.Release(rid, releases[lo:hi]), p.Bools)
+            if lost:
+                ended = self._ask(conn, lambda rid: p.Forget(rid, lost, keep), p.Count).n
+        except _Refused as e:
+            if e.error.code != "bad_request":
+                raise  # closed or busy: owed still, sent at a later call
+            # A service that cannot take them now never will (this start's exit reclaims them):
+            # dropped, so that they do not fail every later call.
+            logger.warning("node service at %s refused what this client owed it (%s); dropped", self.socket_path,
+                           e.error.message)
+        with self._cond:
+            self._owed["abort"].difference_update(aborts)
+            self._owed["release"].difference_update(releases)
+            self._forget.difference_update(lost)
+            self.counters.forgets += max(0, ended)
+            self.counters.owed_retries += len(aborts) + len(releases)
 
     def _ask(self, conn: _Conn, build: Callable[[int], p.Frame], reply_type: type,
              timeout_s: float | None = None) -> Any:
@@ -807,7 +866,7 @@ class NodeClient:
     def _lookup(self, keys: Sequence[str], request: Any, reply: Any, absent: Any) -> list[Any]:
         """One per-key lookup (``request(rid, keys)`` answered by ``reply``), split to fit the frame
         limit; ``absent`` for every key when the service cannot be asked."""
-        check_batch(keys)
+        _check_keys(keys)
         keys = list(keys)
         return self._call(lambda c: self._values(self._ask_split(
             c, len(keys), lambda rid, lo, hi: request(rid, keys[lo:hi]), reply), len(keys)),
@@ -825,7 +884,7 @@ class NodeClient:
     def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
         """Leading keys stored (``count_reserved``: saves in flight count); ``wait_s`` > 0 waits that
         long for reserved keys to be committed. 0 when the service cannot be asked."""
-        check_batch(keys)
+        _check_keys(keys)
         if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
                 or not 0 <= wait_s <= MAX_PIN_TTL_S:
             raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {wait_s!r}")
@@ -856,7 +915,7 @@ class NodeClient:
             self._enter()
             self._exit()
             return 0
-        return self._call(body, self._failed_lookup(0), clean=wait_s > 0)
+        return self._call(body, self._failed_lookup(0))
 
     def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
         """The shortest leading run stored over several key lists (every TP rank's keys of one
@@ -865,7 +924,7 @@ class NodeClient:
             raise TypeError("key_lists must be a sequence of key lists")
         lists = [list(ks) for ks in key_lists]
         for ks in lists:
-            check_batch(ks)
+            _check_keys(ks)
 
         def body(conn: _Conn) -> int:
             try:
@@ -916,7 +975,7 @@ class NodeClient:
         return self._call(body, self._failed_lookup([]))
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
-        check_batch(keys)
+        _check_keys(keys)
         ttl_s = check_ttl_s(ttl_s)
         keys = list(keys)
         return self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
@@ -924,7 +983,7 @@ class NodeClient:
             self._failed_lookup([False] * len(keys)))
 
     def unpin(self, keys: Sequence[str]) -> None:
-        check_batch(keys)
+        _check_keys(keys)
         keys = list(keys)
 
         def body(conn: _Conn) -> None:
@@ -937,7 +996,7 @@ class NodeClient:
         """Remove objects from every tier; per key its status. Sent in batches of at most
         ``REMOVE_BATCH_KEYS`` keys (each with its own longer timeout, see there); keys of batches
         the service answered keep their answers when it is lost later, the rest are IO_ERROR."""
-        check_batch(keys)
+        _check_keys(keys)
         keys = list(keys)
         out = [Status.IO_ERROR] * len(keys)
         timeout_s = self.op_timeout_s + REMOVE_FRAME_EXTRA_S
@@ -981,11 +1040,12 @@ class NodeClient:
 
     def put(self, keys: Sequence[str], buffers: Sequence[Buffer],
             parents: Sequence[str | None] | None = None) -> list[Status]:
-        """reserve -> copy into the slots -> commit, on one connection. A lost service answers
-        IO_ERROR for every key not yet answered (counted in ``saves_dropped_disconnect``)."""
+        """reserve -> copy into the slots (with each object's checksum) -> commit, on one
+        connection. A lost service answers IO_ERROR for every key not yet answered (counted in
+        ``saves_dropped_disconnect``; the slots it granted are forgotten at the next call)."""
         check_batch(keys, buffers)
-        if parents is not None and len(parents) != len(keys):
-            raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
+        _check_keys(keys)
+        _check_parents(parents, len(keys))
         views = [byte_view(b) for b in buffers]
         keys = list(keys)
         pars = None if parents is None else list(parents)
@@ -999,7 +1059,9 @@ class NodeClient:
                 sub_keys = [keys[i] for i in todo]
                 sub_sizes = [sizes[i] for i in todo]
                 sub_parents = None if pars is None else [pars[i] for i in todo]
-                grants = self._reserve_on(conn, sub_keys, sub_sizes, sub_parents, DEFAULT_TTL_S)
+                # As the embedded put: the service's put_wait_s for room (this runs on the caller's
+                # I/O thread, never an engine's).
+                grants = self._reserve_on(conn, sub_keys, sub_sizes, sub_parents, DEFAULT_TTL_S, None)
                 ok: list[int] = []
                 short: list[int] = []
                 for i, g in zip(todo, grants):
@@ -1010,13 +1072,15 @@ class NodeClient:
                         if g.status is Status.NO_SPACE:
                             short.append(i)
                 by_key = dict(zip(todo, grants))
+                sums: list[int | None] = []
                 try:
                     for i in ok:
                         copy_bytes(conn.mapping.slot(by_key[i].offset, by_key[i].nbytes), views[i])
+                        sums.append(object_checksum(keys[i], views[i]) if conn.welcome.verify_reads else None)
                 except BaseException:
                     self._abort_on(conn, [by_key[i].token for i in ok])
                     raise
-                statuses = self._commit_on(conn, [by_key[i].token for i in ok])
+                statuses = self._commit_on(conn, [by_key[i].token for i in ok], sums)
                 for i, st in zip(ok, statuses):
                     out[i], done[i] = st, True
                 # The service caps what one connection holds at once (max_held_fraction): a batch
@@ -1036,9 +1100,13 @@ class NodeClient:
         return self._call(body, fail)
 
     def _reserve_on(self, conn: _Conn, keys: list[str], sizes: list[int], parents: list[str | None] | None,
-                    ttl_s: float) -> list[p.Grant]:
+                    ttl_s: float, room_wait_s: float | None) -> list[p.Grant]:
+        conn.granted = True  # from here the service may hold tokens this client never learns of
+        # The service may wait for room (its put_wait_s, or room_wait_s) before it answers.
+        wait = conn.welcome.put_wait_s if room_wait_s is None else room_wait_s
         replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Reserve(
-            rid, keys[lo:hi], sizes[lo:hi], None if parents is None else parents[lo:hi], ttl_s), p.Slots)
+            rid, keys[lo:hi], sizes[lo:hi], None if parents is None else parents[lo:hi], ttl_s, room_wait_s), p.Slots,
+            self.op_timeout_s + wait)
         grants = self._grants(conn, replies, len(keys), sizes)
         return grants
 
@@ -1053,7 +1121,6 @@ class NodeClient:
             for j, g in enumerate(reply.grants):
                 i = lo + j
                 if g.status is Status.OK:
-                    conn.tokens.add(g.token)
                     if g.offset < 0 or g.nbytes < 0 or g.offset + g.nbytes > conn.mapping.nbytes or (
                             sizes is not None and g.nbytes != sizes[i]):
                         bad = f"grant [{g.offset}, +{g.nbytes}) for a {sizes[i] if sizes else '?'}-byte object"
@@ -1063,34 +1130,31 @@ class NodeClient:
             raise _Lost(f"the node service broke the protocol: {bad}")
         return grants
 
-    def _commit_on(self, conn: _Conn, tokens: list[int]) -> list[Status]:
+    def _commit_on(self, conn: _Conn, tokens: list[int], checksums: list[int | None]) -> list[Status]:
         if not tokens:
             return []
-        replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Commit(rid, tokens[lo:hi]), p.Statuses)
-        conn.tokens.difference_update(tokens)
+        replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Commit(
+            rid, tokens[lo:hi], checksums[lo:hi]), p.Statuses)
         return [Status(v) for v in self._values(replies, len(tokens))]
 
     def _abort_on(self, conn: _Conn, tokens: list[int]) -> None:
-        if not tokens:
-            return
-        try:
+        if tokens:
             self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Abort(rid, tokens[lo:hi]), p.Ack)
-        finally:
-            conn.tokens.difference_update(tokens)
 
     def _release_on(self, conn: _Conn, tokens: list[int]) -> list[bool]:
         if not tokens:
             return []
         replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Release(rid, tokens[lo:hi]), p.Bools)
-        conn.tokens.difference_update(tokens)
         return [bool(v) for v in self._values(replies, len(tokens))]
 
     # -- reads -------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
-        """lease -> copy out of the slots -> release, on one connection. A release answered False,
-        and a service lost before it answered, fail the key with IO_ERROR (whatever was copied is
-        not to be used)."""
+        """lease -> copy out of the slots -> (``verify_reads``: check the copy against its writer's
+        checksum) -> release, on one connection. A release answered False, and a service lost
+        before it answered, fail the key with IO_ERROR; a copy that does not match its checksum is
+        CORRUPT (whatever was copied is not to be used either way)."""
         check_batch(keys, buffers)
+        _check_keys(keys)
         for i, buf in enumerate(buffers):
             if memoryview(buf).readonly:  # type: ignore[arg-type]
                 raise TypeError(f"buffers[{i}] (for key {keys[i]!r}) is read-only; get_into writes into it")
@@ -1131,11 +1195,13 @@ class NodeClient:
         """One lease -> copy -> release round of ``get_into`` over the indices ``todo``; fills
         ``out``/``done`` for what it answered and returns the indices refused NO_SPACE (to go again)."""
         sub = [keys[i] for i in todo]
+        conn.granted = True
         replies = self._ask_split(conn, len(sub), lambda rid, lo, hi: p.Lease(
             rid, sub[lo:hi], DEFAULT_TTL_S, True, 0.0), p.Slots)
         grants = self._grants(conn, replies, len(sub), None)
         held: list[int] = []
         copied: set[int] = set()
+        corrupt: set[int] = set()
         again: list[int] = []
         try:
             for i, g in zip(todo, grants):
@@ -1148,43 +1214,54 @@ class NodeClient:
                 if nbytes_of(buffers[i]) < g.nbytes:
                     out[i] = ReadResult(Status.BUFFER_TOO_SMALL, g.nbytes)
                     continue
-                copy_bytes(byte_view(buffers[i]), conn.mapping.slot(g.offset, g.nbytes))
+                dst = byte_view(buffers[i])
+                copy_bytes(dst, conn.mapping.slot(g.offset, g.nbytes))
                 copied.add(i)
+                if self._reads_verified(conn) and not self._verified(keys[i], g.checksum, dst[:g.nbytes]):
+                    corrupt.add(i)
         finally:
             by_index = dict(zip(todo, grants))
             stable = self._release_on(conn, [by_index[i].token for i in held])
         for i, ok in zip(held, stable):
             done[i] = True
-            if i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
+            if i in corrupt:
+                out[i] = ReadResult(Status.CORRUPT)
+            elif i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
                 out[i] = ReadResult(Status.OK, by_index[i].nbytes) if ok else ReadResult(Status.IO_ERROR)
         return again
 
     # -- the slot API --------------------------------------------------------------------------------
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
-                *, ttl_s: float = DEFAULT_TTL_S, owner: int = 0) -> list[Reservation]:
+                *, ttl_s: float = DEFAULT_TTL_S, owner: int = 0, room_wait_s: float | None = 0.0,
+                ) -> list[Reservation]:
         """Slots in the shared segment to write objects into (``view`` is this process's mapping of
-        each); invisible to every reader until ``commit``. ``owner`` groups tokens for ``reclaim``
-        in this client (the service itself reclaims by connection)."""
-        check_batch(keys)
+        each); invisible to every reader until ``commit``. ``owner`` tags the handles for
+        :meth:`reclaim` in this client. The slot stays this process's until it is committed or
+        aborted (whatever happens to the connection that took it), or the process exits.
+        ``room_wait_s``: as :meth:`TieredStore.reserve <store_backend.store.TieredStore.reserve>`
+        (0: never wait for the offload to make room; None: the service's ``offload.put_wait_s``)."""
+        _check_keys(keys)
         if len(sizes) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(sizes)} sizes")
-        if parents is not None and len(parents) != len(keys):
-            raise ValueError(f"got {len(keys)} keys but {len(parents)} parents")
+        _check_parents(parents, len(keys))
         for i, n in enumerate(sizes):
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"sizes[{i}] must be an int >= 0, got {n!r}")
         ttl_s = check_ttl_s(ttl_s)
+        _check_owner(owner)
+        _check_room_wait(room_wait_s)
         keys, sz = list(keys), [int(n) for n in sizes]
         pars = None if parents is None else list(parents)
 
         def body(conn: _Conn) -> list[Reservation]:
-            grants = self._reserve_on(conn, keys, sz, pars, ttl_s)
+            grants = self._reserve_on(conn, keys, sz, pars, ttl_s, room_wait_s)
             out = []
             with self._cond:
                 for k, g in zip(keys, grants):
                     if g.status is Status.OK:
                         handle = next(_HANDLES)
-                        self._tokens[handle] = _Held(conn, g.token, owner, "reserve", k)
+                        self._tokens[handle] = _Held(conn.welcome.segment_id, conn.welcome.conn_id, g.token, owner,
+                                                     "reserve", k, g.offset, g.nbytes)
                         out.append(Reservation(g.status, k, g.nbytes, handle, g.offset,
                                                conn.mapping.slot(g.offset, g.nbytes)))
                     else:
@@ -1196,14 +1273,18 @@ class NodeClient:
                 self.counters.saves_dropped_disconnect += len(keys)
             return [Reservation(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail, owner)
+        return self._call(body, fail)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = DEFAULT_TTL_S, stage_in: bool = True,
               wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
         """Slots to read objects from (``view`` into this process's mapping); the bytes stay put
-        until ``release``, whose False means they were not stable (drop the read)."""
-        check_batch(keys)
+        until ``release``, whose False means they were not stable, or (``verify_reads``) did not
+        match their writer's checksum: drop the read. ``owner`` tags the handles for
+        :meth:`reclaim`. The service ends a lease past ``ttl_s`` by itself (its release then
+        answers False)."""
+        _check_keys(keys)
         ttl_s = check_ttl_s(ttl_s)
+        _check_owner(owner)
         if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
                 or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
             raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
@@ -1212,6 +1293,7 @@ class NodeClient:
 
         def body(conn: _Conn) -> list[SlotLease]:
             conn.waiting = wait_pending_s > 0
+            conn.granted = True
             try:
                 replies = self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Lease(
                     rid, keys[lo:hi], ttl_s, stage_in, wait_pending_s), p.Slots, self.op_timeout_s + wait_pending_s)
@@ -1223,9 +1305,10 @@ class NodeClient:
                 for k, g in zip(keys, grants):
                     if g.status is Status.OK:
                         handle = next(_HANDLES)
-                        self._tokens[handle] = _Held(conn, g.token, owner, "lease", k)
+                        self._tokens[handle] = _Held(conn.welcome.segment_id, conn.welcome.conn_id, g.token, owner,
+                                                     "lease", k, g.offset, g.nbytes, g.checksum)
                         out.append(SlotLease(g.status, k, g.nbytes, handle, g.offset,
-                                             conn.mapping.slot(g.offset, g.nbytes).toreadonly()))
+                                             conn.mapping.slot(g.offset, g.nbytes).toreadonly(), g.checksum))
                     else:
                         out.append(SlotLease(g.status, k, 0, 0, 0, None))
             return out
@@ -1235,88 +1318,167 @@ class NodeClient:
                 self.counters.loads_failed_disconnect += len(keys)
             return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        # A wait for a commit never rides a connection holding tokens: the commit may need it.
-        return self._call(body, fail, owner, clean=wait_pending_s > 0)
+        return self._call(body, fail)
 
-    def _by_conn(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
-                 ) -> tuple[dict[int, tuple[_Conn, list[int], list[int]]], list[int]]:
-        """(Under the lock.) Items ``owner`` holds in this client, grouped by connection (id ->
-        (conn, indexes, service tokens)), and the indexes of the rest (not OK, finished, another
-        owner's or client's, void because their connection — their service start — was lost: those
-        are never sent, whatever the service now on that socket numbers its tokens)."""
-        groups: dict[int, tuple[_Conn, list[int], list[int]]] = {}
+    def _claim(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
+               ) -> tuple[list[int], list[tuple[int, _Held]], list[int]]:
+        """(Under the lock.) The items ``owner`` holds in this client as ``kind`` for the current
+        service start: (their indexes, their (handle, held) pairs, now settling), and the indexes
+        of the rest (not OK, finished, another owner's or client's, or of a service start that is
+        gone: those are never sent, whatever the service now on that socket numbers its tokens)."""
+        idx: list[int] = []
+        held: list[tuple[int, _Held]] = []
         rest: list[int] = []
+        seg = self._mapping.segment_id if self._mapping is not None else None
         for i, r in enumerate(items):
-            held = self._tokens.get(r.token) if r.status is Status.OK else None
-            if held is None or held.owner != owner or held.kind != kind or held.key != r.key or held.conn.dead:
+            h = self._tokens.get(r.token) if r.status is Status.OK and isinstance(r.token, int) else None
+            if h is None or h.owner != owner or h.kind != kind or h.key != r.key or h.settling \
+                    or h.segment_id != seg:
                 if r.status is Status.OK:
                     self.counters.slot_foreign += 1  # as the store counts a token it does not hold
+                    if h is not None and h.segment_id != seg:
+                        del self._tokens[r.token]
                 rest.append(i)
                 continue
-            del self._tokens[r.token]
-            group = groups.setdefault(id(held.conn), (held.conn, [], []))
-            group[1].append(i)
-            group[2].append(held.token)
-        return groups, rest
+            h.settling = True
+            idx.append(i)
+            held.append((r.token, h))
+        return idx, held, rest
 
-    def _on_token_conns(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
-                        send: Callable[[_Conn, list[int]], list[Any]], lost_value: Any,
-                        rest_value: Callable[[Reservation | SlotLease], Any]) -> list[Any]:
-        """``send(conn, tokens)`` for each connection holding some of ``items``; per item its answer,
-        ``lost_value`` where that connection is lost, ``rest_value(item)`` for items not held."""
+    def _settle(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
+                send: Callable[[_Conn, list[_Held]], list[Any]], lost_value: Any,
+                rest_value: Callable[[Reservation | SlotLease], Any], owe: str | None) -> list[Any]:
+        """End the handles of ``items``: ``send(conn, held)`` on any connection to the service start
+        that granted them (the service keeps tokens per process), never waiting for a busy one;
+        tried again once on a new connection when the first is lost. Per item its answer;
+        ``lost_value`` where the service could not be asked (``owe``: "abort"/"release", sent
+        again at a later call, so the slot is given back all the same); ``rest_value(item)`` for
+        items this client does not hold."""
         self._enter()
         try:
             with self._cond:
-                groups, rest = self._by_conn(items, kind, owner)
+                idx, pairs, rest = self._claim(items, kind, owner)
             out: list[Any] = [None] * len(items)
             for i in rest:
                 out[i] = rest_value(items[i])
-            for conn, idx, tokens in groups.values():
-                answers = [lost_value] * len(idx)
-                if self._acquire(conn, time.monotonic() + self.op_timeout_s):
-                    try:
-                        answers = send(conn, tokens)
-                    except _Lost as e:
-                        self._lose(conn, str(e))
-                    except _Refused as e:
-                        if e.error.code != "closed":
-                            self._lose(conn, str(e))
-                    finally:
-                        self._checkin(conn)
-                for i, a in zip(idx, answers):
-                    out[i] = a
+            if not pairs:
+                return out
+            held = [h for _handle, h in pairs]
+            answers: list[Any] = [lost_value] * len(held)
+            settled = False
+            gone = False  # the service start that granted them is gone: nothing to send, nothing owed
+
+            def send_if_same(conn: _Conn) -> list[Any] | None:
+                nonlocal gone
+                if conn.welcome.segment_id != held[0].segment_id:
+                    # Another service start: its tokens are numbered afresh, so these numbers may
+                    # name another slot of this process there. Never sent.
+                    gone = True
+                    return None
+                return send(conn, held)
+
+            try:
+                for _attempt in range(2):
+                    got = self._run(send_if_same, lambda _why: None, urgent=True)
+                    if got is not None:
+                        answers, settled = got, True
+                        break
+                    if gone:
+                        break
+            except BaseException:
+                # Cut short (the client closed, a broken reply): the handles end here all the same,
+                # and what the service was not told is owed.
+                with self._cond:
+                    seg = self._mapping.segment_id if self._mapping is not None else None
+                    for handle, h in pairs:
+                        self._tokens.pop(handle, None)
+                        if owe is not None and h.segment_id == seg and not gone:
+                            self._owed[owe].add(h.token)
+                raise
+            with self._cond:
+                seg = self._mapping.segment_id if self._mapping is not None else None
+                for handle, h in pairs:
+                    self._tokens.pop(handle, None)
+                    if not settled and not gone and owe is not None and h.segment_id == seg:
+                        self._owed[owe].add(h.token)
+            for i, a in zip(idx, answers):
+                out[i] = a
+            if not settled:
+                logger.warning("node service at %s: %d %s calls not answered; %s", self.socket_path, len(held),
+                               kind, "owed, sent again at the next call" if owe else "counted as failed")
             return out
         finally:
             self._exit()
 
     def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
-        """Make reserved objects visible; per reservation: OK, IO_ERROR (its TTL passed; or a
-        token this client does not hold for ``owner``: finished, another's, or void because its
-        connection was lost), or the reservation's own status when it was not OK. A service lost
-        during the commit answers IO_ERROR, counted in ``saves_dropped_disconnect`` (a connection
-        lost earlier counted its reservations when it was lost)."""
-        out = self._on_token_conns(reservations, "reserve", owner, self._commit_on, None,
-                                   lambda r: r.status if r.status is not Status.OK else Status.IO_ERROR)
-        lost = sum(1 for s in out if s is None)
+        """Make reserved objects visible, each with the checksum of its slot's bytes as they are
+        now (what readers verify); per reservation: OK, IO_ERROR (its TTL passed; or a token this
+        client does not hold for ``owner``: finished, another's, or of a service start that is
+        gone), or the reservation's own status when it was not OK. A commit the service did not
+        answer is sent again once on another connection; still unanswered it is IO_ERROR, counted
+        in ``saves_dropped_disconnect``, and the slot's abort is owed (sent at a later call)."""
+        def send(conn: _Conn, held: list[_Held]) -> list[Status]:
+            sums: list[int | None] = ([object_checksum(h.key, conn.mapping.slot(h.offset, h.nbytes)) for h in held]
+                                      if conn.welcome.verify_reads else [None] * len(held))
+            return self._commit_on(conn, [h.token for h in held], sums)
+
+        out = self._settle(reservations, "reserve", owner, send, None,
+                           lambda r: r.status if r.status is not Status.OK else Status.IO_ERROR, "abort")
+        lost = sum(1 for i, st in enumerate(out) if st is None)
         if lost:
             with self._cond:
                 self.counters.saves_dropped_disconnect += lost
         _release_views(reservations)
-        return [Status.IO_ERROR if s is None else s for s in out]
+        return [Status.IO_ERROR if st is None else st for st in out]
 
     def abort(self, reservations: Sequence[Reservation], *, owner: int = 0) -> None:
         """Give reserved slots back (nothing becomes visible); tokens this client does not hold for
-        ``owner`` are left alone."""
-        self._on_token_conns(reservations, "reserve", owner, lambda c, t: [self._abort_on(c, t)] * len(t), None,
-                             lambda r: None)
+        ``owner`` are left alone. One the service did not hear of is sent again at a later call."""
+        self._settle(reservations, "reserve", owner,
+                     lambda c, held: [self._abort_on(c, [h.token for h in held])] * len(held), None,
+                     lambda r: None, "abort")
         _release_views(reservations)
 
     def release(self, leases: Sequence[SlotLease], *, owner: int = 0) -> list[bool]:
-        """End leases; True only where the bytes were stable for the whole lease (else, and for a
-        lease this client does not hold or whose service was lost, False: drop that read)."""
-        out = self._on_token_conns(leases, "lease", owner, self._release_on, False, lambda r: False)
+        """End leases; True only where the bytes were stable for the whole lease and, with
+        ``verify_reads``, the slot still matches its writer's checksum (checked here, after the
+        caller's copy); else, and for a lease this client does not hold or whose service could
+        not be asked, False: drop that read. A mismatch is counted (``corrupt_reads``) and logged."""
+        def send(conn: _Conn, held: list[_Held]) -> list[bool]:
+            intact = [self._verify_slot(conn, h) for h in held]
+            stable = self._release_on(conn, [h.token for h in held])
+            return [ok and good for ok, good in zip(stable, intact)]
+
+        out = self._settle(leases, "lease", owner, send, False, lambda r: False, "release")
         _release_views(leases)
         return [bool(v) for v in out]
+
+    def _verify_slot(self, conn: _Conn, h: _Held) -> bool:
+        """Whether a leased slot's bytes match their writer's checksum (True when not verifying)."""
+        if not self._reads_verified(conn):
+            return True
+        return self._verified(h.key, h.checksum, conn.mapping.slot(h.offset, h.nbytes))
+
+    def _verified(self, key: str, checksum: int | None, data: Buffer) -> bool:
+        """``data`` (what was read of ``key``) against ``checksum``: False, counted and logged, on a
+        mismatch; True, counted as unverified, when the object came without one."""
+        if checksum is None:
+            with self._cond:
+                self.counters.unverified_reads += 1
+                first = self.counters.unverified_reads == 1
+            if first:
+                logger.warning("node service at %s keeps no checksums (its verify_reads is off): this client's reads "
+                               "cannot be verified (unverified_reads counts them)", self.socket_path)
+            return True
+        if object_checksum(key, data) == checksum:
+            return True
+        with self._cond:
+            self.counters.corrupt_reads += 1
+            first = self.counters.corrupt_reads == 1
+        logger.log(logging.ERROR if first else logging.DEBUG,
+                   "node service at %s: the bytes read of key %r do not match their writer's checksum; "
+                   "answered CORRUPT (corrupt_reads counts them)", self.socket_path, key)
+        return False
 
     def host_mapping(self) -> memoryview | None:
         """This process's whole mapping of the service's segment, which every reservation's and
@@ -1330,44 +1492,19 @@ class NodeClient:
             return None if self._mapping is None else self._mapping.view
 
     def reclaim(self, owner: int) -> tuple[int, int]:
-        """End every reservation and lease this client holds for ``owner``: each connection holding
-        some says ``goodbye``, so the service reclaims them as it does for a connection that ended
-        (its tokens' bytes are free when this returns). (reservations, leases) ended."""
-        self._enter()
-        try:
-            with self._cond:
-                mine = [(t, h) for t, h in self._tokens.items() if h.owner == owner]
-                conns = {id(h.conn): h.conn for _t, h in mine}
-            for conn in conns.values():
-                if not self._acquire(conn, time.monotonic() + self.op_timeout_s):
-                    continue
-                try:
-                    self._goodbye(conn, self.op_timeout_s)
-                finally:
-                    with self._cond:
-                        self._void(conn, lost=False)
-                    self._checkin(conn)
-            return (sum(1 for _t, h in mine if h.kind == "reserve"), sum(1 for _t, h in mine if h.kind == "lease"))
-        finally:
-            self._exit()
-
-    @staticmethod
-    def _goodbye(conn: _Conn, timeout_s: float) -> None:
-        """Say goodbye and wait for the service to close the connection (it reclaims the
-        connection's tokens first), within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            conn.sock.settimeout(timeout_s)
-            conn.sock.sendall(p.encode(p.Goodbye(conn.next_id())))
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                conn.sock.settimeout(left)
-                if not conn.sock.recv(READ_PIECE_BYTES):
-                    return
-        except OSError:
-            return
+        """End every reservation (abort) and lease (release) this client holds for ``owner``; the
+        caller says no thread of that owner touches their views any more. (reservations, leases)
+        ended; a call the service did not answer is owed and sent again at a later call."""
+        with self._cond:
+            mine = [(t, h) for t, h in self._tokens.items() if h.owner == owner and not h.settling]
+        res = [Reservation(Status.OK, h.key, h.nbytes, t) for t, h in mine if h.kind == "reserve"]
+        leases = [SlotLease(Status.OK, h.key, h.nbytes, t) for t, h in mine if h.kind == "lease"]
+        if res:
+            self.abort(res, owner=owner)
+        if leases:
+            self._settle(leases, "lease", owner, lambda c, held: self._release_on(c, [h.token for h in held]),
+                         False, lambda r: False, "release")
+        return len(res), len(leases)
 
     # -- stats -------------------------------------------------------------------------------------
     def service_stats(self, mine: bool = False) -> tuple[StoreStats, p.NodeStats] | None:
@@ -1434,3 +1571,41 @@ def _release_views(items: Sequence[Reservation | SlotLease]) -> None:
                 v.release()
             except (BufferError, ValueError):
                 pass
+
+
+def _check_keys(keys: Sequence[object]) -> None:
+    """Misuse of a key list, raised before anything is sent: a single str, or an item that is no
+    str or cannot be sent as UTF-8 text (TypeError/ValueError naming its index). A key the store
+    does not accept (empty, with NUL, too long) is sent and answered per key (INVALID_KEY)."""
+    check_batch(keys)
+    for i, k in enumerate(keys):
+        if not isinstance(k, str):
+            raise TypeError(f"keys[{i}] must be str, got {type(k).__name__} {k!r:.80}")
+        try:
+            k.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"keys[{i}] is not valid UTF-8 text: {e}") from None
+
+
+def _check_parents(parents: Sequence[object] | None, n: int) -> None:
+    if parents is None:
+        return
+    if isinstance(parents, (str, bytes)) or len(parents) != n:
+        raise ValueError(f"got {n} keys but {'a single str' if isinstance(parents, (str, bytes)) else len(parents)} "
+                         f"parents")
+    for i, k in enumerate(parents):
+        if k is not None and not isinstance(k, str):
+            raise TypeError(f"parents[{i}] must be str or None, got {type(k).__name__}")
+
+
+def _check_room_wait(room_wait_s: object) -> None:
+    if room_wait_s is None:
+        return
+    if not isinstance(room_wait_s, (int, float)) or isinstance(room_wait_s, bool) or not math.isfinite(room_wait_s) \
+            or not 0 <= room_wait_s <= MAX_PIN_TTL_S:
+        raise ValueError(f"room_wait_s must be None or a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {room_wait_s!r}")
+
+
+def _check_owner(owner: object) -> None:
+    if not isinstance(owner, int) or isinstance(owner, bool):
+        raise TypeError(f"owner must be an int, got {owner!r}")

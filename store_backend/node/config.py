@@ -20,6 +20,7 @@ import msgspec
 from store_backend.config import StoreConfig
 from store_backend.config_loader import ConfigError, decode, merge, read_file
 from store_backend.pool.config import PoolConfig
+from store_backend.pool.private_file import check_config_file_secrets
 
 # The node service's segment name unless its config names another (a fresh segment per start is
 # named "<shm_name>-<start_ns>").
@@ -86,7 +87,13 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     stage_in_workers: int = 4
     # Connections served at once; past it a newcomer gets error(busy).
     max_connections: int = 1024
-    # Most of the arena one connection may hold in open reservations and leases (beyond: NO_SPACE).
+    # Connections one client process may have open at once; past it its newcomer gets error(busy).
+    max_connections_per_client: int = 64
+    # Bytes of control frames not complete yet, all connections together; the connection whose
+    # bytes would pass it is closed with error(busy) (the client reconnects).
+    max_buffered_bytes: int = 256 << 20
+    # Most of the arena one client process (all its connections) may hold in open reservations,
+    # leases and pins (beyond: NO_SPACE, or a pin answering False).
     max_held_fraction: float = 0.5
     # At SIGTERM, how long open reservations and leases may take to finish.
     drain_timeout_s: float = 10.0
@@ -94,16 +101,23 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     shutdown_flush_s: float = 120.0
     # Exit this long after the last client left (auto-started services); None: never.
     idle_exit_s: float | None = None
-    # A connection holding no reservation or lease is closed after idling this long.
+    # A connection through which no slot its process still holds was taken is closed after idling
+    # this long (the process's slots stay with the process).
     idle_timeout_s: float = 300.0
     # From a frame's first byte to its last.
     frame_timeout_s: float = 2.0
     # Longest one reply may take to go out; past it the peer (which reads nothing: stopped, wedged)
-    # is disconnected and what it held reclaimed.
+    # is disconnected (its process keeps its slots until it exits or ends them; its leases end at
+    # their TTL).
     send_timeout_s: float = 10.0
     # The pool across nodes (section `pool`: transport listener, directory, replicas); null: this
     # node serves its own engines only.
     pool: PoolConfig | None = None
+    # Every object carries its writer's checksum (xxh3 of key and bytes) and clients verify what
+    # they read against it (a client may say otherwise), so bytes another process wrote into the
+    # shared segment are never served as OK. Off by default: it costs more than 1.15 times a get
+    # (`bench node`, verify_reads_cost; docs/NODE.md has the figures).
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.store.dram.shm_name is None:
@@ -121,6 +135,10 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"stage_in_workers: must be >= 1, got {self.stage_in_workers}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client: must be >= 1, got {self.max_connections_per_client}")
+        if self.max_buffered_bytes < 1 << 20:
+            raise ValueError(f"max_buffered_bytes: must be at least 1MiB, got {self.max_buffered_bytes}")
         if not 0.0 < self.max_held_fraction <= 1.0:
             raise ValueError(f"max_held_fraction: must be in (0, 1], got {self.max_held_fraction}")
         if self.drain_timeout_s < 0:
@@ -151,14 +169,19 @@ _DEFAULTS: dict[str, Any] = {"store": {"dram": {"shm_name": DEFAULT_SHM_NAME}}}
 def load_node_config(source: NodeServiceConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                      ) -> NodeServiceConfig:
     """A Struct (as is), a dict, a file path (JSON or YAML), or None (every default). Raises
-    :class:`~store_backend.config_loader.ConfigError` naming the field (and the file)."""
+    :class:`~store_backend.config_loader.ConfigError` naming the field (and the file); a file that
+    holds a secret inline (``pool.secret``, a password in ``pool.directory.url``) must be this
+    user's (or root's) and private to it (mode 0600), or it is refused naming the field."""
     if isinstance(source, NodeServiceConfig):
         return source
     if source is None:
         return decode(_DEFAULTS, NodeServiceConfig)
     if isinstance(source, (str, os.PathLike)):
         data = read_file(source)
-        return decode(merge(_DEFAULTS, data), NodeServiceConfig, layers=[(f"config file {source}", data)])
+        cfg = decode(merge(_DEFAULTS, data), NodeServiceConfig, layers=[(f"config file {source}", data)])
+        if cfg.pool is not None:  # a secret written in the file: the file must be private
+            check_config_file_secrets(source, [(f"pool.{f}", f"pool.{g}") for f, g in cfg.pool.inline_secrets()])
+        return cfg
     if isinstance(source, Mapping):
         return decode(merge(_DEFAULTS, source), NodeServiceConfig)
     raise ConfigError(f"node service config must be a dict, a path or a NodeServiceConfig, "

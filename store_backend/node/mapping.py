@@ -7,13 +7,20 @@ whose fd came with its ``welcome`` (checked against ``welcome.segment_id`` by
 when it ends. A mapping nobody uses any more is unmapped, unless a slot view a caller still holds
 exports it (``BufferError``): it is kept aside then and unmapped at a later acquire or release, once
 those views are gone. After a fork the child starts with an empty table (what it inherited belongs
-to its parent's connections).
+to its parent's connections), and every segment range the parent had mapped is replaced in the
+child by private anonymous memory (an ``os.register_at_fork`` hook, installed at the first mapping):
+a slot view the child inherited (a reservation its parent was filling) can no longer write into the
+shared segment, whose slots the service frees once the parent exits. What the child writes through
+such a view lands in its own private pages; what it reads there is zeros (and its release of an
+inherited lease answers False: the child's client knows none of its parent's tokens).
 
 Thread-safe; acquire blocks on mmap (populating the segment's pages) outside the table's lock.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 import threading
@@ -32,6 +39,10 @@ class SegmentMapping:
         self._mmap = mm
         self.view = memoryview(mm)
         self.refs = 0
+        anchor = ctypes.c_char.from_buffer(mm)  # an export of mm only while this line's object lives
+        self.address = ctypes.addressof(anchor)
+        del anchor
+        self.length = len(mm)
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
         """The bytes [offset, offset + nbytes) of the segment; ValueError when they are not inside it
@@ -59,6 +70,23 @@ class Mappings:
         self._lock = threading.Lock()
         self._by_id: dict[str, SegmentMapping] = {}
         self._retired: list[SegmentMapping] = []
+        self._hooked = False
+
+    def _before_fork(self) -> None:
+        """(In the forking thread.) Hold the table still across the fork, so that the child sees
+        every mapping the parent has made."""
+        self._lock.acquire()
+
+    def _after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def _after_fork_in_child(self) -> None:
+        """(In a forked child, before anything else runs there.) Cut every inherited segment range
+        off the shared segment: the same addresses, now private anonymous pages."""
+        for m in [*self._by_id.values(), *self._retired]:
+            _replace_with_private(m.address, m.length)
+        self._pid = -1  # _check_fork makes a fresh (unlocked) table
+        self._check_fork()
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
@@ -83,6 +111,10 @@ class Mappings:
         finally:
             os.close(fd)
         with self._lock:
+            if not self._hooked:
+                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent,
+                                    after_in_child=self._after_fork_in_child)
+                self._hooked = True
             m = self._by_id.get(segment_id)
             if m is None:
                 m = self._by_id[segment_id] = SegmentMapping(segment_id, mm, nbytes)
@@ -121,6 +153,31 @@ class Mappings:
             if self._retired:
                 out["retired"] = len(self._retired)
             return out
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+def _replace_with_private(address: int, length: int) -> None:
+    """Map private anonymous memory over ``[address, address + length)`` (MAP_FIXED, reserving no
+    swap: the child pays only for pages it touches): the shared mapping that was there is gone
+    from this process. Where the kernel refuses a writable range (strict overcommit), the range
+    is mapped with no access at all (a stray touch faults). Aborts the process when both fail: a
+    child that could still write into the service's slots must not run on."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if got == _MAP_FAILED or got != address:
+        got = _libc.mmap(address, length, 0, flags, -1, 0)  # PROT_NONE: never charged
+    if got == _MAP_FAILED or got != address:
+        os.write(2, b"mooncake-kv: cannot detach the node segment in a forked child; aborting it\n")
+        os.abort()
 
 
 MAPPINGS = Mappings()

@@ -24,12 +24,21 @@ NODE_FAMILIES: dict[str, tuple[str, str]] = {
     "mooncake_kv_node_connections": ("gauge", "Client connections open on the node service."),
     "mooncake_kv_node_tokens": ("gauge", "Reservations and leases open on the node service, by kind."),
     "mooncake_kv_node_held_bytes": ("gauge", "Arena bytes held by open reservations and leases."),
-    "mooncake_kv_node_zombie_bytes": ("gauge", ("Arena bytes held by tokens past their TTL whose connection is "
-                                                "still open (a stuck client; freed when it lets go or leaves).")),
+    "mooncake_kv_node_zombie_bytes": ("gauge", ("Arena bytes held by reservations past their TTL whose process "
+                                                "still runs (a stuck client; freed when it lets go or exits).")),
+    "mooncake_kv_node_processes": ("gauge", "Client processes known to the node service (connected, or holding "
+                                            "slots or pins)."),
+    "mooncake_kv_node_orphaned_tokens": ("gauge", ("Reservations and leases whose connection ended while their "
+                                                   "process still runs (kept for the process until it ends or "
+                                                   "forgets them, or exits).")),
+    "mooncake_kv_node_leases_expired": ("counter", ("Leases the service ended past their TTL (their process "
+                                                    "stopped answering; its release then answers False).")),
+    "mooncake_kv_node_buffered_bytes": ("gauge", "Bytes of control frames not complete yet, all connections."),
     "mooncake_kv_node_frames": ("counter", "Request frames the node service answered, by op."),
     "mooncake_kv_node_bad_frames": ("counter", ("Connections closed for breaking the protocol (oversized, "
                                                 "undecodable, slow or out-of-order frames).")),
-    "mooncake_kv_node_refused_connections": ("counter", "Connections refused, by reason (permission, busy)."),
+    "mooncake_kv_node_refused_connections": ("counter", ("Connections refused or closed for a limit, by reason "
+                                                         "(permission, busy, pid_unseen, buffers).")),
     "mooncake_kv_node_loop_lag_seconds": ("gauge", ("How late the service's event loop ran its last 1 s timer "
                                                     "(a call that blocked the loop shows here).")),
     "mooncake_kv_node_op_seconds": ("histogram", ("Time from a request's arrival to its reply, by op (waits and "
@@ -65,6 +74,13 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily("mooncake_kv_node_held_bytes", h["mooncake_kv_node_held_bytes"], value=n.held_bytes)
         yield GaugeMetricFamily("mooncake_kv_node_zombie_bytes", h["mooncake_kv_node_zombie_bytes"],
                                 value=n.zombie_bytes)
+        yield GaugeMetricFamily("mooncake_kv_node_processes", h["mooncake_kv_node_processes"], value=n.processes)
+        yield GaugeMetricFamily("mooncake_kv_node_orphaned_tokens", h["mooncake_kv_node_orphaned_tokens"],
+                                value=n.orphaned)
+        yield CounterMetricFamily("mooncake_kv_node_leases_expired", h["mooncake_kv_node_leases_expired"],
+                                  value=n.leases_expired)
+        yield GaugeMetricFamily("mooncake_kv_node_buffered_bytes", h["mooncake_kv_node_buffered_bytes"],
+                                value=n.buffered_bytes)
         frames = CounterMetricFamily("mooncake_kv_node_frames", h["mooncake_kv_node_frames"], labels=["op"])
         for op, count in sorted(n.frames.items()):
             frames.add_metric([op], count)
@@ -72,7 +88,7 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("mooncake_kv_node_bad_frames", h["mooncake_kv_node_bad_frames"], value=n.bad_frames)
         ref = CounterMetricFamily("mooncake_kv_node_refused_connections", h["mooncake_kv_node_refused_connections"],
                                   labels=["reason"])
-        for reason in ("permission", "busy"):
+        for reason in ("permission", "busy", "pid_unseen", "buffers"):
             ref.add_metric([reason], refused.get(reason, 0))
         yield ref
         yield GaugeMetricFamily("mooncake_kv_node_loop_lag_seconds", h["mooncake_kv_node_loop_lag_seconds"],

@@ -13,9 +13,11 @@ flight per connection. A push from the service (:class:`Draining`) has ``id`` 0.
 never travel here: a :class:`Grant` names an offset into the shared segment, and the client copies
 into or out of its own mapping of it.
 
-Tokens name one reservation or lease, held by the connection that took it (a token of another
-connection answers IO_ERROR for that token). Statuses are :class:`store_backend.types.Status`
-values.
+Tokens name one reservation or lease, held by the client *process* that took it: any connection
+of that process may commit, abort or release it (a token of another process answers IO_ERROR /
+False for that token, and changes nothing). A connection that ends takes nothing with it: the
+process's tokens stay until it ends them, says they are void (:class:`Forget`), or exits (the
+service watches it). Statuses are :class:`store_backend.types.Status` values.
 
 Nothing here touches a socket except :class:`FrameReader` (blocking, one per connection); the
 asyncio server feeds a :class:`MessageDecoder` with what arrives. Not thread-safe: one reader and one
@@ -41,7 +43,8 @@ from store_backend.framing import (
 from store_backend.metrics import StoreStats
 from store_backend.types import Status
 
-PROTOCOL_VERSION = 1
+# 2: tokens belong to the client process, Forget, Grant.checksum and Commit.checksums.
+PROTOCOL_VERSION = 2
 
 ErrorCode = Literal["bad_request", "too_large", "closed", "permission", "version", "busy", "internal"]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
@@ -97,8 +100,9 @@ class TierOf(_Frame, tag="tier_of"):
 
 
 class Pin(_Frame, tag="pin"):
-    """Key-counted pins with a TTL (not reclaimed when the connection ends: they bridge a lookup in
-    one process and a load in another)."""
+    """Key-counted pins with a TTL, counted against the pinning process's share of the arena (a
+    key past it answers False) and ended when that process exits; they outlive the connection
+    (they bridge a lookup in one process and a load in another, whose unpin ends them)."""
 
     id: int
     keys: list[str]
@@ -111,18 +115,26 @@ class Unpin(_Frame, tag="unpin"):
 
 
 class Reserve(_Frame, tag="reserve"):
-    """Slots to write objects into; invisible to every reader until committed."""
+    """Slots to write objects into; invisible to every reader until committed. ``room_wait_s``:
+    how long a key refused for want of clean DRAM (full of objects not yet on SSD) may wait for the
+    offload to make room (None: the service's ``offload.put_wait_s``; 0: never)."""
 
     id: int
     keys: list[str]
     sizes: list[int]
     parents: list[str | None] | None = None
     ttl_s: float = 60.0
+    room_wait_s: float | None = 0.0
 
 
 class Commit(_Frame, tag="commit"):
+    """``checksums``: per token the writer's object checksum of what it wrote
+    (:func:`store_backend.checksum.object_checksum`), kept with the object and handed to every
+    reader; None (or a None item): the service computes it over the slot."""
+
     id: int
     tokens: list[int]
+    checksums: list[int | None] | None = None
 
 
 class Abort(_Frame, tag="abort"):
@@ -180,9 +192,23 @@ class Shutdown(_Frame, tag="shutdown"):
 
 
 class Goodbye(_Frame, tag="goodbye"):
-    """The client is done: its open tokens are reclaimed now, and the service closes the connection."""
+    """The client is done with this connection: the service closes it. The process's tokens stay
+    (a thread of it may still be copying through one); end them with commit/abort/release, or
+    :class:`Forget`."""
 
     id: int
+
+
+class Forget(_Frame, tag="forget"):
+    """The client lost connections ``conn_ids`` (from their welcomes): every token taken on them
+    is void except those in ``keep`` (the client handed those out and will end them itself). A
+    reply lost on the way may have granted tokens the client never learned of; this gives them
+    back. Connections of another process, or unknown, are skipped; one still open is closed first.
+    Answered with :class:`Count`: the tokens ended."""
+
+    id: int
+    conn_ids: list[int]
+    keep: list[int] = msgspec.field(default_factory=list)
 
 
 # -- replies and pushes (service → client) ---------------------------------------------------------
@@ -201,6 +227,8 @@ class Welcome(_Frame, tag="welcome"):
     ttl_max_s: float
     tiers: list[str]
     ssd_path: str | None = None
+    verify_reads: bool = False  # objects carry their writer's checksum; clients verify by default
+    put_wait_s: float = 0.0  # the longest a reserve with room_wait_s None waits for room
 
 
 class Count(_Frame, tag="count"):
@@ -228,12 +256,14 @@ class Ack(_Frame, tag="ack"):
 
 
 class Grant(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One key's slot: ``offset`` and ``nbytes`` into the segment when ``status`` is OK."""
+    """One key's slot: ``offset`` and ``nbytes`` into the segment when ``status`` is OK. A lease's
+    ``checksum``: the object checksum its writer gave (the reader verifies its copy against it)."""
 
     status: Status
     token: int = 0
     offset: int = 0
     nbytes: int = 0
+    checksum: int | None = None
 
 
 class Slots(_Frame, tag="slots"):
@@ -284,7 +314,7 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     reservations: int = 0
     leases: int = 0
     held_bytes: int = 0
-    zombie_bytes: int = 0  # held by tokens past their TTL whose owner is still connected
+    zombie_bytes: int = 0  # held by reservations past their TTL whose process still runs
     bad_frames: int = 0
     frames: dict[str, int] = msgspec.field(default_factory=dict)  # by op
     # Who and where (added for ``status``; defaults keep older frames decodable).
@@ -301,6 +331,10 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     metrics_address: str = ""  # host:port of /metrics, "" when not served
     clients: list[ClientInfo] = msgspec.field(default_factory=list)
     metrics_off: str = ""  # why /metrics is not served although configured ("" otherwise)
+    processes: int = 0  # client processes known (connected, or holding tokens or pins)
+    orphaned: int = 0  # tokens whose connection ended while their process still runs
+    leases_expired: int = 0  # leases ended by the service past their TTL (their release answers False)
+    buffered_bytes: int = 0  # bytes held for control frames not complete yet, all connections
 
 
 class StatsReply(_Frame, tag="stats_reply"):
@@ -326,7 +360,7 @@ class Error(_Frame, tag="error"):
 
 
 Request = Union[Hello, Exists, ExistsAll, Contains, SizeOf, TierOf, Pin, Unpin, Reserve, Commit, Abort,
-                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye]
+                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye, Forget]
 Reply = Union[Welcome, Count, Bools, Sizes, Names, Ack, Slots, Statuses, KeyPage, FlushResult, StatsReply,
               Draining, Error]
 Frame = Union[Request, Reply]

@@ -23,13 +23,22 @@ socket bound (0600; from here connections queue, and are answered once the loop 
 means ready), ``/metrics``, then the loop logs ``ready``.
 
 Per connection: the peer's uid (SO_PEERCRED) must be the service's or root, else
-``error(permission)`` and close; past ``max_connections`` ``error(busy)`` and close. The first frame
-must be ``hello``; ``welcome`` carries the segment's fd (SCM_RIGHTS) when asked. A frame over the cap
-or one that does not decode gets ``error`` and the connection is closed; a frame must complete
-within ``frame_timeout_s`` of its first byte; a connection holding no reservation or lease is
-closed after ``idle_timeout_s``. Whenever a connection ends (end of stream, reset, protocol error,
-idle close, its process exiting, seen through a pidfd even while a forked child keeps the socket
-open) the store reclaims every reservation and lease it held (``store.reclaim(conn_id)``).
+``error(permission)`` and close; a peer whose pid this service cannot see (0: another pid
+namespace) is refused too; past ``max_connections``, or ``max_connections_per_client`` of its
+process, ``error(busy)`` and close. The first frame must be ``hello``; ``welcome`` carries the
+segment's fd (SCM_RIGHTS) when asked. A frame over the cap or one that does not decode gets
+``error`` and the connection is closed; a frame must complete within ``frame_timeout_s`` of its
+first byte; the incomplete frames of all connections hold at most ``max_buffered_bytes``; a
+connection through which no slot still held was taken is closed after ``idle_timeout_s``.
+
+Slots (reservations, leases) belong to the client *process* (:class:`_Proc`), whichever of its
+connections took them: any of its connections may end them, and a connection that ends frees
+nothing (a thread of the process may still be copying). They end when the process ends them,
+forgets those of a connection it lost (``forget``: a reply it never read may have granted some),
+or exits (a :class:`~store_backend.node.peers.ProcessWatch`, a pidfd, even while a forked child
+keeps the socket open); a lease also at its TTL (it is a read: its result is void then). Pins count
+against the process's share and end with it. The store's owner of a token is the connection that
+took it (``store.reclaim(conn_id)`` ends a lost connection's or an exited process's).
 
 Stop (SIGTERM, SIGINT, a ``shutdown`` frame, ``idle_exit_s`` after the last client left, or
 :meth:`NodeService.stop`): push ``draining`` to every connection (and to each newcomer after its
@@ -56,7 +65,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +80,7 @@ from store_backend.node import protocol as p
 from store_backend.node.config import DEFAULT_METRICS_PORT, NodeServiceConfig, load_node_config
 from store_backend.node.fdpass import may_attach, peer_credentials
 from store_backend.node.metrics import NodeCollector
+from store_backend.node.peers import ProcessWatch, boot_time_s
 from store_backend.node.segment import segment_id, unlink_if_same
 from store_backend.ownership import HeldLock, OwnershipError, flock_or_raise
 from store_backend.pool.service import PoolService
@@ -91,6 +101,8 @@ _KEY_PAGE_BYTES = MAX_FRAME_BYTES // 2
 _FLUSH_UNPERSISTED_MAX = 1000
 # Longest a waiting exists/lease sleeps before looking again without being woken.
 _WAIT_SLICE_S = 0.25
+# A lease is ended by the service this long after its TTL (the store has expired it by then).
+_LEASE_GRACE_S = 1.0
 # A call naming more keys (or tokens) than this runs its store call on the pool, not the loop: a
 # store call costs tens of microseconds per key, and the loop serves every client.
 _INLINE_MAX_KEYS = 1024
@@ -133,28 +145,67 @@ class _Closing(Exception):
     """Raised inside a connection's task to end it quietly (idle, goodbye, refused)."""
 
 
+class _BuffersFull(Exception):
+    """The service's frame buffers are full (``max_buffered_bytes``): the connection is closed
+    with ``error(busy)``."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One token a client process holds: a reservation or a lease (the store's object, its view
+    dropped), the connection that took it (the store's owner of the token), the end of its TTL,
+    and for a lease the tier its bytes came from."""
+
+    lease: bool
+    obj: Any
+    conn_id: int
+    deadline: float
+    tier: str = "dram"
+
+
+class _Proc:
+    """One client process: its connections, every token it holds (whichever connection took it:
+    any of its connections may end it), the store owners (connection ids) it has used, its
+    counters, and the watch on its exit. Its slots' memory goes back when it ends them, forgets
+    them (:class:`~store_backend.node.protocol.Forget`) or exits; never when a connection ends.
+    Loop thread only."""
+
+    __slots__ = ("pid", "watch", "conns", "slots", "owners", "in_flight", "forgotten", "mine", "ended")
+
+    def __init__(self, pid: int, watch: ProcessWatch) -> None:
+        self.pid = pid
+        self.watch = watch
+        self.conns: set[_Conn] = set()
+        self.slots: dict[int, _Slot] = {}  # token -> what it holds
+        # Connection ids whose tokens the store may hold for it: every one it used, until a Forget
+        # ended them all; all are reclaimed when it exits.
+        self.owners: set[int] = set()
+        # Ended connections whose store call was still running on a pool thread (it may yet grant
+        # tokens): reclaimed again once it is done, if the process forgot them or exited meanwhile.
+        self.in_flight: dict[int, concurrent.futures.Future[Any]] = {}
+        self.forgotten: dict[int, frozenset[int]] = {}  # such a connection -> the tokens its Forget kept
+        self.mine = _Mine()
+        self.ended = False
+
+
 class _Conn:
     """One connection's state. Touched on the loop thread only."""
 
-    __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "reservations", "leases",
-                 "lease_tiers", "deadlines", "held_bytes", "frames", "pending", "frame_t0", "task", "send_lock",
-                 "in_flight", "mine", "key_snapshot")
+    __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "proc", "open_slots", "buffered",
+                 "frames", "pending", "frame_t0", "task", "send_lock", "in_flight", "key_snapshot")
 
-    def __init__(self, conn_id: int, sock: socket.socket, pid: int, uid: int, max_frame_bytes: int) -> None:
+    def __init__(self, conn_id: int, sock: socket.socket, proc: _Proc, uid: int, max_frame_bytes: int) -> None:
         self.conn_id = conn_id
         self.sock = sock
-        self.pid = pid
+        self.proc = proc
+        self.pid = proc.pid
         self.uid = uid
         self.name = ""
         self.since = time.monotonic()
         self.hello = False
-        self.reservations: dict[int, Any] = {}  # token -> the store's Reservation
-        self.leases: dict[int, Any] = {}  # token -> the store's SlotLease
-        self.lease_tiers: dict[int, str] = {}  # token -> the tier its bytes came from
-        self.mine = _Mine()  # replaced by its process's (shared by its connections) at admission
+        self.open_slots = 0  # tokens taken on this connection that its process still holds
+        self.buffered = 0  # bytes of a frame not complete yet (counted in the service's total)
         self.key_snapshot: tuple[str, list[str]] | None = None  # (prefix, sorted keys) while paging
-        self.deadlines: dict[int, float] = {}  # token -> monotonic end of its TTL
-        self.held_bytes = 0
         self.frames = FrameDecoder(max_frame_bytes)
         self.pending: collections.deque[bytes] = collections.deque()
         self.frame_t0: float | None = None  # when the frame being read began to arrive
@@ -163,16 +214,8 @@ class _Conn:
         self.in_flight: concurrent.futures.Future[Any] | None = None  # a pool call it awaits
 
     @property
-    def tokens(self) -> int:
-        return len(self.reservations) + len(self.leases)
-
-    def hold(self, token: int, nbytes: int, ttl_s: float, now: float) -> None:
-        self.deadlines[token] = now + ttl_s
-        self.held_bytes += nbytes
-
-    def drop(self, token: int, nbytes: int) -> None:
-        self.deadlines.pop(token, None)
-        self.held_bytes -= nbytes
+    def mine(self) -> _Mine:
+        return self.proc.mine
 
 
 class _Mine:
@@ -192,10 +235,6 @@ class _Mine:
                           pool=msgspec.structs.replace(self.tiers["pool"]), store=msgspec.structs.replace(self.store))
 
 
-# Client processes whose counters are kept (the oldest go first past it).
-_MINE_MAX = 4096
-
-
 class _Lane:
     """One thread pool and the shares of it: at most ``share`` of its threads for one client
     process and as many for one kind of call (``remove``, ``flush_report``, ...), so one client's
@@ -207,39 +246,57 @@ class _Lane:
         self.share = max(1, threads // 2) if threads > 1 else 1
         self._by_client: collections.Counter[int] = collections.Counter()
         self._by_kind: collections.Counter[str] = collections.Counter()
-        self._freed = asyncio.Condition()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def _fits(self, pid: int, kind: str) -> bool:
+        return self._by_client[pid] < self.share and self._by_kind[kind] < self.share
 
     async def run(self, pid: int, kind: str, submit: Callable[[concurrent.futures.ThreadPoolExecutor],
                                                                concurrent.futures.Future[Any]]) -> Any:
-        """``submit(executor)`` once ``pid`` and ``kind`` are within their shares; its result."""
-        async with self._freed:
-            await self._freed.wait_for(lambda: self._by_client[pid] < self.share and self._by_kind[kind] < self.share)
-            self._by_client[pid] += 1
-            self._by_kind[kind] += 1
+        """``submit(executor)`` once ``pid`` and ``kind`` are within their shares; its result. The
+        shares are taken back when the thread is done with the call, not when its waiter is: a
+        cancelled waiter leaves the call running, holding its share until it returns."""
+        loop = asyncio.get_running_loop()
+        while not self._fits(pid, kind):
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self._by_client[pid] += 1
+        self._by_kind[kind] += 1
         try:
-            return await asyncio.wrap_future(submit(self.executor))
-        finally:
-            # The thread is free once the call returned (a cancelled waiter leaves it running: the
-            # share stays taken until then).
-            async with self._freed:
-                self._by_client[pid] -= 1
-                self._by_kind[kind] -= 1
-                if not self._by_client[pid]:
-                    del self._by_client[pid]
-                if not self._by_kind[kind]:
-                    del self._by_kind[kind]
-                self._freed.notify_all()
+            fut = submit(self.executor)
+        except BaseException:
+            self._give_back(pid, kind)
+            raise
+
+        def done(_f: concurrent.futures.Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._give_back, pid, kind)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for a share any more
+
+        fut.add_done_callback(done)
+        return await asyncio.wrap_future(fut)
+
+    def _give_back(self, pid: int, kind: str) -> None:
+        """(loop thread; plain counters, no lock: nothing between the checks awaits.)"""
+        self._by_client[pid] -= 1
+        self._by_kind[kind] -= 1
+        if self._by_client[pid] <= 0:
+            del self._by_client[pid]
+        if self._by_kind[kind] <= 0:
+            del self._by_kind[kind]
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-class _PidWatch:
-    __slots__ = ("fd", "conns")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.conns: set[_Conn] = set()
 
 
 def check_socket_dir(directory: str) -> None:
@@ -329,7 +386,8 @@ class NodeService:
         self._lanes: dict[str, _Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[int, _Conn] = {}
-        self._pid_watch: dict[int, _PidWatch] = {}
+        self._procs: dict[int, _Proc] = {}  # client processes by pid (connected, or holding tokens or pins)
+        self._buffered = 0  # bytes of incomplete frames, all connections
         self._next_conn_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._draining = False
@@ -358,10 +416,10 @@ class NodeService:
         self.bad_frames = 0
         self.idle_closed = 0
         self.send_timeouts = 0  # connections closed because a reply could not be sent in time
-        self.refused = collections.Counter()  # by error code (permission, busy)
+        self.refused = collections.Counter()  # by reason (permission, busy, pid_unseen, buffers)
         self.pid_exits = 0  # connections ended because their process exited (pidfd)
+        self.leases_expired = 0  # leases the service ended past their TTL
         self._logged_peers: set[int] = set()
-        self._mine: collections.OrderedDict[int, _Mine] = collections.OrderedDict()  # by client pid
         # Keys being written through this service: key -> {token: end of its TTL}. Every writer of
         # the service's store reserves through it, so this answers "pending?" without a store call.
         self._writing: dict[str, dict[int, float]] = {}
@@ -378,8 +436,10 @@ class NodeService:
             # The store unlinks leftover segments of a killed service whose lock is free.
             if cfg.pool is not None:
                 self._pool_tier = PoolService.make_tier(cfg.pool, self.socket_path)
+            # verify_reads: every object of the shared arena carries its writer's checksum.
             self.store = TieredStore(cfg.store, fresh_segment=True, max_held_fraction=cfg.max_held_fraction,
-                                     tiers=[self._pool_tier] if self._pool_tier is not None else ())
+                                     tiers=[self._pool_tier] if self._pool_tier is not None else (),
+                                     checksums=cfg.verify_reads)
             self.store.start()
             self.segment = self.store.segment()
             assert self.segment is not None  # fresh_segment always makes one
@@ -619,7 +679,14 @@ class NodeService:
                     return
                 logger.debug("accept failed", exc_info=True)
                 continue
-            self._admit(sock)
+            try:
+                self._admit(sock)
+            except Exception:  # one bad admission must not end the accepting
+                logger.exception("admitting a connection failed; it is closed")
+                try:
+                    sock.close()
+                except OSError:
+                    pass
 
     def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -636,28 +703,75 @@ class NodeService:
                    f"{self.socket_path}")
             self._spawn(self._refuse(sock, p.Error(0, "permission", msg)))
             return
+        if creds.pid <= 0:
+            # Another pid namespace that does not see the client: the service could never tell
+            # when that process stops touching its slots, so it may not attach at all.
+            self.refused["pid_unseen"] += 1
+            self._log_peer(0, "refused a client whose pid this service cannot see (another pid namespace)")
+            msg = (f"the node service at {self.socket_path} (pid {os.getpid()}) cannot see this process's pid "
+                   f"(it runs in another pid namespace): a slot is freed only once its process exits, so "
+                   f"the service must see it; run the service in the engines' pid namespace or a parent "
+                   f"of it (e.g. on the host, or in the same container)")
+            self._spawn(self._refuse(sock, p.Error(0, "permission", msg)))
+            return
         if len(self._conns) >= self.config.max_connections:
             self.refused["busy"] += 1
             self._log_peer(creds.pid, "refused pid %d: %d connections already", creds.pid, len(self._conns))
             msg = f"the node service at {self.socket_path} serves {self.config.max_connections} connections already"
             self._spawn(self._refuse(sock, p.Error(0, "busy", msg)))
             return
+        try:
+            proc = self._proc_of(creds.pid)
+        except PermissionError as e:
+            self.refused["pid_unseen"] += 1
+            self._log_peer(creds.pid, "refused pid %d: %s", creds.pid, e)
+            self._spawn(self._refuse(sock, p.Error(0, "permission", str(e))))
+            return
+        if proc is None:  # it exited before it could be watched
+            sock.close()
+            return
+        if len(proc.conns) >= self.config.max_connections_per_client:
+            self.refused["busy"] += 1
+            self._log_peer(creds.pid, "refused pid %d: %d connections of that process already", creds.pid,
+                           len(proc.conns))
+            msg = (f"the node service at {self.socket_path} serves {self.config.max_connections_per_client} "
+                   f"connections of process {creds.pid} already (max_connections_per_client)")
+            self._spawn(self._refuse(sock, p.Error(0, "busy", msg)))
+            return
         self._next_conn_id += 1
-        c = _Conn(self._next_conn_id, sock, creds.pid, creds.uid, MAX_FRAME_BYTES)
-        c.mine = self._mine_of(creds.pid)
+        c = _Conn(self._next_conn_id, sock, proc, creds.uid, MAX_FRAME_BYTES)
         self._conns[c.conn_id] = c
-        self._watch_pid(c)
+        proc.conns.add(c)
         c.task = self._spawn(self._serve_conn(c))
 
-    def _mine_of(self, pid: int) -> _Mine:
-        mine = self._mine.get(pid)
-        if mine is None:
-            if len(self._mine) >= _MINE_MAX:
-                self._mine.popitem(last=False)
-            mine = self._mine[pid] = _Mine()
-        else:
-            self._mine.move_to_end(pid)
-        return mine
+    def _proc_of(self, pid: int) -> _Proc | None:
+        """(loop thread) The record of client process ``pid``, made (with its watch) at its first
+        connection; a record whose process has exited (the pid now names another process) is
+        ended first. None when the process is gone already."""
+        proc = self._procs.get(pid)
+        if proc is not None and proc.watch.exited():
+            self._proc_exited(proc)
+            proc = None
+        if proc is None:
+            try:
+                watch = ProcessWatch(pid, boot_time_s())
+            except OSError as e:  # e.g. out of descriptors: refused, never guessed
+                raise PermissionError(f"the node service at {self.socket_path} cannot watch process {pid} "
+                                      f"now: {e}") from None
+            if not watch.usable:
+                watch.close()
+                raise PermissionError(
+                    f"the node service at {self.socket_path} cannot watch process {pid} (no pidfd, and "
+                    f"/proc/{pid}/stat is not readable to it): a slot is freed only once its process "
+                    f"exits, so the service must be able to tell; mount /proc without hidepid for the "
+                    f"service's user, or run on Linux 5.3 or later")
+            if watch.exited():
+                watch.close()
+                return None
+            proc = self._procs[pid] = _Proc(pid, watch)
+            if watch.fd is not None:
+                asyncio.get_running_loop().add_reader(watch.fd, self._pid_readable, proc)
+        return proc
 
     async def _refuse(self, sock: socket.socket, error: p.Error) -> None:
         try:
@@ -689,6 +803,9 @@ class NodeService:
             self._log_peer(c.pid, "closing connection %d of pid %d: %s", c.conn_id, c.pid, e)
             reply = p.error_for(e) if isinstance(e, FrameError) else p.Error(0, "bad_request", str(e))
             await self._send_quietly(c, reply)
+        except _BuffersFull as e:
+            self._log_peer(c.pid, "closing connection %d of pid %d: %s", c.conn_id, c.pid, e)
+            await self._send_quietly(c, p.Error(0, "busy", str(e)))
         except _Closing:
             pass
         except (ConnectionError, OSError):
@@ -710,8 +827,8 @@ class NodeService:
                 if wait_s <= 0:
                     raise FrameTimeoutError(f"a frame did not complete within {self.config.frame_timeout_s} s "
                                             f"({c.frames.buffered_bytes} bytes of it arrived)")
-            elif c.tokens:
-                wait_s = None  # holding slots: its process's exit, not idling, ends it
+            elif c.open_slots:
+                wait_s = None  # its process holds slots taken here: not an idle connection
             else:
                 wait_s = self.config.idle_timeout_s
             try:
@@ -726,6 +843,7 @@ class NodeService:
                 return None
             bodies = c.frames.feed(data)
             c.pending.extend(bodies)
+            self._count_buffered(c)
             if not c.frames.mid_frame:
                 c.frame_t0 = None
             elif bodies or c.frame_t0 is None:
@@ -753,30 +871,47 @@ class NodeService:
         except (OSError, asyncio.TimeoutError, FrameError, _Closing):
             pass
 
+    def _count_buffered(self, c: _Conn) -> None:
+        """(loop thread) Account what ``c`` holds of frames not complete yet in the service's total;
+        past ``max_buffered_bytes`` the connection that asks for more is closed (error busy): the
+        control frames of every client together never hold more memory than that."""
+        now = c.frames.buffered_bytes
+        self._buffered += now - c.buffered
+        c.buffered = now
+        if now and self._buffered > self.config.max_buffered_bytes:
+            self.refused["buffers"] += 1
+            raise _BuffersFull(f"the node service holds {self._buffered} bytes of incomplete frames, more than "
+                               f"max_buffered_bytes ({self.config.max_buffered_bytes}); send it again")
+
     def _end(self, c: _Conn) -> None:
-        """(loop thread) The connection is over: its slots are reclaimed, its socket closed."""
+        """(loop thread) The connection is over: its socket is closed. Its process's tokens stay
+        (a thread of it may still be copying through one): they end when the process ends them,
+        forgets them, or exits."""
         if self._conns.pop(c.conn_id, None) is None:
             return
-        self._unwatch_pid(c)
-        self._reclaim(c.conn_id)
-        for r in c.reservations.values():
-            self._written(r)
-        c.reservations.clear()
-        c.leases.clear()
-        c.lease_tiers.clear()
-        c.deadlines.clear()
-        c.held_bytes = 0
+        self._buffered -= c.buffered
+        c.buffered = 0
+        proc = c.proc
+        proc.conns.discard(c)
         fut = c.in_flight
         if fut is not None and not fut.done():
-            # A pool call still running may yet grant slots to this connection: reclaim them too.
+            # A pool call still running may yet grant slots that no table will know (its task was
+            # cancelled): once it is done, they go if the process forgot the connection or exited
+            # meanwhile; else its Forget or its exit ends them.
             loop = asyncio.get_running_loop()
+
             def reclaim_later(_f: concurrent.futures.Future[Any], cid: int = c.conn_id) -> None:
                 try:
-                    loop.call_soon_threadsafe(self._reclaim, cid)
+                    loop.call_soon_threadsafe(self._reclaim_late, proc, cid)
                 except RuntimeError:
                     pass  # the loop ended: the store is closed with everything it held
 
+            proc.in_flight[c.conn_id] = fut
             fut.add_done_callback(reclaim_later)
+        elif proc.ended:
+            # The process exited while this connection's call ran: what it granted after the
+            # exit's reclaim goes now.
+            self._reclaim(c.conn_id)
         try:
             c.sock.close()
         except OSError:
@@ -784,63 +919,73 @@ class NodeService:
         if not self._conns:
             self._last_client_left = time.monotonic()
 
-    def _reclaim(self, conn_id: int) -> None:
+    def _reclaim_late(self, proc: _Proc, conn_id: int) -> None:
+        """(loop thread) The pool call of ended connection ``conn_id`` returned: what it granted
+        ends if its process exited or forgot the connection meanwhile."""
+        proc.in_flight.pop(conn_id, None)
+        if proc.ended:
+            self._reclaim(conn_id)
+        elif conn_id in proc.forgotten:
+            keep = proc.forgotten.pop(conn_id)
+            self._reclaim(conn_id, keep)
+            if not keep:
+                proc.owners.discard(conn_id)
+
+    def _reclaim(self, conn_id: int, keep: Collection[int] = ()) -> tuple[int, int]:
+        """The store ends every token of ``conn_id`` but ``keep``; (reservations, leases) ended."""
         store = self.store
         if store is None:
-            return
+            return 0, 0
         try:
-            aborted, released = store.reclaim(conn_id)
+            aborted, released = store.reclaim(conn_id, keep)
         except StoreClosedError:
-            return
+            return 0, 0
         except Exception:
             logger.exception("reclaiming the slots of connection %d failed", conn_id)
-            return
+            return 0, 0
         if aborted or released:
             self._kick()
-            logger.info("connection %d ended holding %d reservations and %d leases: reclaimed", conn_id,
-                        aborted, released)
+        return aborted, released
 
-    # -- peer processes (pidfd) -------------------------------------------------------------------
-    def _watch_pid(self, c: _Conn) -> None:
-        if c.pid <= 0 or c.pid == os.getpid():
-            return  # another pid namespace (pid 0), or this very process (tests): end of stream suffices
-        w = self._pid_watch.get(c.pid)
-        if w is None:
+    # -- client processes -------------------------------------------------------------------------
+    def _pid_readable(self, proc: _Proc) -> None:
+        if proc.watch.exited():
+            self._proc_exited(proc)
+
+    def _proc_exited(self, proc: _Proc) -> None:
+        """(loop thread) Client process ``proc`` exited: nothing can touch its slots any more.
+        Its connections close, every token and pin it held ends, its record goes."""
+        if proc.ended:
+            return
+        proc.ended = True
+        if self._procs.get(proc.pid) is proc:
+            del self._procs[proc.pid]
+        if proc.watch.fd is not None:
             try:
-                fd = os.pidfd_open(c.pid)
-            except ProcessLookupError:
-                asyncio.get_running_loop().call_soon(self._close_conn, c)  # gone already
-                return
-            except (OSError, AttributeError):
-                return  # no pidfd here: end of stream still reclaims
-            w = self._pid_watch[c.pid] = _PidWatch(fd)
-            asyncio.get_running_loop().add_reader(fd, self._pid_exited, c.pid)
-        w.conns.add(c)
-
-    def _unwatch_pid(self, c: _Conn) -> None:
-        w = self._pid_watch.get(c.pid)
-        if w is None:
-            return
-        w.conns.discard(c)
-        if not w.conns:
-            self._drop_watch(c.pid)
-
-    def _drop_watch(self, pid: int) -> _PidWatch | None:
-        w = self._pid_watch.pop(pid, None)
-        if w is not None:
-            asyncio.get_running_loop().remove_reader(w.fd)
-            os.close(w.fd)
-        return w
-
-    def _pid_exited(self, pid: int) -> None:
-        self._mine.pop(pid, None)
-        w = self._drop_watch(pid)
-        if w is None:
-            return
-        for c in list(w.conns):
+                asyncio.get_running_loop().remove_reader(proc.watch.fd)
+            except (RuntimeError, ValueError):
+                pass
+        proc.watch.close()
+        for c in list(proc.conns):
             self.pid_exits += 1
-            logger.info("process %d exited: closing its connection %d", pid, c.conn_id)
             self._close_conn(c)
+        held = len(proc.slots)
+        for slot in proc.slots.values():
+            if not slot.lease:
+                self._written(slot.obj)
+        proc.slots.clear()
+        for cid in proc.owners:  # kept: a connection whose call still runs reclaims again when it ends
+            self._reclaim(cid)
+        pins = 0
+        if self.store is not None:
+            try:
+                pins = self.store.unpin_all(proc.pid)
+            except StoreClosedError:
+                pass
+        self._kick()
+        if held or pins:
+            logger.info("process %d exited holding %d reservations and leases and %d pinned keys: reclaimed",
+                        proc.pid, held, pins)
 
     def _close_conn(self, c: _Conn) -> None:
         if c.task is not None and not c.task.done():
@@ -873,8 +1018,8 @@ class NodeService:
             reply = p.Error(rid, "closed", f"the node service's store is closed: {e}")
         except (ValueError, TypeError) as e:
             reply = p.Error(rid, "bad_request", f"{op}: {e}")
-        except (_Closing, asyncio.CancelledError):
-            raise
+        except (_Closing, asyncio.CancelledError, ConnectionError):
+            raise  # the connection ends (a peer gone mid-reply is no failure of the service)
         except Exception as e:
             logger.exception("%s from connection %d of pid %d failed", op, c.conn_id, c.pid)
             reply = p.Error(rid, "internal", f"{op} failed in the node service: {type(e).__name__}: {e}")
@@ -933,7 +1078,7 @@ class NodeService:
             m.id, p.PROTOCOL_VERSION, os.getpid(), c.conn_id, self._segment_id, self.segment.nbytes,
             self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S,
             ["dram", *(["ssd"] if ssd else []), *(["pool"] if self.config.pool is not None else [])],
-            ssd.path if ssd else None)
+            ssd.path if ssd else None, self.config.verify_reads, self.config.store.offload.put_wait_s)
         if not m.want_segment:
             if not self._draining:
                 return welcome
@@ -986,20 +1131,13 @@ class NodeService:
 
     async def _on_pin(self, c: _Conn, m: p.Pin) -> p.Frame:
         assert self.store is not None
-        return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.pin, m.keys, m.ttl_s))
+        # Counted against the process's share (past it: False), ended when the process exits.
+        return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.pin, m.keys, m.ttl_s, group=c.pid))
 
     async def _on_unpin(self, c: _Conn, m: p.Unpin) -> p.Frame:
         assert self.store is not None
-        await self._sized(c, len(m.keys), self.store.unpin, m.keys, chunked=False)
+        await self._sized(c, len(m.keys), self.store.unpin, m.keys, group=c.pid, chunked=False)
         return p.Ack(m.id)
-
-    @staticmethod
-    def _share_of(c: _Conn) -> int | None:
-        """The store share (``group``) a connection's tokens count against: its process's, so the
-        connections of one process hold one ``max_held_fraction`` of the arena together (tokens
-        are still reclaimed per connection); the connection's own where the pid says nothing (0:
-        another pid namespace) or is this very process (in-process tests)."""
-        return c.pid if 0 < c.pid != os.getpid() else None
 
     def _refuse_new_tokens(self, m: p.Reserve | p.Lease) -> p.Error | None:
         if self._draining:
@@ -1013,10 +1151,34 @@ class NodeService:
         store = self.store
         assert store is not None
         # The store answers NO_SPACE past this process's share of the arena or its token cap.
-        now = time.monotonic()
         grants: list[p.Grant] = []
-        got = await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
-                                owner=c.conn_id, group=self._share_of(c), chunked=False)
+        if m.room_wait_s is not None:
+            _check_wait_s("room_wait_s", m.room_wait_s)  # before anything is granted
+        c.proc.owners.add(c.conn_id)
+        got = list(await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
+                                     owner=c.conn_id, group=c.pid, chunked=False))
+        again = [i for i, r in enumerate(got) if r.status is Status.NO_SPACE and r.room_owed]
+        if again and m.room_wait_s != 0:
+            # Refused for want of clean room: asked again on a thread, where the store may wait
+            # (bounded) for the offload to make some; the loop serves the others meanwhile.
+            try:
+                more = await self._blocking(c, store.reserve, [m.keys[i] for i in again],
+                                            [m.sizes[i] for i in again],
+                                            None if m.parents is None else [m.parents[i] for i in again],
+                                            ttl_s=m.ttl_s, owner=c.conn_id, group=c.pid, room_wait_s=m.room_wait_s)
+            except BaseException:
+                # The client learns of none of this call's grants: the first round's go back now
+                # (a cancelled round's late grants are reclaimed with the connection).
+                ok = [r for r in got if r.status is Status.OK]
+                if ok:
+                    try:
+                        store.abort(ok, owner=c.conn_id)
+                    except StoreClosedError:
+                        pass
+                raise
+            for i, r in zip(again, more):
+                got[i] = r
+        now = time.monotonic()
         for r in got:
             if r.status is Status.EXISTS:
                 c.mine.store.put_exists += 1
@@ -1024,56 +1186,133 @@ class NodeService:
                 c.mine.store.put_no_space += 1
             if r.status is Status.OK:
                 r.view = None  # the service never writes a slot: its clients do
-                c.reservations[r.token] = r
-                c.hold(r.token, r.nbytes, m.ttl_s, now)
+                self._hold(c, r.token, _Slot(False, r, c.conn_id, now + m.ttl_s))
                 self._writing.setdefault(r.key, {})[r.token] = now + m.ttl_s
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
             else:
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 
-    def _take(self, c: _Conn, table: dict[int, Any], tokens: Sequence[int]) -> list[Any | None]:
-        """This connection's objects for ``tokens`` (None for one it does not hold), removed from
-        its table."""
-        out: list[Any | None] = []
+    def _hold(self, c: _Conn, token: int, slot: _Slot) -> None:
+        """(loop thread) ``c``'s process holds ``token`` from now on."""
+        c.proc.slots[token] = slot
+        c.open_slots += 1
+
+    def _find(self, c: _Conn, tokens: Sequence[int], lease: bool) -> list[_Slot | None]:
+        """The slots ``c``'s process holds under ``tokens`` (of the kind asked; None for any other
+        token: unknown, ended, another process's, the other kind, or named twice). They stay in its
+        table until :meth:`_drop`: a call cut short (its connection lost, the store raising) leaves
+        them there, for the process to end again or its exit to reclaim."""
+        slots = c.proc.slots
+        out: list[_Slot | None] = []
+        seen: set[int] = set()
         for t in tokens:
-            obj = table.pop(t, None)
-            if obj is not None:
-                c.drop(t, obj.nbytes)
-            out.append(obj)
+            slot = slots.get(t) if isinstance(t, int) and t not in seen else None
+            if slot is None or slot.lease is not lease:
+                out.append(None)
+                continue
+            seen.add(t)
+            out.append(slot)
+        return out
+
+    def _drop(self, c: _Conn, tokens: Sequence[int], slots: Sequence[_Slot | None], idx: Sequence[int]) -> None:
+        """(loop thread) The store ended ``slots[i]`` (token ``tokens[i]``) for each ``i`` in ``idx``:
+        out of the process's table (unless its exit or a Forget took it out meanwhile); a
+        reservation's key is no longer pending."""
+        table = c.proc.slots
+        for i in idx:
+            slot = slots[i]
+            assert slot is not None
+            if table.get(tokens[i]) is slot:
+                del table[tokens[i]]
+                self._let_go(slot)
+            if not slot.lease:
+                self._written(slot.obj)
+
+    def _let_go(self, slot: _Slot) -> None:
+        """(loop thread) ``slot`` left its process's table: its connection holds one slot less."""
+        origin = self._conns.get(slot.conn_id)
+        if origin is not None:
+            origin.open_slots -= 1
+
+    @staticmethod
+    def _by_owner(slots: Sequence[_Slot | None]) -> dict[int, list[int]]:
+        """Indexes of the known ``slots`` by the store owner (connection) of each."""
+        out: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            if slot is not None:
+                out.setdefault(slot.conn_id, []).append(i)
         return out
 
     async def _on_commit(self, c: _Conn, m: p.Commit) -> p.Frame:
         assert self.store is not None
-        mine = self._take(c, c.reservations, m.tokens)
-        known = [r for r in mine if r is not None]
+        if m.checksums is not None and len(m.checksums) != len(m.tokens):
+            raise ValueError(f"got {len(m.tokens)} tokens but {len(m.checksums)} checksums")
+        slots = self._find(c, m.tokens, lease=False)
+        out = [Status.IO_ERROR] * len(slots)
         try:
-            statuses = iter(await self._sized(c, len(known), self.store.commit, known, owner=c.conn_id,
-                                              chunked=False)
-                            if known else [])
+            for owner, idx in self._by_owner(slots).items():
+                sums = None if m.checksums is None else [m.checksums[i] for i in idx]
+                got = await self._sized(c, len(idx), self.store.commit, [slots[i].obj for i in idx],  # type: ignore[union-attr]
+                                        owner=owner, checksums=sums, chunked=False)
+                # Pending until the store committed: a waiting lease then finds it.
+                self._drop(c, m.tokens, slots, idx)
+                for i, st in zip(idx, got):
+                    out[i] = Status(st)
         finally:
-            for r in known:  # pending until the store committed: a waiting lease then finds it
-                self._written(r)
-        if known:
-            self._kick()
-        out = [Status.IO_ERROR if r is None else Status(next(statuses)) for r in mine]
-        for r, st in zip(mine, out):
-            if r is not None and st is Status.OK:
+            if any(slot is not None for slot in slots):
+                self._kick()
+        for slot, st in zip(slots, out):
+            if slot is not None and st is Status.OK:
                 c.mine.store.puts += 1
-                c.mine.tiers["dram"].bytes_written += r.nbytes
+                c.mine.tiers["dram"].bytes_written += slot.obj.nbytes
         return p.Statuses(m.id, out)
 
     async def _on_abort(self, c: _Conn, m: p.Abort) -> p.Frame:
         assert self.store is not None
-        known = [r for r in self._take(c, c.reservations, m.tokens) if r is not None]
-        if known:
-            try:
-                await self._sized(c, len(known), self.store.abort, known, owner=c.conn_id, chunked=False)
-            finally:
-                for r in known:
-                    self._written(r)
-            self._kick()
+        slots = self._find(c, m.tokens, lease=False)
+        try:
+            for owner, idx in self._by_owner(slots).items():
+                await self._sized(c, len(idx), self.store.abort, [slots[i].obj for i in idx],  # type: ignore[union-attr]
+                                  owner=owner, chunked=False)
+                self._drop(c, m.tokens, slots, idx)
+        finally:
+            if any(slot is not None for slot in slots):
+                self._kick()
         return p.Ack(m.id)
+
+    async def _on_forget(self, c: _Conn, m: p.Forget) -> p.Frame:
+        """The client says connections ``conn_ids`` are gone for it: every token taken on them and
+        not in ``keep`` ends (a reply it never read may have granted some). Only this process's
+        connections count; one still open here is closed first. A store call of one still running
+        on a pool thread (it may yet grant tokens) does not hold the answer up: what it grants is
+        reclaimed, ``keep`` honoured, once it returns."""
+        proc = c.proc
+        keep = frozenset(t for t in m.keep if isinstance(t, int))
+        ended = 0
+        for cid in dict.fromkeys(m.conn_ids):
+            if not isinstance(cid, int) or cid == c.conn_id or cid not in proc.owners:
+                continue
+            live = self._conns.get(cid)
+            if live is not None and live.proc is proc:
+                self._close_conn(live)
+                if live.task is not None and not live.task.done():
+                    await asyncio.wait([live.task])  # cancelled: it ends at its next await
+            for t, slot in [(t, slot) for t, slot in proc.slots.items() if slot.conn_id == cid and t not in keep]:
+                del proc.slots[t]
+                self._let_go(slot)
+                if not slot.lease:
+                    self._written(slot.obj)
+            aborted, released = self._reclaim(cid, keep)
+            ended += aborted + released
+            fut = proc.in_flight.get(cid)
+            if fut is not None and not fut.done():
+                proc.forgotten[cid] = keep  # reclaimed again when its call returns (_reclaim_late)
+            elif not any(slot.conn_id == cid for slot in proc.slots.values()):
+                proc.owners.discard(cid)
+        if ended:
+            logger.info("process %d forgot %d tokens of connections it lost", proc.pid, ended)
+        return p.Count(m.id, ended)
 
     async def _on_lease(self, c: _Conn, m: p.Lease) -> p.Frame:
         if (refused := self._refuse_new_tokens(m)) is not None:
@@ -1081,13 +1320,17 @@ class NodeService:
         store = self.store
         assert store is not None
         _check_wait_s("wait_pending_s", m.wait_pending_s)
+        # From here this connection may be granted tokens: a Forget of it must find it, even while
+        # it waits for a pending key.
+        c.proc.owners.add(c.conn_id)
         wait_end = time.monotonic() + m.wait_pending_s
         if m.wait_pending_s > 0:
             await self._wait_not_pending(c, m.keys, m.wait_pending_s)
         # Inline when every key is in DRAM (bookkeeping only) and the list is short; on the pool when
         # the store may read a lower tier into a slot, or the list is long.
         kwargs = {"ttl_s": m.ttl_s, "stage_in": m.stage_in, "wait_pending_s": 0.0, "owner": c.conn_id,
-                  "group": self._share_of(c)}
+                  "group": c.pid}
+        c.proc.owners.add(c.conn_id)
         look_below = m.stage_in and self._has_below
 
         def lease() -> tuple[list[str | None] | None, list[Any]]:
@@ -1130,10 +1373,8 @@ class NodeService:
                 mine.tiers["dram"].misses += 1  # it was below: DRAM missed it first
             if r.status is Status.OK:
                 r.view = None
-                c.leases[r.token] = r
-                c.lease_tiers[r.token] = tier
-                c.hold(r.token, r.nbytes, m.ttl_s, now)
-                grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
+                self._hold(c, r.token, _Slot(True, r, c.conn_id, now + m.ttl_s, tier))
+                grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes, r.checksum))
             else:
                 if tier == "dram":
                     mine.tiers["dram"].misses += 1
@@ -1212,19 +1453,19 @@ class NodeService:
 
     async def _on_release(self, c: _Conn, m: p.Release) -> p.Frame:
         assert self.store is not None
-        mine = self._take(c, c.leases, m.tokens)
-        known = [r for r in mine if r is not None]
-        answers = iter(await self._sized(c, len(known), self.store.release, known, owner=c.conn_id,
-                                             chunked=False)
-                       if known else [])
-        out = [False if r is None else bool(next(answers)) for r in mine]
-        for r, ok in zip(mine, out):
-            if r is not None:
-                tier = c.lease_tiers.pop(r.token, "dram")
-                if ok:
-                    t = c.mine.tiers.setdefault(tier, TierStats())
-                    t.hits += 1
-                    t.bytes_read += r.nbytes
+        slots = self._find(c, m.tokens, lease=True)
+        out = [False] * len(slots)
+        for owner, idx in self._by_owner(slots).items():
+            got = await self._sized(c, len(idx), self.store.release, [slots[i].obj for i in idx],  # type: ignore[union-attr]
+                                    owner=owner, chunked=False)
+            self._drop(c, m.tokens, slots, idx)
+            for i, ok in zip(idx, got):
+                out[i] = bool(ok)
+        for slot, ok in zip(slots, out):
+            if slot is not None and ok:
+                t = c.mine.tiers.setdefault(slot.tier, TierStats())
+                t.hits += 1
+                t.bytes_read += slot.obj.nbytes
         return p.Bools(m.id, out)
 
     async def _on_remove(self, c: _Conn, m: p.Remove) -> p.Frame:
@@ -1279,7 +1520,7 @@ class NodeService:
         p.SizeOf: _on_size_of, p.TierOf: _on_tier_of, p.Pin: _on_pin, p.Unpin: _on_unpin,
         p.Reserve: _on_reserve, p.Commit: _on_commit, p.Abort: _on_abort, p.Lease: _on_lease,
         p.Release: _on_release, p.Remove: _on_remove, p.Keys: _on_keys, p.Flush: _on_flush,
-        p.Stats: _on_stats, p.Shutdown: _on_shutdown, p.Goodbye: _on_goodbye,
+        p.Stats: _on_stats, p.Shutdown: _on_shutdown, p.Goodbye: _on_goodbye, p.Forget: _on_forget,
     }
 
     # -- gauges -----------------------------------------------------------------------------------
@@ -1291,14 +1532,25 @@ class NodeService:
         """The service's gauges and counters now (any thread; a snapshot, not atomic as a whole)."""
         now = time.monotonic()
         conns = self._conn_list()
+        per_conn: dict[int, list[int]] = {}  # conn id -> [reservations, leases, held bytes]
+        reservations = leases = held = zombie = orphaned = 0
+        for proc in list(self._procs.values()):
+            for slot in list(proc.slots.values()):
+                row = per_conn.setdefault(slot.conn_id, [0, 0, 0])
+                row[1 if slot.lease else 0] += 1
+                row[2] += slot.obj.nbytes
+                held += slot.obj.nbytes
+                if slot.lease:
+                    leases += 1
+                else:
+                    reservations += 1
+                    if slot.deadline < now:
+                        zombie += slot.obj.nbytes
+                if slot.conn_id not in self._conns:
+                    orphaned += 1
         clients = []
-        reservations = leases = held = zombie = 0
         for c in conns:
-            r, le, h = len(c.reservations), len(c.leases), c.held_bytes
-            reservations += r
-            leases += le
-            held += h
-            zombie += sum(_nbytes(c, t) for t, d in list(c.deadlines.items()) if d < now)
+            r, le, h = per_conn.get(c.conn_id, (0, 0, 0))
             clients.append(p.ClientInfo(c.conn_id, c.pid, c.uid, c.name, r, le, h, round(now - c.since, 3)))
         seg = self.segment
         return p.NodeStats(
@@ -1308,12 +1560,12 @@ class NodeService:
             segment_path=seg.path if seg else "", segment_id=segment_id(seg) if seg else "",
             segment_bytes=seg.nbytes if seg else 0, auto_started=self.auto_started, started_by=self.started_by,
             draining=self._draining, loop_lag_s=self._loop_lag_s, metrics_address=self.metrics_address,
-            metrics_off=self.metrics_error,
-            clients=clients)
+            metrics_off=self.metrics_error, clients=clients, processes=len(self._procs), orphaned=orphaned,
+            leases_expired=self.leases_expired, buffered_bytes=self._buffered)
 
     @property
     def open_tokens(self) -> int:
-        return sum(c.tokens for c in self._conn_list())
+        return sum(len(proc.slots) for proc in list(self._procs.values()))
 
     # -- timers and stop --------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
@@ -1326,13 +1578,42 @@ class NodeService:
             if store is not None and not self._draining:
                 try:
                     store.expire_slots()  # expired reservations free their keys for other writers
+                    self._end_expired_leases()
                     self._kick()
                 except StoreClosedError:
                     pass
+            for proc in [q for q in self._procs.values() if q.watch.fd is None]:
+                if proc.watch.exited():  # no pidfd on this kernel: /proc is asked once a tick
+                    self._proc_exited(proc)
             idle = self.config.idle_exit_s
             if (idle is not None and not self._conns and not self._draining
                     and time.monotonic() - self._last_client_left >= idle):
                 self._request_stop(f"no client for {idle:g} s", False)
+
+    def _end_expired_leases(self) -> None:
+        """(loop thread) Leases past their TTL end here, whether or not their process still runs:
+        a client that stopped answering cannot hold its share of the arena past them. A lease is a
+        read, so nothing is written through it; its late release answers False (the service no
+        longer knows the token), and a reader that verifies (``verify_reads``) catches bytes
+        reused meanwhile; either way the read is dropped."""
+        store = self.store
+        assert store is not None
+        now = time.monotonic()
+        for proc in list(self._procs.values()):
+            late = [(t, slot) for t, slot in proc.slots.items() if slot.lease and slot.deadline + _LEASE_GRACE_S < now]
+            if not late:
+                continue
+            for t, slot in late:
+                del proc.slots[t]
+                self._let_go(slot)
+            by_owner: dict[int, list[Any]] = {}
+            for _t, slot in late:
+                by_owner.setdefault(slot.conn_id, []).append(slot.obj)
+            for owner, objs in by_owner.items():
+                store.release(objs, owner=owner)
+            self.leases_expired += len(late)
+            self._log_peer(proc.pid, "process %d held %d leases past their TTL: ended them (its releases will "
+                           "answer False)", proc.pid, len(late))
 
     async def _shutdown(self, accept: asyncio.Task[Any], tick: asyncio.Task[Any]) -> None:
         # The listener stays open to the end: `status` and `stop` (a second stop skips the waits)
@@ -1356,6 +1637,10 @@ class NodeService:
         await asyncio.sleep(0)  # let the cancelled connections run their cleanup
         for c in self._conn_list():
             self._end(c)
+        # Nothing of what is reclaimed now is reused: no new slot is handed out from here on, and
+        # the segment goes with the store.
+        for proc in list(self._procs.values()):
+            self._proc_exited(proc)
         tick.cancel()
         if self.pool is not None:  # leave the directory before the store goes (deregister_node)
             await loop.run_in_executor(None, self._stop_pool)
@@ -1419,11 +1704,6 @@ class NodeService:
         self.store = None
         self._release()
         logger.info("node service stopped (exit status %d)", self.exit_status)
-
-
-def _nbytes(c: _Conn, token: int) -> int:
-    obj = c.reservations.get(token) or c.leases.get(token)
-    return 0 if obj is None else int(obj.nbytes)
 
 
 def _in_chunks(fn: Callable[..., list[Any]], items: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 from typing import Literal
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 import xxhash
@@ -35,13 +36,25 @@ def _host_port(name: str, value: str, *, port_zero_ok: bool) -> None:
         raise ValueError(f"{name}: must be \"host:port\" (port {'0' if port_zero_ok else '1'}-65535), got {value!r}")
 
 
+def url_has_password(url: str) -> bool:
+    """Whether a Redis URL carries a password (``redis://user:pw@host``, ``?password=``)."""
+    parts = urlsplit(url)
+    try:
+        if parts.password:
+            return True
+    except ValueError:
+        pass
+    return "password" in parse_qs(parts.query)
+
+
 class DirectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the pool's directory lives (section ``pool.directory``)."""
 
     # embedded: in this process, for one node (no server); redis: a Redis every node shares.
     kind: DirectoryKind = "embedded"
     # redis://[user[:password]@]host:port/db (rediss:// for TLS); required for kind redis unless
-    # sentinels are given (then it names only the db and the credentials).
+    # sentinels are given (then it names only the db and the credentials). A config file holding
+    # a password here must be private (mode 0600), as for secret.
     url: str | None = None
     # Sentinel addresses ["host:port", ...]: the primary is asked of them (HA); empty: no Sentinel.
     sentinels: list[str] = msgspec.field(default_factory=list)
@@ -129,7 +142,8 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:0"
     # The address peers dial ("host:port"); null: the bound listen address.
     advertise: str | None = None
-    # The shared secret every node of the pool proves on each connection (text); or
+    # The shared secret every node of the pool proves on each connection (text; a config file
+    # holding it must then be private: this user's or root's, mode 0600); or
     secret: str | None = None
     # a file holding it (must not be readable by group or other). One of the two is required.
     secret_file: str | None = None
@@ -190,6 +204,18 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"streams: must be >= 1, got {self.streams}")
         if self.cache_entries < 0:
             raise ValueError(f"cache_entries: must be >= 0, got {self.cache_entries}")
+
+    def inline_secrets(self) -> list[tuple[str, str]]:
+        """The fields (under ``pool``) that hold a secret inline, each with the field that names a
+        file holding it instead: ``secret`` (``secret_file``), ``directory.url`` with a password in
+        it (``directory.password_file``). A config file holding any must be private
+        (:func:`store_backend.pool.private_file.check_config_file_secrets`)."""
+        out = []
+        if self.secret is not None:
+            out.append(("secret", "secret_file"))
+        if self.directory.url is not None and url_has_password(self.directory.url):
+            out.append(("directory.url", "directory.password_file"))
+        return out
 
     def node_id_for(self, socket_path: str) -> str:
         """``node_id``, or the default derived from the host name and the service's socket path."""

@@ -32,6 +32,12 @@ themselves; here all Sentinels are asked at once, and the first healthy answer i
 used; when they answer but name no healthy primary, the call fails (MasterNotFoundError, never
 retried). ``password_file`` must not be readable by group or other (ValueError naming it).
 
+Eviction. A Redis with ``maxmemory`` set and a ``maxmemory-policy`` other than ``noeviction`` may
+evict tombstones, and an evicted tombstone lets removed bytes come back: the directory refuses it
+(:meth:`RedisDirectory.check_eviction_policy`, asked at start and, if Redis was out of reach then,
+before every call until it answers: on such a Redis every call fails with that reason). Where the
+ACL user may not run ``CONFIG`` one warning names the requirement instead.
+
 Deadlines. Every socket operation is bounded by ``op_timeout_s``. A script call takes at most
 ``op_timeout_s`` plain, and 2 x ``op_timeout_s`` with Sentinels when it needs a new connection
 (asking the Sentinels, then the command). A call retries once on a fresh connection after a
@@ -110,6 +116,19 @@ _LOCATIONS_JSON = msgspec.json.Decoder(list[list[Location]])
 class DirectoryAuthError(DirectoryUnavailable):
     """Redis refused the credentials (wrong password, unknown ACL user) or the ACL user may not run
     the directory's commands. A configuration error: retrying will not help."""
+
+
+class DirectoryPolicyError(DirectoryUnavailable):
+    """Redis may evict the directory's keys (``maxmemory`` set with a ``maxmemory-policy`` other
+    than ``noeviction``): an evicted tombstone lets removed bytes come back, so the directory
+    refuses to work on it. A configuration error: retrying will not help."""
+
+
+def _config_refused(e: redis.exceptions.ResponseError) -> bool:
+    """Whether a CONFIG error means "not permitted here" (an ACL without it, a renamed command)."""
+    text = str(e)
+    return (isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in text or "no permissions" in text
+            or "unknown command" in text)
 
 
 # Shared Lua prelude. ARGV[1] is always the namespace; a script's list of keys (or key, value
@@ -668,6 +687,8 @@ class RedisDirectory:
         self._subscribed = False  # the listener holds the invalidation channel now
         self._first_attempt = threading.Event()  # the listener's first subscription ended (either way)
         self._closed = False
+        self._policy_checked = False  # check_eviction_policy answered (fine, or CONFIG not permitted)
+        self._policy_lock = threading.Lock()  # one check at a time (one warning)
 
     @classmethod
     def from_config(cls, cfg: Any) -> RedisDirectory:
@@ -688,7 +709,10 @@ class RedisDirectory:
 
     # -- plumbing --------------------------------------------------------------------------------
     def _call(self, name: str, args: list[Any]) -> Any:
-        """Run script ``name`` (one round trip) with the errors translated."""
+        """Run script ``name`` (one round trip) with the errors translated. Until the server's
+        eviction policy was checked once (Redis out of reach at start), the check comes first."""
+        if not self._policy_checked:
+            self.check_eviction_policy()
         script = self._scripts[name]
         return self._guard(name, lambda: script(args=[self._ns, *args]))
 
@@ -728,6 +752,53 @@ class RedisDirectory:
             flat.append(f"{TIER_RANK[loc.tier]}{encode(loc).decode()}")
             flat.append(ms)
         return _joined(flat)
+
+    # -- the server's settings --------------------------------------------------------------------
+    def check_eviction_policy(self) -> None:
+        """Refuse a Redis that may evict the directory's keys: one round trip (``CONFIG GET
+        maxmemory*``); :class:`DirectoryPolicyError` when ``maxmemory`` is set and
+        ``maxmemory-policy`` is not ``noeviction`` (every other policy, the ``volatile-*`` ones
+        included, may evict tombstones, which carry a TTL, and an evicted tombstone lets a removed
+        key's old copy be accepted again). Where CONFIG is not permitted (an ACL user without it, a
+        renamed command) one warning names the requirement and the check counts as done.
+        DirectoryUnavailable (DirectoryAuthError) when Redis cannot be asked. Called by
+        :func:`store_backend.pool.factory.make_directory` at start; until it answered once, every
+        directory call makes it first (so on such a Redis every call fails with this error: the
+        node answers pool misses and is never live in it)."""
+
+        def fetch() -> dict[str, str] | None:
+            try:
+                return self._r.config_get("maxmemory*")
+            except redis.exceptions.ResponseError as e:
+                if _config_refused(e):
+                    return None
+                raise
+
+        with self._policy_lock:
+            self._check_eviction_policy(fetch)
+
+    def _check_eviction_policy(self, fetch: Callable[[], dict[str, str] | None]) -> None:
+        got = self._guard("CONFIG GET maxmemory*", fetch)
+        if got is None:
+            if not self._policy_checked:
+                logger.warning("redis directory at %s: user %r may not run CONFIG GET, so maxmemory-policy could "
+                               "not be checked: the directory needs noeviction (or no maxmemory), since an evicted "
+                               "tombstone lets removed bytes come back; make sure the server has it "
+                               "(docs/POOL.md, \"Redis\")", self.address, self._username)
+            self._policy_checked = True
+            return
+        try:
+            maxmemory = int(got.get("maxmemory") or 0)
+        except ValueError:
+            maxmemory = 0
+        policy = got.get("maxmemory-policy") or "noeviction"
+        if maxmemory > 0 and policy != "noeviction":
+            raise DirectoryPolicyError(
+                f"redis directory at {self.address}: maxmemory is {maxmemory} bytes with maxmemory-policy {policy}: "
+                f"Redis may evict the directory's keys when full, and an evicted tombstone lets removed bytes "
+                f"come back (a node's old copy of a removed key is accepted again); set maxmemory-policy "
+                f"noeviction (CONFIG SET maxmemory-policy noeviction, and in redis.conf) or maxmemory 0")
+        self._policy_checked = True
 
     # -- nodes -----------------------------------------------------------------------------------
     def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:

@@ -5,8 +5,10 @@ or any object with its attributes (duck typed: ``kind``, ``url``, ``sentinels``,
 ``sentinel_master``, ``password_file``, ``namespace``, ``op_timeout_s``, optionally
 ``clock_skew_s``), so callers and tests need
 not import the config module. It returns the bare directory; the pool wraps it in a
-:class:`~store_backend.pool.cache.CachedDirectory` with its own cache settings. Nothing connects
-here: a Redis directory's first call opens the first connection.
+:class:`~store_backend.pool.cache.CachedDirectory` with its own cache settings. A Redis directory
+makes one call here, :meth:`~store_backend.pool.directory_redis.RedisDirectory.check_eviction_policy`
+(a Redis that may evict the directory's keys is refused; one out of reach is checked later, by the
+heartbeats), so building it blocks up to its ``op_timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from store_backend.pool.directory import DEFAULT_CLOCK_SKEW_S, Directory
+from store_backend.pool.directory import DEFAULT_CLOCK_SKEW_S, Directory, DirectoryUnavailable
 from store_backend.pool.directory_embedded import EmbeddedDirectory
-from store_backend.pool.directory_redis import RedisDirectory
+from store_backend.pool.directory_redis import DirectoryPolicyError, RedisDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,15 @@ def _embedded(cfg: Any) -> Directory:
 
 
 def _redis(cfg: Any) -> Directory:
-    return RedisDirectory.from_config(cfg)
+    directory = RedisDirectory.from_config(cfg)
+    try:
+        directory.check_eviction_policy()
+    except DirectoryPolicyError as e:
+        directory.close()
+        raise ValueError(str(e)) from None
+    except DirectoryUnavailable as e:
+        logger.warning("%s; its eviction policy is checked when it answers", e)
+    return directory
 
 
 # kind -> builder; one constructor shape (the config object).

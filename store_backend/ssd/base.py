@@ -46,6 +46,8 @@ class SsdBackend(Protocol):
     - Opening a backend on a directory that holds data recovers every object reported durable;
       one unreadable file is skipped (``unreadable_files``) and the backend opens.
     - One owner per directory: a second opener is refused (``store_backend.ownership``).
+    - Private: the directory is this user's and nobody else writes in it; every file a backend
+      makes is 0600 and every directory 0700, whatever the umask (``store_backend.private``).
     - ``set_eviction_listener(fn)``: ``fn(keys)`` is told of every object the backend's own
       eviction drops, once per object, never for ``remove``: synchronously, in the thread of the
       ``put`` that evicted, at the moment the object leaves the backend's index (its lock held),

@@ -43,6 +43,7 @@ import msgspec
 import xxhash
 
 from store_backend.config import ConfigError, SsdConfig
+from store_backend.private import open_private
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.directory import direct_io_usable, open_directory
 from store_backend.ssd.indexed import IndexedBackend
@@ -359,7 +360,7 @@ class BucketBackend(IndexedBackend):
         ``seq.hwm`` holds two checksummed slots written in turn, so a write torn by a power loss
         leaves the other slot (which still covers every number handed out before it)."""
         path = os.path.join(self._dir, _HWM_FILE)
-        self._hwm_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._hwm_fd = open_private(path, os.O_RDWR | os.O_CREAT)
         raw = os.pread(self._hwm_fd, 2 * ALIGN, 0)
         best = (0, 0, 0)
         damaged = False
@@ -432,7 +433,7 @@ class BucketBackend(IndexedBackend):
         path = os.path.join(self._dir, TOMBSTONE_FILE)
         tmp = path + ".tmp"
         data = b"".join(_frame(msgspec.msgpack.encode(t)) for t in sorted(tombs))
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        fd = open_private(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY)
         try:
             os.write(fd, data)
             os.fdatasync(fd)
@@ -564,8 +565,8 @@ class BucketBackend(IndexedBackend):
         try:
             for k in writable:
                 try:
-                    fds[k] = os.open(self._bucket_path(plans[k][0], tmp=True),
-                                     os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self._direct else 0), 0o644)
+                    fds[k] = open_private(self._bucket_path(plans[k][0], tmp=True),
+                                          os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self._direct else 0))
                 except OSError as e:
                     results[k] = -(e.errno or errno.EIO)
             order = [k for k in writable if k in fds]

@@ -1,4 +1,4 @@
-"""Opening an SSD backend's directory: make it, lock it, and say clearly why that failed.
+"""Opening an SSD backend's directory: make it (private), lock it, and say clearly why that failed.
 
 Called first by every backend's constructor, before it reads, truncates, recovers or deletes
 anything in the directory (see :mod:`store_backend.ownership`). Any thread; not on a hot path.
@@ -12,25 +12,38 @@ import os
 
 from store_backend.config import ConfigError, SsdConfig
 from store_backend.ownership import DirectoryLock
+from store_backend.private import check_private_dir, make_private_dirs, tighten_tree
 from store_backend.ssd.io.requests import probe_direct_io
 
 logger = logging.getLogger(__name__)
 
 
 def open_directory(cfg: SsdConfig, *, shared: bool = False) -> DirectoryLock:
-    """Create ``cfg.path`` if needed and take its owner lock (exclusive unless ``shared``).
+    """Create ``cfg.path`` if needed (mode 0700, and so is each directory made above it) and take
+    its owner lock (exclusive unless ``shared``).
 
-    Raises :class:`ConfigError` naming ``ssd.path`` and the reason (a file is in the way, no
-    permission, read-only file system) and ``OwnershipError`` when another store holds it.
+    A directory that is there must be this user's and written by nobody else
+    (:func:`store_backend.private.check_private_dir`); then, before anything is made in it, whatever
+    in it group or others may read is made private, with one log line, and an entry of another user,
+    or one others may write, is refused (:func:`store_backend.private.tighten_tree`). Raises
+    :class:`ConfigError` naming ``ssd.path`` and the reason (a file is in the way, no permission,
+    read-only file system), ``NotPrivateError`` (a ConfigError) naming the path, owner, mode and
+    fix, and ``OwnershipError`` when another store holds it.
     """
     path = cfg.path
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"ssd.path={path!r} is not a directory")
     try:
-        os.makedirs(path, exist_ok=True)
+        made = make_private_dirs(path)
     except OSError as e:
         raise ConfigError(f"ssd.path={path!r}: cannot create the directory: {e.strerror}"
                           f"{' (a parent is a file)' if e.errno == errno.ENOTDIR else ''}") from None
+    if not made:
+        check_private_dir(path, "ssd.path")
+        # Before the lock file is opened in it (one of another user is refused, never written to).
+        # Modes only: a live owner's files lose group and other access, nothing else changes.
+        try:
+            tighten_tree(path, "ssd.path")
+        except OSError as e:
+            raise ConfigError(f"ssd.path={path!r}: cannot make it private: {e.strerror}") from None
     return DirectoryLock(path, field="ssd.path", shared=shared)
 
 

@@ -37,6 +37,7 @@ import xxhash
 
 from store_backend.config import ConfigError, SsdConfig
 from store_backend.ownership import pid_alive
+from store_backend.private import make_private_dirs, open_private
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.directory import direct_io_usable, fs_room, open_directory
 from store_backend.ssd.indexed import IndexedBackend
@@ -368,10 +369,10 @@ class FilePerKeyBackend(IndexedBackend):
                 try:
                     d = os.path.dirname(path)
                     if not os.path.isdir(d):
-                        os.makedirs(d, exist_ok=True)
+                        make_private_dirs(d, self._root)  # 0700, as the directory itself
                         new_dirs.update((d, os.path.dirname(d)))
-                    fds[i] = os.open(tmps[i], os.O_CREAT | os.O_TRUNC | os.O_WRONLY |
-                                     (os.O_DIRECT if self._direct else 0), 0o644)
+                    fds[i] = open_private(tmps[i], os.O_CREAT | os.O_TRUNC | os.O_WRONLY |
+                                          (os.O_DIRECT if self._direct else 0))
                 except OSError as e:
                     results[i] = -(e.errno or errno.EIO)
                     continue

@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 
 from store_backend.config import ConfigError, SsdConfig
+from store_backend.private import open_private
 from store_backend.ssd.base import SsdStats
 from store_backend.ssd.directory import direct_io_usable, fs_room, open_directory
 from store_backend.ssd.indexed import IndexedBackend
@@ -412,7 +413,7 @@ class OffsetBackend(IndexedBackend):
     def _create(self, size: int) -> int:
         seed = secrets.randbits(64)
         tmp = self._path + ".tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644)
+        fd = open_private(tmp, os.O_CREAT | os.O_TRUNC | os.O_RDWR)
         try:
             self._grow(fd, 0, size)
             head = _SUPER.pack(_SUPER_MAGIC, seed, size, 0)[:24]

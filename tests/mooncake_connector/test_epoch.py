@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
+import os
+import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -13,6 +17,7 @@ import pytest
 
 from mooncake_connector.epoch import EPOCH_FILE, LOCK_FILE, EpochFile, EpochSweeper
 from store_backend.config import ConfigError, load_config
+from store_backend.private import NotPrivateError
 from store_backend.store import TieredStore
 
 
@@ -215,3 +220,44 @@ def test_an_old_epoch_object_that_lands_after_the_sweep_listed_is_still_removed(
         assert sweeper.wait_idle(30)
         sweeper.close()
         assert sorted(store.keys()) == ["new/a"]
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o277], ids=["umask000", "umask277"])
+def test_the_epoch_files_and_their_directory_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    d = tmp_path / "ssd"  # the configured path of several ranks: missing until the first write
+    old = os.umask(umask)
+    try:
+        f = EpochFile(str(d / "node"))
+        assert f.advance(0) == 1
+        assert f.start() == 2
+    finally:
+        os.umask(old)
+    for p in (d, d / "node"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o700, p
+    for name in (EPOCH_FILE, LOCK_FILE):
+        assert stat.S_IMODE((d / "node" / name).stat().st_mode) == 0o600, name
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775], ids=oct)
+def test_an_epoch_directory_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """A planted epoch file (an older epoch) would serve KV from before a cache reset."""
+    d = tmp_path / "ssd"
+    d.mkdir()
+    (d / EPOCH_FILE).write_text(json.dumps({"epoch": 0, "reset": False}))
+    d.chmod(mode)
+    for call in (EpochFile(str(d)).read, EpochFile(str(d)).start, lambda: EpochFile(str(d)).advance(0)):
+        with pytest.raises(NotPrivateError, match=rf"ssd\.path='{re.escape(str(d))}' \(owner uid {os.geteuid()}, "
+                                                  rf"mode {mode:04o}\) may be written by group or others"):
+            call()
+    assert stat.S_IMODE(d.stat().st_mode) == mode
+
+
+def test_an_epoch_directory_left_readable_is_tightened(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tmp_path / "ssd"
+    d.mkdir()
+    d.chmod(0o755)
+    caplog.set_level(logging.WARNING)
+    assert EpochFile(str(d)).read() == 0
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert [r.getMessage() for r in caplog.records if r.name == "store_backend.private"] == [
+        f"ssd.path={d}: took group and other access away from the directory (mode 0755 -> 0700)"]

@@ -9,8 +9,8 @@ import os
 from mooncake_kv.cli import main
 
 KEYS = {"node_get_gbps", "node_put_gbps", "embedded_get_gbps", "embedded_put_gbps", "memcpy_gbps",
-        "node_get_vs_memcpy", "node_put_vs_memcpy", "lookup_256_us_node", "lookup_256_us_embedded", "rtt_us",
-        "per_size"}
+        "node_get_vs_memcpy", "node_put_vs_memcpy", "verify_reads_cost", "checksum_put_cost", "lookup_256_us_node",
+        "lookup_256_us_embedded", "rtt_us", "per_size"}
 
 
 def test_bench_node_prints_one_json_line_with_every_figure(capsys) -> None:
@@ -23,5 +23,6 @@ def test_bench_node_prints_one_json_line_with_every_figure(capsys) -> None:
     for k in KEYS - {"per_size"}:
         assert summary[k] > 0, k
     for row in summary["per_size"].values():
-        assert set(row) == {"memcpy_gbps", "node_put_gbps", "node_get_gbps", "embedded_put_gbps", "embedded_get_gbps"}
+        assert set(row) == {"memcpy_gbps", "node_put_gbps", "node_get_gbps", "embedded_put_gbps", "embedded_get_gbps",
+                            "verify_reads_cost", "checksum_put_cost"}
     assert {n for n in os.listdir("/dev/shm") if n.startswith("mkv-bench-")} == before  # the service cleaned up

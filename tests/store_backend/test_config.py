@@ -82,3 +82,13 @@ def test_bad_files(tmp_path) -> None:
     lst.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(lst, environ={})
+
+
+@pytest.mark.parametrize("field,value", [("put_wait_s", -0.1), ("put_wait_s", 3601), ("write_threads", 0),
+                                         ("write_threads", 17)])
+def test_offload_waits_and_write_threads_are_bounded(field, value) -> None:
+    with pytest.raises(ConfigError, match=f"offload.{field}"):
+        load_config({"offload": {field: value}}, environ={})
+    cfg = load_config({"offload": {"put_wait_s": 0, "write_threads": 1}}, environ={})
+    assert cfg.offload.put_wait_s == 0 and cfg.offload.write_threads == 1
+    assert load_config(environ={"MOONCAKE_KV_OFFLOAD__PUT_WAIT_S": "0.25"}).offload.put_wait_s == 0.25

@@ -34,7 +34,11 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def _fill_and_check(mnt: Path, backend: str, **ssd_kw) -> dict:
-    cfg = {"dram": {"capacity_bytes": 4 << 20}, "offload": {"policy": "eager"},
+    # One SSD write at a time: the exact accounting checked here (no failed write, the watermark
+    # held to 2 %) is a single writer's. With several in flight (offload.write_threads), writes race
+    # for the room another one's eviction freed: a write may answer NO_SPACE (retried later, nothing
+    # lost) and the file system may pass the watermark by what is in flight.
+    cfg = {"dram": {"capacity_bytes": 4 << 20}, "offload": {"policy": "eager", "write_threads": 1},
            "promotion": {"enabled": False},
            "ssd": {"path": str(mnt / "ssd"), "backend": backend, "io_engine": "posix",
                    "bucket_size_bytes": 1 << 20, "bucket_max_keys": 4, "admission_policy": "all", **ssd_kw}}

@@ -6,7 +6,15 @@ import itertools
 
 import pytest
 
-from store_backend.plans import Verdict, VictimFacts, demotion_split, evict_pass_order, victim_verdict
+from store_backend.plans import (
+    EvictPass,
+    Verdict,
+    VictimFacts,
+    demotion_split,
+    evict_pass_order,
+    room_owed,
+    victim_verdict,
+)
 
 MAX = 3
 
@@ -34,20 +42,49 @@ ALL_FACTS = [
 ]
 
 
-@pytest.mark.parametrize("persisted_only", [True, False])
-def test_verdict_matches_the_old_eviction_rule_for_every_fact_combination(persisted_only) -> None:
+def test_the_clean_pass_is_the_old_persisted_only_pass_for_every_fact_combination() -> None:
+    """Without ``write_all`` (watermark mode, or workers not running), the first pass decides as
+    the old persisted-only pass did; what it kept is split into WAIT (a write is coming) and KEEP."""
     for f in ALL_FACTS:
-        v = victim_verdict(f, persisted_only=persisted_only, max_attempts=MAX)
+        v = victim_verdict(f, evict_pass=EvictPass.CLEAN, max_attempts=MAX)
         if not f.evictable:
             assert v is Verdict.KEEP, f
             continue
-        evict, queued = evict_ok_as_it_was(f, persisted_only)
+        evict, queued = evict_ok_as_it_was(f, True)
         assert (v is Verdict.EVICT) == evict, f
         # WRITE_BACK is "not now, and its write is owed": the store queues it unless it is queued.
         if queued:
             assert v is Verdict.WRITE_BACK, f
         if v is Verdict.WRITE_BACK:
             assert not evict and (queued or f.offload_queued), f
+        if v is Verdict.KEEP:  # evictable and kept: only a dirty entry that used up its attempts
+            assert not f.persisted and not f.declined and f.offload_failures >= MAX, f
+
+
+@pytest.mark.parametrize("write_all", [False, True])
+@pytest.mark.parametrize("evict_pass", [EvictPass.CLEAN, EvictPass.GIVEN_UP])
+def test_no_pass_with_a_backing_tier_evicts_a_dirty_entry_whose_write_is_owed(evict_pass, write_all) -> None:
+    """The old last pass evicted anything evictable, dirty or not (the issue's lost
+    acknowledged writes); now a dirty entry goes only once its writes failed MAX times, and only
+    in the GIVEN_UP pass."""
+    for f in ALL_FACTS:
+        v = victim_verdict(f, evict_pass=evict_pass, max_attempts=MAX, write_all=write_all)
+        dirty = not f.persisted and not f.declined
+        if v is Verdict.EVICT and dirty:
+            assert evict_pass is EvictPass.GIVEN_UP and f.offload_failures >= MAX, f
+        if v is Verdict.EVICT:
+            assert f.evictable, f
+
+
+def test_write_all_writes_back_every_dirty_entry_with_no_write_queued() -> None:
+    """Offload workers running: a dirty entry with no write queued (put before start(), refused
+    by a full queue, or in watermark mode not demoted yet) is queued by the eviction that meets
+    it, not left waiting for a write nothing will do."""
+    for f in ALL_FACTS:
+        dirty_owed = f.evictable and not f.persisted and not f.declined and f.offload_failures < MAX
+        v = victim_verdict(f, evict_pass=EvictPass.CLEAN, max_attempts=MAX, write_all=True)
+        if dirty_owed:
+            assert v is (Verdict.WAIT if f.offload_queued else Verdict.WRITE_BACK), f
 
 
 def test_the_table_by_name() -> None:
@@ -56,19 +93,35 @@ def test_the_table_by_name() -> None:
                     offload_failures=0, offload_queued=False)
         return VictimFacts(**{**base, **kw})
 
-    def v(f: VictimFacts, persisted_only: bool = True) -> Verdict:
-        return victim_verdict(f, persisted_only=persisted_only, max_attempts=MAX)
+    def v(f: VictimFacts, evict_pass: EvictPass = EvictPass.CLEAN, write_all: bool = False) -> Verdict:
+        return victim_verdict(f, evict_pass=evict_pass, max_attempts=MAX, write_all=write_all)
 
     assert v(facts(persisted=True)) is Verdict.EVICT
-    assert v(facts()) is Verdict.KEEP  # dirty, no write owed yet: its write is coming
+    assert v(facts()) is Verdict.WAIT  # dirty, no write owed yet: its write (or demotion) is coming
+    assert v(facts(), write_all=True) is Verdict.WRITE_BACK  # workers run: nothing queued it, so eviction does
+    assert v(facts(offload_queued=True), write_all=True) is Verdict.WAIT
     assert v(facts(offload_failures=1)) is Verdict.WRITE_BACK
-    assert v(facts(offload_failures=1, offload_queued=True)) is Verdict.KEEP
-    assert v(facts(offload_failures=MAX)) is Verdict.KEEP  # attempts used up: only the last pass drops it
-    assert v(facts(declined=True)) is Verdict.EVICT
+    assert v(facts(offload_failures=1, offload_queued=True)) is Verdict.WAIT
+    assert v(facts(offload_failures=MAX)) is Verdict.KEEP  # attempts used up: only the GIVEN_UP pass drops it
+    assert v(facts(offload_failures=MAX), EvictPass.GIVEN_UP) is Verdict.EVICT
+    assert v(facts(declined=True)) is Verdict.EVICT  # admission keeps it off SSD: a policy drop
     assert v(facts(declined=True, readmit=True)) is Verdict.WRITE_BACK
-    assert v(facts(), persisted_only=False) is Verdict.EVICT
-    assert v(facts(evictable=False, persisted=True), persisted_only=False) is Verdict.KEEP
-    assert evict_pass_order(True) == (True, False) and evict_pass_order(False) == (False,)
+    # Changed: the old last pass (persisted_only=False) evicted this dirty entry; GIVEN_UP waits for it.
+    assert v(facts(), EvictPass.GIVEN_UP) is Verdict.WAIT
+    assert v(facts(offload_failures=2), EvictPass.GIVEN_UP) is Verdict.WRITE_BACK
+    assert v(facts(), EvictPass.ANY) is Verdict.EVICT  # no backing tier: nothing to wait for
+    assert v(facts(evictable=False, persisted=True), EvictPass.ANY) is Verdict.KEEP
+    assert evict_pass_order(True) == (EvictPass.CLEAN, EvictPass.GIVEN_UP)
+    assert evict_pass_order(False) == (EvictPass.ANY,)
+
+
+def test_a_put_waits_for_room_only_when_the_offload_owes_some() -> None:
+    assert room_owed(met_pending_write=False, writes_in_flight=True, offload_running=False)  # a flush writes
+    assert room_owed(met_pending_write=True, writes_in_flight=False, offload_running=True)
+    # A dirty entry waiting for a write no one will do (workers not started, or dead): refuse now.
+    assert not room_owed(met_pending_write=True, writes_in_flight=False, offload_running=False)
+    # Everything leased, pinned or given up: no write will make room.
+    assert not room_owed(met_pending_write=False, writes_in_flight=False, offload_running=True)
 
 
 def test_demotion_split_drops_clean_and_writes_the_rest() -> None:

@@ -58,27 +58,50 @@ def test_close_without_flush_does_not_write() -> None:
     assert ssd.data == {}
 
 
-def test_eager_flush_names_objects_dropped_before_they_reached_ssd() -> None:
-    ssd = SlowSsd(delay_s=0.2)  # far slower than the puts: DRAM must drop unpersisted objects
-    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd).start()
+class BrokenKeysSsd(SlowSsd):
+    """An SSD on which every write of a key starting with ``prefix`` fails (a broken region)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(delay_s=0.0)
+        self.prefix = prefix
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        return [Status.IO_ERROR if k.startswith(self.prefix) else super(BrokenKeysSsd, self).put([k], [b])[0]
+                for k, b in zip(keys, buffers)]
+
+
+def test_flush_names_objects_dropped_after_their_writes_kept_failing() -> None:
+    """The one way an acknowledged object leaves DRAM before it reached SSD: its SSD write failed
+    MAX_OFFLOAD_ATTEMPTS times (a broken disk). Each is counted, and named by every later flush
+    (a slow SSD no longer loses anything: see test_store_burst.py)."""
+    ssd = BrokenKeysSsd("bad")
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB, "eviction_policy": "lru"},
+                     "offload": {"policy": "eager", "put_wait_s": 30.0}}, ssd=ssd).start()
     try:
-        keys = [f"k{i}" for i in range(40)]
-        stored = [k for k in keys if s.put([k], [payload(k, CHUNK)]) == [Status.OK]]  # else NO_SPACE
-        assert s.metrics()["store"]["dropped_unpersisted"] > 0
+        keys = [f"bad{i}" for i in range(12)]  # 3 MiB through 2 MiB, and no write ever lands
+        assert [s.put([k], [payload(k, CHUNK)])[0] for k in keys] == [Status.OK] * 12
+        lost, kept = keys[:4], keys[4:]  # each put past the 8th dropped the oldest, once given up
+        m = s.metrics()
+        assert m["store"]["dropped_unpersisted"] == 4 and m["ssd"]["failures"]["io_error"] >= 4 * 3, m
+        assert s.tier_of(keys) == [None] * 4 + ["dram"] * 8
         report = s.flush_report(timeout_s=60)
         assert not report.ok and s.flush(timeout_s=60) is False
-        lost = [k for k in stored if k not in ssd.data]
-        assert len(lost) >= 3 and sorted(report.unpersisted) == sorted(lost)
-        assert all("evicted from DRAM before it reached SSD" in report.unpersisted[k] for k in lost)
+        assert sorted(report.unpersisted) == sorted(keys)
+        assert all(report.unpersisted[k] == "evicted from DRAM before it reached SSD (3 failed or refused writes)"
+                   for k in lost), report.unpersisted
+        assert all(report.unpersisted[k] == "its SSD write answered IO_ERROR" for k in kept), report.unpersisted
         assert "objects not on SSD" in report.summary()
-        # A lost object put again, or removed, is no longer reported.
-        s.put([lost[0]], [payload(lost[0], CHUNK)])
-        s.remove([lost[1]])
+        # A lost object put again (dropping the oldest one given up, bad4), or removed, is no longer
+        # reported as lost.
+        assert s.put(["bad0"], [payload("bad0", CHUNK)]) == [Status.OK]
+        s.remove(["bad1"])
         again = s.flush_report(timeout_s=60)
-        assert lost[0] not in again.unpersisted and lost[1] not in again.unpersisted
-        assert sorted(again.unpersisted) == sorted(lost[2:])
+        assert "bad1" not in again.unpersisted
+        evicted = sorted(k for k, why in again.unpersisted.items() if why.startswith("evicted"))
+        assert evicted == ["bad2", "bad3", "bad4"]
+        assert again.unpersisted["bad0"] == "its SSD write answered IO_ERROR"  # in DRAM again, still unwritable
     finally:
-        s.close()
+        s.close(flush=False)
 
 
 @pytest.mark.parametrize("failures,ok", [(1, True), (2, True), (3, False)])
@@ -213,6 +236,22 @@ def test_a_loss_ledger_past_its_bound_forgets_the_oldest_and_reports_them_once()
     assert [k for k, _ in ledger.items(10)] == ["k4", "k5"]
 
 
+class FailingPuts(SlowPuts):
+    """Every SSD write of a key starting with ``prefix`` fails (the others reach the real backend)."""
+
+    def __init__(self, inner, prefix: str) -> None:  # noqa: ANN001
+        super().__init__(inner, 0.0)
+        self.prefix = prefix
+
+    def put(self, keys, buffers):  # noqa: ANN001, ANN201
+        out = [Status.IO_ERROR] * len(keys)
+        todo = [i for i, k in enumerate(keys) if not k.startswith(self.prefix)]
+        if todo:
+            for i, st in zip(todo, self.inner.put([keys[i] for i in todo], [buffers[i] for i in todo])):
+                out[i] = st
+        return out
+
+
 def test_losses_past_the_ledger_bound_do_not_fail_every_later_flush(tmp_path, monkeypatch) -> None:
     """More losses than the ledger remembers: the first flush names what it can and counts the
     rest; once the lost keys are removed, flushes are ok again (not False for good)."""
@@ -220,21 +259,25 @@ def test_losses_past_the_ledger_bound_do_not_fail_every_later_flush(tmp_path, mo
 
     monkeypatch.setattr(store_module, "LossLedger", lambda: LossLedger(4))
     obj = 4096
-    # Not started and watermark mode: nothing moves by itself, so each eviction is a loss.
-    s = wrapped_store(tmp_path, lambda inner: inner, dram={"capacity_bytes": 8 * obj},
-                      offload={"policy": "watermark"})
+    # Every write of lost-x0..11 fails: each is dropped for a later put once its attempts are used
+    # up. x12..19 are written fine and pinned, so that only those given up can make room.
+    s = wrapped_store(tmp_path, lambda inner: FailingPuts(inner, "lost-"), dram={"capacity_bytes": 8 * obj},
+                      offload={"policy": "eager", "put_wait_s": 30.0}).start()
     try:
-        keys = [f"x{i}" for i in range(20)]
+        keys = [f"lost-x{i}" for i in range(12)] + [f"x{i}" for i in range(12, 20)]
         for k in keys:
             assert s.put([k], [np.zeros(obj, np.uint8)]) == [Status.OK]
+            if not k.startswith("lost-"):
+                assert s.pin([k], ttl_s=60) == [True]
         assert s.metrics()["store"]["dropped_unpersisted"] == 12
         first = s.flush_report()
-        assert not first.ok and sorted(first.unpersisted) == ["x10", "x11", "x8", "x9"]
+        assert not first.ok and sorted(first.unpersisted) == ["lost-x10", "lost-x11", "lost-x8", "lost-x9"]
         assert first.lost_untracked == 8 and "12 objects not on SSD" in first.summary()
         assert s.remove(keys[:12]) == [Status.NOT_FOUND] * 12
         second = s.flush_report()
         assert second.ok, second
         assert s.flush() is True
+        s.unpin(keys[12:])
     finally:
         s.close(flush=False)
 
@@ -245,24 +288,25 @@ def test_a_flush_does_not_report_losses_of_objects_put_after_it_began(tmp_path) 
     obj = 64 * 1024
     gate, entered = threading.Event(), threading.Event()
 
-    class GatedPuts(SlowPuts):
+    class GatedPuts(FailingPuts):
         def put(self, keys, buffers):  # noqa: ANN001, ANN201
             if threading.current_thread().name == "flusher" and not entered.is_set():
                 entered.set()
                 assert gate.wait(30)
-            return self.inner.put(keys, buffers)
+            return super().put(keys, buffers)
 
-    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * obj},
-                      offload={"policy": "watermark"})
+    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, "late"), dram={"capacity_bytes": 8 * obj},
+                      offload={"policy": "eager", "put_wait_s": 30.0})
     try:
-        assert s.put(["a"], [np.ones(obj, np.uint8)]) == [Status.OK]
+        assert s.put(["a"], [np.ones(obj, np.uint8)]) == [Status.OK]  # before start(): the flush writes it
+        s.start()
         got: list = []
         f = threading.Thread(target=lambda: got.append(s.flush_report()), name="flusher")
         f.start()
         assert entered.wait(10)  # the flush is writing "a"
-        later = [f"late{i}" for i in range(12)]  # put after the flush began; DRAM drops some unwritten
-        for k in later:
-            s.put([k], [np.ones(obj, np.uint8)])
+        later = [f"late{i}" for i in range(12)]  # put after the flush began; their writes keep failing,
+        for k in later:  # so DRAM drops some of them once their attempts are used up
+            assert s.put([k], [np.ones(obj, np.uint8)]) == [Status.OK]
         assert s.metrics()["store"]["dropped_unpersisted"] > 0
         gate.set()
         f.join(60)
@@ -275,7 +319,9 @@ def test_a_flush_does_not_report_losses_of_objects_put_after_it_began(tmp_path) 
 
 def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> None:
     """Three flushes write at once on a slow SSD: all SSD writes together hold at most half of
-    DRAM, so a put that needs room meanwhile evicts an object instead of answering NO_SPACE."""
+    DRAM. A put that needs room meanwhile finds only objects not on SSD yet: it drops none of them
+    (it used to drop one), it answers NO_SPACE at once with no wait asked for, and one that may wait
+    gets its room as soon as the write lands."""
     obj = 64 * 1024
     gate = threading.Event()
     inside: list[str] = []
@@ -287,7 +333,8 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
             return self.inner.put(keys, buffers)
 
     s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 16 * obj},
-                      offload={"policy": "watermark", "high_watermark": 0.99, "low_watermark": 0.98})
+                      offload={"policy": "watermark", "high_watermark": 0.99, "low_watermark": 0.98,
+                               "write_threads": 2})
     flushers = [threading.Thread(target=s.flush, kwargs={"timeout_s": 60}, name=f"flusher{i}") for i in range(3)]
     try:  # not started: only the flushing callers write
         keys = [f"a{i}" for i in range(16)]
@@ -298,11 +345,23 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
         while not inside and time.monotonic() < deadline:
             time.sleep(0.01)
         assert inside
-        time.sleep(1.0)  # room for the other flushers to start writes of their own (they must not)
+        time.sleep(1.0)  # room for the other flushers to start writes of their own (the third must not)
         with s._lock:
             leased = sum(e.size for e in s._dram.entries.values() if e.leases)
-        assert leased <= 8 * obj and len(inside) == 1, (leased, inside)
-        assert s.put(["new"], [np.ones(obj, np.uint8)]) == [Status.OK]
+        # Each write leases at most its share of the half (offload.write_threads, 2: a quarter).
+        assert leased <= 8 * obj and len(inside) == 2, (leased, inside)
+        [refused] = s.reserve(["new"], [obj], room_wait_s=0)
+        assert refused.status is Status.NO_SPACE and s.stats().store.put_no_space_dirty == 1
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(s.reserve(["new"], [obj], room_wait_s=30)))
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive() and not got  # waiting for the write that holds the room
+        gate.set()
+        waiter.join(30)
+        assert [r.status for r in got] == [Status.OK]
+        s.abort(got)
+        assert s.stats().store.dropped_unpersisted == 0 and s.stats().store.put_room_waits == 1
     finally:
         gate.set()
         for t in flushers:
@@ -313,9 +372,9 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
 
 def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_drops_them(tmp_path) -> None:
     """A write with no room left (other writes hold half of DRAM) puts its objects back on the
-    offload queue; a tiny queue refuses some. Those count as a failed attempt, so the next time
-    DRAM needs room they are queued again and reach SSD (rather than staying unwritten until
-    DRAM drops them)."""
+    offload queue; a tiny queue refuses some. The next time DRAM needs room, eviction meets them
+    and queues them again, so they reach SSD (rather than staying unwritten in DRAM; a refusal is
+    not a failed write, so it never brings them nearer to being dropped)."""
     unit = 16 * 1024
     gate, entered = threading.Event(), threading.Event()
 
@@ -328,7 +387,7 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
 
     s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * unit},
                       offload={"policy": "watermark", "high_watermark": 1.0, "low_watermark": 0.5,
-                               "queue_max_objects": 2}).start()
+                               "queue_max_objects": 2, "write_threads": 1}).start()  # one write: all the half
     try:
         assert s.put(["big"], [np.ones(3 * unit, np.uint8)]) == [Status.OK]
         small = ["a", "b", "c", "d"]

@@ -92,6 +92,7 @@ def open_probed(tmp_path, policy: str) -> tuple[TieredStore, ProbeBelow]:
     store._lock = lock  # type: ignore[assignment]
     store._changed = threading.Condition(lock)  # type: ignore[arg-type]
     store._slot_changed = threading.Condition(lock)  # type: ignore[arg-type]
+    store._room = threading.Condition(lock)  # type: ignore[arg-type]
     probe.lock = lock
     return store.start(), probe
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from store_backend.config import load_config
-from store_backend.plans import Verdict, victim_verdict
+from store_backend.plans import EvictPass, Verdict, victim_verdict
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import MAX_OFFLOAD_ATTEMPTS, TieredStore
 from store_backend.types import Status
@@ -148,8 +148,8 @@ def _declined_child_is_written_back(s) -> None:
         assert s.get_into(["C"], [bytearray(CHUNK)])[0].status is Status.OK
     with s._lock:
         facts = s._victim_facts(s._dram.entries["C"], time.monotonic())
-    assert victim_verdict(facts, persisted_only=True, max_attempts=MAX_OFFLOAD_ATTEMPTS) is Verdict.WRITE_BACK, \
-        "reused child of a stored parent would be dropped, never written"
+    verdict = victim_verdict(facts, evict_pass=EvictPass.CLEAN, max_attempts=MAX_OFFLOAD_ATTEMPTS)
+    assert verdict is Verdict.WRITE_BACK, "reused child of a stored parent would be dropped, never written"
 
 
 def _parent_on_ssd(tmp_path) -> None:

@@ -192,22 +192,43 @@ class SlowSsd:
         pass
 
 
-def test_slow_ssd_never_blocks_puts_and_drops_are_counted() -> None:
+def test_a_slow_ssd_never_blocks_puts_and_the_newest_give_way() -> None:
+    """put_wait_s 0: DRAM full of objects the slow SSD has not taken yet refuses the new puts at
+    once (NO_SPACE, counted as refused for want of clean room) and drops none of the objects it
+    acknowledged (it used to drop them and answer the newest OK)."""
     ssd = SlowSsd(delay_s=0.2)
-    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd).start()
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager", "put_wait_s": 0}},
+                    ssd=ssd).start()
     try:
         keys = [f"k{i}" for i in range(40)]
         t0 = time.monotonic()
         statuses = [s.put([k], [payload(k, CHUNK)])[0] for k in keys]
         assert time.monotonic() - t0 < 2.0  # 40 puts while the SSD takes 0.2 s per batch
         assert statuses.count(Status.OK) + statuses.count(Status.NO_SPACE) == 40
-        assert statuses[-1] is Status.OK  # the newest object always finds room
-        m = s.metrics()
-        assert m["store"]["dropped_unpersisted"] > 0  # SSD fell behind: said so in metrics
-        s.flush(timeout_s=30)
-        # whatever is still claimed present is served byte-identical
-        present = [k for k, hit in zip(keys, s.contains(keys)) if hit]
-        assert present and all(read_ok(s, present))
+        assert statuses[:8] == [Status.OK] * 8 and Status.NO_SPACE in statuses
+        m = s.metrics()["store"]
+        assert m["dropped_unpersisted"] == 0 and m["put_room_waits"] == 0
+        assert m["put_no_space_dirty"] == m["put_no_space"] == statuses.count(Status.NO_SPACE)
+        assert s.flush(timeout_s=30)
+        stored = [k for k, st in zip(keys, statuses) if st is Status.OK]
+        assert all(read_ok(s, stored))  # every acknowledged object, byte-identical
+        assert sorted(ssd.data) == sorted(stored)
+    finally:
+        s.close()
+
+
+def test_a_put_waits_for_a_slow_ssd_to_make_room() -> None:
+    """put_wait_s longer than an SSD write: each put that finds DRAM full of unwritten objects
+    waits for the offload to land one and is stored (woken by the write, not by polling)."""
+    ssd = SlowSsd(delay_s=0.05)
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager", "put_wait_s": 10}},
+                    ssd=ssd).start()
+    try:
+        keys = [f"k{i}" for i in range(24)]  # 6 MiB through 2 MiB
+        assert [s.put([k], [payload(k, CHUNK)])[0] for k in keys] == [Status.OK] * 24
+        m = s.metrics()["store"]
+        assert m["put_room_waits"] > 0 and m["put_no_space"] == 0 and m["dropped_unpersisted"] == 0
+        assert s.flush(timeout_s=30) and all(read_ok(s, keys))
     finally:
         s.close()
 
@@ -415,19 +436,57 @@ class BlockingSsd(SlowSsd):
 
 
 def test_a_stalled_ssd_write_never_holds_all_of_dram() -> None:
-    """One SSD write leases at most half of DRAM, so a put finds an object it may evict even while
-    a write of everything else is stuck (before, a batch could lease every object: NO_SPACE)."""
+    """One SSD write leases at most half of DRAM (before, a batch could lease every object). What
+    it does not lease is not on SSD either, so a put that needs room meanwhile drops none of it
+    (it used to drop one): refused at once without a wait, stored once the write lands with one."""
     ssd = BlockingSsd()
-    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager"}}, ssd=ssd)  # not started
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager", "put_wait_s": 0}},
+                    ssd=ssd)  # not started: only the writer below writes
     try:
         keys = [f"k{i}" for i in range(8)]  # DRAM full
         assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 8
         writer = threading.Thread(target=s._offload_batch, args=(keys,))
         writer.start()
         assert ssd.entered.wait(10)
-        assert s.put(["new"], [payload("new", CHUNK)]) == [Status.OK]
-        assert s.metrics()["store"]["dropped_unpersisted"] == 1  # said so
+        with s._lock:
+            assert sum(e.size for e in s._dram.entries.values() if e.leases) <= MiB
+        assert s.put(["new"], [payload("new", CHUNK)]) == [Status.NO_SPACE]
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(s.reserve(["new"], [CHUNK], room_wait_s=30)))
+        waiter.start()
+        time.sleep(0.2)
+        assert waiter.is_alive()
+        ssd.release.set()  # the write lands: its objects are clean, one of them makes room
+        waiter.join(10)
+        assert [r.status for r in got] == [Status.OK]
+        s.abort(got)
+        m = s.metrics()["store"]
+        assert m["dropped_unpersisted"] == 0 and m["put_no_space_dirty"] == 1 and m["put_room_waits"] == 1
     finally:
         ssd.release.set()
         writer.join(10)
         s.close(flush=False)
+
+
+def test_close_ends_a_put_waiting_for_room() -> None:
+    """A put waiting for DRAM room (an SSD write that never ends) is woken by close(): it answers
+    NO_SPACE, and close is not held up by it."""
+    ssd = BlockingSsd()
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager", "put_wait_s": 60}},
+                    ssd=ssd).start()
+    keys = [f"k{i}" for i in range(8)]
+    assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 8  # DRAM full, nothing written
+    assert ssd.entered.wait(10)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(s.put(["late"], [payload("late", CHUNK)])))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    t0 = time.monotonic()
+    closer = threading.Thread(target=s.close, kwargs={"flush": False, "timeout_s": 5})
+    closer.start()
+    waiter.join(5)
+    assert not waiter.is_alive() and got == [[Status.NO_SPACE]] and time.monotonic() - t0 < 2.0
+    ssd.release.set()
+    closer.join(10)
+    assert not closer.is_alive()

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from store_backend.private import open_private
 from store_backend.types import Buffer, byte_view
 
 ALIGN = 4096  # O_DIRECT alignment used for addresses, lengths and file offsets
@@ -63,7 +64,7 @@ def probe_direct_io(directory: str) -> bool:
     """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs before 6.6, ramfs: no)."""
     path = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+        fd = open_private(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

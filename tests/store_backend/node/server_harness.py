@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -195,7 +196,8 @@ class ServiceProcess:
         """``prefix``: a command the service runs under (``ip netns exec NAME``: another host)."""
         self.cfg = cfg
         self.config_path = os.path.join(directory, "node.yaml")
-        with open(self.config_path, "w") as f:
+        # 0600: a config holding a secret (pool.secret, a password in a Redis url) must be private.
+        with os.fdopen(os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             yaml.safe_dump(cfg, f)
         self.log_path = os.path.join(directory, "node.log")
         self.log = open(self.log_path, "wb")
@@ -256,3 +258,95 @@ def proc_status(pid: int) -> dict[str, str]:
 
 def cleanup_dir(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+# The command loop of a client in another process: each stdin line is a JSON string of Python, an
+# expression (its value is printed back as JSON) or statements (``v["out"]`` is printed back).
+_LOOP = """
+def _serve(names):
+    for line in sys.stdin:
+        code = json.loads(line)
+        try:
+            try:
+                out = eval(code, names)
+            except SyntaxError:
+                exec(code, names)
+                out = names["v"].pop("out", None)
+            print(json.dumps(out if isinstance(out, (int, str, list, type(None), bool, float, dict)) else repr(out)),
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(f"raised {type(e).__name__}: {e}"), flush=True)
+"""
+
+_OTHER = """
+import json, os, signal, sys, time
+sys.path.insert(0, sys.argv[2])
+from store_backend.node import protocol as p
+from store_backend.types import Status
+from tests.store_backend.node.server_harness import Raw
+""" + _LOOP + """
+c = Raw(sys.argv[1])
+print(json.dumps(type(c.hello(name="other")).__name__), flush=True)
+_serve({"c": c, "p": p, "Status": Status, "Raw": Raw, "v": {}, "os": os, "time": time, "signal": signal})
+"""
+
+
+class OtherProcess:
+    """A client in a process of its own (the service keeps tokens per process): ``run(expr)``
+    evaluates ``expr`` there over its connection ``c`` (a :class:`Raw`, hello done) and ``p``
+    (the protocol) and returns the result as JSON gives it back. ``kill()`` SIGKILLs it."""
+
+    def __init__(self, path: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _OTHER, path, str(REPO)], cwd=str(REPO), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pid = self.proc.pid
+        assert self._read() == "Welcome"
+
+    def _read(self) -> Any:
+        import json
+
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"the other process exited ({self.proc.poll()})"
+        return json.loads(line)
+
+    def run(self, code: str) -> Any:
+        """Run ``code`` there (an expression: its value; statements: what they put in ``v["out"]``).
+        An exception there comes back as the string ``"raised <type>: <message>"``."""
+        import json
+
+        self.proc.stdin.write(json.dumps(textwrap.dedent(code).strip()) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+_CLIENT = """
+import json, os, signal, sys, time
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+from store_backend.node import protocol as p
+from store_backend.node.client import NodeClient
+from store_backend.types import Status
+""" + _LOOP + """
+c = NodeClient(sys.argv[1], **json.loads(sys.argv[3])).start()
+print(json.dumps(os.getpid()), flush=True)
+_serve({"c": c, "v": {}, "np": np, "p": p, "Status": Status, "os": os, "signal": signal, "time": time})
+"""
+
+
+class ClientProcess(OtherProcess):
+    """A :class:`~store_backend.node.client.NodeClient` in a process of its own: ``run(expr)``
+    evaluates ``expr`` there with ``c`` (the client), ``v`` (a dict kept between calls: views,
+    reservations), ``np``, ``p`` and ``Status``; :attr:`pid` is its pid."""
+
+    def __init__(self, path: str, **client: Any) -> None:
+        import json
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLIENT, path, str(REPO), json.dumps(client)],
+                                     cwd=str(REPO), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pid = self._read()
+        assert isinstance(self.pid, int), self.pid

@@ -1,7 +1,8 @@
 """The node service on a thread of the test process, spoken to in raw frames: the segment passed with
 welcome, bytes written through a reservation read back through a lease on another connection,
-visibility until commit, reclaim when a connection ends (closed, or its process killed mid-copy),
-foreign tokens, access checks, the lock, connection limits and broken frames."""
+visibility until commit, slots kept for the process when a connection ends and reclaimed when the
+process is killed mid-copy or forgets them, another process's tokens, access checks, the lock,
+connection limits and broken frames."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from store_backend.node.server import NodeService
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
-from .server_harness import REPO, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
-
-
-@pytest.fixture
-def sdir():
-    d = short_dir()
-    yield d
-    cleanup_dir(d)
+from .server_harness import (
+    REPO,
+    OtherProcess,
+    Raw,
+    service_config,
+    service_thread,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -132,38 +133,66 @@ def test_exists_with_wait_answers_when_another_connection_commits(svc):
         b.close()
 
 
-def test_tokens_of_another_connection_answer_io_error_and_change_nothing(svc):
+def test_tokens_of_another_process_answer_io_error_and_change_nothing_and_any_own_connection_ends_them(svc):
     a, b = connect(svc), connect(svc)
+    other = OtherProcess(svc.socket_path)
     try:
         r = a.ask(p.Reserve(0, ["t/1"], [4096])).grants[0]
         a.put("t/2", b"y" * 100)
         ls = a.ask(p.Lease(0, ["t/2"])).grants[0]
-        assert b.ask(p.Commit(0, [r.token, 999_999])).values == [Status.IO_ERROR, Status.IO_ERROR]
-        assert isinstance(b.ask(p.Abort(0, [r.token])), p.Ack)
-        assert b.ask(p.Release(0, [ls.token])).values == [False]
-        assert a.ask(p.Commit(0, [r.token])).values == [Status.OK]
-        assert a.ask(p.Release(0, [ls.token])).values == [True]
+        r2 = a.ask(p.Reserve(0, ["t/3"], [4096])).grants[0]
+        assert other.run(f"[int(v) for v in c.ask(p.Commit(0, [{r.token}, 999999])).values]") == [9, 9]
+        assert other.run(f"type(c.ask(p.Abort(0, [{r.token}]))).__name__") == "Ack"
+        assert other.run(f"c.ask(p.Release(0, [{ls.token}])).values") == [False]
+        assert other.run(f"c.ask(p.Forget(0, [{a.welcome.conn_id}])).n") == 0  # not its connection
+        assert held(svc)[0] == 3
+        # The process's own connections: any of them ends a token whichever took it.
+        assert b.ask(p.Commit(0, [r.token])).values == [Status.OK]
+        assert b.ask(p.Release(0, [ls.token])).values == [True]
+        assert a.ask(p.Commit(0, [r2.token])).values == [Status.OK]
+        assert b.ask(p.Release(0, [ls.token])).values == [False]  # ended already
+        assert held(svc) == (0, 0, 0)
+    finally:
+        other.kill()
+        a.close()
+        b.close()
+
+
+def test_a_lost_connection_leaves_its_slots_to_the_process_until_it_forgets_them(svc):
+    a, b = connect(svc), connect(svc)
+    try:
+        b.put("c/lease", b"l" * 8192)
+        g = a.ask(p.Reserve(0, ["c/1"], [1 << 20])).grants[0]
+        a.mapping[g.offset:g.offset + 1000] = b"h" * 1000  # half written
+        lease = a.ask(p.Lease(0, ["c/lease"])).grants[0]
+        lost = a.ask(p.Reserve(0, ["c/2"], [4096])).grants[0]  # a grant the client "never read"
+        assert lease.status == Status.OK and lost.status == Status.OK
+        assert held(svc)[1] == (1 << 20) + 8192 + 4096
+        a.sock.close()  # the connection is gone, the process is not: a thread may still be copying
+        wait_until(lambda: svc.node_stats().connections == 1, what="the connection ended")
+        assert held(svc)[1] == (1 << 20) + 8192 + 4096 and svc.node_stats().orphaned == 3
+        assert b.ask(p.Exists(0, ["c/1"], count_reserved=True)).n == 1  # still being written
+        # The process forgets the lost connection, keeping what it handed out (the reservation).
+        assert b.ask(p.Forget(0, [a.welcome.conn_id], keep=[g.token])).n == 2
+        assert held(svc)[1] == 1 << 20
+        b.mapping[g.offset + 1000:g.offset + (1 << 20)] = b"h" * ((1 << 20) - 1000)  # the copy finishes
+        assert b.ask(p.Commit(0, [g.token])).values == [Status.OK]
+        assert b.get("c/1") == b"h" * (1 << 20)
+        assert b.ask(p.Exists(0, ["c/2"], count_reserved=True)).n == 0
         assert held(svc) == (0, 0, 0)
     finally:
         a.close()
         b.close()
 
 
-def test_a_connection_closed_mid_reservation_is_reclaimed(svc):
+def test_forget_of_a_connection_still_open_closes_it_first(svc):
     a, b = connect(svc), connect(svc)
     try:
-        b.put("c/lease", b"l" * 8192)
-        g = a.ask(p.Reserve(0, ["c/1"], [1 << 20])).grants[0]
-        a.mapping[g.offset:g.offset + 1000] = b"h" * 1000  # half written
-        assert a.ask(p.Lease(0, ["c/lease"])).grants[0].status == Status.OK
-        assert held(svc)[1] == (1 << 20) + 8192
-        a.sock.close()  # no commit, no release
-        wait_until(lambda: held(svc) == (0, 0, 0), what="held bytes back to 0")
-        assert b.ask(p.Exists(0, ["c/1"], count_reserved=True)).n == 0
-        assert b.ask(p.Lease(0, ["c/1"])).grants[0].status == Status.NOT_FOUND
-        new = os.urandom(1 << 20)
-        b.put("c/1", new)
-        assert b.get("c/1") == new
+        g = a.ask(p.Reserve(0, ["fo/1"], [4096])).grants[0]
+        assert b.ask(p.Forget(0, [a.welcome.conn_id])).n == 1
+        assert a.closed_by_peer()
+        assert held(svc) == (0, 0, 0)
+        assert b.ask(p.Commit(0, [g.token])).values == [Status.IO_ERROR]
     finally:
         a.close()
         b.close()
@@ -509,17 +538,18 @@ def test_stats_mine_counts_what_one_client_process_did(svc):
         own.close()
 
 
-def test_a_slot_past_its_ttl_keeps_its_bytes_held_as_zombie_until_its_owner_lets_go(svc):
+def test_a_reservation_past_its_ttl_stays_held_as_zombie_and_a_lease_past_its_ttl_is_ended(svc):
     a, b = connect(svc), connect(svc)
     try:
         g = a.ask(p.Reserve(0, ["z/1"], [8192], ttl_s=0.3)).grants[0]
         b.put("z/2", b"2" * 4096)
         ls = b.ask(p.Lease(0, ["z/2"], ttl_s=0.3)).grants[0]
-        time.sleep(0.6)
-        n = svc.node_stats()
-        assert n.zombie_bytes == 8192 + 4096 and n.held_bytes == 8192 + 4096
-        # The expired reservation's key is free for another writer; its own bytes stay held.
+        # The expired reservation's key is free for another writer; its own bytes stay held (its
+        # process may still write them). The lease is a read: the service ends it (TTL + 1 s).
         wait_until(lambda: b.ask(p.Exists(0, ["z/1"], count_reserved=True)).n == 0)
+        wait_until(lambda: svc.node_stats().leases_expired == 1, what="the lease ended by the service")
+        n = svc.node_stats()
+        assert n.zombie_bytes == 8192 and n.held_bytes == 8192 and n.leases == 0
         assert a.ask(p.Commit(0, [g.token])).values == [Status.IO_ERROR]
         assert b.ask(p.Release(0, [ls.token])).values == [False]
         assert held(svc) == (0, 0, 0) and svc.node_stats().zombie_bytes == 0

@@ -1,8 +1,8 @@
 """Fuzzing the node service's control socket (hypothesis): raw bytes, truncated and oversized frames,
 frames of the wrong schema, unknown tags, foreign tokens and random well-formed requests get a reply
 (an ``error`` or the request's answer) or a disconnect, never anything else, while a second client's
-``exists`` loop keeps being answered; when the fuzzing connections are gone no slot is held, and
-the other client's own reservation was never disturbed."""
+``exists`` loop keeps being answered; once the fuzzing process forgets its connections no slot of
+it is held, and another process's reservation was never disturbed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from store_backend.framing import LEN, MAX_FRAME_BYTES
 from store_backend.node import protocol as p
 from store_backend.types import Status
 
-from .server_harness import Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
+from .server_harness import OtherProcess, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
 
 # Every request tag but shutdown (which would stop the service under test, as it should).
 _TAGS = [t.__struct_config__.tag for t in p.REQUEST_TYPES if t is not p.Shutdown] + ["nope", "welcome", ""]
@@ -45,6 +45,7 @@ _WELL_FORMED = st.one_of(
     st.builds(p.Commit, st.integers(1, 100), _TOKENS),
     st.builds(p.Abort, st.integers(1, 100), _TOKENS),
     st.builds(p.Release, st.integers(1, 100), _TOKENS),
+    st.builds(p.Forget, st.integers(1, 100), st.lists(st.integers(0, 300), max_size=4), _TOKENS),
     st.builds(p.Lease, st.integers(1, 100), _KEYS, st.floats(0.01, 5), st.booleans(),
               st.sampled_from([0.0, 0.01])),
     st.builds(p.Remove, st.integers(1, 100), _KEYS),
@@ -120,17 +121,25 @@ def _exchange(path: str, hello: bool, chunks: list[tuple[str, bytes]]) -> list[p
 
 def test_fuzzed_frames_get_an_error_or_a_disconnect_and_others_keep_being_served():
     d = short_dir()
+    holder = None
     try:
         cfg = service_config(d, frame_timeout_s=0.5)
         with service_thread(cfg) as svc:
+            writer = Raw(svc.socket_path)  # its own connection: the loop's takes no slot, so no Forget names it
+            assert isinstance(writer.hello(), p.Welcome)
+            writer.put("fz/present", b"p" * 4096)
+            writer.close()
             loop_conn = Raw(svc.socket_path)
             assert isinstance(loop_conn.hello(), p.Welcome)
-            loop_conn.put("fz/present", b"p" * 4096)
-            mine = loop_conn.ask(p.Reserve(0, ["fz/mine"], [8192])).grants[0]
-            assert mine.status == Status.OK
+            # A reservation of another process: the fuzzing one may name its token, never end it.
+            holder = OtherProcess(svc.socket_path)
+            theirs = holder.run("(lambda g: [int(g.status), g.token, g.offset])"
+                                "(c.ask(p.Reserve(0, ['fz/theirs'], [8192])).grants[0])")
+            assert theirs[0] == Status.OK
+            token = theirs[1]
             loop = _ExistsLoop(loop_conn)
-            foreign = st.just(("foreign", p.encode(p.Commit(7, [mine.token])) + p.encode(p.Release(8, [mine.token]))
-                                         + p.encode(p.Abort(9, [mine.token]))))
+            foreign = st.just(("foreign", p.encode(p.Commit(7, [token])) + p.encode(p.Release(8, [token]))
+                                         + p.encode(p.Abort(9, [token]))))
 
             @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
             @given(hello=st.booleans(), chunks=st.lists(st.one_of(_CHUNKS, foreign), min_size=1, max_size=4))
@@ -154,16 +163,22 @@ def test_fuzzed_frames_get_an_error_or_a_disconnect_and_others_keep_being_served
                 loop.join(30)
             assert loop.failure is None, loop.failure
             assert loop.answers > 0 and loop.longest_gap_s < 5.0, (loop.answers, loop.longest_gap_s)
-            # Every fuzzing connection is gone: only the loop client's own reservation is held.
-            wait_until(lambda: svc.node_stats().connections == 1, what="fuzz connections closed")
+            # Every fuzzing connection is gone; the slots they took stay this process's until it
+            # forgets them (every connection id so far: another process's are skipped).
+            wait_until(lambda: svc.node_stats().connections == 2, what="fuzz connections closed")
+            last = max(c.conn_id for c in loop_conn.ask(p.Stats(0)).node.clients)
+            assert isinstance(loop_conn.ask(p.Forget(0, list(range(1, last + 1)), [])), p.Count)
             wait_until(lambda: svc.store.stats().slots.reservations == 1 and svc.store.stats().slots.leases == 0,
-                       what="no slot but the loop client's")
+                       what="no slot but the other process's")
             data = os.urandom(8192)
-            loop_conn.mapping[mine.offset:mine.offset + 8192] = data
-            assert loop_conn.ask(p.Commit(0, [mine.token])).values == [Status.OK]
-            assert loop_conn.get("fz/mine") == data
+            assert holder.run(f"c.mapping.__setitem__(slice({theirs[2]}, {theirs[2] + 8192}), bytes.fromhex("
+                              f"'{data.hex()}')) or c.ask(p.Commit(0, [{token}])).values") == [Status.OK]
+            assert loop_conn.get("fz/theirs") == data
+            holder.kill()
             loop_conn.close()
             wait_until(lambda: svc.store.stats().slots.held_bytes == 0, what="held bytes back to 0")
             assert svc.bad_frames > 0
     finally:
+        if holder is not None:
+            holder.kill()
         cleanup_dir(d)

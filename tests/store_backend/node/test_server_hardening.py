@@ -19,14 +19,7 @@ from store_backend.node import protocol as p
 from store_backend.node.server import NodeService
 from store_backend.types import Status
 
-from .server_harness import REPO, Raw, cleanup_dir, service_config, service_thread, short_dir, wait_until
-
-
-@pytest.fixture
-def sdir():
-    d = short_dir()
-    yield d
-    cleanup_dir(d)
+from .server_harness import REPO, Raw, service_config, service_thread, wait_until
 
 
 def connect(svc: NodeService, **hello) -> Raw:
@@ -330,3 +323,16 @@ def test_one_clients_slow_flushes_do_not_starve_stage_in_leases_or_other_clients
             for g in greedy:
                 g.close()
             b.close()
+
+
+def test_a_bad_room_wait_is_refused_before_any_slot_is_granted(sdir):
+    """A reserve whose room_wait_s is out of range gets error(bad_request) naming it, and holds
+    nothing: the check comes before the first key is granted, not only when one waits."""
+    with service_thread(service_config(sdir)) as svc:
+        c = connect(svc)
+        for bad in (-1.0, float("inf"), 1e9):
+            reply = c.ask(p.Reserve(0, ["rw/a", "rw/b"], [4096, 4096], None, 5.0, bad))
+            assert isinstance(reply, p.Error) and reply.code == "bad_request" and "room_wait_s" in reply.message, reply
+        assert svc.store.stats().slots.reservations == 0 and svc.store.stats().slots.held_bytes == 0
+        good = c.ask(p.Reserve(0, ["rw/a"], [4096], None, 5.0, 0.5))
+        assert isinstance(good, p.Slots) and good.grants[0].status == Status.OK

@@ -27,21 +27,12 @@ from .server_harness import (
     REPO,
     Raw,
     ServiceProcess,
-    cleanup_dir,
     proc_status,
     segments_named,
     service_config,
     service_thread,
-    short_dir,
     wait_until,
 )
-
-
-@pytest.fixture
-def sdir():
-    d = short_dir()
-    yield d
-    cleanup_dir(d)
 
 
 def connect(path: str, **hello) -> Raw:
@@ -263,7 +254,7 @@ def test_metrics_scrape_parses_and_has_the_store_families_and_the_services(sdir)
 
 
 def test_two_thousand_idle_connections_cost_no_thread_and_little_memory(sdir):
-    cfg = service_config(sdir, max_connections=4096)
+    cfg = service_config(sdir, max_connections=4096, max_connections_per_client=4096)
     svc = ServiceProcess(cfg, sdir)
     conns: list[Raw] = []
     try:

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
-from store_backend.pool.directory_redis import DirectoryAuthError, RedisDirectory
+from store_backend.pool.directory_redis import DirectoryAuthError, DirectoryPolicyError, RedisDirectory
 from store_backend.pool.factory import make_directory
 from tests.store_backend.pool.certs import self_signed
 from tests.store_backend.pool.redis_server import RedisProcess, free_port
@@ -489,3 +489,79 @@ def test_losing_the_channel_at_run_time_stops_caching_until_it_is_back(redis_ser
     finally:
         admin.close()
         cache.close()
+
+
+# -- the server's eviction policy ----------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl", "allkeys-random"])
+def test_a_redis_that_may_evict_is_refused_at_start_naming_the_policy_and_why(policy: str) -> None:
+    """A tombstone carries a TTL, so even the volatile-* policies may evict it; an evicted
+    tombstone lets a node's old copy of a removed key be listed again."""
+    with RedisProcess(extra=["maxmemory 64mb", f"maxmemory-policy {policy}"]) as server:
+        with pytest.raises(ValueError) as e:
+            make_directory(Cfg(url=server.url), node_id="a")
+        msg = str(e.value)
+        assert msg.startswith("pool.directory: redis directory at redis://127.0.0.1:")
+        assert f"maxmemory is {64 << 20} bytes with maxmemory-policy {policy}" in msg
+        assert "an evicted tombstone lets removed bytes come back" in msg
+        assert "CONFIG SET maxmemory-policy noeviction" in msg
+        # Fixed on the server, the same start goes through.
+        admin = redis.Redis(port=server.port)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+        d = make_directory(Cfg(url=server.url), node_id="a")
+        roundtrip(d)  # type: ignore[arg-type]
+        d.close()
+
+
+def test_an_evicting_policy_without_maxmemory_is_fine(caplog: pytest.LogCaptureFixture) -> None:
+    with RedisProcess(extra=["maxmemory 0", "maxmemory-policy allkeys-lru"]) as server:
+        with caplog.at_level(logging.WARNING, logger="store_backend.pool"):
+            d = make_directory(Cfg(url=server.url), node_id="a")
+        roundtrip(d)  # type: ignore[arg-type]
+        d.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("how", ["acl", "renamed"])
+def test_where_config_is_not_permitted_one_warning_names_the_requirement(
+        caplog: pytest.LogCaptureFixture, how: str) -> None:
+    extra = ["maxmemory 64mb", "maxmemory-policy allkeys-lru"]
+    if how == "renamed":
+        extra.append('rename-command CONFIG ""')
+    with RedisProcess(extra=extra) as server:
+        url = server.url
+        if how == "acl":
+            admin = redis.Redis(port=server.port)
+            admin.execute_command("ACL", "SETUSER", "pool", "on", ">pw", "~mkv:*", "&mkv:*", "+@all", "-config")
+            admin.close()
+            url = f"redis://pool:pw@127.0.0.1:{server.port}/0"
+        with caplog.at_level(logging.WARNING, logger="store_backend.pool"):
+            d = make_directory(Cfg(url=url), node_id="a")
+            assert isinstance(d, RedisDirectory)
+            roundtrip(d)
+            d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 30.0)
+            d.check_eviction_policy()  # asked again: no second line
+        d.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    user = "pool" if how == "acl" else "default"
+    assert f"user {user!r} may not run CONFIG GET" in lines[0]
+    assert "needs noeviction (or no maxmemory)" in lines[0] and "docs/POOL.md" in lines[0]
+
+
+def test_a_redis_out_of_reach_at_start_is_checked_by_the_first_heartbeat_that_reaches_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    with caplog.at_level(logging.WARNING, logger="store_backend.pool"):
+        d = make_directory(Cfg(url=f"redis://127.0.0.1:{port}/0", op_timeout_s=0.5), node_id="a")
+    assert isinstance(d, RedisDirectory)
+    assert any("its eviction policy is checked when it answers" in r.getMessage() for r in caplog.records)
+    with RedisProcess(port=port, extra=["maxmemory 64mb", "maxmemory-policy allkeys-lfu"]) as server:
+        with pytest.raises(DirectoryPolicyError, match="maxmemory-policy allkeys-lfu"):
+            d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 30.0)
+        admin = redis.Redis(port=server.port)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+        assert d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 30.0) is False  # first heartbeat: unknown node
+        d.close()
