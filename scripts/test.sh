@@ -6,4 +6,4 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 bash "$ROOT/scripts/setup.sh" all
 cd "$ROOT"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "" --durations=15 tests "$@"

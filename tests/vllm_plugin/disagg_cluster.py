@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.node_service import ServiceRun
+from tests.ports import free_port, free_ports  # noqa: F401  (re-exported for the e2e tests)
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, store_section
 
 MAX_TOKENS = 16
@@ -37,43 +36,6 @@ StartServer = Callable[[int, str, Path], subprocess.Popen]
 # Ports handed to servers that bind them a minute later come from below the kernel's ephemeral range
 # (ip_local_port_range, 32768-60999 by default): a port from bind(0) can meanwhile become the local
 # end of one of the servers' own connections, and the server started last then fails to bind it.
-_PORTS_BELOW_EPHEMERAL = (20000, 32768)
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _PORTS_BELOW_EPHEMERAL[1]
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing is bound to now, below the ephemeral range where it has room
-    (else one from the kernel)."""
-    low, high = _PORTS_BELOW_EPHEMERAL[0], min(_PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
-    for _ in range(200 if high - low > 1000 else 0):
-        port = random.randrange(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(*names: str) -> dict[str, int]:
-    """One distinct :func:`free_port` per name."""
-    ports: dict[str, int] = {}
-    while len(ports) < len(names):
-        port = free_port()
-        if port not in ports.values():
-            ports[names[len(ports)]] = port
-    return ports
-
-
 class PortClash(AssertionError):
     """A process exited before it was healthy because a port it was given was taken meanwhile."""
 

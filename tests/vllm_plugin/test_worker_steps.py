@@ -11,7 +11,6 @@ that step's saves put (or reported not stored) and its staging returned.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from mooncake_connector.config import load_connector_config  # noqa: E402
 from mooncake_connector.keys import object_key  # noqa: E402
 from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
 from mooncake_connector.staging import StagingPool  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS  # noqa: E402
 from store_backend.types import Buffer, Status  # noqa: E402
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
@@ -54,10 +54,6 @@ GEOMETRY = KVGeometry(block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=
 CHUNK_BYTES = GEOMETRY.chunk_layout(CHUNK_TOKENS).chunk_bytes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +68,7 @@ def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     with set_current_vllm_config(vllm_config):
         if owns_groups:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
             ensure_model_parallel_initialized(1, 1)
     page_bytes = 2 * BLOCK * GEOMETRY.num_kv_heads * GEOMETRY.head_size * 4
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port  # noqa: F401  (the suite's one allocator; re-exported)
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -28,10 +30,6 @@ def require_redis() -> str:
     return REDIS_SERVER
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(port: int, password: str | None = None) -> bool:
