@@ -18,17 +18,23 @@ def _child() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
 
 
-def test_a_live_process_is_watched_and_its_exit_is_seen() -> None:
+def _watch_sees_the_exit(pidfd: bool) -> None:
+    """A watch on a live child: usable, not exited (with a pidfd when ``pidfd``); exited once the
+    child is killed."""
     child = _child()
     try:
         w = ProcessWatch(child.pid, boot_time_s())
-        assert w.usable and not w.exited()
+        assert w.usable and (w.fd is not None or not pidfd) and not w.exited()
         child.kill()
         child.wait(10)
         assert w.exited()
         w.close()
     finally:
         child.kill()
+
+
+def test_a_live_process_is_watched_and_its_exit_is_seen() -> None:
+    _watch_sees_the_exit(pidfd=False)
 
 
 def test_with_proc_unreadable_a_pidfd_alone_watches_the_process(monkeypatch) -> None:
@@ -37,16 +43,7 @@ def test_with_proc_unreadable_a_pidfd_alone_watches_the_process(monkeypatch) -> 
     if not hasattr(os, "pidfd_open"):
         pytest.skip("no pidfd on this platform")
     monkeypatch.setattr(peers, "start_time_s", lambda pid: None)
-    child = _child()
-    try:
-        w = ProcessWatch(child.pid, boot_time_s())
-        assert w.usable and w.fd is not None and not w.exited()
-        child.kill()
-        child.wait(10)
-        assert w.exited()
-        w.close()
-    finally:
-        child.kill()
+    _watch_sees_the_exit(pidfd=True)
 
 
 def test_with_neither_a_pidfd_nor_proc_the_watch_is_unusable_not_exited(monkeypatch) -> None:
