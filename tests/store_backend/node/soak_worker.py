@@ -151,7 +151,17 @@ def run_thread(c: NodeClient, wid: str, tid: int, log: Log, rng: random.Random, 
 def main() -> None:
     sock, wid, path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     log = Log(path)
-    c = NodeClient(sock, name=f"soak-{wid}", max_connections=2, op_timeout_s=0.4, connect_timeout_s=0.4).start()
+    # The chaos schedule may stop the service (SIGSTOP) just as this worker starts: attaching is
+    # retried until a deadline, as an engine's start would wait for its node service.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            c = NodeClient(sock, name=f"soak-{wid}", max_connections=2, op_timeout_s=0.4,
+                           connect_timeout_s=0.4).start()
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
     stop = path + ".stop"
     failed: list[BaseException] = []
 
