@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import proclogs
 from tests.ports import free_port  # noqa: F401  (the suite's one allocator; re-exported)
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -86,6 +87,7 @@ class RedisProcess:
         conf.write_text(self._config())
         args = [self.binary, str(conf)] + (["--sentinel"] if self.sentinel_of else [])
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proclogs.note_log(self.proc, self.dir / "redis.log")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
