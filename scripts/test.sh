@@ -6,4 +6,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 bash "$ROOT/scripts/setup.sh" all
 cd "$ROOT"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "" --durations=15 tests "$@"
+# Two workers (pytest-xdist), whole modules each, longest first: engine tests use one core each.
+# MOONCAKE_KV_TEST_WORKERS=0 runs everything in this one process.
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "" -n "${MOONCAKE_KV_TEST_WORKERS:-2}" --dist loadscope \
+    --durations=15 tests "$@"

@@ -21,11 +21,15 @@ import functools
 import multiprocessing.process
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests import proclogs
 
 _UNDER_CI = bool(os.environ.get("CI"))
 _TESTS = Path(__file__).resolve().parent
@@ -51,9 +55,34 @@ _SLOW: tuple[str, ...] = (
 )
 
 _TIER_MARKERS = ("engine", "procs", "slow")
+# The longest modules, longest first (docs/TESTING.md's table): started first under pytest-xdist.
+_LONGEST: tuple[str, ...] = (
+    "vllm_plugin/test_e2e_tp.py", "test_bench_serve.py", "vllm_plugin/test_e2e_node_tp.py",
+    "vllm_plugin/test_e2e_node_faults.py", "vllm_plugin/test_e2e_metrics.py", "vllm_plugin/test_e2e_pool_example.py",
+    "vllm_plugin/test_e2e_disagg.py", "vllm_plugin/test_e2e_node_disagg.py", "vllm_plugin/test_e2e_pool.py",
+    "vllm_plugin/test_e2e_node_reuse.py",
+)
 
 
+_BASETEMP_KEEP = 3
+
+
+def _short_basetemp(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker's temporary directories sit one level deeper (``popen-gwN``),
+    and the sockets tests make in them must stay within AF_UNIX's 107 bytes: the run's base is a
+    short ``/tmp/mkt-*`` instead (the newest few are kept for reading, as pytest keeps its own)."""
+    if config.option.basetemp or hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    root = Path(tempfile.gettempdir())
+    config.option.basetemp = tempfile.mkdtemp(prefix="mkt-", dir=root)
+    mine = [p for p in root.glob("mkt-*") if p.is_dir() and p.stat().st_uid == os.getuid()]
+    for old in sorted(mine, key=lambda p: p.stat().st_mtime)[:-_BASETEMP_KEEP - 1]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    _short_basetemp(config)
     config.addinivalue_line("markers", "gpu: needs a CUDA device (deselected when there is none)")
     config.addinivalue_line("markers", "engine: starts vLLM or SGLang engines (set by tests/conftest.py)")
     config.addinivalue_line("markers", "procs: starts node services, Redis or other processes (set by tests/conftest.py)")
@@ -108,10 +137,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
         if _is_slow(item) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):
+        _longest_modules_first(items)
     dropped = [it for it in items if it.get_closest_marker("gpu") is not None]
     if dropped and not _has_cuda():
         config.hook.pytest_deselected(items=dropped)
         items[:] = [it for it in items if it.get_closest_marker("gpu") is None]
+
+
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadscope`` hands out whole modules in collection order): the
+    modules measured longest first, then the other engine modules, then process modules, then the
+    rest, so that no long module starts last while the other workers sit idle. A module's tests stay
+    together and in their order."""
+    def weight(item: pytest.Item) -> tuple[int, int]:
+        rel = os.path.relpath(str(item.fspath), _TESTS)
+        if rel in _LONGEST:
+            return (0, _LONGEST.index(rel))
+        return (1, 0) if item.get_closest_marker("engine") else (2, 0) if item.get_closest_marker("procs") else (3, 0)
+    by_module: dict[str, tuple[int, int]] = {}
+    for item in items:
+        w = weight(item)
+        by_module[str(item.fspath)] = min(by_module.get(str(item.fspath), w), w)
+    order = {id(it): i for i, it in enumerate(items)}
+    items.sort(key=lambda it: (by_module[str(it.fspath)], order[id(it)]))
 
 
 def _has_cuda() -> bool:
@@ -130,10 +179,33 @@ def _fail_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     report.longrepr = f"skipped under CI, where every dependency must be installed: {reason}"
 
 
+_popen_init = subprocess.Popen.__init__
+
+
+def _recording_popen_init(self, args, *a, **kw):  # type: ignore[no-untyped-def]
+    """Every process of the session is recorded, so that a failed test prints what its own wrote."""
+    _popen_init(self, args, *a, **kw)
+    pos = dict(zip(("bufsize", "executable", "stdin", "stdout", "stderr"), a))
+    proclogs.record(self, args, kw.get("stdout", pos.get("stdout")), kw.get("stderr", pos.get("stderr")))
+
+
+subprocess.Popen.__init__ = _recording_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    proclogs.set_current(item.nodeid)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
-    _fail_skip(outcome.get_result())
+    report = outcome.get_result()
+    _fail_skip(report)
+    if report.failed and call.when in ("setup", "call"):
+        section = proclogs.report(item.nodeid)
+        if section:
+            report.sections.append(("processes this test started, and their logs", section))
 
 
 @pytest.hookimpl(hookwrapper=True)

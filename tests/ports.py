@@ -3,11 +3,14 @@
 A port is one nothing is bound to when it is handed out, below the kernel's ephemeral range where
 that range leaves room (the kernel hands ephemeral ports to outgoing connections, which could take
 a port between its allocation and the bind of the server it is for), and never handed out twice by
-this process (two servers a test starts one after the other cannot get the same port).
+this process (two servers a test starts one after the other cannot get the same port). Under
+pytest-xdist each worker draws from its own slice of the range, so two workers never hand out the
+same port either.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -34,9 +37,20 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _range() -> tuple[int, int]:
+    """This process's slice of the ports below the ephemeral range (all of it outside xdist)."""
+    low, high = _PORTS_BELOW_EPHEMERAL[0], min(_PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        step = (high - low) // int(count)
+        low = low + step * int(worker[2:])
+        high = low + step
+    return low, high
+
+
 def free_port() -> int:
     """A loopback TCP port nothing is bound to now and this process has not handed out before."""
-    low, high = _PORTS_BELOW_EPHEMERAL[0], min(_PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    low, high = _range()
     with _lock:
         for _ in range(200 if high - low > 1000 else 0):
             port = random.randrange(low, high)
