@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 # check_variables does not warn about them.
 PROJECT_VARIABLES = frozenset({
     ENV_PREFIX + "VENV", ENV_PREFIX + "TORCH_INDEX", ENV_PREFIX + "SGLANG_CONFIG", ENV_PREFIX + "SGLANG_EXTRAS",
-    ENV_PREFIX + "TRACES",
+    ENV_PREFIX + "TRACES", ENV_PREFIX + "TEST_WORKERS", ENV_PREFIX + "TEST_FRESH_ENGINES",
 })
 # Names a user may well write that no loader reads: refused, naming the one to set instead.
 _REFUSED_VARIABLES = {

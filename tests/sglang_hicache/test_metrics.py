@@ -22,7 +22,13 @@ def sample(name: str, **labels: str) -> float:
     return value or 0.0
 
 
-def test_get_stats_reports_the_store_to_sglang_and_to_prometheus(schedulers) -> None:
+def test_get_stats_reports_the_store_to_sglang_and_to_prometheus(schedulers, monkeypatch) -> None:
+    # One process runs both engines' tests: the vLLM plugin's in-process tests may have registered
+    # the same metric families in the process-wide registry since SGLang's mirror was made. A real
+    # process has one engine; this test starts from a fresh mirror, as SGLang's first call would.
+    import sglang_hicache.metrics
+
+    monkeypatch.setattr(sglang_hicache.metrics, "_mirror", None)
     s = Scheduler(make_pools("page_first"), extra_config({"dram": {"capacity_bytes": "16MiB"}}))
     schedulers.append(s)
     s.backend.storage_config.enable_storage_metrics = True  # what SGLang sets with --enable-metrics
