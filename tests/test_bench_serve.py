@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import attribute_sources, by_turn, compare_tokens, configurations, load_failures
+from mooncake_kv.bench.serve import (attribute_sources, by_turn, compare_tokens, configurations, load_failures,
+                                     summarize)
 from mooncake_kv.bench.serve_workload import (build_workload, conversation_parents, conversations, max_hit_blocks,
                                               sample_conversations, shared_prefix_blocks)
 
@@ -188,6 +189,9 @@ def test_bench_serve_smoke_run(tmp_path: Path) -> None:
     for k in KEYS:
         assert isinstance(result[k], float), (k, result[k])
     assert result["tokens_checked_requests"] == 8
+    # Rows 3, 5 and 7 are at least half reusable (10, 10 and 12 of their 12, 11 and 13 blocks).
+    assert result["configs"]["alone"]["reusable_requests"] == 3
+    assert isinstance(result["ttft_p50_reusable_dram_ssd_vs_alone"], float)
     assert result["token_mismatches"] == {"dram": [], "dram_ssd": []}
     assert result["hit_ratio_max"] == pytest.approx(32 * 32 / sum(32 * len(r) + 1 for r in ROWS), abs=1e-4)
     # vLLM's own cache (24 blocks) has lost the prefixes by the time they return; the store has not.
@@ -196,6 +200,18 @@ def test_bench_serve_smoke_run(tmp_path: Path) -> None:
     assert result["hit_ratio_dram_ssd"] > result["hit_ratio_alone"]
     assert "not run" in result["peers"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reusable_ttft_counts_only_requests_at_least_half_reusable() -> None:
+    def rec(ttft: float, prompt: int, max_hit: int) -> dict:
+        return {"ttft_s": ttft, "prompt_tokens": prompt, "max_hit_tokens": max_hit, "cached_tokens": 0}
+
+    recs = [rec(1.0, 100, 0), rec(2.0, 100, 49), rec(3.0, 100, 50), rec(5.0, 100, 99), rec(4.0, 100, 80)]
+    s = summarize(recs, wall_s=10.0, totals={})
+    assert s["reusable_requests"] == 3 and s["ttft_p50_reusable_s"] == 4.0  # of 3.0, 4.0, 5.0
+    assert s["ttft_p50_s"] == 3.0
+    none = summarize([rec(1.0, 100, 10)], wall_s=1.0, totals={})
+    assert none["reusable_requests"] == 0 and none["ttft_p50_reusable_s"] is None
 
 
 def test_attribute_sources_follows_arrival_order_across_late_scrapes() -> None:
