@@ -6,9 +6,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 bash "$ROOT/scripts/setup.sh" all
 cd "$ROOT"
-# Two workers (pytest-xdist), whole modules each, in the order tests/conftest.py sorts them
-# (longest first; xdist's own reorder would start the many-test modules first): engine tests use
-# one core each.
+# Two workers (pytest-xdist), whole modules each (xdist starts the modules of many tests first, so
+# the engine modules run beside light ones): vLLM's CPU engine serves on one core.
 # MOONCAKE_KV_TEST_WORKERS=0 runs everything in this one process.
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "" -n "${MOONCAKE_KV_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "" -n "${MOONCAKE_KV_TEST_WORKERS:-2}" --dist loadscope \
     --durations=15 tests "$@"

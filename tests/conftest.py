@@ -55,13 +55,6 @@ _SLOW: tuple[str, ...] = (
 )
 
 _TIER_MARKERS = ("engine", "procs", "slow")
-# The longest modules, longest first (docs/TESTING.md's table): started first under pytest-xdist.
-_LONGEST: tuple[str, ...] = (
-    "vllm_plugin/test_e2e_tp.py", "test_bench_serve.py", "vllm_plugin/test_e2e_node_tp.py",
-    "vllm_plugin/test_e2e_node_faults.py", "vllm_plugin/test_e2e_metrics.py", "vllm_plugin/test_e2e_pool_example.py",
-    "vllm_plugin/test_e2e_disagg.py", "vllm_plugin/test_e2e_node_disagg.py", "vllm_plugin/test_e2e_pool.py",
-    "vllm_plugin/test_e2e_node_reuse.py",
-)
 
 
 _BASETEMP_KEEP = 3
@@ -137,30 +130,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
         if _is_slow(item) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
-    if hasattr(config, "workerinput"):
-        _longest_modules_first(items)
     dropped = [it for it in items if it.get_closest_marker("gpu") is not None]
     if dropped and not _has_cuda():
         config.hook.pytest_deselected(items=dropped)
         items[:] = [it for it in items if it.get_closest_marker("gpu") is None]
-
-
-def _longest_modules_first(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadscope`` hands out whole modules in collection order): the
-    modules measured longest first, then the other engine modules, then process modules, then the
-    rest, so that no long module starts last while the other workers sit idle. A module's tests stay
-    together and in their order."""
-    def weight(item: pytest.Item) -> tuple[int, int]:
-        rel = os.path.relpath(str(item.fspath), _TESTS)
-        if rel in _LONGEST:
-            return (0, _LONGEST.index(rel))
-        return (1, 0) if item.get_closest_marker("engine") else (2, 0) if item.get_closest_marker("procs") else (3, 0)
-    by_module: dict[str, tuple[int, int]] = {}
-    for item in items:
-        w = weight(item)
-        by_module[str(item.fspath)] = min(by_module.get(str(item.fspath), w), w)
-    order = {id(it): i for i, it in enumerate(items)}
-    items.sort(key=lambda it: (by_module[str(it.fspath)], order[id(it)]))
 
 
 def _has_cuda() -> bool:

@@ -41,8 +41,13 @@ def test_a_decode_chunk_completed_as_the_request_finishes_is_saved(tiny_model: P
     turn1_out = a["rounds"][0][0]["tokens"]
     assert len(turn1_out) == TURN1_TOKENS
     sched = a["stats"]["scheduler"]
-    assert sched["save_chunks_landed"] == sched["save_chunks"] == 3 + 3, sched  # turn 1: chunks 0-2
-    assert sched["finishing_requests"] == 0, sched  # its blocks were released once the save landed
+    assert sched["save_chunks"] == 3 + 3, sched  # turn 1: chunks 0-2, one per later round
+    # The later rounds' steps delivered turn 1's landed saves and released its blocks. The last
+    # round's own save may still be in flight when its generate returns (nothing steps after it),
+    # so one chunk and one finishing request may be outstanding, never more; that turn 1's chunks
+    # all landed is what engine B's full hit below proves.
+    assert sched["save_chunks_landed"] >= 3 + 2, sched
+    assert sched["finishing_requests"] <= 1, sched
     b = run_engine({**spec, "rounds": [{"prompts": [P_TURN1 + turn1_out + prompt(49, 20)], "max_tokens": 2}]},
                    work, "engine-b")
     assert b["rounds"][0][0]["num_cached_tokens"] == 3 * CHUNK_TOKENS
