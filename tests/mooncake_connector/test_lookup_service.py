@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import fcntl
 import gc
 import logging
 import math
@@ -9,6 +11,7 @@ import multiprocessing as mp
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 from pathlib import Path
@@ -142,6 +145,13 @@ def _raw_peer(path: str) -> socket.socket:
     return s
 
 
+def _unread_bytes(s: socket.socket) -> int:
+    """Bytes sent on ``s`` that its peer has not read yet (0 too once the peer closed)."""
+    out = array.array("i", [0])
+    fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, out)
+    return out[0]
+
+
 def _closed_by_server(s: socket.socket, timeout_s: float = 5.0) -> bool:
     """True when the server closed the connection (EOF or reset) within ``timeout_s``."""
     s.settimeout(timeout_s)
@@ -176,7 +186,8 @@ def test_a_frame_announcing_a_huge_length_does_not_allocate_it(served, thread_er
         s = _raw_peer(server.path)
         s.sendall(struct.pack("<I", announced) + b"\x93")  # the length, then a trickle
         peers.append(s)
-    time.sleep(0.5)
+    # The server read each length and the byte after it (or refused the length and closed).
+    _wait_for(lambda: all(_unread_bytes(s) == 0 for s in peers))
     grown = _rss_bytes() - before
     assert grown < 16 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB for 8 announced frames"
     if announced > MAX_FRAME_BYTES:
@@ -196,7 +207,9 @@ def test_oversized_frames_close_the_connection_with_one_log_line(served, thread_
         s.sendall(struct.pack("<I", 0xFFFFFFFF))
         assert _closed_by_server(s)
         s.close()
-    time.sleep(0.2)
+    # Every serving thread is over (one that died would have met the excepthook on its way out).
+    _wait_for(lambda: server.bad_frames == 20
+              and not any(t.is_alive() for t in server._threads if t.name == "kv-lookup-conn"))
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # one bad peer (this process): one line
     assert "frame" in lines[0].getMessage() and lines[0].exc_info is None
@@ -330,7 +343,7 @@ def test_clients_beyond_the_connection_limit_wait_while_no_connection_is_idle(tm
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(late.exists(["a"])))
         t.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the window in which the queued call must not be answered
         assert not result  # queued, not answered "miss"
         held[0].close()  # a slot frees
         t.join(30)
@@ -405,7 +418,7 @@ def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, m
         threads = [threading.Thread(target=late) for _ in range(6)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the window in which no late client may be answered
         assert not answers
         holder.close()
         for t in threads:
@@ -433,7 +446,7 @@ def _wait_for(cond, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll interval; the loop has a deadline
 
 
 class _AllPresent:
@@ -491,9 +504,9 @@ def test_a_full_server_closes_its_longest_idle_connection_for_a_new_client(tmp_p
     try:
         with caplog.at_level(logging.WARNING, logger="mooncake_connector.lookup_service"):
             assert older.exists(["a"]) == 1
-            time.sleep(0.3)
+            time.sleep(0.3)  # idle gap by design: "older" idles longest, past _MIN_IDLE_TO_EVICT_S
             assert old.exists(["a"]) == 1
-            time.sleep(0.3)
+            time.sleep(0.3)  # idle gap by design: "old" idles past _MIN_IDLE_TO_EVICT_S too
             # Both slots idle; the newcomer used to wait in the backlog until its timeout ("miss").
             assert new.exists(["a"]) == 1 and new.failures == 0
             assert server.idle_closed == 1
@@ -508,7 +521,7 @@ def test_a_full_server_closes_its_longest_idle_connection_for_a_new_client(tmp_p
             _wait_for(lambda: not server._conns)  # drained
             for c in (old, older, new):
                 assert c.exists(["a"]) == 1
-                time.sleep(0.3)
+                time.sleep(0.3)  # idle gap by design: past _MIN_IDLE_TO_EVICT_S, so the next may evict it
             full = [r for r in caplog.records if "its limit" in r.getMessage()]
             assert len(full) == 2  # full again after draining: logged again
     finally:

@@ -28,7 +28,7 @@ from mooncake_connector.stores import acquire_connector_store, epoch_directory, 
 cfg = load_connector_config(json.loads(sys.argv[1]), environ={})
 store = acquire_connector_store(cfg, RankPosition(), name="engine")
 print("ATTACHED", json.dumps({"pid": store.welcome.service_pid, "ssd": epoch_directory(cfg, store)}), flush=True)
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[2]))  # the engine holds its store this long, by design
 release_store(store, flush=False)
 """
 
@@ -58,7 +58,7 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the loop has a deadline
     return False
 
 

@@ -17,6 +17,7 @@ from mooncake_connector.client import KVClient
 from mooncake_connector.epoch import EpochSweeper
 from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
 from store_backend.store import TieredStore
+from tests.store_backend.node.server_harness import wait_until
 
 
 class Hanging:
@@ -142,7 +143,7 @@ def test_a_serving_thread_killed_by_a_bug_is_logged_and_reported_to_the_owner(st
         asker.exists(["a"])  # the connection is closed under it: a transport failure, a miss
         deadline = time.monotonic() + 5
         while not errors and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert errors and len(errors) == server.errors  # the client may ask again once, on a new connection
         assert any(r.exc_info is not None and "lookup connection" in r.getMessage() for r in caplog.records)
     finally:
@@ -216,12 +217,15 @@ def test_a_lookup_server_whose_error_callback_raises_keeps_serving(store, tmp_pa
         asker.exists(["a"])
         deadline = time.monotonic() + 5
         while not server.errors and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert server.errors >= 1
         broken.method = "none"  # exists() works again: the server still answers
         assert all(st.ok for st in store.put(["a"], [np.ones(64, np.uint8)]))
         assert asker.exists(["a"]) == 1
-        time.sleep(0.2)  # a serving thread that died would have reached the excepthook by now
+        # Only the connection just answered is served: the failed ones' threads are over, and one
+        # that died would have met the excepthook on its way out.
+        wait_until(lambda: sum(t.is_alive() for t in server._threads if t.name == "kv-lookup-conn") <= 1, 10,
+                   "the failed connections' threads ended")
         assert died == [], f"a serving thread died with its error callback: {died}"
         assert any("error callback" in r.getMessage() and r.exc_info is not None for r in caplog.records)
     finally:

@@ -6,6 +6,7 @@ import threading
 import time
 
 from store_backend.engine import BatchWorker
+from tests.store_backend.node.server_harness import wait_until
 
 
 def test_items_are_handled_in_the_order_submitted_and_handed_back_work_goes_first() -> None:
@@ -73,7 +74,7 @@ def test_the_idle_hook_runs_on_one_thread_at_a_time() -> None:
         with lock:
             running += 1
             most = max(most, running)
-        time.sleep(0.02)
+        time.sleep(0.02)  # the hook's simulated work: a second pass meanwhile would overlap it
         with lock:
             running -= 1
             passes += 1
@@ -83,7 +84,7 @@ def test_the_idle_hook_runs_on_one_thread_at_a_time() -> None:
     w.start()
     try:
         assert w.wait_for(passes=w.kick(), timeout_s=10)
-        time.sleep(0.2)
+        wait_until(lambda: passes >= 10, 10, "ten hook passes")
     finally:
         assert w.close(timeout_s=5)
     assert passes >= 2 and most == 1

@@ -96,7 +96,7 @@ def test_a_stuck_pool_thread_keeps_its_staging_for_the_bounces_it_still_needs(tm
         # All four submitted (two wait in the pool's queue) before close() stops new submissions.
         deadline = time.monotonic() + 10
         while eng._pool is not None and eng._pool._work_queue.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.005)  # poll interval; the loop has a deadline
         assert eng.close(timeout_s=0.3) == 2
     finally:
         release.set()

@@ -208,10 +208,10 @@ _FORKING_OWNER = textwrap.dedent("""
     s = TieredStore(json.loads(sys.argv[1]))
     if os.fork() == 0:  # a helper process that never touches the store (multiprocessing 'fork', a pool)
         open(sys.argv[2], "w").close()  # Python runs here only after the fork hooks ran
-        time.sleep(600)
+        time.sleep(600)  # lives on until the test kills it
         os._exit(0)
     print("ready", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # lives on until the test kills it
 """)
 
 
@@ -227,7 +227,7 @@ def test_a_forked_child_does_not_keep_the_locks_of_a_killed_owner(tmp_path, shm_
         deadline = time.monotonic() + 60
         while not child_up.exists():
             assert time.monotonic() < deadline, "the forked child never started"
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         owner.kill()  # the owner only: its forked child lives on in the same session
         owner.wait(30)
         with TieredStore(cfg) as s:  # refused (naming the dead pid) while the child held the locks

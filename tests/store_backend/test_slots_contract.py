@@ -36,6 +36,7 @@ from store_backend import store as store_module
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
+from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.test_store_races import OBJ_BYTES, decode, gated_store, only_on_ssd, versioned
 
 KiB = 1 << 10
@@ -61,6 +62,16 @@ def read(ls: SlotLease) -> bytes:
 def held(s: KVStore) -> tuple[int, int, int]:
     g = s.stats().slots
     return g.reservations, g.leases, g.held_bytes
+
+
+def waiting_calls(s: KVStore) -> int:
+    """Calls (a lease's wait_pending_s, an exists' wait_s) of other threads that wait in ``s``: on
+    the embedded store's slot condition; the node service's, once it has received them (each
+    test asks no lease or exists before its waits)."""
+    if isinstance(s, TieredStore):
+        return len(s._slot_changed._waiters)
+    frames = s.service.frames  # type: ignore[attr-defined]  # the contract suite's served node
+    return frames["lease"] + frames["exists"]
 
 
 def test_a_reserved_key_is_invisible_until_commit(make_store) -> None:
@@ -176,7 +187,7 @@ def test_release_after_expiry_is_false(make_store) -> None:
     s = make_store(DRAM)
     assert s.put(["k"], [payload("k", SIZE)]) == [Status.OK]
     [ls] = s.lease(["k"], ttl_s=0.05)
-    time.sleep(0.15)
+    time.sleep(0.15)  # past the lease's TTL
     assert read(ls) == payload("k", SIZE).tobytes()  # still held: bytes never reused under a reader
     assert s.stats().slots.expired_held_bytes >= SIZE
     assert s.release([ls]) == [False]
@@ -187,7 +198,7 @@ def test_commit_after_expiry_is_io_error_and_the_key_is_free_for_another_writer(
     s = make_store(DRAM)
     [r] = s.reserve(["k"], [SIZE], ttl_s=0.05)
     write(r, payload("stale", SIZE))
-    time.sleep(0.15)
+    time.sleep(0.15)  # past the reservation's TTL
     [r2] = s.reserve(["k"], [SIZE])  # the expired reservation no longer holds the key
     assert r2.status is Status.OK and r2.offset != r.offset
     write(r2, payload("k", SIZE))
@@ -203,7 +214,7 @@ def test_an_expired_reservation_frees_its_key_for_put_and_for_lookups(make_store
     s = make_store(DRAM)
     [r] = s.reserve(["k"], [SIZE], ttl_s=0.05)
     assert s.exists(["k"], count_reserved=True) == 1
-    time.sleep(0.15)
+    time.sleep(0.15)  # past the reservation's TTL
     assert s.exists(["k"], count_reserved=True) == 0  # a save that can no longer commit
     assert s.put(["k"], [payload("k", SIZE)]) == [Status.OK]
     assert s.commit([r]) == [Status.IO_ERROR]
@@ -221,7 +232,7 @@ def test_an_expired_slot_is_never_handed_out_again_before_reclaim(make_store) ->
     [ls] = s.lease(["leased"], ttl_s=0.05, owner=owner)
     marker = np.full(SIZE, 0xA5, np.uint8)
     write(r, marker)  # the stalled writer's bytes
-    time.sleep(0.15)
+    time.sleep(0.15)  # past the TTLs
     # Fill the arena over and over: no put, reservation or lease may land on the expired slots.
     offsets = set()
     for i in range(64):
@@ -328,7 +339,7 @@ def test_lease_waits_for_a_pending_key_to_commit(make_store) -> None:
     t = threading.Thread(target=lambda: got.extend(s.lease(["k"], wait_pending_s=10)))
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # the window in which the lease must not return
     assert not got
     write(r, payload("k", SIZE))
     assert s.commit([r]) == [Status.OK]
@@ -359,7 +370,7 @@ def test_lease_waiting_for_a_pending_key_that_is_aborted_answers_not_found(make_
     t = threading.Thread(target=lambda: got.extend(s.lease(["k"], wait_pending_s=10)))
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    wait_until(lambda: waiting_calls(s) == 1, 10, "the lease waiting")
     s.abort([r])
     t.join(10)
     assert not t.is_alive() and time.monotonic() - t0 < 5
@@ -377,13 +388,13 @@ def test_a_wait_for_a_pending_key_ends_when_the_reservation_does(make_store, mon
     t = threading.Thread(target=lambda: got.extend(s.lease(["k"], wait_pending_s=30)))
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    wait_until(lambda: waiting_calls(s) == 1, 10, "the lease waiting")
     if end == "remove":
         assert s.remove(["k"]) == [Status.OK]
     elif end == "reclaim":
         assert s.reclaim(1) == (1, 0)
     else:  # the service's timer expires tokens
-        time.sleep(0.5)
+        time.sleep(max(0.0, t0 + 0.7 - time.monotonic()))  # past the reservation's 0.5 s TTL
         s.expire_slots() if hasattr(s, "expire_slots") else s.exists(["k"], count_reserved=True)
     t.join(20)
     assert not t.is_alive() and time.monotonic() - t0 < 15
@@ -399,7 +410,7 @@ def test_exists_waits_for_commits(make_store) -> None:
     [ra, rb] = s.reserve(["a", "b"], [SIZE, SIZE])
     write(ra, payload("a", SIZE))
     assert s.commit([ra]) == [Status.OK]
-    time.sleep(0.2)
+    time.sleep(0.2)  # the window in which the exists must not return
     assert not answers  # one of two committed: still waiting
     write(rb, payload("b", SIZE))
     assert s.commit([rb]) == [Status.OK]
@@ -445,7 +456,7 @@ def test_a_committed_slot_is_covered_by_flush_and_offloaded(make_store, tmp_path
     deadline = time.monotonic() + 20
     while s.stats().dram.offloads < 1:  # eager offload queued by the commit, as by a put
         assert time.monotonic() < deadline, "the committed object was never offloaded"
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     [r2] = s.reserve(["k2"], [SIZE])
     write(r2, payload("k2", SIZE))
     assert s.commit([r2]) == [Status.OK]
@@ -558,7 +569,7 @@ def test_close_ends_waits_for_commits(make_store) -> None:
                threading.Thread(target=wait, args=(lambda: s.lease(["k"], wait_pending_s=60),))]
     for t in waiters:
         t.start()
-    time.sleep(0.3)
+    wait_until(lambda: waiting_calls(s) == 2, 10, "both calls waiting")
     t0 = time.monotonic()
     s.close(flush=False, timeout_s=30)
     for t in waiters:
@@ -696,7 +707,7 @@ def test_many_threads_mixing_slots_with_put_get_and_remove_never_see_wrong_bytes
                 copies = [None if ls.status is not Status.OK else np.frombuffer(ls.view, np.uint8).copy()
                           for ls in leases]
                 if rng.random() < 0.05:
-                    time.sleep(0.08)
+                    time.sleep(0.08)  # past a short TTL
                 stable = s.release(leases, owner=owner)
                 for i, ls, c, ok in zip(keys, leases, copies, stable):
                     assert (ls.status is Status.OK) == (c is not None)
@@ -712,7 +723,7 @@ def test_many_threads_mixing_slots_with_put_get_and_remove_never_see_wrong_bytes
         rng = random.Random(99)
         while time.monotonic() < stop and not errors:
             s.remove([f"k{rng.randrange(nkeys)}"])
-            time.sleep(0.002)
+            time.sleep(0.002)  # the remover's pace
 
     threads = [threading.Thread(target=writer, args=(o,)) for o in (1, 2)]
     threads += [threading.Thread(target=reader, args=(o,)) for o in (3, 4)]

@@ -130,7 +130,7 @@ def test_repeats_racing_reclaim_leave_the_allocator_consistent(tmp: str) -> None
 
             t = threading.Thread(target=call)
             t.start()
-            time.sleep(random.random() * 0.002)
+            time.sleep(random.random() * 0.002)  # a random head start: where the reclaims meet the lease varies
             while t.is_alive():
                 s.reclaim(n)
             t.join()

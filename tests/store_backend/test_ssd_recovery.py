@@ -65,7 +65,7 @@ def writer_main() -> None:
             print("removed", k, flush=True)
     print("idle", flush=True)
     while True:
-        time.sleep(1)
+        time.sleep(1)  # idles until the test kills it
 
 
 def _kill_mid_stream(path: Path, backend: str, after_lines: int) -> list[tuple[str, str]]:

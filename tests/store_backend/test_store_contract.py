@@ -159,7 +159,7 @@ def test_closing_during_traffic_only_ever_raises_store_closed(make_store, tmp_pa
     for t in threads:
         t.start()
     go.set()
-    time.sleep(0.5)
+    time.sleep(0.5)  # the traffic runs a while before the close under test
     s.close(timeout_s=30)
     for t in threads:
         t.join(30)

@@ -15,6 +15,7 @@ from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
+from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.test_store_tiered import CHUNK, FlakySsd, SlowSsd, read_ok, tiered
 
 MiB = 1 << 20
@@ -158,7 +159,7 @@ class SlowPuts:
         self.inner, self.name, self.delay_s = inner, inner.name, delay_s
 
     def put(self, keys, buffers):  # noqa: ANN001, ANN201
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # the simulated slow SSD write
         return self.inner.put(keys, buffers)
 
     def __getattr__(self, name: str):  # noqa: ANN204
@@ -203,7 +204,7 @@ def test_eager_flush_returns_under_steady_put_traffic(tmp_path) -> None:
         t.start()
         deadline = time.monotonic() + 30
         while s._offloader.depth < 50 and time.monotonic() < deadline:  # the queue is backed up
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert s._offloader.depth >= 50
         got: list = []
         f = threading.Thread(target=lambda: got.append(s.flush_report()))
@@ -343,9 +344,10 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
             t.start()
         deadline = time.monotonic() + 10
         while not inside and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert inside
-        time.sleep(1.0)  # room for the other flushers to start writes of their own (the third must not)
+        wait_until(lambda: len(inside) >= 2, 10, "a second flusher writing")
+        time.sleep(1.0)  # the window in which the third flusher must not start a write of its own
         with s._lock:
             leased = sum(e.size for e in s._dram.entries.values() if e.leases)
         # Each write leases at most its share of the half (offload.write_threads, 2: a quarter).
@@ -355,7 +357,7 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
         got: list = []
         waiter = threading.Thread(target=lambda: got.extend(s.reserve(["new"], [obj], room_wait_s=30)))
         waiter.start()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the window in which the reserve must not return: not a wait for a condition
         assert waiter.is_alive() and not got  # waiting for the write that holds the room
         gate.set()
         waiter.join(30)
@@ -403,7 +405,7 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
         f1.join(30)
         deadline = time.monotonic() + 30
         while s._offloader.depth and time.monotonic() < deadline:  # "b" and "c" are written
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert s._ssd is not None
         inner = s._ssd.inner  # type: ignore[attr-defined]
         assert inner.contains(["big", "a", "b", "c", "d"]) == [True, True, True, True, False]
@@ -414,7 +416,7 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
         assert s.put(["e", "f"], [np.ones(unit, np.uint8)] * 2) == [Status.OK] * 2
         deadline = time.monotonic() + 30
         while inner.contains(["d"]) != [True] and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.02)  # poll interval; the loop has a deadline
         assert inner.contains(["d"]) == [True]
         assert s.metrics()["store"]["offload_retries"] >= 1
     finally:
@@ -433,7 +435,7 @@ def test_flush_returns_under_steady_reads_that_queue_promotions(tmp_path) -> Non
 
         def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
             if threading.current_thread().name == "kv-promote":
-                time.sleep(self.delay_s)
+                time.sleep(self.delay_s)  # the simulated slow promotion read
             return self.inner.get_into(keys, buffers)
 
     s = wrapped_store(tmp_path, lambda inner: SlowPromotions(inner, 0.01),
@@ -457,7 +459,7 @@ def test_flush_returns_under_steady_reads_that_queue_promotions(tmp_path) -> Non
         t.start()
         deadline = time.monotonic() + 30
         while s._promoter.depth < 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert s._promoter.depth >= 10
         got: list = []
         f = threading.Thread(target=lambda: got.append(s.flush_report()))

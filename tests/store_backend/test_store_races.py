@@ -30,6 +30,7 @@ import xxhash
 
 from store_backend.store import TieredStore
 from store_backend.types import Status
+from tests.store_backend.node.server_harness import wait_until
 
 BACKENDS = ["bucket", "offset", "file"]
 POLICIES = ["eager", "watermark"]
@@ -82,7 +83,7 @@ def run_history(store: TieredStore, *, seed: int, threads: int = 4, keys: int = 
             while time.monotonic() < stop_at:
                 # A short pause lets the GIL go to the background workers, as a real engine's
                 # compute would; a tight loop of calls starves them and little would move.
-                time.sleep(rng.random() * 2e-4)
+                time.sleep(rng.random() * 2e-4)  # the pause described above, not a wait
                 k = rng.randrange(keys)
                 name = f"k{k}"
                 r = rng.random()
@@ -524,7 +525,7 @@ def test_a_lookup_that_saw_an_old_copy_just_before_its_deletion_is_not_trusted(
         g.rm_gate.set()  # the copy is deleted and the key is visible again
         deadline = time.monotonic() + 10
         while s._removals.hidden("K") and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert not s._removals.hidden("K")
         g.ask_gate.set()
         asker.join(10)
@@ -581,7 +582,7 @@ threading.Thread(target=lambda: main_removes.wait(10) and put_gate.set()).start(
 st = store.remove(["K"])[0].name
 assert landed.wait(10)
 print("REMOVED", st, flush=True)
-time.sleep(60)
+time.sleep(60)  # lives on until the test kills it
 """
 
 
@@ -667,7 +668,8 @@ def test_a_flush_waiting_on_a_failed_retried_deletion_returns(tmp_path, started)
         assert ssd.entered.wait(10)  # A is inside the retried deletion
         b = threading.Thread(target=lambda: reports.setdefault("b", s.flush_report()), name="flush-b")
         b.start()
-        time.sleep(0.3)  # B is waiting for that deletion now
+        # B is waiting for that deletion now (on the store's condition, where nothing else waits here).
+        wait_until(lambda: len(s._changed._waiters) == 1, 10, "B waiting for that deletion")
         ssd.gate.set()  # it fails again
         a.join(60)
         b.join(60)

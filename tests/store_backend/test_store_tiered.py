@@ -156,7 +156,7 @@ class SlowSsd:
         self.lock = threading.Lock()
 
     def put(self, keys, buffers):  # noqa: ANN001, ANN201
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # the simulated slow SSD write
         with self.lock:
             for k, b in zip(keys, buffers):
                 self.data.setdefault(k, bytes(b))
@@ -454,7 +454,7 @@ def test_a_stalled_ssd_write_never_holds_all_of_dram() -> None:
         got: list = []
         waiter = threading.Thread(target=lambda: got.extend(s.reserve(["new"], [CHUNK], room_wait_s=30)))
         waiter.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the window in which the reserve must not return
         assert waiter.is_alive()
         ssd.release.set()  # the write lands: its objects are clean, one of them makes room
         waiter.join(10)
@@ -480,7 +480,7 @@ def test_close_ends_a_put_waiting_for_room() -> None:
     got: list = []
     waiter = threading.Thread(target=lambda: got.append(s.put(["late"], [payload("late", CHUNK)])))
     waiter.start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # the window in which the put must not return
     assert waiter.is_alive()
     t0 = time.monotonic()
     closer = threading.Thread(target=s.close, kwargs={"flush": False, "timeout_s": 5})

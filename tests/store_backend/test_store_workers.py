@@ -90,7 +90,7 @@ def test_close_with_a_stuck_offload_is_bounded_by_one_timeout_and_reports_the_th
     # The tier was not closed under the write that was still running: it finishes normally.
     deadline = time.monotonic() + 10
     while not ssd.outcome and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     assert ssd.outcome and ssd.outcome[0] == [Status.OK], ssd.outcome
     _join_named("kv-offload")  # the left-behind worker ends by itself once its write returns
     # What the late write landed stays on SSD: the worker found the index close() left alive and

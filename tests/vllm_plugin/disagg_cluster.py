@@ -60,7 +60,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> N
                 if r.status == 200:
                     return
         except OSError:
-            time.sleep(1)
+            time.sleep(1)  # poll interval; the loop has a deadline
     tails = "\n".join(f"--- {log.name} (last 4000 characters) ---\n{log.read_text(errors='replace')[-4000:]}"
                       for log in logs if log.exists())
     raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; every process is still running\n{tails}")
@@ -182,7 +182,7 @@ def _stop_group(proc: subprocess.Popen, wait_s: float) -> None:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
                 return
-            time.sleep(0.2)
+            time.sleep(0.2)  # poll interval; the loop has a deadline
     proc.wait(timeout=30)
 
 

@@ -154,7 +154,7 @@ def test_a_step_planned_before_the_load_outcome_holds_its_saves(make_scheduler: 
             assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
             deadline = time.monotonic() + 10
             while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(0.01)  # poll interval; the loop has a deadline
             assert hit == 4 * CHUNK_TOKENS
             blocks = list(range(200, 213))
             sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
@@ -194,7 +194,7 @@ def test_prefill_request_with_held_saves_keeps_stepping_until_they_are_committed
             assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
             deadline = time.monotonic() + 10
             while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(0.01)  # poll interval; the loop has a deadline
             blocks = list(range(300, 313))
             sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
             req.num_computed_tokens = hit
@@ -253,7 +253,7 @@ def _in_flight_prefix(sched: SchedulerSide, client: KVClient, tokens: list[int],
 def _ask(sched: SchedulerSide, req: Request, computed: int) -> int:
     deadline = time.monotonic() + 10
     while (hit := sched.get_num_new_matched_tokens(req, computed)[0]) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     assert hit is not None
     return hit
 

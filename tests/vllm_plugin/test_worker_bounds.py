@@ -10,6 +10,7 @@ import pytest
 
 from mooncake_connector.keys import object_key
 from store_backend.types import Status
+from tests.store_backend.node.server_harness import wait_until
 from tests.vllm_plugin.conftest import tiny_model  # noqa: F401  (fixture)
 from tests.vllm_plugin.test_worker_layers import _load_meta, _save, _slots_held, _worker
 from tests.vllm_plugin.test_worker_steps import LAYERS, make_worker  # noqa: F401  (fixture)
@@ -21,6 +22,7 @@ class _Slow:
 
     def __init__(self, inner: Any, slow: set[str], delay_s: float) -> None:
         self.inner, self.slow, self.delay_s = inner, slow, delay_s
+        self.returned = 0  # slowed calls that have returned
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -28,15 +30,18 @@ class _Slow:
             return attr
 
         def slow(*a: Any, **k: Any) -> Any:
-            time.sleep(self.delay_s)
-            return attr(*a, **k)
+            time.sleep(self.delay_s)  # the simulated stall
+            try:
+                return attr(*a, **k)
+            finally:
+                self.returned += 1
         return slow
 
 
 def test_a_stalled_reserve_blocks_the_save_hook_at_most_the_load_timeout(make_worker: Any) -> None:
     w = _worker(make_worker)
     inner = w.client.store
-    w.client.store = _Slow(inner, {"reserve"}, 3.0)
+    w.client.store = slow = _Slow(inner, {"reserve"}, 3.0)
     meta = TieredConnectorMetadata(requests=[RequestPlan("s", saves=[ChunkSave("c-slow", None, [0, 1], save_id=1)])],
                                    step=1)
     w.start_load_kv(meta)
@@ -49,8 +54,8 @@ def test_a_stalled_reserve_blocks_the_save_hook_at_most_the_load_timeout(make_wo
     assert took < w.cfg.load_timeout_s + 0.5
     reports = w.build_worker_meta().saves
     assert [(r.save_id, r.ok) for r in reports] == [(1, False)]  # not saved: planned again
-    time.sleep(3.0)  # the late reservation is aborted when it comes
-    assert _slots_held(w) == 0
+    wait_until(lambda: slow.returned >= 1 and _slots_held(w) == 0, 30,
+               "the late reservation came and was aborted")
 
 
 def test_a_stalled_release_blocks_the_step_end_at_most_the_load_timeout(make_worker: Any) -> None:
@@ -75,7 +80,7 @@ class _FirstLeaseSlow:
     def lease(self, *a: Any, **k: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
-            time.sleep(self.delay_s)
+            time.sleep(self.delay_s)  # the simulated stuck lease
         return self.inner.lease(*a, **k)
 
     def __getattr__(self, name: str) -> Any:

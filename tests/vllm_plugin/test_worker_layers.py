@@ -25,6 +25,7 @@ from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.keys import object_key  # noqa: E402
 from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
 from mooncake_connector.staging import StagingPool  # noqa: E402
+from tests.store_backend.node.server_harness import wait_until  # noqa: E402
 from tests.vllm_plugin.test_worker_steps import BLOCK, LAYERS, NUM_BLOCKS, make_worker  # noqa: E402, F401
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
 from vllm_plugin.worker import WorkerSide  # noqa: E402
@@ -110,7 +111,7 @@ def _save(w: WorkerSide, chunk_hash: str, blocks: list[int], step: int) -> None:
     reports = {r.save_id: r.ok for r in w.build_worker_meta().saves}
     deadline = time.monotonic() + 10
     while step not in reports and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
         reports.update({r.save_id: r.ok for r in w.build_worker_meta().saves})
     assert reports.get(step) is True
 
@@ -126,6 +127,11 @@ def _blocks(w: WorkerSide, blocks: list[int]) -> list[torch.Tensor]:
 
 def _slots_held(w: WorkerSide) -> int:
     return w.store.stats().slots.held_bytes
+
+
+def _leases_and_releases(w: WorkerSide) -> tuple[int, int]:
+    st = w.store.stats().store
+    return st.slot_leases, st.slot_releases
 
 
 @pytest.mark.parametrize("copy", ["inline", "background"])
@@ -168,7 +174,7 @@ def test_a_store_without_slots_saves_and_loads_through_staging(make_worker: Any)
     assert w.staging.acquired == 2  # one for the save, one for the load
     deadline = time.monotonic() + 5
     while w.staging.in_use_bytes and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     assert w.staging.in_use_bytes == 0
 
 
@@ -214,7 +220,7 @@ def test_a_late_step_cancels_and_never_writes_a_layer_after_it_ended(make_worker
     w.start_load_kv(TieredConnectorMetadata(step=3))  # the next step: ends step 2 late
     ended = time.monotonic()
     assert len(w.paged[0].writes) == 1 and w.paged[0].writes[0] <= ended  # the copy in flight finished
-    time.sleep(0.3)
+    time.sleep(0.3)  # the window in which no further layer may be written
     assert w.paged[1].writes == []  # no layer started after the step ended
     assert torch.equal(w.paged[1].kv[[10, 11]], before)
     assert w.take_load_errors() == {10, 11}
@@ -290,7 +296,7 @@ def test_a_held_save_keeps_its_slot_until_the_scheduler_decides(make_worker: Any
     assert w.flush(10)
     deadline = time.monotonic() + 5
     while not w.store.contains([keep])[0] and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     assert w.store.contains([keep, drop]) == [True, False]
     assert _slots_held(w) == 0
 
@@ -328,11 +334,11 @@ def test_a_lease_answering_after_the_load_timeout_is_never_used(make_worker: Any
     w.wait_for_save(meta)
     assert time.monotonic() - t0 < 3 * w.cfg.load_timeout_s + 1
     assert w.take_load_errors() == {18, 19}
+    leases, releases = _leases_and_releases(w)
     slow.gate.set()
-    deadline = time.monotonic() + 5
-    while w.store.stats().store.slot_releases < w.store.stats().store.slot_leases and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    wait_until(lambda: (now := _leases_and_releases(w))[0] > leases and now[1] - releases >= now[0] - leases,
+               10, "the late leases taken and given back")
+    time.sleep(0.1)  # the window in which a late lease's layer write would land
     assert [p.writes for p in w.paged] == [[], []]
     assert _slots_held(w) == 0
     assert w.stats()["chunks_loaded"] == 0
@@ -378,7 +384,7 @@ def test_a_forward_slower_than_the_timeouts_keeps_its_loads_and_saves(make_worke
     meta = TieredConnectorMetadata(requests=[RequestPlan("s", saves=[save])], step=1)
     w.start_load_kv(meta)
     w.save_kv_layer(meta, LAYERS[0])
-    time.sleep(slow_s)
+    time.sleep(slow_s)  # the slow forward under test
     w.save_kv_layer(meta, LAYERS[1])
     w.wait_for_save(meta)
     assert w.flush(10)
@@ -386,12 +392,12 @@ def test_a_forward_slower_than_the_timeouts_keeps_its_loads_and_saves(make_worke
     reports: dict[int, bool] = {}
     while 31 not in reports and time.monotonic() < deadline:
         reports.update({r.save_id: r.ok for r in w.build_worker_meta().saves})
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     assert reports == {31: True}
     meta = _load_meta("slow-forward", [22, 23], step=2)
     w.start_load_kv(meta)
     w.wait_for_layer_load(meta, LAYERS[0])
-    time.sleep(slow_s)
+    time.sleep(slow_s)  # the slow forward under test
     w.wait_for_layer_load(meta, LAYERS[1])
     w.wait_for_save(meta)
     assert w.take_load_errors() == set()

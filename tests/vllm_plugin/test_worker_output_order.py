@@ -4,14 +4,14 @@ and wait_for_save after the draft model (``defer_finalize``; a non-last pipeline
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from mooncake_connector.keys import object_key
+from tests.store_backend.node.server_harness import wait_until
 from tests.vllm_plugin.conftest import tiny_model  # noqa: F401  (fixture)
-from tests.vllm_plugin.test_worker_layers import _save, _UnstableReleases, _worker
+from tests.vllm_plugin.test_worker_layers import _save, _slots_held, _UnstableReleases, _worker
 from tests.vllm_plugin.test_worker_steps import LAYERS, make_worker  # noqa: F401  (fixture)
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata
 from vllm_plugin.save_ledger import SaveLedger
@@ -54,6 +54,6 @@ def test_a_release_saying_false_is_in_the_steps_own_output(make_worker: Any, cop
     assert save_id in discard and save_id not in commit
     w.start_load_kv(TieredConnectorMetadata(step=3, commit_saves=commit, discard_saves=discard))
     assert w.flush(10)
-    time.sleep(0.1)
+    wait_until(lambda: _slots_held(w) == 0, 10, "the held save's slot given back (its decision applied)")
     assert not w.store.contains([object_key(w.digest, f"next-{name}")])[0], \
         "a held save computed over a load whose release said False was committed"

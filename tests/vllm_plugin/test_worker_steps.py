@@ -109,7 +109,7 @@ def _reports_until(w: WorkerSide, want: int, timeout_s: float = 10.0) -> dict[in
     deadline = time.monotonic() + timeout_s
     while len(out) < want and time.monotonic() < deadline:
         out.update({r.save_id: r.ok for r in w.build_worker_meta().saves})
-        time.sleep(0.01)
+        time.sleep(0.01)  # poll interval; the loop has a deadline
     return out
 
 

@@ -90,7 +90,7 @@ def wait_until(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "c
             return got
         if time.monotonic() > end:
             raise AssertionError(f"{what} not reached within {timeout_s} s (last: {got!r})")
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
 
 
 class Raw:
@@ -221,7 +221,7 @@ class ServiceProcess:
                     c.close()
             except OSError:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         raise AssertionError(f"service not ready in {timeout_s} s: {self.log_text()}")
 
     def log_text(self) -> str:

@@ -105,7 +105,7 @@ def run_thread(c: NodeClient, wid: str, tid: int, log: Log, rng: random.Random, 
             c.exists([rng.choice(KEYS)])  # may time out while the service is stopped
             # The copy goes on at its own pace; after a lost call, past the service's return, so that
             # other processes reserve meanwhile (before, they could be handed this very slot).
-            time.sleep(rng.uniform(0.6, 1.2) if c.counters.disconnects != lost else rng.uniform(0.0, 0.05))
+            time.sleep(rng.uniform(0.6, 1.2) if c.counters.disconnects != lost else rng.uniform(0.0, 0.05))  # pace
             view[size // 2:] = data[size // 2:]
             st = c.commit([r])[0]
             log("put", key, version, t0, time.monotonic(), int(st))

@@ -31,6 +31,7 @@ from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
+from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.test_api import incompatibilities
 
 MiB = 1 << 20
@@ -95,7 +96,7 @@ class StandIn:
                 with self._lock:
                     self.frames[type(msg).__name__] = self.frames.get(type(msg).__name__, 0) + 1
                 while self.hang.is_set() and not self._stopped:
-                    time.sleep(0.01)
+                    time.sleep(0.01)  # the simulated hang: no answer while it is set
                 if self._stopped:
                     return
                 if isinstance(msg, p.Goodbye):
@@ -247,6 +248,12 @@ def service(tmp_path, sock_path):
         s.close(flush=False)
 
 
+def _frames(sv: StandIn) -> int:
+    """Requests the stand-in has received (counted before it answers, or hangs)."""
+    with sv._lock:
+        return sum(sv.frames.values())
+
+
 def _client(path: str, **kw) -> NodeClient:
     kw.setdefault("op_timeout_s", 5.0)
     return NodeClient(path, **kw).start()
@@ -381,7 +388,7 @@ def test_a_lost_service_answers_misses_then_the_client_reconnects_and_remaps(ser
         deadline = time.monotonic() + 5
         while c.put(["new"], [payload("new", 10)]) != [Status.OK]:
             assert time.monotonic() < deadline, "the client did not reconnect"
-            time.sleep(0.02)
+            time.sleep(0.02)  # poll interval; the loop has a deadline
         assert c.welcome.segment_id != old_segment and c.metrics()["client"]["remaps"] == 1
         assert c.metrics()["client"]["reconnects"] >= 1
         assert sv2.store.contains(["new", "old"]) == [True, False]
@@ -446,7 +453,7 @@ def test_a_hung_service_answers_misses_within_the_op_timeout(service, sock_path)
         deadline = time.monotonic() + 5
         while c.get_into(["k"], [bytearray(100)])[0].status is not Status.OK:
             assert time.monotonic() < deadline
-            time.sleep(0.02)
+            time.sleep(0.02)  # poll interval; the loop has a deadline
     finally:
         c.close()
 
@@ -620,12 +627,13 @@ def test_close_does_not_wait_for_calls_still_waiting_for_a_connection(service, s
         except StoreClosedError:
             results[name] = "closed"
 
+    received = _frames(sv)
     a = threading.Thread(target=call, args=("a", lambda: c.get_into(["k"], [bytearray(100)])))
     a.start()
-    time.sleep(0.3)
+    wait_until(lambda: _frames(sv) > received, 10, "a's call hanging in the service")
     b = threading.Thread(target=call, args=("b", lambda: c.contains(["k"])))
     b.start()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the window in which b must not be answered
     assert not results  # b waits for the connection a holds
     t0 = time.monotonic()
     closer = threading.Thread(target=lambda: c.close(flush=False, timeout_s=10))
@@ -643,7 +651,7 @@ def test_calls_answer_misses_at_once_while_another_thread_starts_the_service(ser
 
     def slow_start() -> None:
         started.set()
-        time.sleep(3.0)
+        time.sleep(3.0)  # the simulated slow start
         service()
 
     c = NodeClient(sock_path, starter=slow_start, op_timeout_s=5)

@@ -44,7 +44,7 @@ def _stop(sock: str) -> None:
     deadline = time.monotonic() + 30
     while probe(sock) is not None or _alive(welcome.service_pid):
         assert time.monotonic() < deadline, "the service did not stop"
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll interval; the loop has a deadline
 
 
 def _alive(pid: int) -> bool:
@@ -79,7 +79,7 @@ STARTER = textwrap.dedent("""
     def start():
         started.append(starter.ensure())
     while time.time() < go_at:
-        time.sleep(0.001)
+        time.sleep(0.001)  # every racer starts at the same instant, by design
     c = NodeClient(sock, starter=start).start()
     status = c.put([key], [key.encode() * 100])[0]
     print(json.dumps({"started": started, "status": int(status), "service_pid": c.welcome.service_pid}))
@@ -134,7 +134,7 @@ def test_a_client_with_a_starter_starts_the_service_and_starts_it_again_after_it
         deadline = time.monotonic() + 60
         while c.put(["k2"], [payload("k2", 10)]) != [Status.OK]:
             assert time.monotonic() < deadline, "no second start"
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         assert c.counters.auto_starts == 2 and starter.process is not first
         assert starter.process.poll() is None
         # DRAM only: what the killed service held is gone, never served from a stale segment

@@ -18,7 +18,14 @@ from store_backend.node import protocol as p
 from store_backend.node.autostart import ServiceProcess as Starter
 from store_backend.node.client import NodeAccessError, NodeClient, probe
 from store_backend.types import Status
-from tests.store_backend.node.server_harness import ServiceProcess, cleanup_dir, service_config, short_dir
+from tests.store_backend.node.server_harness import (
+    Raw,
+    ServiceProcess,
+    cleanup_dir,
+    service_config,
+    short_dir,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -50,7 +57,18 @@ def _until_ok(call, what: str, timeout_s: float = 10.0):
         if got.status is Status.OK:
             return got
         assert time.monotonic() < end, f"{what}: {got.status.name}"
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the loop has a deadline
+
+
+def _frames_received(path: str, op: str) -> int:
+    """How many ``op`` frames the service has received, asked on a connection of its own (the
+    client's pool is left as it is)."""
+    raw = Raw(path)
+    try:
+        assert isinstance(raw.hello(want_segment=False), p.Welcome)
+        return raw.ask(p.Stats(0)).node.frames.get(op, 0)
+    finally:
+        raw.close()
 
 
 # -- F1: a token from before a restart never names a slot of the new service --------------------------
@@ -87,7 +105,7 @@ def test_a_stale_abort_or_release_from_before_a_restart_leaves_the_new_tokens_al
         end = time.monotonic() + 10
         while c.put(["L"], [b"l" * 4096]) != [Status.OK]:  # the new service counts its tokens as the old did
             assert time.monotonic() < end
-            time.sleep(0.1)
+            time.sleep(0.1)  # poll interval; the loop has a deadline
         new_r = _until_ok(lambda: c.reserve(["K"], [4096])[0], "reserve on the new service")
         new_l = _until_ok(lambda: c.lease(["L"])[0], "lease on the new service")
         c.abort([old_r])
@@ -126,9 +144,10 @@ def test_a_waiting_call_does_not_hold_up_the_commit_it_waits_for(restartable, po
                 out["got"] = c.exists(["K0"], wait_s=8.0)
             out["s"] = time.monotonic() - t0
 
+        before = _frames_received(cfg["socket"], call)
         t = threading.Thread(target=load)
         t.start()
-        time.sleep(0.5)  # the load waits for K0's commit now
+        wait_until(lambda: _frames_received(cfg["socket"], call) > before, 10, "the load waiting for K0's commit")
         t0 = time.monotonic()
         assert c.commit([rs[0]]) == [Status.OK]
         commit_s = time.monotonic() - t0
@@ -293,7 +312,7 @@ def _stop_service_at(path: str) -> None:
     os.kill(w.service_pid, signal.SIGTERM)
     end = time.monotonic() + 30
     while probe(path) is not None and time.monotonic() < end:
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the loop has a deadline
 
 
 def test_auto_start_with_a_relative_config_file(monkeypatch) -> None:
@@ -331,7 +350,7 @@ def test_auto_start_waits_while_node_lock_is_held_then_starts() -> None:
         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
         "os.write(fd, str(os.getpid()).encode())\n"
         "print('held', flush=True)\n"
-        "time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)
+        "time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)  # holds node.lock 2 s by design
     starter = Starter(cfg["socket"], conf, idle_exit_s=30, start_timeout_s=30)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -356,9 +375,10 @@ def test_an_owners_waiting_lease_does_not_hold_up_that_owners_commit(restartable
         [r] = c.reserve(["K"], [4096], owner=7)  # on owner 7's own connection
         r.view[:] = b"K" * 4096
         out: dict = {}
+        before = _frames_received(cfg["socket"], "lease")
         t = threading.Thread(target=lambda: out.setdefault("got", c.lease(["K"], wait_pending_s=8.0, owner=7)[0]))
         t.start()
-        time.sleep(0.5)
+        wait_until(lambda: _frames_received(cfg["socket"], "lease") > before, 10, "the lease waiting for K's commit")
         t0 = time.monotonic()
         assert c.commit([r], owner=7) == [Status.OK]
         commit_s = time.monotonic() - t0

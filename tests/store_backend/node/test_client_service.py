@@ -13,6 +13,7 @@ import numpy as np
 
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload, serve_node
+from tests.store_backend.node.server_harness import wait_until
 
 MiB = 1 << 20
 DRAM = {"dram": {"capacity_bytes": 8 * MiB}}
@@ -28,12 +29,13 @@ def test_a_connection_closed_for_idling_is_replaced_without_the_call_noticing() 
     try:
         assert c.put(["k"], [payload("k", 4096)]) == [Status.OK]
         connects = c.counters.connects
-        time.sleep(1.5)  # the service closes the idle connection (it holds no token)
+        # The service closes the idle connection (it holds no token): its end of it is gone.
+        wait_until(lambda: c.service.idle_closed == 1 and _fds() == fds - 1, 10, "the idle connection closed")
         out = np.zeros(4096, np.uint8)
         assert c.get_into(["k"], [out]) == [ReadResult(Status.OK, 4096)] and np.array_equal(out, payload("k", 4096))
         assert c.counters.connects == connects + 1 and c.counters.failures == 0
         assert c.counters.loads_failed_disconnect == 0
-        time.sleep(1.0)
+        wait_until(lambda: c.service.idle_closed == 2 and _fds() == fds - 1, 10, "the new connection closed idle")
         assert c.exists(["k"]) == 1
         # the replaced connections' sockets are closed: one connection open, as before
         assert _fds() == fds
@@ -53,7 +55,7 @@ def test_a_stop_lets_an_open_reservation_commit_and_refuses_new_saves() -> None:
         deadline = time.monotonic() + 10
         while c.put(["new"], [payload("new", 10)]) != [Status.IO_ERROR]:
             assert time.monotonic() < deadline, "the service never refused a new save"
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval; the loop has a deadline
         assert c.counters.saves_dropped_disconnect >= 1
         np.frombuffer(r.view, np.uint8)[:] = payload("open", 4096)
         assert c.commit([r]) == [Status.OK]

@@ -76,7 +76,7 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
             return got
         if time.monotonic() > end:
             raise AssertionError(f"{what} not reached within {timeout_s} s (last: {got!r})")
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ SLOW_CLIENT = textwrap.dedent("""
     dst[:step] = src[:step]
     print("holding", flush=True)
     for i in range(1, 64):  # the copy loop it dies in
-        time.sleep(0.5)
+        time.sleep(0.5)  # a slow copy, by design
         dst[i * step:(i + 1) * step] = src[i * step:(i + 1) * step]
     print("finished", flush=True)
 """)
@@ -219,10 +219,10 @@ FORKING_CLIENT = textwrap.dedent("""
     assert int(r.status) == 0
     pid = os.fork()
     if pid == 0:  # the child keeps every inherited descriptor, the socket too, and outlives us
-        time.sleep(120)
+        time.sleep(120)  # lives on until the test kills it
         os._exit(0)
     print(pid, flush=True)
-    time.sleep(120)
+    time.sleep(120)  # lives on until the test kills it
 """)
 
 

@@ -120,8 +120,9 @@ def test_exists_with_wait_answers_when_another_connection_commits(svc):
     a, b = connect(svc), connect(svc)
     try:
         g = a.ask(p.Reserve(0, ["w/1"], [4096])).grants[0]
+        received = svc.frames["exists"]
         b.sock.sendall(p.encode(p.Exists(77, ["w/1"], wait_s=10.0)))
-        time.sleep(0.2)
+        wait_until(lambda: svc.frames["exists"] > received, what="b's exists waiting")
         t0 = time.monotonic()
         assert a.ask(p.Commit(0, [g.token])).values == [Status.OK]
         reply = b.read()
@@ -261,7 +262,7 @@ def test_the_peer_process_exiting_reclaims_even_while_a_forked_child_keeps_the_s
             time.sleep(30)  # holds the socket open
             os._exit(0)
         print("reserved", flush=True)
-        time.sleep(30)
+        time.sleep(30)  # lives on until the test kills it
     """)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=str(REPO),
                              start_new_session=True)
@@ -408,7 +409,7 @@ def test_a_frame_must_complete_in_time_and_idle_connections_without_tokens_close
         holder = connect(svc)
         assert holder.ask(p.Reserve(0, ["idle/1"], [4096])).grants[0].status == Status.OK
         assert idle.closed_by_peer(timeout_s=5.0)
-        time.sleep(0.7)
+        time.sleep(0.7)  # past idle_timeout_s: the holder (it holds a token) must not be closed meanwhile
         assert holder.ask(p.Exists(0, ["idle/1"], count_reserved=True)).n == 1  # still served
         assert svc.idle_closed >= 1
         idle.close()
@@ -447,16 +448,18 @@ def test_a_lease_waits_for_a_pending_commit_on_the_loop_and_an_abort_ends_the_wa
     try:
         g = a.ask(p.Reserve(0, ["p/1", "p/2"], [4096, 4096])).grants
         a.mapping[g[0].offset:g[0].offset + 4096] = b"q" * 4096
+        received = svc.frames["lease"]
         b.sock.sendall(p.encode(p.Lease(50, ["p/1"], wait_pending_s=30.0)))
-        time.sleep(0.2)
+        wait_until(lambda: svc.frames["lease"] > received, what="b's lease waiting")
         assert a.ask(p.Commit(0, [g[0].token])).values == [Status.OK]  # served while b waits
         reply = b.read()
         assert isinstance(reply, p.Slots) and reply.id == 50 and reply.grants[0].status == Status.OK
         assert bytes(b.mapping[reply.grants[0].offset:reply.grants[0].offset + 4096]) == b"q" * 4096
         assert b.ask(p.Release(0, [reply.grants[0].token])).values == [True]
         t0 = time.monotonic()
+        received = svc.frames["lease"]
         b.sock.sendall(p.encode(p.Lease(51, ["p/2"], wait_pending_s=30.0)))
-        time.sleep(0.2)
+        wait_until(lambda: svc.frames["lease"] > received, what="b's lease waiting")
         assert isinstance(a.ask(p.Abort(0, [g[1].token])), p.Ack)
         reply = b.read()
         assert reply.id == 51 and reply.grants[0].status == Status.NOT_FOUND
@@ -472,9 +475,10 @@ def test_waits_hold_no_pool_thread_and_end_with_their_connection(sdir):
         waiters = [connect(svc) for _ in range(4)]
         other = connect(svc)
         try:
+            received = svc.frames["exists"]
             for i, w in enumerate(waiters):
                 w.sock.sendall(p.encode(p.Exists(1, [f"never/{i}"], wait_s=3600.0)))
-            time.sleep(0.3)
+            wait_until(lambda: svc.frames["exists"] >= received + len(waiters), what="every waiter waiting")
             t0 = time.monotonic()
             assert other.ask(p.Remove(0, ["never/x"])).values == [Status.NOT_FOUND]  # a pool call
             assert other.ask(p.Keys(0)).keys == []
@@ -490,7 +494,7 @@ def test_idle_exit_after_the_last_client_left(sdir):
     svc = NodeService(service_config(sdir), idle_exit_s=1.0).run_in_thread()
     try:
         c = connect(svc)
-        time.sleep(1.5)
+        time.sleep(1.5)  # past idle_exit_s: the window in which the service must not exit
         assert not svc.wait_stopped(0)  # a client is attached: no idle exit
         c.close()
         t0 = time.monotonic()

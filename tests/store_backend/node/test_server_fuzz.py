@@ -84,7 +84,7 @@ class _ExistsLoop(threading.Thread):
                 self.longest_gap_s = max(self.longest_gap_s, now - last)
                 last = now
                 self.answers += 1
-                time.sleep(0.002)
+                time.sleep(0.002)  # the prober's pace
         except BaseException as e:  # noqa: BLE001
             self.failure = e
 

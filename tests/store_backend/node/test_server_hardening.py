@@ -84,7 +84,7 @@ class _Prober(threading.Thread):
             if not isinstance(self.c.ask(p.Exists(0, ["probe/k"])), p.Count):
                 return  # the service is stopping
             self.lat.append((t0, time.monotonic() - t0))
-            time.sleep(0.005)
+            time.sleep(0.005)  # the prober's pace
 
     def worst(self, t0: float, t1: float) -> float:
         return max((lat for s, lat in self.lat if s + lat >= t0 and s <= t1), default=0.0)
@@ -108,7 +108,7 @@ def test_a_60000_key_lease_with_a_pending_wait_does_not_stall_another_clients_ex
         a = Raw(cfg["socket"], timeout_s=120)
         assert isinstance(a.hello(want_segment=False, name="A"), p.Welcome)
         w = a.ask(p.Reserve(0, ["pend/0"], [4096])).grants[0]  # one key really pending
-        time.sleep(1.0)
+        wait_until(lambda: len(probe.lat) >= 150, 30, "150 baseline probes")
         baseline = probe.worst(0.0, time.monotonic())
         keys = [f"k/{i}" for i in range(60_000)] + ["pend/0"]
         for msg in (p.Lease(0, keys, 60.0, True, 0.5), p.Contains(0, keys), p.Pin(0, keys, 30.0),
@@ -117,7 +117,8 @@ def test_a_60000_key_lease_with_a_pending_wait_does_not_stall_another_clients_ex
             reply = a.ask(msg)
             t1 = time.monotonic()
             assert not isinstance(reply, p.Error), reply
-            time.sleep(0.1)
+            # Every probe begun before t1 is recorded once one begun after it is (they run in turn).
+            wait_until(lambda: probe.lat[-1][0] > t1, 30, "a probe begun after the call")
             worst = probe.worst(t0, t1)
             op = type(msg).__struct_config__.tag
             # B's exists is answered while A's call runs: bounded, far below what a stalled loop
@@ -294,7 +295,7 @@ def test_one_clients_slow_flushes_do_not_starve_stage_in_leases_or_other_clients
             for g in greedy:
                 g.sock.sendall(p.encode(p.Flush(7, None)))
             wait_until(lambda: len(started) >= 2, what="two flushes running")
-            time.sleep(0.3)
+            time.sleep(0.3)  # the window in which a third flush must not start
             # One process (and one kind of call) holds at most half of the 4 bulk threads.
             assert len(started) == 2
             t0 = time.monotonic()

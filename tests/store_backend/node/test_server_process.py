@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def test_a_second_sigterm_skips_the_drain(sdir):
         t0 = time.monotonic()
         svc.signal(signal.SIGTERM)
         assert isinstance(a.read(), p.Draining)
-        time.sleep(0.3)
+        time.sleep(0.3)  # the window in which the drain (a reservation is open) must keep the service up
         assert svc.proc.poll() is None
         svc.signal(signal.SIGINT)
         svc.wait(30)
@@ -195,15 +196,24 @@ def test_status_wait_waits_for_a_service_that_is_starting(sdir):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     waiter = subprocess.Popen([sys.executable, "-m", "store_backend.node", "status", "--socket", cfg["socket"],
                                "--json", "--wait", "60"], stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
-    time.sleep(0.5)
-    svc = ServiceProcess(cfg, sdir)
+    svc = None
     try:
+        # A stand-in listener at the socket meets one of the waiter's probes (and hangs up): the
+        # waiter is waiting before the service starts.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stand_in:
+            stand_in.bind(cfg["socket"])
+            stand_in.listen(1)
+            stand_in.settimeout(60)
+            stand_in.accept()[0].close()
+        os.unlink(cfg["socket"])
+        svc = ServiceProcess(cfg, sdir)
         out, _ = waiter.communicate(timeout=90)
         assert waiter.returncode == 0 and json.loads(out)["ready"] is True
     finally:
         if waiter.poll() is None:
             waiter.kill()
-        svc.close()
+        if svc is not None:
+            svc.close()
 
 
 def test_status_of_a_service_that_refuses_the_user_exits_2(sdir, capsys):

@@ -63,7 +63,7 @@ def _stalled(svc: ServiceProcess, call, seconds: float = 0.8):
     try:
         t0 = time.monotonic()
         out = call()
-        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # the stall under test lasts this long
         return out
     finally:
         svc.signal(signal.SIGCONT)
@@ -203,7 +203,7 @@ def test_a_forked_child_cannot_write_through_the_views_it_inherited(service) -> 
             if child == 0:
                 while True:  # the child writes through what it inherited, for good
                     view.fill(0xCC)
-                    time.sleep(0.001)
+                    time.sleep(0.001)  # the child's write pace
             v["out"] = [int(r.status), r.offset, child]
         """)
         assert got[0] == 0, got
@@ -214,7 +214,7 @@ def test_a_forked_child_cannot_write_through_the_views_it_inherited(service) -> 
         assert r.status is Status.OK and r.offset == offset  # the very block the child still "writes"
         np.frombuffer(r.view, np.uint8).fill(0x11)
         assert b.commit([r]) == [Status.OK]
-        time.sleep(0.2)  # the child's loop runs a few hundred times meanwhile
+        time.sleep(0.2)  # the window the child's writes must not land in (its loop runs a few hundred times)
         out = bytearray(65536)
         assert b.get_into(["fork/2"], [out]) == [ReadResult(Status.OK, 65536)]
         assert out == b"\x11" * 65536

@@ -122,7 +122,7 @@ def test_random_clients_stopped_and_killed_never_read_a_wrong_byte(tmp_path) -> 
             if roll < 0.35 and live:
                 w = rng.choice(live)
                 w.signal(signal.SIGSTOP)
-                time.sleep(rng.uniform(0.1, 0.8))
+                time.sleep(rng.uniform(0.1, 0.8))  # how long the chaos keeps the client stopped
                 w.signal(signal.SIGCONT)
                 actions["client_stopped"] += 1
             elif roll < 0.55 and live:

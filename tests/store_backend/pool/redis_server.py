@@ -96,7 +96,7 @@ class RedisProcess:
                                    f" {self.log_tail()}")
             if _answers(self.port, None if self.sentinel_of else self.password):
                 return self
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s} s: {self.log_tail()}")
 
     def log_tail(self) -> str:

@@ -39,14 +39,14 @@ class Counting:
 def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not pred() and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     return pred()
 
 
 def joined(cache: CachedDirectory) -> None:
     """Subscribe now and let a Redis subscriber join its channel (joining clears the cache)."""
     cache.locate([])
-    time.sleep(0.3)
+    time.sleep(0.3)  # settle: a gap clear racing the join may come or not (no condition says it came)
 
 
 def make(inner: Directory, **kw: object) -> tuple[CachedDirectory, Counting]:

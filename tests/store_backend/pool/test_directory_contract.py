@@ -28,8 +28,15 @@ def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     while time.monotonic() < deadline:
         if pred():
             return True
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     return pred()
+
+
+def subscribed(d: Directory) -> bool:
+    """Whether invalidations reach ``d``'s subscribers now: its Redis subscriber thread has joined
+    the channel (the embedded directory delivers them in the caller's thread)."""
+    live = getattr(d, "invalidations_live", None)
+    return live is None or live()
 
 
 def test_register_then_locate_best_first_and_leading(directory: Directory) -> None:
@@ -57,7 +64,7 @@ def test_unregister_keeps_other_copies_and_invalidates(directory: Directory) -> 
     up(directory, "a", "b")
     seen: list[str] = []
     directory.subscribe(seen.extend)
-    time.sleep(0.2)  # the Redis subscriber thread is connected
+    assert wait_for(lambda: subscribed(directory))  # the Redis subscriber thread is connected
     directory.register("a", [("k", loc("a")), ("j", loc("a"))])
     directory.register("b", [("k", loc("b"))])
     directory.unregister("a", ["k", "missing"])
@@ -71,7 +78,7 @@ def test_a_re_registration_with_another_object_is_invalidated(directory: Directo
     up(directory, "a")
     seen: list[str] = []
     directory.subscribe(seen.extend)
-    time.sleep(0.2)
+    assert wait_for(lambda: subscribed(directory))  # the Redis subscriber thread is connected
     directory.register("a", [("k", loc("a", checksum=1))])
     directory.register("a", [("k", loc("a", TIER_SSD, checksum=1))])  # moved to SSD: same object
     directory.register("a", [("k", loc("a", TIER_SSD, checksum=2))])  # other bytes: caches must forget
@@ -97,7 +104,7 @@ def test_two_phase_put_pending_is_invisible_and_put_end_commits(directory: Direc
 def test_pending_marks_expire(directory: Directory) -> None:
     up(directory, "b")
     assert directory.put_start("b", ["k"], [1], 0.2) == [True]
-    time.sleep(0.35)
+    time.sleep(0.35)  # past the pending mark's 0.2 s TTL
     assert directory.put_end("b", [("k", loc("b"))]) == [False]
     assert directory.locate(["k"]) == [[]]
     assert directory.put_start("b", ["k"], [1], 5.0) == [True]  # the expired mark no longer blocks
@@ -115,7 +122,7 @@ def test_remove_returns_holders_tombstones_and_drops_pending(directory: Director
     up(directory, "a", "b", "c")
     seen: list[str] = []
     directory.subscribe(seen.extend)
-    time.sleep(0.2)
+    assert wait_for(lambda: subscribed(directory))  # the Redis subscriber thread is connected
     directory.register("a", [("k", loc("a")), ("j", loc("a"))])
     directory.register("b", [("k", loc("b"))])
     assert directory.put_start("c", ["k"], [100], 10.0) == [True]
@@ -207,9 +214,9 @@ def test_prune_dead_forgets_nodes_dead_longer_than_the_limit(directory: Director
     directory.register("a", [("k", loc("a"))])
     directory.register("b", [("k", loc("b")), ("only_b", loc("b"))])
     assert directory.prune_dead(older_than_s=60.0) == []  # b is alive
-    time.sleep(0.3)
+    time.sleep(0.3)  # past b's 0.2 s TTL
     assert directory.prune_dead(older_than_s=60.0) == []  # dead, not long enough
-    time.sleep(0.2)
+    time.sleep(0.2)  # b dead for longer than older_than_s below
     assert directory.prune_dead(older_than_s=0.1) == ["b"]
     assert [n.node_id for n in directory.nodes()] == ["a"]
     assert directory.node_keys("b") == []
@@ -222,7 +229,7 @@ def test_tombstones_expire(directory: Directory) -> None:
     directory.register("a", [("k", loc("a"))])
     directory.remove(["k"], tombstone_ttl_s=0.2)
     assert directory.register("a", [("k", loc("a"))], resync=True) == ["k"]
-    time.sleep(0.35)
+    time.sleep(0.35)  # past the tombstone's 0.2 s TTL
     assert directory.register("a", [("k", loc("a"))], resync=True) == []
 
 
@@ -233,7 +240,7 @@ def test_restored_tombstones_refuse_old_copies_and_drop_what_was_listed_meanwhil
     up(directory, "a", "b")
     seen: list[str] = []
     directory.subscribe(seen.extend)
-    time.sleep(0.2)  # the Redis subscriber thread is connected
+    assert wait_for(lambda: subscribed(directory))  # the Redis subscriber thread is connected
     removed_at = time.time() - 10.0
     directory.remove(["own"])  # the directory's own tombstone, now: later than what is restored
     directory.register("a", [("listed", loc("a"))])  # registered after the loss, before the restore
@@ -285,7 +292,7 @@ def test_clear_node_and_deregister_node(directory: Directory) -> None:
     up(directory, "a", "b")
     seen: list[str] = []
     directory.subscribe(seen.extend)
-    time.sleep(0.2)
+    assert wait_for(lambda: subscribed(directory))  # the Redis subscriber thread is connected
     directory.register("a", [(f"k{i}", loc("a")) for i in range(5)])
     directory.register("b", [("k0", loc("b")), ("x", loc("b"))])
     assert sorted(directory.node_keys("a")) == [f"k{i}" for i in range(5)]
@@ -306,7 +313,7 @@ def test_dead_nodes_are_filtered_within_their_ttl(directory: Directory) -> None:
     directory.register("b", [("k", loc("b")), ("only_b", loc("b"))])
     assert [x.node for x in directory.locate(["k"])[0]] == ["b", "a"]
     assert directory.address_of(["a", "b", "zz"]) == {"a": "127.0.0.1:1001", "b": "127.0.0.1:1001"}
-    time.sleep(0.45)
+    time.sleep(0.45)  # past b's 0.3 s TTL
     assert directory.locate(["k", "only_b"]) == [[loc("a", TIER_SSD)], []]
     assert directory.leading(["k", "only_b"]) == 1
     assert {n.node_id: n.alive for n in directory.nodes()} == {"a": True, "b": False}
@@ -330,7 +337,7 @@ def test_a_second_instance_sees_the_same_directory(make_directory_for: Callable[
     up(a, "a")
     seen: list[str] = []
     b.subscribe(seen.extend)
-    time.sleep(0.2)
+    assert wait_for(lambda: subscribed(b))
     a.register("a", [("k", loc("a"))])
     assert b.locate(["k"]) == [[loc("a")]]
     a.unregister("a", ["k"])
@@ -341,11 +348,11 @@ def test_unsubscribe_stops_deliveries(directory: Directory) -> None:
     up(directory, "a")
     seen: list[str] = []
     unsub = directory.subscribe(seen.extend)
-    time.sleep(0.2)
+    assert wait_for(lambda: subscribed(directory))
     unsub()
     directory.register("a", [("k", loc("a"))])
     directory.unregister("a", ["k"])
-    time.sleep(0.3)
+    time.sleep(0.3)  # the window in which nothing may be delivered any more
     assert seen == []
 
 

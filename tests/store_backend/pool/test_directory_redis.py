@@ -16,6 +16,7 @@ import redis
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
 from store_backend.pool.directory_redis import DirectoryAuthError, DirectoryPolicyError, RedisDirectory
 from store_backend.pool.factory import make_directory
+from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.certs import self_signed
 from tests.store_backend.pool.redis_server import RedisProcess, free_port
 
@@ -78,11 +79,11 @@ def test_an_acl_user(redis_server: RedisProcess) -> None:
     roundtrip(d)
     seen: list[str] = []
     d.subscribe(seen.extend)
-    time.sleep(0.3)
+    wait_until(d.invalidations_live, 10, "the subscriber joined the channel")
     d.unregister("a", ["k"])
     deadline = time.monotonic() + 5
     while not seen and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     assert seen == ["k"]  # the channel is allowed by &mkv:*
     d.close()
     bad = RedisDirectory(url=f"redis://pool:nope@127.0.0.1:{redis_server.port}/0")
@@ -179,7 +180,7 @@ def test_the_subscriber_reconnects_after_a_restart(redis_server: RedisProcess) -
     d = RedisDirectory(url=redis_server.url)
     seen: list[str] = []
     d.subscribe(seen.extend)
-    time.sleep(0.3)
+    wait_until(d.invalidations_live, 10, "the subscriber joined the channel")
     redis_server.restart_empty()
     d.heartbeat(NodeInfo("a", "127.0.0.1:1"), 30.0)
     d.register("a", [("k", loc("a"))])
@@ -187,7 +188,7 @@ def test_the_subscriber_reconnects_after_a_restart(redis_server: RedisProcess) -
     while "k" not in seen and time.monotonic() < deadline:
         d.unregister("a", ["k"])  # until the subscriber is back, deliveries are lost
         d.register("a", [("k", loc("a"))])
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the loop has a deadline
     assert "k" in seen
     d.close()
     assert all(t.name != "mkv-directory-inval" or not t.is_alive() for t in threading.enumerate())
@@ -264,7 +265,7 @@ def test_a_big_batch_is_split_so_redis_never_answers_busy() -> None:
                     busy.append(str(e))
                 except redis.exceptions.ResponseError as e:
                     busy.append(str(e))
-                time.sleep(0.01)
+                time.sleep(0.01)  # the pinger's pace
 
         t = threading.Thread(target=ping)
         t.start()
@@ -441,7 +442,7 @@ def test_an_acl_user_without_the_channel_gets_one_clear_error_and_no_caching(
     cache = CachedDirectory(d, cache_ttl_s=60.0)
     with caplog.at_level(logging.WARNING, logger="store_backend.pool.directory_redis"):
         assert cache.locate(["k"]) == [[loc("a")]]
-        time.sleep(0.5)
+        time.sleep(0.5)  # the window in which the cache must still keep nothing
         assert cache.locate(["k"]) == [[loc("a")]]
         assert len(cache) == 0  # nothing cached: no invalidation would reach it
         time.sleep(2.5)  # the listener retries; it must not log again
@@ -471,20 +472,20 @@ def test_losing_the_channel_at_run_time_stops_caching_until_it_is_back(redis_ser
         admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
         deadline = time.monotonic() + 5
         while d.invalidations_live() and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.02)  # poll interval; the loop has a deadline
         assert not d.invalidations_live()
         cache.clear()
         assert cache.locate(["j"]) == [[loc("a")]] and len(cache) == 0
         admin.execute_command("ACL", "SETUSER", "pool", "&rt:inval")
         deadline = time.monotonic() + 10
         while not d.invalidations_live() and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         assert d.invalidations_live()
         # The rejoin's gap callback clears the cache once, maybe just after the flag turned True:
         # caching has resumed when an answer stays cached.
         deadline = time.monotonic() + 5
         while not (cache.locate(["j"]) == [[loc("a")]] and len(cache) == 1) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval; the loop has a deadline
         assert cache.locate(["j"]) == [[loc("a")]] and len(cache) == 1
     finally:
         admin.close()

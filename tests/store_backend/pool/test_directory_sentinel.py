@@ -44,7 +44,7 @@ def until(fn: Callable[[], T], timeout_s: float = 30.0) -> T:
         except DirectoryUnavailable:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)
+            time.sleep(0.1)  # poll interval; the loop has a deadline
 
 
 def wait_link_up(replica_port: int, password: str | None, timeout_s: float = 20.0) -> None:
@@ -53,7 +53,7 @@ def wait_link_up(replica_port: int, password: str | None, timeout_s: float = 20.
     try:
         while r.info("replication").get("master_link_status") != "up":
             assert time.monotonic() < deadline, "the replica never synced"
-            time.sleep(0.1)
+            time.sleep(0.1)  # poll interval; the loop has a deadline
     finally:
         r.close()
 
@@ -114,7 +114,7 @@ def test_failover_the_same_object_reaches_the_new_primary(
     while "after" not in seen and time.monotonic() < deadline:
         d.unregister("a", ["after"])  # until the subscriber has reconnected, messages are lost
         d.register("a", [("after", loc("a"))])
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the loop has a deadline
     assert "after" in seen
     # What could not be written comes back by the caller's resync (everything it holds).
     assert d.leading(["during"]) == 0

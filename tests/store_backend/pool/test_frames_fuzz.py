@@ -167,7 +167,7 @@ def test_a_live_server_answers_bad_frames_with_an_error_or_a_disconnect(live, da
     # Nothing a fuzzed put sent was committed short, and nothing stays held.
     deadline = time.monotonic() + 5
     while store.stats().slots.reservations and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     assert store.stats().slots.reservations == 0
 
 

@@ -47,7 +47,7 @@ def _stream_reads(client, keys: list[str], version: int, batch: int, outcomes: l
                 check_payload(k, buf, version)
             outcomes.append((k, r.status))
         started.set()
-        time.sleep(0.02)
+        time.sleep(0.02)  # the reader's pace
 
 
 def _start_stream_reads(client, keys: list[str], version: int,
@@ -78,8 +78,7 @@ def test_kill_9_in_the_middle_of_reads_fails_cleanly_and_the_directory_forgets_t
     cb = b.client()
     outcomes: list[tuple[str, Status]] = []
     t, errors = _start_stream_reads(cb, keys, 3, outcomes)
-    while len(outcomes) < 12:
-        time.sleep(0.005)
+    wait_until(lambda: len(outcomes) >= 12, 60, "12 reads done before the kill")
     a.kill()
     killed_at = time.monotonic()
     t.join(120)
@@ -139,7 +138,7 @@ def test_with_two_replicas_reads_keep_succeeding_through_a_kill_9(pool: Pool) ->
                         check_payload(k, buf, 5)
                     reads.append((k, r.status, after))
                 first_batch.set()
-                time.sleep(0.02)
+                time.sleep(0.02)  # the reader's pace
         except BaseException as e:  # a wrong byte: reported below
             errors.append(e)
 

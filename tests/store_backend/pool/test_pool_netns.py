@@ -105,7 +105,7 @@ def test_a_partitioned_holder_never_serves_removed_bytes_after_it_heals(hosts: H
     assert cc.stats().queues.pool_remove == owed  # C owes B the remove of every key
     assert cb.tier_of([again]) == [None]
     # Clearly newer than the remove: past twice clock_skew_s (1 s), what a retry asks of a copy it keeps.
-    time.sleep(max(0.0, t_remove + 2.5 - time.time()))
+    time.sleep(max(0.0, t_remove + 2.5 - time.time()))  # past twice clock_skew_s, as above
     put_all(cb, {again: make_payload(again, 2, SIZE)})
 
     hosts.heal(1)

@@ -101,7 +101,7 @@ def test_a_read_pulls_from_a_dram_holder_before_an_ssd_holder(pool: Pool) -> Non
     read_ok(c.client(), both, SIZE, 1)
     wait_until(lambda: _served_bytes(d, "B") >= b_before + len(both) * SIZE, 10, "B served C's read")
     pool_heartbeats = 4 * 0.25  # heartbeat_s of pool_nodes.PoolNode: A's counters are fresh by then
-    time.sleep(pool_heartbeats)
+    time.sleep(pool_heartbeats)  # A's heartbeats publish whatever it served meanwhile: a window, not a wait
     assert _served_bytes(d, "A") < a_before + SIZE, "C pulled from A's SSD though B held the keys in DRAM"
 
 
@@ -173,7 +173,7 @@ def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis_
         try:
             assert ca.remove(["K"]) == [Status.IO_ERROR]  # B did not confirm
         finally:
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))  # B stays stopped 1 s, by design
             b.proc.signal(signal.SIGCONT)
         assert d.locate(["K"]) == [[]]
         wait_until(lambda: cb.tier_of(["K"]) == [None], 15, "B's copy deleted by the retried remove")
@@ -182,7 +182,7 @@ def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis_
         for i in range(24):  # B's engine keeps working: whatever B holds is pushed around
             put_all(cb, {f"f{i}": make_payload(f"f{i}", 1, SIZE)})
         cb.flush(timeout_s=30)
-        time.sleep(1.0)
+        time.sleep(1.0)  # the window (heartbeats, registrations) in which K must not be listed again
         assert d.locate(["K"]) == [[]]
         got, _bufs = read(ca, ["K"], SIZE)
         assert got[0].status is Status.NOT_FOUND

@@ -182,7 +182,7 @@ def test_a_remote_read_racing_a_remove_keeps_no_copy(nodes: Callable[..., Node])
     k, size = "race/1", 1 * MiB
     assert b.store.put([k], [payload(k, size)]) == [Status.OK]
     assert wait_for(lambda: _locs(d, k) == [("B", "dram")])
-    time.sleep(0.1)
+    time.sleep(0.1)  # past clock_skew_s: the remove is clearly later than the put
     removed: dict[str, Any] = {}
     ta.hook = lambda: removed.setdefault("st", c.store.remove([k]))
     assert a.store.get_into([k], [bytearray(size)])[0].status is Status.OK  # read before the remove
@@ -434,7 +434,7 @@ class _SlowRegister:
 
     def register(self, *args: Any, **kw: Any) -> Any:
         self.entered.set()
-        time.sleep(self._delay_s)
+        time.sleep(self._delay_s)  # the simulated slow registration
         return self._inner.register(*args, **kw)
 
 
@@ -657,7 +657,7 @@ def test_a_replica_that_lands_after_a_remove_is_refused_on_its_target(nodes: Cal
     k = "late-replica/1"
     assert d.put_start("B", [k], [SIZE], ttl_s=10.0) == [True]  # the replicator's phase 1
     d.remove([k])  # the pool-wide remove, while the bytes are on their way
-    time.sleep(0.1)
+    time.sleep(0.1)  # past clock_skew_s: the replica lands clearly after the remove
     assert a.transport.put(b.server.address, [k], [payload(k, SIZE)], timeout_s=5.0) == [Status.OK]
     assert wait_for(lambda: b.store.tier_of([k], local_only=True) == [None], 10), b.reg.counters
     assert b.reg is not None and b.reg.wait_idle(5)
@@ -695,7 +695,7 @@ def test_one_caller_at_a_time_probes_a_mute_redis() -> None:
                     assert tier.contains([f"k{i}-{time.monotonic_ns()}"]) == [False]
                     with lock:
                         lat.append((t0, time.monotonic() - t0))
-                    time.sleep(0.01)
+                    time.sleep(0.01)  # the prober's pace
 
             threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
             try:
@@ -795,7 +795,7 @@ def test_an_old_copy_listed_before_the_tombstone_came_back_is_dropped_and_delete
     k, kept = "tb2/old", "tb2/kept"
     assert z.store.put([k, kept], [payload(k, SIZE), payload(kept, SIZE)]) == [Status.OK] * 2
     assert wait_for(lambda: _locs(d, k) == [("Z", "dram")] and _locs(d, kept) == [("Z", "dram")])
-    time.sleep(0.2)
+    time.sleep(0.2)  # past clock_skew_s: the remove is clearly later than the put
     assert c.tier.remove([k]) == [Status.IO_ERROR]  # B confirmed; Z, the holder, did not
     assert b.tier.remove_log.live()[0] == [k] and z.store.tier_of([k], local_only=True) == ["dram"]
     c.tier.close()  # the remover goes away, and its retry with it

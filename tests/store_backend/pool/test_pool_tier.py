@@ -229,7 +229,7 @@ def test_a_directory_outage_is_answered_as_misses_at_once_for_retry_after_s() ->
         assert float(line.rsplit(" ", 1)[1]) >= 21
         assert 'mooncake_kv_tier_failures_total{kind="peer_gone",tier="pool"}' in text
         d.down = False
-        time.sleep(1.05)
+        time.sleep(1.05)  # past retry_after_s (1 s): the next lookup asks the directory again
         buf = bytearray(SIZE)
         assert store.get_into(["k"], [buf])[0].status is Status.OK and bytes(buf) == payload("k", SIZE).tobytes()
 

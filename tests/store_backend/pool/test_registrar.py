@@ -162,13 +162,13 @@ def test_a_batch_of_128_puts_is_registered_whole_through_a_blip_and_a_refused_ke
         keys = [f"b{i:03d}" for i in range(128)]  # batches of 32: a blip hits one before b064's
         d.register("X", [("b064", Location("X", "dram", 1))])
         d.remove(["b064"])  # removed pool-wide before it is put here: this node's copy is newer
-        time.sleep(0.1)
+        time.sleep(0.1)  # past clock_skew_s: the puts below are clearly newer than the remove
         small = 4 << 10
         assert store.put(keys[:1], [payload(keys[0], small)]) == [Status.OK]
         assert store.put(keys[1:], [payload(k, small) for k in keys[1:]]) == [Status.OK] * 127
         end = time.monotonic() + 20
         while d.leading(keys) < len(keys) and time.monotonic() < end:
-            time.sleep(0.02)
+            time.sleep(0.02)  # poll interval; the loop has a deadline
         missing = [k for k, ls in zip(keys, d.locate(keys)) if not ls]
         assert not missing, (len(missing), missing[:5], reg.counters, flaky.calls)
         assert flaky.calls > fail_at and reg.counters["directory_errors"] >= 1  # the blip happened
@@ -199,7 +199,7 @@ def test_committed_after_vouches_only_for_own_puts_and_only_with_every_event_see
     unsubscribe = store.subscribe(blocker)
     try:
         t0 = time.time()
-        time.sleep(0.01)
+        time.sleep(0.01)  # the puts below commit clearly after t0
         assert store.put(["own", "peer"], [payload("own", SIZE), payload("peer", SIZE)]) == [Status.OK] * 2
         assert reg.committed_after(["own", "peer", "never"], t0) == [True, False, False]
         assert reg.committed_after(["own"], time.time() + 1) == [False]

@@ -178,7 +178,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced():
         t = transport(streams=1)
         try:
             assert t.put(srv.address, ["i"], [payload("i", 100)]) == [Status.OK]
-            time.sleep(0.8)  # the server ends the idle connection
+            assert wait_for(lambda: not srv._conns), "the server did not end the idle connection"
             out = np.zeros(100, np.uint8)
             assert t.get_into(srv.address, ["i"], [out]) == [ReadResult(Status.OK, 100)]
             assert t.stats()["connections"] == 2
@@ -234,7 +234,7 @@ def test_silent_unauthenticated_sockets_do_not_lock_legitimate_peers_out():
                         except OSError:
                             s.close()
                             socks.remove(s)
-                    time.sleep(0.05)
+                    time.sleep(0.05)  # the attacker's pace
             finally:
                 for s in socks:
                     s.close()
@@ -252,7 +252,7 @@ def test_silent_unauthenticated_sockets_do_not_lock_legitimate_peers_out():
                     outcomes.append(t.get_into(srv.address, ["lock/k"], [out], timeout_s=2.0)[0].status)
                 finally:
                     t.close()
-                time.sleep(0.2)
+                time.sleep(0.2)  # the pace of fresh peers during the attack
         finally:
             stop.set()
             th.join(10)

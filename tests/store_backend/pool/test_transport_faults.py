@@ -31,7 +31,7 @@ def test_server_killed_mid_stream_of_reads_gives_correct_bytes_or_io_error():
     killed = threading.Event()
     try:
         def killer() -> None:
-            time.sleep(0.4)
+            time.sleep(0.4)  # the kill comes 0.4 s into the reads, by design
             os.kill(server.proc.pid, signal.SIGKILL)
             killed.set()
 
@@ -74,7 +74,7 @@ def _dying_putter(address: str, key: str, size: int, ready: "multiprocessing.syn
     assert accept.op == "put_accept" and accept.statuses == [0], accept
     sock.sendall(payload(key, size // 2).tobytes())
     ready.set()
-    time.sleep(60)
+    time.sleep(60)  # holds the half-sent put until the test kills it
 
 
 def test_a_client_killed_mid_put_leaves_nothing_visible_or_reserved():
@@ -286,7 +286,7 @@ def test_a_header_trickled_byte_by_byte_is_cut_frame_timeout_s_after_its_first_b
         sock, _ = _handshake(srv.address)
         with sock:
             closed = _closed_at(sock)
-            time.sleep(2.0)
+            time.sleep(2.0)  # the idle gap under test: past frame_timeout_s, under idle_timeout_s
             data = encode(Header(op="get", req=1, keys=["slow/" + "x" * 40], sizes=[10]))
             first = time.monotonic()
             for b in data:
@@ -296,7 +296,7 @@ def test_a_header_trickled_byte_by_byte_is_cut_frame_timeout_s_after_its_first_b
                     sock.send(bytes([b]))
                 except OSError:
                     break
-                time.sleep(0.2)
+                time.sleep(0.2)  # the trickle's pace, by design
             assert wait_for(lambda: bool(closed), 10.0)
             took = closed[0] - first
             assert took < 1.0 + 0.8, f"closed {took:.2f} s after the header's first byte (frame_timeout_s=1)"
@@ -343,7 +343,7 @@ def test_a_server_of_another_wire_version_is_named_as_such():
             conn, _ = listener.accept()
             with conn:
                 conn.sendall(b"MKVP2" + os.urandom(32))
-                time.sleep(0.5)
+                time.sleep(0.5)  # the old node keeps the connection open while the client reads
 
         th = threading.Thread(target=greet)
         th.start()

@@ -203,7 +203,7 @@ def wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
     while time.monotonic() < deadline:
         if cond():
             return True
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the loop has a deadline
     return bool(cond())
 
 
