@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
 
+from tests.processes import stop  # noqa: E402
 from tests.vllm_plugin.tiny_model import write_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,13 +125,7 @@ class _ForkServer:
             conn.close()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc, kill_wait_s=10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

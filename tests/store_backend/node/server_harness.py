@@ -27,6 +27,7 @@ from store_backend.node import protocol as p
 from store_backend.node.fdpass import recv_fd
 from store_backend.node.segment import map_segment
 from store_backend.node.server import NodeService
+from tests.processes import stop
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -236,13 +237,7 @@ class ServiceProcess:
 
     def close(self, *, unlink_leftovers: bool = True) -> None:
         """Stop it (SIGTERM, then SIGKILL after 30 s) and remove what a kill leaves in /dev/shm."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop(self.proc)
         self.log.close()
         if unlink_leftovers:
             unlink_free_segments(self.cfg["store"]["dram"]["shm_name"])
