@@ -15,6 +15,7 @@ from mooncake_kv.bench.serve import (attribute_sources, by_turn, compare_tokens,
                                      summarize)
 from mooncake_kv.bench.serve_workload import (build_workload, conversation_parents, conversations, max_hit_blocks,
                                               sample_conversations, shared_prefix_blocks)
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("hit_ratio_alone", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
@@ -182,8 +183,8 @@ def test_bench_serve_smoke_run(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "mooncake_kv.cli", "bench", "serve", "--json", "--trace",
            str(_write_trace(tmp_path / "t.jsonl")), "--requests", "8", "--tokens-per-block", "32",
            "--time-scale", "10", "--vllm-blocks", "24", "--layers", "2", "--hidden", "128", "--heads", "2",
-           "--kv-heads", "1", "--intermediate", "256", "--configs", "alone,dram_ssd", "--work-dir", str(tmp_path / "work"),
-           "--plot", str(plot)]
+           "--kv-heads", "1", "--intermediate", "256", "--configs", "alone,dram_ssd", "--port", str(free_port()),
+           "--work-dir", str(tmp_path / "work"), "--plot", str(plot)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

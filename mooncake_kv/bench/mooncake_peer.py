@@ -46,11 +46,6 @@ PYTHON_ENV = "MKV_MOONCAKE_PYTHON"
 READY = "MOONCAKE_STORAGE_READY"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _mooncake_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -107,14 +102,17 @@ def measure(sizes: list[int], batch_bytes: int, repeat: int, *, python: str | No
     env = _mooncake_env()
     master = storage = None
     deadline = time.monotonic() + timeout_s
+    # Imported here: main() runs under Mooncake's interpreter, which has not this project.
+    from mooncake_kv.bench.ports import free_port
+
     try:
-        port = _free_port()
+        port = free_port()
         master_log = workdir / "master.log"
         with open(master_log, "wb") as log:
             master = subprocess.Popen(
                 [str(master_bin), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
                  "--enable_http_metadata_server=false", "--metrics_host=127.0.0.1",
-                 f"--metrics_port={_free_port()}", "--logtostderr=true"],
+                 f"--metrics_port={free_port()}", "--logtostderr=true"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         address = f"127.0.0.1:{port}"
         while True:

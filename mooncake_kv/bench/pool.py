@@ -53,6 +53,7 @@ from rich.table import Table
 
 from mooncake_kv.bench import mooncake_peer
 from mooncake_kv.bench.node_service import BenchNodeService
+from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.store import _aligned
 from store_backend.config import parse_size
 from store_backend.node.client import NodeClient
@@ -83,12 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout-s", type=float, default=120.0, help="how long a service may take to start")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Redis:
     """``redis-server`` on 127.0.0.1 at a free port, no persistence, in a private directory."""
 
@@ -98,7 +93,7 @@ class _Redis:
             raise SystemExit("bench pool: redis-server is not installed (apt-get install redis-server), "
                              "or pass --redis-url")
         self.directory = Path(tempfile.mkdtemp(prefix="mkv-bench-redis-"))
-        self.port = _free_port()
+        self.port = free_port()
         conf = self.directory / "redis.conf"
         conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\nsave \"\"\nappendonly no\n"
                         f"logfile {self.directory / 'redis.log'}\n")

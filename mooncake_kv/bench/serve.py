@@ -49,7 +49,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.serve_plot import write_plot
 from mooncake_kv.bench.serve_workload import SAMPLES, ServeRequest, build_workload
 
@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a real model directory (the CUDA path); default on CPU: seeded random weights")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="cores kept free of vLLM's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU)")
+    p.add_argument("--port", type=int, default=0,
+                   help="the port each configuration's server listens on, one server at a time "
+                        "(default 0: a free port the kernel picks for each)")
     p.add_argument("--work-dir", type=Path, default=None, help="model, SSD directories and logs (default: temp)")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: WORK_DIR/bench_serve.png)")
 
@@ -228,11 +231,6 @@ def configurations(names: list[str], *, work: Path, chunk_tokens: int, dram_byte
 
 
 # -- one server ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _vllm_command(model: Path) -> list[str]:
     # The server ``vllm serve MODEL`` runs. The ``vllm`` console script itself reads vLLM's package
@@ -496,7 +494,7 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
     order (``tier_tokens`` set), the run's wall time and the counters' change over the run.
     The server is stopped before this returns or raises."""
     shutil.rmtree(work / f"ssd-{cfg.name}", ignore_errors=True)
-    port = _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / f"server-{cfg.name}.log"
     proc = start_server(cfg, model=model, port=port, block_size=BLOCK_SIZE, max_model_len=max_model_len,
