@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -64,6 +65,7 @@ from tqdm import tqdm
 
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.serve_plot import write_plot
+from mooncake_kv.bench.serve_suite import SUITE_NAME, options_the_suite_sets, suite_runs, suite_summary
 from mooncake_kv.bench.serve_workload import SAMPLES, ServeRequest, build_workload
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,25 @@ CPU_PEERS_SKIPPED = ("vLLM's OffloadingConnector and LMCache are not run: no CUD
                      "to recompute)")
 
 
+def _vllm_blocks(text: str) -> int | str:
+    if text == "working-set":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of blocks or 'working-set', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 block, got {n}")
+    return n
+
+
+def working_set_blocks(workload: list[ServeRequest], tokens_per_block: int) -> int:
+    """vLLM blocks that hold every block ``workload`` sends: its distinct trace blocks, and one block
+    per request for its own last token (and the tokens it generates)."""
+    distinct = len({h for r in workload for h in r.hash_ids})
+    return distinct * (tokens_per_block // BLOCK_SIZE) + len(workload)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", type=Path, default=ROOT / "traces" / "conversation_trace.jsonl")
@@ -89,19 +110,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="index of the first trace request (--sample time) or conversation (conversations) taken")
     p.add_argument("--sample", choices=SAMPLES, default="time",
                    help="time: the first --requests in arrival order; conversations: whole multi-turn "
-                        "conversations (derived from the hash ids) at their own trace times")
+                        "conversations (derived from the hash ids) at their own trace times; window: every "
+                        "request of one conversation in --thin within --window seconds from --start-s")
+    p.add_argument("--start-s", type=float, default=0.0,
+                   help="window: the trace time (seconds) the window starts at")
+    p.add_argument("--thin", type=int, default=1,
+                   help="window: one conversation in THIN is taken (those whose first request's row is a multiple)")
+    p.add_argument("--suite", action="store_true",
+                   help="run the pre-registered suite (SUITE in this module, docs/PERFORMANCE.md) --repeats times; "
+                        "the last line is one JSON object of medians; workload options are the suite's own")
+    p.add_argument("--repeats", type=int, default=3, help="--suite: passes over the whole suite")
     p.add_argument("--min-turns", type=int, default=2,
                    help="conversations: only those of at least this many requests (--start counts these)")
     p.add_argument("--window", type=float, default=None, metavar="SECONDS",
                    help="conversations: only those that end within SECONDS of trace time of the first "
-                        "one's start (bounds the run's length)")
+                        "one's start (bounds the run's length); window: the window's length")
     p.add_argument("--tokens-per-block", type=int, default=32,
                    help="tokens per 512-token trace block (< 512; a multiple of 32)")
     p.add_argument("--time-scale", type=float, default=0.5,
                    help="the trace's clock runs this many times faster (arrival time / time scale)")
     p.add_argument("--max-tokens", type=int, default=4, help="generated tokens per request (greedy)")
-    p.add_argument("--vllm-blocks", type=int, default=256,
-                   help="vLLM's own KV blocks (--num-gpu-blocks-override): its prefix cache's size")
+    p.add_argument("--vllm-blocks", type=_vllm_blocks, default=256,
+                   help="vLLM's own KV blocks (--num-gpu-blocks-override), its prefix cache's size, in every "
+                        "configuration alike; 'working-set': enough for every block the workload sends "
+                        "(its distinct trace blocks plus one block of its own per request), so nothing is evicted")
     p.add_argument("--dram-fraction", type=float, default=0.1,
                    help="the DRAM tier's size as a fraction of the run's distinct KV bytes")
     p.add_argument("--configs", default="alone,dram,dram_ssd",
@@ -239,8 +271,9 @@ def _vllm_command(model: Path) -> list[str]:
 
 
 def start_server(cfg: ServerConfig, *, model: Path, port: int, block_size: int, max_model_len: int,
-                 vllm_blocks: int, reserved_cpus: int, cuda: bool, log: Path) -> subprocess.Popen:
-    """Start ``vllm serve`` for ``cfg`` (output to ``log``); the caller waits for health and stops it."""
+                 vllm_blocks: int, reserved_cpus: int, cuda: bool, log: Path, kv_space_gib: int = 1) -> subprocess.Popen:
+    """Start ``vllm serve`` for ``cfg`` (output to ``log``); the caller waits for health and stops it.
+    ``kv_space_gib``: the CPU build's KV space, which must hold ``vllm_blocks``."""
     cmd = [*_vllm_command(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--block-size", str(block_size), "--dtype", "float32",
            "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
@@ -250,7 +283,7 @@ def start_server(cfg: ServerConfig, *, model: Path, port: int, block_size: int, 
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "TOKENIZERS_PARALLELISM": "false", **cfg.env}
     if not cuda:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
         if reserved_cpus:
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
@@ -488,7 +521,7 @@ def _cuda() -> bool:
 
 
 def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[ServeRequest],
-                args: argparse.Namespace, max_model_len: int, vocab: int,
+                args: argparse.Namespace, max_model_len: int, vocab: int, vllm_blocks: int, kv_space_gib: int,
                 cuda: bool) -> tuple[list[dict], float, dict[str, float]]:
     """One configuration on a fresh server (and a fresh SSD directory): its records in arrival
     order (``tier_tokens`` set), the run's wall time and the counters' change over the run.
@@ -498,7 +531,8 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
     url = f"http://127.0.0.1:{port}"
     log = work / f"server-{cfg.name}.log"
     proc = start_server(cfg, model=model, port=port, block_size=BLOCK_SIZE, max_model_len=max_model_len,
-                        vllm_blocks=args.vllm_blocks, reserved_cpus=args.reserved_cpus, cuda=cuda, log=log)
+                        vllm_blocks=vllm_blocks, kv_space_gib=kv_space_gib, reserved_cpus=args.reserved_cpus,
+                        cuda=cuda, log=log)
     try:
         wait_healthy(url, proc, log)
         _warm_up(url, vocab)
@@ -522,6 +556,66 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite:
+        return run_suite(args)
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k in ("hit_ratio_alone", "hit_ratio_dram", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
+                  "ttft_p50_s_dram_ssd", "ttft_p50_dram_ssd_vs_alone", "ttft_p50_reusable_dram_ssd_vs_alone",
+                  "hit_dram_ssd_vs_max", "plot"):
+            print(f"{k:>28}: {result[k]}")
+    return 1 if any(result["token_mismatches"].values()) else 0
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    """``--suite``: every run of :data:`serve_suite.SUITE`, ``--repeats`` passes, each run's JSON
+    object appended to WORK_DIR/suite-runs.jsonl as it ends; the last line is the summary (exit 1
+    when a run failed or tokens differed)."""
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    fixed = options_the_suite_sets(args, defaults)
+    if fixed:
+        raise SystemExit(f"--suite sets its own workloads and settings (mooncake_kv/bench/serve_suite.py); "
+                         f"drop {', '.join('--' + k.replace('_', '-') for k in fixed)}")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-suite-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args.work_dir = work
+    log = work / "suite-runs.jsonl"
+    records: list[dict[str, Any]] = []
+    passes = [suite_runs(args, defaults) for _ in range(args.repeats)]
+    _progress(f"suite {SUITE_NAME}: {args.repeats} pass(es) of {len(passes[0])} runs; each run's JSON goes to {log}")
+    for rep, runs in enumerate(passes, 1):
+        for name, cache, ns in runs:
+            ns.work_dir = work / f"pass{rep}" / f"{name}-{cache}"
+            ns.plot = ns.work_dir / "bench_serve.png"
+            _progress(f"suite pass {rep}/{args.repeats}: {name}, vLLM cache {cache}")
+            t0 = time.monotonic()
+            rec: dict[str, Any] = {"suite": SUITE_NAME, "pass": rep, "workload": name, "cache": cache}
+            try:
+                rec["result"] = measure(ns)
+            except (RuntimeError, OSError, SystemExit) as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+                _progress(f"suite: {name} at cache {cache} failed: {rec['error'][-2000:]}")
+            rec["wall_s"] = round(time.monotonic() - t0, 1)
+            records.append(rec)
+            with open(log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    summary = suite_summary(records, args.repeats)
+    summary["runs_file"] = str(log)
+    summary["wall_s"] = round(sum(r["wall_s"] for r in records), 1)
+    print(json.dumps(summary))
+    return 1 if summary["failed_runs"] or summary["token_mismatches"] else 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``bench serve`` run: every configuration of ``args.configs`` on the workload; its JSON
+    object (``token_mismatches`` names any request whose tokens differ from vLLM alone's). Raises
+    SystemExit for bad options, RuntimeError when a server of ours fails."""
     tpb = args.tokens_per_block
     if tpb % BLOCK_SIZE:
         raise SystemExit(f"--tokens-per-block must be a multiple of {BLOCK_SIZE} (vLLM's block size: the CPU "
@@ -532,7 +626,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = build_workload(args.trace, requests=args.requests, tokens_per_block=tpb,
                                   time_scale=args.time_scale, vocab=shape.vocab, start=args.start,
-                                  sample=args.sample, min_turns=args.min_turns, window_s=args.window)
+                                  sample=args.sample, min_turns=args.min_turns, window_s=args.window,
+                                  start_s=args.start_s, thin=args.thin)
     except ValueError as e:  # TraceError included
         raise SystemExit(str(e)) from None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-serve-"))
@@ -546,6 +641,9 @@ def run(args: argparse.Namespace) -> int:
     dram_bytes = max(8 << 20, int(working_set_bytes * args.dram_fraction))
     ssd_bytes = max(256 << 20, 4 * working_set_bytes)
     max_model_len = max(len(r.prompt) for r in workload) + args.max_tokens + 64
+    vllm_blocks = (working_set_blocks(workload, tpb) if args.vllm_blocks == "working-set" else int(args.vllm_blocks))
+    # The CPU build's KV space must hold vLLM's blocks (a quarter more for its own rounding).
+    kv_space_gib = max(1, math.ceil(vllm_blocks * BLOCK_SIZE * shape.kv_bytes_per_token * 1.25 / 2**30))
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     try:
         configs = configurations(names, work=work, chunk_tokens=tpb, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes,
@@ -557,14 +655,15 @@ def run(args: argparse.Namespace) -> int:
     _progress(f"{len(workload)} requests from {args.trace.name} ({args.sample} sample from #{args.start}), "
               f"sent over {workload[-1].send_at_s:.0f} s, {tpb} tokens per trace block, "
               f"time scale {args.time_scale}; working set {working_set_bytes / 2**20:.0f} MiB of KV, DRAM tier "
-              f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {args.vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
+              f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
     runs: dict[str, list[dict]] = {}
     summary: dict[str, dict] = {}
     for cfg in configs:
         _progress(f"{cfg.name}: starting vllm serve")
         try:
             recs, wall_s, totals = _run_config(cfg, work=work, model=model, workload=workload, args=args,
-                                               max_model_len=max_model_len, vocab=shape.vocab, cuda=cuda)
+                                               max_model_len=max_model_len, vocab=shape.vocab,
+                                               vllm_blocks=vllm_blocks, kv_space_gib=kv_space_gib, cuda=cuda)
         except (RuntimeError, OSError) as e:
             if cfg.name not in PEERS:
                 raise
@@ -615,11 +714,12 @@ def run(args: argparse.Namespace) -> int:
         "configs": summary, "plot": str(plot),
         "workload": {"trace": str(args.trace), "sample": args.sample, "requests": len(workload),
                      "start": args.start, "min_turns": args.min_turns, "window_s": args.window,
+                     "start_s": args.start_s, "thin": args.thin,
                      "conversations": len({r.conversation for r in workload if r.turn}),
                      "tokens_per_block": tpb, "time_scale": args.time_scale, "max_tokens": args.max_tokens,
                      "prompt_tokens": prompt_total, "working_set_bytes": working_set_bytes,
                      "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
-                     "vllm_cache_tokens": args.vllm_blocks * BLOCK_SIZE},
+                     "vllm_cache_tokens": vllm_blocks * BLOCK_SIZE, "vllm_blocks_option": args.vllm_blocks},
         "model": {"path": str(model), "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
                   "kv_heads": shape.kv_heads, "intermediate": shape.intermediate, "dtype": "float32",
                   "weights": "given" if args.model else "seeded random"},
@@ -632,14 +732,7 @@ def run(args: argparse.Namespace) -> int:
     bad = {n: m for n, m in mismatches.items() if m}
     if bad:
         _progress(f"TOKENS DIFFER from vLLM alone: {bad}")
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k in ("hit_ratio_alone", "hit_ratio_dram", "hit_ratio_dram_ssd", "hit_ratio_max", "ttft_p50_s_alone",
-                  "ttft_p50_s_dram_ssd", "ttft_p50_dram_ssd_vs_alone", "ttft_p50_reusable_dram_ssd_vs_alone",
-                  "hit_dram_ssd_vs_max", "plot"):
-            print(f"{k:>28}: {result[k]}")
-    return 1 if bad else 0
+    return result
 
 
 if __name__ == "__main__":

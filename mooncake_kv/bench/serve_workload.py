@@ -27,6 +27,15 @@ Two ways to choose the requests (``sample``):
   trace times (relative to the first chosen request, divided by ``time_scale``), so conversations
   interleave as in the trace.
 
+- ``window``: every request that arrives within ``window_s`` trace seconds from ``start_s`` and
+  belongs to one of every ``thin`` conversations (those whose first request's row index is a
+  multiple of ``thin``), single requests and 2-turn conversations included. Conversations are the
+  same trees as above, found over the whole trace, so a conversation that began before the window
+  keeps its true turn numbers (its earlier turns are not sent, as on a server started at
+  ``start_s``) and one that goes on after the window is cut at its end. Nothing is chosen by its
+  length or its turns, so the sample reuses what the trace reuses at that time, thinned by
+  ``thin`` (the requests between two turns of a conversation are thinned alike).
+
 Pure functions, no I/O beyond reading the trace; called on the caller's thread.
 """
 
@@ -125,14 +134,10 @@ def conversations(hash_rows: Sequence[Sequence[int]]) -> list[list[tuple[int, in
     """The trace's multi-turn conversations: each a list of (row index, turn) in arrival order,
     turn 1 the first request; conversations in the order of their first request; single requests
     left out."""
-    parents = conversation_parents(hash_rows, shared_prefix_blocks(hash_rows))
-    root: list[int] = []
-    turn: list[int] = []
+    root, turn = conversation_roots(hash_rows)
     groups: dict[int, list[tuple[int, int]]] = {}
-    for i, p in enumerate(parents):
-        root.append(i if p is None else root[p])
-        turn.append(1 if p is None else turn[p] + 1)
-        groups.setdefault(root[i], []).append((i, turn[i]))
+    for i, r in enumerate(root):
+        groups.setdefault(r, []).append((i, turn[i]))
     return [g for _, g in sorted(groups.items()) if len(g) > 1]
 
 
@@ -168,17 +173,41 @@ def sample_conversations(hash_rows: Sequence[Sequence[int]], *, requests: int, s
     return sorted(chosen)
 
 
-SAMPLES = ("time", "conversations")
+def conversation_roots(hash_rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Per row, the row index of its conversation's first request (itself for a single request or
+    a first turn) and its turn (1 for a first request), by :func:`conversation_parents`."""
+    parents = conversation_parents(hash_rows, shared_prefix_blocks(hash_rows))
+    root: list[int] = []
+    turn: list[int] = []
+    for i, p in enumerate(parents):
+        root.append(i if p is None else root[p])
+        turn.append(1 if p is None else turn[p] + 1)
+    return root, turn
+
+
+def sample_window(hash_rows: Sequence[Sequence[int]], times_s: Sequence[float], *, start_s: float,
+                  window_s: float, thin: int) -> list[tuple[int, int, int]]:
+    """The rows that arrive in ``[start_s, start_s + window_s)`` and belong to a conversation whose
+    first row index is a multiple of ``thin``: (row index, conversation, turn) in arrival order
+    (the rule is in the module docstring)."""
+    root, turn = conversation_roots(hash_rows)
+    return [(i, root[i], turn[i]) for i, t in enumerate(times_s)
+            if start_s <= t < start_s + window_s and root[i] % thin == 0]
+
+
+SAMPLES = ("time", "conversations", "window")
 
 
 def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, time_scale: float,
                    vocab: int, start: int = 0, sample: str = "time", min_turns: int = 2,
-                   window_s: float | None = None) -> list[ServeRequest]:
+                   window_s: float | None = None, start_s: float = 0.0, thin: int = 1) -> list[ServeRequest]:
     """The chosen requests of the trace as :class:`ServeRequest`, in arrival order (raises
     ValueError naming the bad argument; TraceError for an unreadable trace). ``sample``: ``time``
-    (requests ``start`` .. ``start + requests``) or ``conversations`` (whole conversations of
+    (requests ``start`` .. ``start + requests``), ``conversations`` (whole conversations of
     ``min_turns`` requests or more from the ``start``-th such one on, within ``window_s`` trace
-    seconds when given; see the module docstring and :func:`sample_conversations`).
+    seconds when given; see the module docstring and :func:`sample_conversations`) or ``window``
+    (one conversation in ``thin``, every request of it in ``[start_s, start_s + window_s)``, at most
+    ``requests``: :func:`sample_window`).
 
     Arrival times are relative to the first chosen request and divided by ``time_scale``; the
     trace's ceiling (``max_hit_blocks``) is computed over exactly the chosen requests.
@@ -199,11 +228,34 @@ def build_workload(trace_path: Path, *, requests: int, tokens_per_block: int, ti
         raise ValueError(f"--window must be > 0 trace seconds, got {window_s}")
     if sample == "time" and (min_turns != 2 or window_s is not None):
         raise ValueError("--min-turns and --window choose conversations: they need --sample conversations")
+    if sample != "window" and (start_s != 0.0 or thin != 1):
+        raise ValueError("--start-s and --thin choose a window: they need --sample window")
+    if sample == "window":
+        if window_s is None:
+            raise ValueError("--sample window needs --window SECONDS")
+        if start_s < 0:
+            raise ValueError(f"--start-s must be >= 0, got {start_s}")
+        if thin < 1:
+            raise ValueError(f"--thin must be >= 1, got {thin}")
+        if start != 0 or min_turns != 2:
+            raise ValueError("--start and --min-turns choose by index and by turns: --sample window takes "
+                             "--start-s, --window and --thin")
     if sample == "time":
         trace = load_trace(trace_path, max_requests=start + requests)
         picked = [(start + i, -1, 0) for i in range(len(trace.requests[start:start + requests]))]
         if not picked:
             raise ValueError(f"{trace_path} has no requests from index {start}")
+    elif sample == "window":
+        trace = load_trace(trace_path)
+        picked = sample_window([r.hash_ids for r in trace.requests], [r.timestamp_s for r in trace.requests],
+                               start_s=start_s, window_s=float(window_s or 0), thin=thin)
+        if not picked:
+            raise ValueError(f"{trace_path}: no request in [{start_s:g}, {start_s + float(window_s or 0):g}) s "
+                             f"of one conversation in {thin}")
+        if len(picked) > requests:
+            raise ValueError(f"{trace_path}: the window [{start_s:g}, {start_s + float(window_s or 0):g}) s holds "
+                             f"{len(picked)} requests of one conversation in {thin}, more than --requests "
+                             f"{requests}: raise --requests, or narrow the window or thin it more")
     else:
         trace = load_trace(trace_path)
         picked = sample_conversations([r.hash_ids for r in trace.requests], requests=requests, start=start,
