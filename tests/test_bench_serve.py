@@ -198,6 +198,15 @@ def test_bench_serve_smoke_run(tmp_path: Path) -> None:
     # Two of the three configurations: the DRAM-only store's tokens and hits are proven by
     # vllm_plugin/test_e2e_metrics.py (a real vllm serve on a DRAM tier, the same tokens twice).
     assert result["token_mismatches"] == {"dram_ssd": []}
+    # vLLM alone's prefill cost, probed after its workload: 2 layers x K and V x 1 KV head x 64 x 4 bytes.
+    assert result["kv_bytes_per_token"] == 2 * 2 * 1 * 64 * 4
+    assert result["prefill"]["tokens"][0] < result["prefill"]["tokens"][1] <= 485
+    assert all(t > 0 for t in result["prefill"]["request_s"])
+    # On this 128-wide model the two lengths may cost the same within the noise: no slope, no
+    # break-even (the formula is tested in test_bench_serve_suite.py).
+    if result["prefill_s_per_token"] is not None:
+        assert result["break_even_load_gbps"] == pytest.approx(
+            result["kv_bytes_per_token"] / result["prefill_s_per_token"] / 1e9, rel=2e-3)
     assert result["hit_ratio_max"] == pytest.approx(32 * 32 / sum(32 * len(r) + 1 for r in ROWS), abs=1e-4)
     # vLLM's own cache (24 blocks) has lost the prefixes by the time they return; the store has not.
     dram_ssd = result["configs"]["dram_ssd"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import _vllm_blocks, add_arguments, working_set_blocks
+from mooncake_kv.bench.serve import (ModelShape, _vllm_blocks, add_arguments, break_even, kv_bytes_per_token,
+                                     working_set_blocks)
 from mooncake_kv.bench.serve_suite import (SUITE, SUITE_CACHES, SUITE_NAME, options_the_suite_sets, suite_runs,
                                            suite_summary)
 from mooncake_kv.bench.serve_workload import build_workload, sample_window
@@ -126,3 +127,16 @@ def test_the_summary_is_medians_min_and_max_over_passes_and_lists_failures() -> 
     assert s["failed_runs"] == [{"workload": "window-900", "cache": 256,
                                  "error": "RuntimeError: vllm serve exited with 1"}]
     assert s["token_mismatches"] == [{"workload": "window-900", "cache": 256, "mismatches": {"dram_ssd": [3]}}]
+
+
+def test_break_even_is_kv_bytes_over_prefill_time_per_token(tmp_path: Path) -> None:
+    shape = ModelShape(2, 512, 8, 4, 1024)
+    assert kv_bytes_per_token(tmp_path, shape, given=False) == 2 * 2 * 4 * 64 * 4 == 4096
+    # A given model: its config.json (Llama-3-8B's shape: 32 layers, 8 KV heads of 128), in float32.
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "hidden_size": 4096,
+                                                      "num_hidden_layers": 32, "num_key_value_heads": 8}))
+    assert kv_bytes_per_token(tmp_path, shape, given=True) == 32 * 2 * 8 * 128 * 4
+    assert break_even(4096, {"s_per_token": 0.001}) == {
+        "kv_bytes_per_token": 4096, "prefill_s_per_token": 0.001, "break_even_load_gbps": 0.004096}
+    assert break_even(4096, None)["break_even_load_gbps"] is None
+    assert break_even(4096, {"s_per_token": None})["break_even_load_gbps"] is None

@@ -47,6 +47,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import os
 import re
 import shutil
@@ -93,6 +94,28 @@ def _vllm_blocks(text: str) -> int | str:
     if n < 1:
         raise argparse.ArgumentTypeError(f"at least 1 block, got {n}")
     return n
+
+
+def kv_bytes_per_token(model: Path, shape: ModelShape, *, given: bool) -> int:
+    """KV bytes per token of the served model (float32, as the servers run it): the seeded model's
+    shape, or a given model's ``config.json``."""
+    if not given:
+        return shape.kv_bytes_per_token
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
+
+
+def break_even(kv_bytes: int, prefill: dict[str, Any] | None) -> dict[str, Any]:
+    """``kv_bytes_per_token``, ``prefill_s_per_token`` and ``break_even_load_gbps`` (GB/s, 1e9
+    bytes: the read bandwidth at which loading a token's KV takes as long as computing it)."""
+    per_token = prefill.get("s_per_token") if prefill else None
+    if not per_token:
+        return {"kv_bytes_per_token": kv_bytes, "prefill_s_per_token": None, "break_even_load_gbps": None}
+    per_token = float(f"{per_token:.4g}")  # four significant digits, the break-even computed from them
+    return {"kv_bytes_per_token": kv_bytes, "prefill_s_per_token": per_token,
+            "break_even_load_gbps": float(f"{kv_bytes / per_token / 1e9:.4g}")}
 
 
 def working_set_blocks(workload: list[ServeRequest], tokens_per_block: int) -> int:
@@ -422,6 +445,32 @@ def _warm_up(url: str, vocab: int) -> None:
             r.read()
 
 
+def prefill_cost(url: str, vocab: int, max_model_len: int, repeats: int = 3) -> dict[str, Any]:
+    """The server's prefill time per token, with nothing cached: sequential one-token requests of
+    fresh tokens at a short and a long length (median of ``repeats`` each); the slope between them
+    (seconds per token) leaves out the fixed cost of a request. Run after the workload, on vLLM
+    alone, so it touches no measured cache."""
+    long_n = min(2048, max_model_len - 8)
+    short_n = max(32, long_n // 8)
+    rng = random.Random(20261205)
+    times: dict[int, float] = {}
+    for n in (short_n, long_n):
+        took = []
+        for _ in range(repeats):
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+                r.read()
+            took.append(time.perf_counter() - t0)
+        times[n] = sorted(took)[len(took) // 2]
+    slope = (times[long_n] - times[short_n]) / (long_n - short_n)
+    return {"tokens": [short_n, long_n], "request_s": [round(times[short_n], 4), round(times[long_n], 4)],
+            "s_per_token": slope if slope > 0 else None}
+
+
 # -- summary ---------------------------------------------------------------------------------------
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
@@ -522,9 +571,11 @@ def _cuda() -> bool:
 
 def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[ServeRequest],
                 args: argparse.Namespace, max_model_len: int, vocab: int, vllm_blocks: int, kv_space_gib: int,
-                cuda: bool) -> tuple[list[dict], float, dict[str, float]]:
+                cuda: bool, probe_prefill: bool = False
+                ) -> tuple[list[dict], float, dict[str, float], dict[str, Any] | None]:
     """One configuration on a fresh server (and a fresh SSD directory): its records in arrival
-    order (``tier_tokens`` set), the run's wall time and the counters' change over the run.
+    order (``tier_tokens`` set), the run's wall time, the counters' change over the run, and with
+    ``probe_prefill`` the server's :func:`prefill_cost` measured after the workload.
     The server is stopped before this returns or raises."""
     shutil.rmtree(work / f"ssd-{cfg.name}", ignore_errors=True)
     port = args.port or free_port()
@@ -546,13 +597,14 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
         time.sleep(1.0)  # the engine publishes its last step's counters with its next report
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             after = parse_metrics(r.read().decode())
+        prefill = prefill_cost(url, vocab, max_model_len) if probe_prefill else None
     finally:
         stop_server(proc)
     totals = {k: v - before.get(k, 0.0) for k, v in after.items()}
     fails = load_failures(log.read_text(errors="replace"))
     totals |= {"load_failures:" + k: float(v) for k, v in fails.items()}
     attribute_sources(recs, totals)
-    return recs, wall_s, totals
+    return recs, wall_s, totals, prefill
 
 
 def run(args: argparse.Namespace) -> int:
@@ -658,12 +710,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
               f"{dram_bytes / 2**20:.0f} MiB, vLLM's own cache {vllm_blocks * BLOCK_SIZE} tokens; logs in {work}")
     runs: dict[str, list[dict]] = {}
     summary: dict[str, dict] = {}
+    prefill: dict[str, Any] | None = None
     for cfg in configs:
         _progress(f"{cfg.name}: starting vllm serve")
         try:
-            recs, wall_s, totals = _run_config(cfg, work=work, model=model, workload=workload, args=args,
-                                               max_model_len=max_model_len, vocab=shape.vocab,
-                                               vllm_blocks=vllm_blocks, kv_space_gib=kv_space_gib, cuda=cuda)
+            recs, wall_s, totals, probed = _run_config(
+                cfg, work=work, model=model, workload=workload, args=args, max_model_len=max_model_len,
+                vocab=shape.vocab, vllm_blocks=vllm_blocks, kv_space_gib=kv_space_gib, cuda=cuda,
+                probe_prefill=cfg.name == "alone")
         except (RuntimeError, OSError) as e:
             if cfg.name not in PEERS:
                 raise
@@ -674,6 +728,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             continue
         runs[cfg.name] = recs
         summary[cfg.name] = summarize(recs, wall_s, totals)
+        if probed is not None:
+            prefill = probed
         s = summary[cfg.name]
         _progress(f"{cfg.name}: hit ratio {s['hit_ratio']:.3f}, TTFT p50 {s['ttft_p50_s']:.3f} s, "
                   f"p90 {s['ttft_p90_s']:.3f} s, {s['throughput_req_s']:.2f} req/s, by source {s['cached_by_source']}")
@@ -724,6 +780,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                   "kv_heads": shape.kv_heads, "intermediate": shape.intermediate, "dtype": "float32",
                   "weights": "given" if args.model else "seeded random"},
         "peers": "run" if cuda else CPU_PEERS_SKIPPED,
+        # Where a load pays: KV bytes per token over vLLM alone's prefill time per token (a tier
+        # that reads slower than this is slower than recomputing, on this model and machine).
+        "prefill": prefill, **break_even(kv_bytes_per_token(model, shape, given=args.model is not None), prefill),
     }
     for name in PEERS:
         if name in runs:

@@ -467,7 +467,18 @@ def test_losing_the_channel_at_run_time_stops_caching_until_it_is_back(redis_ser
     d.register("a", [("k", loc("a")), ("j", loc("a"))])
     cache = CachedDirectory(d, cache_ttl_s=60.0)
     try:
-        assert cache.locate(["k"]) == [[loc("a")]] and len(cache) == 1 and d.invalidations_live()
+        # The first lookup subscribes; the listener joins the channel on its own thread, and
+        # until it holds it nothing is cached.
+        assert cache.locate(["k"]) == [[loc("a")]]
+        deadline = time.monotonic() + 10
+        while not d.invalidations_live() and time.monotonic() < deadline:
+            time.sleep(0.02)  # poll interval; the loop has a deadline
+        assert d.invalidations_live()
+        # The join's gap callback clears the cache once, maybe just after the flag turned True.
+        deadline = time.monotonic() + 5
+        while not (cache.locate(["k"]) == [[loc("a")]] and len(cache) == 1) and time.monotonic() < deadline:
+            time.sleep(0.05)  # poll interval; the loop has a deadline
+        assert cache.locate(["k"]) == [[loc("a")]] and len(cache) == 1
         admin.execute_command("ACL", "SETUSER", "pool", "resetchannels")
         admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
         deadline = time.monotonic() + 5
