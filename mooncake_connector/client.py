@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from mooncake_connector.metrics import ClientCounters, ConnectorFailures, ConnectorLatency, ConnectorStats, copy_stats
+from mooncake_connector.metrics import ConnectorCounters, ConnectorFailures, ConnectorLatency, ConnectorStats, copy_stats
 from store_backend.api import KVStore  # the store interface; re-exported here for callers
 from store_backend.threads import Deadline, shutdown_pool
 from store_backend.slots import Reservation, SlotLease
@@ -89,7 +89,7 @@ class KVClient:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}  # key -> its save in flight
-        self.counters = ClientCounters()
+        self.counters = ConnectorCounters()
         self.latency = ConnectorLatency()
 
     # -- lifecycle ---------------------------------------------------------------------------------

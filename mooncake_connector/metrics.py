@@ -1,6 +1,6 @@
 """Typed counters of an engine connector, and their Prometheus families (on top of the store's).
 
-:class:`ClientCounters` and :class:`ConnectorLatency` are updated by :class:`KVClient` under its
+:class:`ConnectorCounters` and :class:`ConnectorLatency` are updated by :class:`KVClient` under its
 own lock (its I/O threads and the engine's thread both write); the engine layer adds what only it
 knows (tokens served from the store, staging failures) through :meth:`KVClient.count`. A
 :class:`ConnectorStats` is a copy. :func:`connector_families` maps every field to a family of the
@@ -35,7 +35,7 @@ class ConnectorFailures(msgspec.Struct):
     peer_gone: int = 0
 
 
-class ClientCounters(msgspec.Struct):
+class ConnectorCounters(msgspec.Struct):
     lookups: int = 0
     lookup_keys: int = 0
     lookup_hits: int = 0  # leading keys found
@@ -62,11 +62,11 @@ class ConnectorLatency(msgspec.Struct):
 
 
 class ConnectorStats(msgspec.Struct):
-    counters: ClientCounters = msgspec.field(default_factory=ClientCounters)
+    counters: ConnectorCounters = msgspec.field(default_factory=ConnectorCounters)
     latency: ConnectorLatency = msgspec.field(default_factory=ConnectorLatency)
 
 
-def copy_stats(counters: ClientCounters, latency: ConnectorLatency) -> ConnectorStats:
+def copy_stats(counters: ConnectorCounters, latency: ConnectorLatency) -> ConnectorStats:
     """A deep copy (the caller holds the lock that guards both)."""
     return ConnectorStats(
         counters=msgspec.structs.replace(counters, failures=msgspec.structs.replace(counters.failures)),
@@ -111,7 +111,7 @@ LABEL_VALUES: dict[str, dict[str, str]] = {
 
 def connector_families() -> list[Family]:
     """Every family a :class:`ConnectorStats` fills, in a stable order."""
-    ints = struct_families(ClientCounters, _P, COUNTER, lambda s: s.counters, DESCRIPTIONS)
+    ints = struct_families(ConnectorCounters, _P, COUNTER, lambda s: s.counters, DESCRIPTIONS)
     out = [f for f in ints if f.name != f"{_P}_failures"]
     out.append(Family(f"{_P}_failures", COUNTER, ("kind",), DESCRIPTIONS.get(f"{_P}_failures", ""),
                       lambda s: [((k,), getattr(s.counters.failures, k)) for k in ConnectorFailures.__struct_fields__]))

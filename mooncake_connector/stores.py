@@ -27,7 +27,7 @@ import msgspec
 
 from mooncake_connector.config import ConnectorConfig, NodeAttachConfig
 from mooncake_connector.ranks import RankPosition, rank_store_config
-from mooncake_connector.shared_ssd import SharedDirectoryBackend
+from store_backend.ssd.shared_directory import SharedDirectoryBackend
 from store_backend.api import KVStore
 from store_backend.config import ConfigError, StoreConfig
 from store_backend.metrics import StoreStats
@@ -54,7 +54,7 @@ def acquire_store(config: StoreConfig, *, shared_ssd: bool = False) -> KVStore:
     """The started store for ``config`` in this process (opened on first use; blocking).
 
     ``shared_ssd``: other processes write to the same SSD directory too (see
-    :mod:`mooncake_connector.shared_ssd`); needs an SSD tier with the file backend.
+    :mod:`store_backend.ssd.shared_directory`); needs an SSD tier with the file backend.
     """
     if shared_ssd and config.ssd is None:
         raise ConfigError("shared_ssd: needs a store with an ssd section")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import threading
 import time
@@ -96,8 +95,8 @@ from store_backend.types import (
     byte_view,
     check_batch,
     check_key,
-    MAX_PIN_TTL_S,
     check_ttl_s,
+    check_wait_s,
     copy_bytes,
     nbytes_of,
 )
@@ -690,13 +689,8 @@ class TieredStore:
 
     def _room_wait_s(self, room_wait_s: float | None) -> float:
         """A caller's ``room_wait_s`` checked (None: ``offload.put_wait_s``); ValueError naming it."""
-        if room_wait_s is None:
-            return self.config.offload.put_wait_s
-        if not isinstance(room_wait_s, (int, float)) or isinstance(room_wait_s, bool) \
-                or not math.isfinite(room_wait_s) or not 0 <= room_wait_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"room_wait_s must be None or a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
-                             f"got {room_wait_s!r}")
-        return float(room_wait_s)
+        wait = check_wait_s("room_wait_s", room_wait_s, none_ok=True)
+        return self.config.offload.put_wait_s if wait is None else wait
 
     def _wait_for_room(self, until: float) -> bool:
         """(lock held) Wait for the offload to make DRAM room, until ``until``: woken by an SSD
@@ -1074,10 +1068,7 @@ class TieredStore:
         check_batch(keys)
         ttl_s = check_ttl_s(ttl_s)
         account = self._slots.account(owner, check_group(group))
-        if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
-                or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
-                             f"got {wait_pending_s!r}")
+        check_wait_s("wait_pending_s", wait_pending_s)
         out = [SlotLease(Status.NOT_FOUND, k) for k in keys]
         m = self.metrics_counters
         below: list[int] = []
@@ -1723,9 +1714,7 @@ class TieredStore:
         for commits until they are, then answer what is present at that moment (fewer at the
         deadline). ``wait_s`` outside [0, ``MAX_PIN_TTL_S``]: ValueError naming it."""
         check_batch(keys)
-        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
-                or not 0 <= wait_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {wait_s!r}")
+        check_wait_s("wait_s", wait_s)
         until = time.monotonic() + wait_s
         while True:
             with self._call():

@@ -129,6 +129,19 @@ def check_batch(keys: Sequence[object], buffers: Sequence[object] | None = None)
 MAX_PIN_TTL_S = 3600.0  # the longest a lease (store.pin) may hold an object in DRAM
 
 
+def check_wait_s(name: str, value: object, *, none_ok: bool = False) -> float | None:
+    """``value`` as a float if it is a usable wait (a finite number of seconds in
+    [0, :data:`MAX_PIN_TTL_S`]; None too where ``none_ok``: the caller's default); else ValueError
+    naming ``name``. Every bounded wait a caller passes in is checked here."""
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_PIN_TTL_S:
+        either = "None or " if none_ok else ""
+        raise ValueError(f"{name} must be {either}a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {value!r}")
+    return float(value)
+
+
 def check_ttl_s(ttl_s: float) -> float:
     """``ttl_s`` as a float if it is a usable lease time (a finite number of seconds in
     (0, :data:`MAX_PIN_TTL_S`]); else ValueError naming ``ttl_s``. A lease of inf, nan or a

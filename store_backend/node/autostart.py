@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from store_backend.config import ConfigError
-from store_backend.node.client import NodeAccessError, check_socket_dir, probe
+from store_backend.node.client import probe
+from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach
 from store_backend.node.config import LOCK_NAME as SERVICE_LOCK_NAME
 from store_backend.node.config import load_node_config
 
@@ -133,7 +134,7 @@ class ServiceProcess:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         # An existing directory of another user, or one others may write in, is refused: whoever
         # can write there can serve the socket, or point node.log at one of our files.
-        check_socket_dir(self.directory)
+        check_socket_dir_to_attach(self.directory)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             self._flock(fd, deadline)

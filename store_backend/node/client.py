@@ -41,7 +41,6 @@ import itertools
 import math
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,9 +57,9 @@ from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
 from store_backend.node.fdpass import may_attach, peer_credentials, recv_fd
 from store_backend.node.mapping import MAPPINGS, SegmentMapping
+from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach  # noqa: F401 (re-exported)
 from store_backend.slots import Reservation, SlotLease
 from store_backend.types import (
-    MAX_PIN_TTL_S,
     Buffer,
     FlushReport,
     ReadResult,
@@ -68,6 +67,7 @@ from store_backend.types import (
     byte_view,
     check_batch,
     check_ttl_s,
+    check_wait_s,
     copy_bytes,
     nbytes_of,
 )
@@ -112,12 +112,7 @@ class _Held:
     settling: bool = False
 
 
-class NodeAccessError(PermissionError):
-    """This process may not attach to the node service (another user's socket or service); the
-    message names the socket path and both uids."""
-
-
-class ClientCounters(msgspec.Struct):
+class NodeClientCounters(msgspec.Struct):
     """What the client itself counts (``metrics()["client"]``), beside the service's store stats."""
 
     connects: int = 0  # connections opened (hello answered)
@@ -245,32 +240,6 @@ class _Conn:
             pass
 
 
-def check_socket_dir(directory: str) -> None:
-    """Refuse a socket directory another user could have put a service (or a symlink) in: it must
-    be a real directory (not a link) owned by this user or root, with no access for group or others.
-    NodeAccessError naming the path, owner and mode; FileNotFoundError when it does not exist (no
-    service there)."""
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise NodeAccessError(f"cannot look at the node service's socket directory {directory}: {e}") from None
-    mode = stat.S_IMODE(st.st_mode)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NodeAccessError(f"the node service's socket directory {directory} is not a directory (a "
-                              f"{'symlink' if stat.S_ISLNK(st.st_mode) else 'file'}, owner uid {st.st_uid}, "
-                              f"mode {mode:o}); refusing to attach")
-    if st.st_uid not in (os.getuid(), 0):
-        raise NodeAccessError(f"the node service's socket directory {directory} is owned by uid {st.st_uid} "
-                              f"(mode {mode:o}), not by this process's uid {os.getuid()} or root: another "
-                              f"user could serve that socket; refusing to attach")
-    if mode & 0o077:
-        raise NodeAccessError(f"the node service's socket directory {directory} (owner uid {st.st_uid}) has "
-                              f"mode {mode:o}: group or others have access, so another user could serve that "
-                              f"socket; make it 0700 (chmod 700 {directory}); refusing to attach")
-
-
 def _check_service_peer(sock: socket.socket, path: str) -> None:
     """The process serving ``path`` must run as this user or root (SO_PEERCRED, as the kernel saw it
     at listen()): else NodeAccessError, before a byte is sent to it or read from it."""
@@ -294,7 +263,7 @@ def _hello(path: str, name: str, want_segment: bool, timeout_s: float,
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fd: int | None = None
     try:
-        check_socket_dir(os.path.dirname(os.path.abspath(path)))
+        check_socket_dir_to_attach(os.path.dirname(os.path.abspath(path)))
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
@@ -419,7 +388,7 @@ class NodeClient:
             raise TypeError(f"verify_reads must be a bool or None, got {verify_reads!r}")
         self._verify_reads = verify_reads
         self._starter = starter
-        self.counters = ClientCounters()
+        self.counters = NodeClientCounters()
         self._reset_process_state()
         self._closed = False
         self._last_stats = StoreStats()
@@ -885,9 +854,7 @@ class NodeClient:
         """Leading keys stored (``count_reserved``: saves in flight count); ``wait_s`` > 0 waits that
         long for reserved keys to be committed. 0 when the service cannot be asked."""
         _check_keys(keys)
-        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
-                or not 0 <= wait_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {wait_s!r}")
+        check_wait_s("wait_s", wait_s)
         keys = list(keys)
 
         def body(conn: _Conn) -> int:
@@ -1285,10 +1252,7 @@ class NodeClient:
         _check_keys(keys)
         ttl_s = check_ttl_s(ttl_s)
         _check_owner(owner)
-        if not isinstance(wait_pending_s, (int, float)) or isinstance(wait_pending_s, bool) \
-                or not math.isfinite(wait_pending_s) or not 0 <= wait_pending_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"wait_pending_s must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], "
-                             f"got {wait_pending_s!r}")
+        check_wait_s("wait_pending_s", wait_pending_s)
         keys = list(keys)
 
         def body(conn: _Conn) -> list[SlotLease]:
@@ -1599,11 +1563,7 @@ def _check_parents(parents: Sequence[object] | None, n: int) -> None:
 
 
 def _check_room_wait(room_wait_s: object) -> None:
-    if room_wait_s is None:
-        return
-    if not isinstance(room_wait_s, (int, float)) or isinstance(room_wait_s, bool) or not math.isfinite(room_wait_s) \
-            or not 0 <= room_wait_s <= MAX_PIN_TTL_S:
-        raise ValueError(f"room_wait_s must be None or a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {room_wait_s!r}")
+    check_wait_s("room_wait_s", room_wait_s, none_ok=True)
 
 
 def _check_owner(owner: object) -> None:

@@ -58,7 +58,6 @@ import concurrent.futures
 import errno
 import itertools
 import logging
-import math
 import os
 import signal
 import socket
@@ -82,6 +81,7 @@ from store_backend.node.fdpass import may_attach, peer_credentials
 from store_backend.node.metrics import NodeCollector
 from store_backend.node.peers import ProcessWatch, boot_time_s
 from store_backend.node.segment import segment_id, unlink_if_same
+from store_backend.node.socket_dir import make_socket_dir
 from store_backend.ownership import HeldLock, OwnershipError, flock_or_raise
 from store_backend.pool.service import PoolService
 from store_backend.pool.tier import PoolTier
@@ -89,7 +89,7 @@ from store_backend.pool.transport import TransportError
 from store_backend.prometheus import StoreCollector
 from store_backend.slots import SegmentInfo
 from store_backend.store import TieredStore
-from store_backend.types import MAX_PIN_TTL_S, Status
+from store_backend.types import MAX_PIN_TTL_S, Status, check_wait_s
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,6 @@ async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
         async with asyncio.timeout(seconds):
             return await aw
     return await asyncio.wait_for(aw, seconds)
-
-
-def _check_wait_s(name: str, value: float) -> None:
-    if not math.isfinite(value) or not 0 <= value <= MAX_PIN_TTL_S:
-        raise ValueError(f"{name} must be a number of seconds in [0, {MAX_PIN_TTL_S:g}], got {value!r}")
 
 
 
@@ -299,31 +294,6 @@ class _Lane:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def check_socket_dir(directory: str) -> None:
-    """Make ``directory`` (mode 0700) if it is missing; ConfigError naming path, owner and mode when
-    it exists owned by another user, with a mode wider than 0700, or is no directory."""
-    try:
-        os.makedirs(os.path.dirname(directory) or "/", exist_ok=True)
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise ConfigError(f"socket: cannot make the socket directory {directory}: {e.strerror}") from None
-    try:
-        st = os.lstat(directory)
-    except OSError as e:
-        raise ConfigError(f"socket: cannot read the socket directory {directory}: {e.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"socket: {directory} is not a directory")
-    mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"socket: the socket directory {directory} is owned by uid {st.st_uid}, not this "
-                          f"service's uid {os.getuid()} (mode {mode:04o}); use a directory of your own")
-    if mode & 0o077:
-        raise ConfigError(f"socket: the socket directory {directory} has mode {mode:04o}, wider than 0700: "
-                          f"other users could reach the node service; chmod 700 {directory}")
-
-
 def _file_kind(mode: int) -> str:
     for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
                        (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
@@ -430,7 +400,7 @@ class NodeService:
         ConfigError (naming the field or path) and releases what it took when a step fails."""
         cfg = self.config
         directory = os.path.dirname(self.socket_path)
-        check_socket_dir(directory)
+        make_socket_dir(directory)
         self._lock = _take_lock(cfg.lock_path)
         try:
             # The store unlinks leftover segments of a killed service whose lock is free.
@@ -1098,7 +1068,7 @@ class NodeService:
     async def _on_exists(self, c: _Conn, m: p.Exists) -> p.Frame:
         store = self.store
         assert store is not None
-        _check_wait_s("wait_s", m.wait_s)
+        check_wait_s("wait_s", m.wait_s)
         end = time.monotonic() + m.wait_s
         while True:
             # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
@@ -1153,7 +1123,7 @@ class NodeService:
         # The store answers NO_SPACE past this process's share of the arena or its token cap.
         grants: list[p.Grant] = []
         if m.room_wait_s is not None:
-            _check_wait_s("room_wait_s", m.room_wait_s)  # before anything is granted
+            check_wait_s("room_wait_s", m.room_wait_s)  # before anything is granted
         c.proc.owners.add(c.conn_id)
         got = list(await self._sized(c, len(m.keys), store.reserve, m.keys, m.sizes, m.parents, ttl_s=m.ttl_s,
                                      owner=c.conn_id, group=c.pid, chunked=False))
@@ -1319,7 +1289,7 @@ class NodeService:
             return refused
         store = self.store
         assert store is not None
-        _check_wait_s("wait_pending_s", m.wait_pending_s)
+        check_wait_s("wait_pending_s", m.wait_pending_s)
         # From here this connection may be granted tokens: a Forget of it must find it, even while
         # it waits for a pending key.
         c.proc.owners.add(c.conn_id)

@@ -45,7 +45,7 @@ def open_ssd_backend(cfg: SsdConfig, *, engine: IoEngine | None = None, shared: 
     Without ``engine``, one is made from ``cfg.io_engine``/``queue_depth``/``io_threads`` and owned
     by the backend (closed with it); a given engine stays the caller's. ``shared``: several
     processes use the directory on purpose (file backend only; see
-    ``mooncake_connector.shared_ssd``). Raises ValueError for an unknown backend name,
+    ``store_backend.ssd.shared_directory``). Raises ValueError for an unknown backend name,
     ``store_backend.ownership.OwnershipError`` when another store holds the directory, and
     ConfigError naming ``ssd.path`` (or ``ssd.capacity_bytes``) when it cannot be opened.
     """

@@ -15,7 +15,7 @@ objects are evicted first (FIFO or LRU, ``bucket_eviction``); a write that still
 what it needs in the same order and is tried again (twice at most).
 
 The directory is locked by its owner (see :mod:`store_backend.ownership`); with ``shared`` the lock
-is a shared one, for :mod:`mooncake_connector.shared_ssd`.
+is a shared one, for :mod:`store_backend.ssd.shared_directory`.
 
 Thread-safe: one lock guards the index; file I/O runs outside it. A file deleted while being read
 stays readable through the reader's descriptor.
@@ -132,7 +132,7 @@ class FilePerKeyBackend(IndexedBackend):
     def __init__(self, cfg: SsdConfig, engine: IoEngine, *, owns_engine: bool = False,
                  shared: bool = False) -> None:
         """``shared``: other processes use the directory too (a shared lock instead of an
-        exclusive one; see :mod:`mooncake_connector.shared_ssd`)."""
+        exclusive one; see :mod:`store_backend.ssd.shared_directory`)."""
         self.cfg = cfg
         self._engine = engine
         self._owns_engine = owns_engine

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_connector.shared_ssd import SharedDirectoryBackend
+from store_backend.ssd.shared_directory import SharedDirectoryBackend
 from store_backend.config import ConfigError, SsdConfig, load_config
 from store_backend.ownership import OwnershipError
 from store_backend.ssd.record import HEADER_BLOCK
@@ -91,7 +91,7 @@ def test_two_processes_writing_the_same_key_at_once_both_succeed(tmp_path: Path)
     # temporary file (they used to share "<path>.tmp", one truncating the other's mid-write).
     writer = textwrap.dedent("""
         import sys
-        from mooncake_connector.shared_ssd import SharedDirectoryBackend
+        from store_backend.ssd.shared_directory import SharedDirectoryBackend
         from store_backend.config import SsdConfig
         be = SharedDirectoryBackend(SsdConfig(path=sys.argv[1], backend="file", capacity_bytes=1 << 30,
                                               io_engine="posix", direct_io=False))
