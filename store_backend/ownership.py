@@ -19,7 +19,7 @@ Locks taken by a process that was forked from *outside* Python (or a descriptor 
 outlive their taker: the message then says that the named pid has exited.
 
 A *shared* lock lets several processes use one directory on purpose (the file-per-key backend
-under ``mooncake_connector.shared_ssd``); it excludes exclusive owners and they exclude it.
+under ``store_backend.ssd.shared_directory``); it excludes exclusive owners and they exclude it.
 
 Called when a tier opens and closes (any thread, never on a hot path).
 """

@@ -1,14 +1,20 @@
 """``examples/pool/run_two_nodes.sh`` as a user runs it: Redis, two node services forming one pool
-and one vLLM server attached to each (on vLLM's CPU build with the tiny model). A prompt computed by
-the first server is loaded by the second from the first node over the pool, with the tokens of a
-no-connector engine; a node service killed underneath stops the whole script (its cleanup stops
-the servers and removes the killed service's arena from /dev/shm).
+(a shared secret, the TCP transport between the services on loopback) and one vLLM server attached
+to each (on vLLM's CPU build with the tiny model). The two instances reuse each other's prefixes: a
+prompt the first computed on node 1 is loaded by the second from node 1 over the pool, and the
+other way round, with the tokens of a no-connector engine. Neither service has an SSD tier and
+each engine sees only its own node's socket, so a hit on the other engine's prompt can only have
+come through the pool; the reading node counts pool hits and keeps the objects as its own copies.
+Then a node service killed underneath stops the whole script (its cleanup stops the servers and
+removes the killed service's arena from /dev/shm).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+import subprocess
 import signal
 import sys
 import time
@@ -27,7 +33,7 @@ from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete,
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SCRIPT = ROOT / "examples" / "pool" / "run_two_nodes.sh"
-PROMPT = prompt(531, 500)
+P1, P2 = prompt(531, 600), prompt(532, 400)
 REGISTER_TIMEOUT_S = 30.0
 
 
@@ -44,17 +50,33 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def _node_keys(redis_port: int, node_id: str, at_least: int) -> set[str]:
+    """The keys ``node_id`` registered, once there are ``at_least`` (its registrar is asynchronous)."""
     directory = make_directory(DirectoryConfig(kind="redis", url=f"redis://127.0.0.1:{redis_port}/0"),
                                node_id="example-observer")
     try:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
             keys = set(directory.node_keys(node_id))
-            if len(keys) >= at_least or time.monotonic() > deadline:
+            if len(keys) >= at_least:
                 return keys
-            time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{node_id} registered {len(keys)} keys, expected at least {at_least}")
+            time.sleep(0.1)  # poll interval; the loop has a deadline
     finally:
         directory.close()
+
+
+def _pool_hits(node: str) -> int:
+    """Hits the pool tier of the script's service ``node`` served (``store_backend.node status``
+    on the socket its config names)."""
+    configs = [cmd.rsplit(" ", 1)[-1] for _, cmd in _processes()
+               if "store_backend.node serve" in cmd and cmd.endswith(f"/{node}.json")]
+    assert len(configs) == 1, configs
+    sock = json.loads(Path(configs[0]).read_text())["socket"]
+    got = subprocess.run([sys.executable, "-m", "store_backend.node", "status", "--socket", sock, "--json"],
+                         capture_output=True, text=True, env=engine_env(), cwd=ROOT, timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+    return int(json.loads(got.stdout)["tiers"]["pool"]["hits"])
 
 
 def _processes() -> list[tuple[str, str]]:
@@ -69,19 +91,36 @@ def _processes() -> list[tuple[str, str]]:
     return out
 
 
-def test_the_second_node_loads_the_first_nodes_prefix_over_the_pool(cluster: dict[str, Any], tiny_model: Path) -> None:
-    ports = cluster["ports"]
-    full = (len(PROMPT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
-    first = complete(ports["port1"], PROMPT)  # computed on node1, saved there and registered
-    assert len(_node_keys(ports["redis"], "node1", full // CHUNK_TOKENS)) >= full // CHUNK_TOKENS
-    before = metric(ports["port2"], "vllm:external_prefix_cache_hits_total")
-    second = complete(ports["port2"], PROMPT)  # node2 holds nothing of it: loaded from node1
-    assert metric(ports["port2"], "vllm:external_prefix_cache_hits_total") - before == full
+def test_each_node_loads_the_other_nodes_prefix_over_the_pool(cluster: dict[str, Any], tiny_model: Path) -> None:
+    one, two, redis_port = cluster["ports"]["port1"], cluster["ports"]["port2"], cluster["ports"]["redis"]
+    full = {id(p): (len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS for p in (P1, P2)}
+    hits = "vllm:external_prefix_cache_hits_total"
+    out = {}
+
+    out["one-p1"] = complete(one, P1)  # computed by instance one, saved to node 1 (and registered)
+    p1_keys = _node_keys(redis_port, "node1", full[id(P1)] // CHUNK_TOKENS)
+    assert not _node_keys(redis_port, "node2", 0) & p1_keys  # node 2 holds none of them yet
+    hits_before, pool_before = metric(two, hits), _pool_hits("node2")
+    out["two-p1"] = complete(two, P1)  # loaded by instance two from node 1, through node 2's pool tier
+    assert metric(two, hits) - hits_before == full[id(P1)]
+    assert _pool_hits("node2") - pool_before >= len(p1_keys)
+    # Node 2 kept the objects it pulled as its own copies (and registered them).
+    assert p1_keys <= _node_keys(redis_port, "node2", len(p1_keys))
+
+    out["two-p2"] = complete(two, P2)  # computed by instance two on node 2
+    p2_count = full[id(P2)] // CHUNK_TOKENS
+    _node_keys(redis_port, "node2", len(p1_keys) + p2_count)
+    hits_before, pool_before = metric(one, hits), _pool_hits("node1")
+    out["one-p2"] = complete(one, P2)  # loaded by instance one from node 2
+    assert metric(one, hits) - hits_before == full[id(P2)]
+    assert _pool_hits("node1") - pool_before >= p2_count
+
     baseline = run_engine({"model_dir": str(tiny_model), "connector": None,
-                           "rounds": [{"prompts": [PROMPT], "max_tokens": MAX_TOKENS}]}, cluster["work"], "baseline")
-    want = baseline["rounds"][0][0]["tokens"]
-    assert first["choices"][0]["token_ids"] == want
-    assert second["choices"][0]["token_ids"] == want
+                           "rounds": [{"prompts": [p], "max_tokens": MAX_TOKENS} for p in (P1, P2)]},
+                          cluster["work"], "baseline")
+    want1, want2 = (r[0]["tokens"] for r in baseline["rounds"])
+    got = {k: v["choices"][0]["token_ids"] for k, v in out.items()}
+    assert got == {"one-p1": want1, "two-p1": want1, "two-p2": want2, "one-p2": want2}
 
 
 def test_a_node_service_killed_underneath_stops_the_script(cluster: dict[str, Any]) -> None:

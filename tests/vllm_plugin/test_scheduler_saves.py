@@ -195,6 +195,7 @@ def test_prefill_request_with_held_saves_keeps_stepping_until_they_are_committed
             deadline = time.monotonic() + 10
             while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # poll interval; the loop has a deadline
+            assert hit == 4 * CHUNK_TOKENS
             blocks = list(range(300, 313))
             sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
             req.num_computed_tokens = hit
