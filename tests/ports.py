@@ -14,32 +14,16 @@ import os
 import random
 import socket
 import threading
-from pathlib import Path
 
-_PORTS_BELOW_EPHEMERAL = (20000, 32768)
+from mooncake_kv.bench.ports import below_ephemeral, bindable
+
 _given: set[int] = set()
 _lock = threading.Lock()
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _PORTS_BELOW_EPHEMERAL[1]
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _range() -> tuple[int, int]:
     """This process's slice of the ports below the ephemeral range (all of it outside xdist)."""
-    low, high = _PORTS_BELOW_EPHEMERAL[0], min(_PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    low, high = below_ephemeral()
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
         step = (high - low) // int(count)
@@ -54,7 +38,7 @@ def free_port() -> int:
     with _lock:
         for _ in range(200 if high - low > 1000 else 0):
             port = random.randrange(low, high)
-            if port not in _given and _bindable(port):
+            if port not in _given and bindable(port):
                 _given.add(port)
                 return port
         for _ in range(100):

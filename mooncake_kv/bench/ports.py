@@ -1,4 +1,6 @@
-"""The benches' one way to pick a loopback TCP port for a server they start: :func:`free_port`.
+"""The benches' one way to pick a loopback TCP port for a server they start: :func:`free_port`
+(the test suite's allocator, tests/ports.py, takes :func:`below_ephemeral` and :func:`bindable`
+from here).
 
 A port from ``bind(0)`` is an ephemeral one, which the kernel also hands to outgoing connections:
 between the bench closing its probe socket and the server binding the port, any connection on the
@@ -15,14 +17,18 @@ from pathlib import Path
 _BELOW_EPHEMERAL = (20000, 32768)
 
 
-def _ephemeral_low() -> int:
+def below_ephemeral() -> tuple[int, int]:
+    """[low, high): loopback ports below the kernel's ephemeral range (the range's start read from
+    /proc; 32768 when it cannot be read). Empty or narrow when that range starts low."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return _BELOW_EPHEMERAL[1]
+        start = _BELOW_EPHEMERAL[1]
+    return _BELOW_EPHEMERAL[0], min(_BELOW_EPHEMERAL[1], start)
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` can be bound now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -33,11 +39,11 @@ def _bindable(port: int) -> bool:
 
 def free_port() -> int:
     """A loopback TCP port nothing is bound to now, outside the ephemeral range where possible."""
-    low, high = _BELOW_EPHEMERAL[0], min(_BELOW_EPHEMERAL[1], _ephemeral_low())
+    low, high = below_ephemeral()
     if high - low > 1000:
         for _ in range(200):
             port = random.randrange(low, high)
-            if _bindable(port):
+            if bindable(port):
                 return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

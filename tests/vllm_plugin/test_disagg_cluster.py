@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import ports
+from mooncake_kv.bench.ports import below_ephemeral
 from tests.vllm_plugin.disagg_cluster import PortClash, free_port, script_cluster
 
 # Serves /health on PROXY_PORT. With CLASH set, the first start (no marker file yet) fails the way a
@@ -44,12 +44,12 @@ def _script(tmp_path: Path, text: str = SCRIPT) -> Path:
 
 
 def test_free_port_is_bindable_below_the_ephemeral_range_and_never_handed_out_twice() -> None:
-    low = ports._ephemeral_low()
+    low, high = below_ephemeral()
     got = [free_port() for _ in range(20)]
     assert len(set(got)) == len(got)
     for port in got:
-        if low - ports._PORTS_BELOW_EPHEMERAL[0] > 1000:
-            assert ports._PORTS_BELOW_EPHEMERAL[0] <= port < low, (port, low)
+        if high - low > 1000:
+            assert low <= port < high, (port, low, high)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 
