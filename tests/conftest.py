@@ -91,6 +91,18 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("fast")
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``--dist loadscope`` (scripts/test.sh): whole modules per worker, at most one worker in
+    an engine module while other modules are left (tests/xdist_lanes.py)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from tests.xdist_lanes import EngineLaneScheduling
+
+    root = config.rootpath
+    return EngineLaneScheduling(config, log, is_heavy=lambda scope: _module_tier(
+        str(root / scope.split("::", 1)[0])) == "engine")
+
+
 def _names_test_files(config: pytest.Config) -> bool:
     return any("::" in a or a.endswith(".py") for a in config.args)
 
