@@ -10,7 +10,7 @@ One run, everything on loopback:
 
   * ``pool_get``: the objects are put into node A through its Unix socket, registered by A in
     Redis (the bench waits for them there); this process reads them from A's transport address
-    (taken from the directory) with a :class:`~store_backend.pool.tcp.TcpTransport` into
+    (taken from the directory) with a :class:`~store_backend.pool.tcp_client.TcpTransport` into
     preallocated buffers, checked byte for byte after timing;
   * ``pool_put``: the same transport stores fresh keys into A (reserve, receive into the slot,
     verify, commit);
@@ -60,7 +60,8 @@ from store_backend.node.client import NodeClient
 from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.directory import Directory, Location, NodeInfo
 from store_backend.pool.socket_limit import raw_socket_limit_gbps
-from store_backend.pool.tcp import TcpTransport, auto_streams, usable_cpus
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_common import auto_streams, usable_cpus
 from store_backend.types import Status
 
 SIZES = "1MiB,4MiB,16MiB"

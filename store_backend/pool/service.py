@@ -28,7 +28,8 @@ from store_backend.pool.factory import make_directory
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.replicator import Replicator
-from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_server import TcpTransportServer
 from store_backend.pool.tls import client_context, server_context
 from store_backend.pool.tier import PoolTier
 from store_backend.slots import Reservation

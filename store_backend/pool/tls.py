@@ -1,8 +1,8 @@
 """The pool transport's TLS contexts, built from ``pool.tls`` (:class:`~store_backend.pool.config.TlsConfig`).
 
-Mutual TLS: :func:`server_context` (for :class:`~store_backend.pool.tcp.TcpTransportServer`)
+Mutual TLS: :func:`server_context` (for :class:`~store_backend.pool.tcp_server.TcpTransportServer`)
 shows this node's certificate and requires one from every peer that dials it, signed by
-``ca_file``; :func:`client_context` (for :class:`~store_backend.pool.tcp.TcpTransport`) shows
+``ca_file``; :func:`client_context` (for :class:`~store_backend.pool.tcp_client.TcpTransport`) shows
 the same certificate and requires the server's to be signed by ``ca_file``. So a node's
 certificate is used both ways: if it carries extendedKeyUsage, that must list serverAuth and
 clientAuth. TLS 1.2 at least. The shared-secret handshake still runs inside the TLS session.

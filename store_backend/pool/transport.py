@@ -1,7 +1,7 @@
 """Moving object bytes between node services: one :class:`Transport` Protocol (the client side)
 and one :class:`TransportServer` Protocol (the listener a node service runs beside its Unix socket).
 
-TCP implements both today (:mod:`store_backend.pool.tcp`); an RDMA one (pyverbs) can be added
+TCP implements both today (:mod:`store_backend.pool.tcp_server`, :mod:`store_backend.pool.tcp_client`); an RDMA one (pyverbs) can be added
 beside it without touching callers, since callers see only these two Protocols, addresses as
 text (``"host:port"`` for TCP) and per-key outcomes.
 

@@ -330,7 +330,7 @@ def test_batched_lookups_are_one_round_trip_per_script_chunk(redis_server: Redis
     commands, which would show here as one command per key). leading stops at the first chunk
     with a gap."""
     from store_backend.pool.directory_redis import MAX_KEYS_PER_SCRIPT as limit
-    from store_backend.pool.tcp import TcpTransport
+    from store_backend.pool.tcp_client import TcpTransport
     from store_backend.pool.tier import PoolTier
 
     n_max = 2 * limit + 1

@@ -95,7 +95,8 @@ def test_status_pool_document_and_table(capsys: pytest.CaptureFixture[str], monk
 def test_unset_streams_follow_the_usable_cpus() -> None:
     """One connection per batch below four usable CPUs (a second one costs more than it overlaps
     there), two from four on; a configured count is used as it is."""
-    from store_backend.pool.tcp import MIN_CPUS_FOR_TWO_STREAMS, TcpTransport, auto_streams, usable_cpus
+    from store_backend.pool.tcp_client import TcpTransport
+    from store_backend.pool.tcp_common import MIN_CPUS_FOR_TWO_STREAMS, auto_streams, usable_cpus
 
     assert [auto_streams(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
     assert MIN_CPUS_FOR_TWO_STREAMS == 4

@@ -36,7 +36,8 @@ from store_backend.pool.directory_redis import RedisDirectory
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.replicator import Replicator
 from store_backend.pool.service import local_view
-from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_server import TcpTransportServer
 from store_backend.pool.tier import PoolTier
 from store_backend.residency import ResidencyEvent
 from store_backend.store import TieredStore

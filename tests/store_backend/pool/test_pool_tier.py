@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from store_backend.pool.directory import DirectoryUnavailable, Location, NodeInfo
 from store_backend.pool.directory_embedded import EmbeddedDirectory
 from store_backend.pool.service import local_view
-from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_server import TcpTransportServer
 from store_backend.pool.tier import PoolTier
 from store_backend.prometheus import StoreCollector
 from store_backend.store import TieredStore
@@ -274,7 +275,7 @@ def test_a_batch_is_one_get_request_per_peer_not_one_per_key(directory: Embedded
     transport server one get request for its share (its "requests" counter), one more per stream
     or per 512-key frame only, never one per key; the client sent no other request, and every
     object arrives byte for byte."""
-    from store_backend.pool.tcp import KEYS_PER_FRAME
+    from store_backend.pool.tcp_common import KEYS_PER_FRAME
 
     batches = [([f"big{i}" for i in range(48)], 128 << 10), ([f"small{i}" for i in range(1100)], 4 << 10)]
     assert len(batches[1][0]) // 2 > KEYS_PER_FRAME  # each peer's share of batch 2 needs two frames

@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from store_backend.config_loader import ConfigError
 from store_backend.node.config import load_node_config
 from store_backend.pool.config import TlsConfig
-from store_backend.pool.tcp import TcpTransport
+from store_backend.pool.tcp_client import TcpTransport
 from store_backend.pool.tls import client_context, server_context
 from store_backend.types import ReadResult, Status
 from tests.store_backend.pool.pool_nodes import SECRET as NODES_SECRET

@@ -11,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from store_backend.pool.tcp import TcpTransport, TcpTransportServer, split_by_bytes
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_common import split_by_bytes
+from store_backend.pool.tcp_server import TcpTransportServer
 from store_backend.pool.transport import FAILURE_KINDS, Transport, TransportServer
 from store_backend.types import ReadResult, Status
 from tests.store_backend.pool.certs import self_signed

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from store_backend.pool.tcp import TcpTransport, TcpTransportServer
+from store_backend.pool.tcp_client import TcpTransport
+from store_backend.pool.tcp_server import TcpTransportServer
 from store_backend.store import TieredStore
 
 MiB = 1 << 20
