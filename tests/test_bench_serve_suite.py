@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import (ModelShape, _vllm_blocks, add_arguments, break_even, kv_bytes_per_token,
+from mooncake_kv.bench.serve import (ModelShape, _vllm_blocks, add_arguments, break_even, kv_bytes_per_token, run,
                                      working_set_blocks)
-from mooncake_kv.bench.serve_suite import (SUITE, SUITE_CACHES, SUITE_NAME, options_the_suite_sets, suite_runs,
-                                           suite_summary)
+from mooncake_kv.bench.serve_suite import (SUITE, SUITE_CACHES, SUITE_NAME, options_the_suite_sets, read_suite_runs,
+                                           suite_runs, suite_summary)
 from mooncake_kv.bench.serve_workload import build_workload, sample_window
 
 # Block 0 is every request's system prompt. Conversations: A = rows 0, 2, 5; B = 1, 4; D = 8, 9;
@@ -127,6 +127,45 @@ def test_the_summary_is_medians_min_and_max_over_passes_and_lists_failures() -> 
     assert s["failed_runs"] == [{"workload": "window-900", "cache": 256,
                                  "error": "RuntimeError: vllm serve exited with 1"}]
     assert s["token_mismatches"] == [{"workload": "window-900", "cache": 256, "mismatches": {"dram_ssd": [3]}}]
+
+
+def _runs_file(path: Path, ratios: list[float], **extra: object) -> Path:
+    recs = [{"suite": SUITE_NAME, "pass": 1, "workload": "default", "cache": 256, "result": _result(r, 1.0),
+             "wall_s": 10.0, **extra} for r in ratios]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_passes_run_one_at_a_time_are_summarized_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Three invocations of --suite --repeats 1: each file's records are pass 1.
+    files = [_runs_file(tmp_path / f"p{i}.jsonl", [r]) for i, r in enumerate((0.9, 0.7, 0.8))]
+    records, passes = read_suite_runs(files)
+    assert (len(records), passes) == (3, 3)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--suite-summary", *map(str, files)])) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["repeats"] == 3 and s["runs"] == 3 and s["wall_s"] == 30.0
+    assert s["medians"]["default"]["256"]["ttft_p50_dram_ssd_vs_alone"] == {"median": 0.8, "min": 0.7, "max": 0.9,
+                                                                            "n": 3}
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("{not json\n", "p.jsonl:1: not a JSON record"),
+    ('{"suite": "serve-suite-1", "workload": "default", "cache": 256}\n', "p.jsonl:1: a suite run record has"),
+    ('\n{"suite": "serve-suite-0", "pass": 1, "workload": "default", "cache": 256}\n',
+     "p.jsonl:2: a run of suite 'serve-suite-0', not 'serve-suite-1'"),
+])
+def test_a_bad_runs_file_is_named_with_its_line(tmp_path: Path, content: str, why: str) -> None:
+    (tmp_path / "p.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=why):
+        read_suite_runs([tmp_path / "p.jsonl"])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit, match=why):
+        run(p.parse_args(["--suite-summary", str(tmp_path / "p.jsonl"), str(tmp_path / "missing.jsonl")]))
+    with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
+        read_suite_runs([tmp_path / "missing.jsonl"])
 
 
 def test_break_even_is_kv_bytes_over_prefill_time_per_token(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ from tqdm import tqdm
 
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.serve_plot import write_plot
-from mooncake_kv.bench.serve_suite import SUITE_NAME, options_the_suite_sets, suite_runs, suite_summary
+from mooncake_kv.bench.serve_suite import (SUITE_NAME, options_the_suite_sets, read_suite_runs, suite_runs,
+                                            suite_summary)
 from mooncake_kv.bench.serve_workload import SAMPLES, ServeRequest, build_workload
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the pre-registered suite (SUITE in this module, docs/PERFORMANCE.md) --repeats times; "
                         "the last line is one JSON object of medians; workload options are the suite's own")
     p.add_argument("--repeats", type=int, default=3, help="--suite: passes over the whole suite")
+    p.add_argument("--suite-summary", nargs="+", type=Path, metavar="RUNS_JSONL", default=None,
+                   help="run nothing: print the suite's summary over the runs these suite-runs.jsonl files "
+                        "recorded (passes run one invocation at a time)")
     p.add_argument("--min-turns", type=int, default=2,
                    help="conversations: only those of at least this many requests (--start counts these)")
     p.add_argument("--window", type=float, default=None, metavar="SECONDS",
@@ -608,6 +612,8 @@ def _run_config(cfg: ServerConfig, *, work: Path, model: Path, workload: list[Se
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_summary:
+        return summarize_suite(args.suite_summary)
     if args.suite:
         return run_suite(args)
     result = measure(args)
@@ -660,6 +666,19 @@ def run_suite(args: argparse.Namespace) -> int:
     summary = suite_summary(records, args.repeats)
     summary["runs_file"] = str(log)
     summary["wall_s"] = round(sum(r["wall_s"] for r in records), 1)
+    print(json.dumps(summary))
+    return 1 if summary["failed_runs"] or summary["token_mismatches"] else 0
+
+
+def summarize_suite(paths: list[Path]) -> int:
+    """``--suite-summary``: the summary ``--suite`` prints, over the passes these files recorded."""
+    try:
+        records, passes = read_suite_runs(paths)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    summary = suite_summary(records, passes)
+    summary["runs_file"] = [str(p) for p in paths]
+    summary["wall_s"] = round(sum(r.get("wall_s", 0.0) for r in records), 1)
     print(json.dumps(summary))
     return 1 if summary["failed_runs"] or summary["token_mismatches"] else 0
 

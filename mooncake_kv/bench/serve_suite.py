@@ -22,8 +22,11 @@ medians, the caller runs the servers.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUITE_NAME = "serve-suite-1"
@@ -60,7 +63,7 @@ SUITE: tuple[SuiteWorkload, ...] = (
 # Options a suite run takes from the command line; every other one is the default or the suite's.
 _PASSED_THROUGH = ("trace", "model", "reserved_cpus", "work_dir", "port", "json")
 # Options of the suite itself.
-_SUITE_OPTIONS = ("suite", "repeats", "plot")
+_SUITE_OPTIONS = ("suite", "repeats", "plot", "suite_summary")
 
 
 def options_the_suite_sets(args: argparse.Namespace, defaults: argparse.Namespace) -> list[str]:
@@ -122,3 +125,32 @@ def suite_summary(records: list[dict[str, Any]], repeats: int) -> dict[str, Any]
     return {"suite": SUITE_NAME, "workloads": [wl.name for wl in SUITE], "configs": SUITE_CONFIGS,
             "caches": [str(c) for c in SUITE_CACHES], "repeats": repeats, "runs": len(records),
             "failed_runs": failed, "token_mismatches": mismatches, "medians": medians}
+
+
+def read_suite_runs(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], int]:
+    """The records of ``suite-runs.jsonl`` files written by separate ``--suite`` invocations, and
+    how many passes they hold (each pass of each file counts once). Raises ValueError naming the
+    file and line of a record that is not JSON, lacks ``pass``, ``workload`` or ``cache``, or
+    belongs to another suite (its figures are not comparable with this one's)."""
+    records: list[dict[str, Any]] = []
+    passes: set[tuple[int, int]] = set()
+    for i, path in enumerate(paths):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the suite's runs: {e}") from e
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON record: {e}") from e
+            if not isinstance(rec, dict) or not {"pass", "workload", "cache"} <= rec.keys():
+                raise ValueError(f"{path}:{n}: a suite run record has pass, workload and cache")
+            if rec.get("suite") != SUITE_NAME:
+                raise ValueError(f"{path}:{n}: a run of suite {rec.get('suite')!r}, not {SUITE_NAME!r}: "
+                                 "figures of another suite are not compared with this one's")
+            passes.add((i, int(rec["pass"])))
+            records.append(rec)
+    return records, len(passes)
