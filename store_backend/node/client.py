@@ -52,10 +52,10 @@ import msgspec
 from store_backend.api import StoreClosedError
 from store_backend.config import ConfigError
 from store_backend.checksum import object_checksum
-from store_backend.framing import READ_PIECE_BYTES, FrameError, FrameTooLargeError, read_frame
+from store_backend.framing import FrameTooLargeError
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
-from store_backend.node.fdpass import may_attach, peer_credentials, recv_fd
+from store_backend.node.client_wire import Backoff, Connection, Lost, Refused, hello, probe  # noqa: F401 (probe re-exported)
 from store_backend.node.mapping import MAPPINGS, SegmentMapping
 from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach  # noqa: F401 (re-exported)
 from store_backend.slots import Reservation, SlotLease
@@ -132,223 +132,6 @@ class NodeClientCounters(msgspec.Struct):
     owed_retries: int = 0  # aborts/releases sent again after the connection that carried them was lost
 
 
-class Backoff:
-    """When the next connect may be tried: ``first_s`` after the first failure, doubling up to
-    ``max_s``; a success resets it. Pure (the caller passes the monotonic clock); not thread-safe."""
-
-    def __init__(self, first_s: float = 0.05, max_s: float = 2.0) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
-        self.failures = 0
-        self.not_before = 0.0
-
-    def ready(self, now: float) -> bool:
-        return now >= self.not_before
-
-    def wait_s(self, now: float) -> float:
-        return max(0.0, self.not_before - now)
-
-    def failed(self, now: float) -> float:
-        """Record a failed attempt at ``now``; the delay until the next one may be made."""
-        delay = min(self.first_s * (2 ** min(self.failures, 30)), self.max_s)
-        self.failures += 1
-        self.not_before = now + delay
-        return delay
-
-    def succeeded(self) -> None:
-        self.failures = 0
-        self.not_before = 0.0
-
-
-# -- one connection ---------------------------------------------------------------------------------
-class _Lost(Exception):
-    """The service could not be asked over this connection (gone, restarting, hung, or broke the
-    protocol): the caller answers per key as a miss. ``hung_up``: the service closed the connection
-    (EOF, reset), as it does to an idle one; worth one retry on a new connection."""
-
-    def __init__(self, message: str, hung_up: bool = False) -> None:
-        super().__init__(message)
-        self.hung_up = hung_up
-
-
-class _Refused(Exception):
-    """The service answered ``error``: ``closed`` (draining) keeps the connection, others drop it."""
-
-    def __init__(self, error: p.Error) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-
-
-class _Conn:
-    """One connected socket after its welcome. Used by one thread at a time (the pool's ``busy``)."""
-
-    def __init__(self, sock: socket.socket, decoder: p.MessageDecoder, pending: list[bytes],
-                 welcome: p.Welcome, mapping: SegmentMapping) -> None:
-        self.sock = sock
-        # Opened past the pool's bound for a call that may not wait for a busy connection (a
-        # commit, abort or release: a call in flight may be waiting for it): closed after it.
-        self.extra = False
-        self.waiting = False  # in a call that waits on purpose (close interrupts it)
-        self.decoder = decoder
-        self.pending = pending
-        self.welcome = welcome
-        self.mapping = mapping
-        self.max_frame_bytes = welcome.max_frame_bytes
-        self.granted = False  # the service may have granted tokens on it (a reserve or lease was sent)
-        self.busy = False
-        self.dead = False
-        self.draining = False
-        self.answered = 0  # replies read: a connection that answered before may have been closed idle
-        self._next_id = 1
-
-    def next_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
-
-    def round_trip(self, payload: bytes, request_id: int, timeout_s: float | None) -> p.Frame:
-        """Send one encoded request and read its reply (a ``draining`` push on the way is noted).
-        _Lost for anything but a reply with ``request_id``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            self.sock.settimeout(timeout_s)
-            self.sock.sendall(payload)
-            while True:
-                body = read_frame(self.sock, self.decoder.frames, self.pending, deadline)
-                if body is None:
-                    raise _Lost("the node service closed the connection", hung_up=True)
-                msg = self.decoder.decode(body)
-                if isinstance(msg, p.Draining):
-                    self.draining = True
-                    continue
-                if msg.id == request_id:
-                    self.answered += 1
-                    return msg
-                if isinstance(msg, p.Error):
-                    raise _Lost(f"the node service refused the connection: {msg.code}: {msg.message}")
-                raise _Lost(f"reply {type(msg).__name__} id {msg.id} to request {request_id}")
-        except (ConnectionResetError, BrokenPipeError) as e:
-            raise _Lost(f"{type(e).__name__}: {e}", hung_up=True) from None
-        except (OSError, FrameError) as e:
-            raise _Lost(f"{type(e).__name__}: {e}") from None
-
-    def close(self) -> None:
-        self.dead = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-def _check_service_peer(sock: socket.socket, path: str) -> None:
-    """The process serving ``path`` must run as this user or root (SO_PEERCRED, as the kernel saw it
-    at listen()): else NodeAccessError, before a byte is sent to it or read from it."""
-    try:
-        creds = peer_credentials(sock)
-    except OSError as e:
-        raise NodeAccessError(f"cannot tell who serves the node service socket {path}: {e}") from None
-    if not may_attach(creds.uid, os.getuid()):
-        raise NodeAccessError(f"the node service socket {path} is served by uid {creds.uid} (pid {creds.pid}), "
-                              f"not by this process's uid {os.getuid()} or root; refusing to attach")
-
-
-def _hello(path: str, name: str, want_segment: bool, timeout_s: float,
-           ) -> tuple[socket.socket, p.MessageDecoder, list[bytes], p.Welcome, int | None]:
-    """Connect to ``path`` and say hello: the socket, its decoder state, the welcome and the segment
-    fd that came with it (the caller owns both). Raises ConnectionRefusedError/FileNotFoundError when
-    no service listens there (or its directory does not exist), NodeAccessError (a socket directory
-    another user could serve from, a service run by another user), ConfigError (protocol version),
-    _Lost for the rest."""
-    deadline = time.monotonic() + timeout_s
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    fd: int | None = None
-    try:
-        check_socket_dir_to_attach(os.path.dirname(os.path.abspath(path)))
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(path)
-        except PermissionError as e:
-            raise NodeAccessError(_access_message(path, e)) from None
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise
-        except OSError as e:
-            raise _Lost(f"connect to {path}: {e}") from None
-        _check_service_peer(sock, path)
-        decoder = p.MessageDecoder(p.Reply)
-        pending: list[bytes] = []
-        try:
-            sock.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, os.getpid(), name, want_segment)))
-            # The fd rides on the welcome's first byte: read with recvmsg until a frame is whole.
-            while not pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _Lost(f"no welcome from {path} within {timeout_s} s")
-                sock.settimeout(left)
-                data, got = recv_fd(sock, READ_PIECE_BYTES)
-                if got is not None:
-                    if fd is None:
-                        fd = got
-                    else:
-                        os.close(got)
-                if not data:
-                    decoder.frames.eof()
-                    raise _Lost(f"the node service at {path} closed the connection before its welcome")
-                pending.extend(decoder.frames.feed(data))
-            msg = decoder.decode(pending.pop(0))
-        except (OSError, FrameError) as e:
-            raise _Lost(f"hello to {path}: {type(e).__name__}: {e}") from None
-        if isinstance(msg, p.Error):
-            if msg.code == "permission":
-                raise NodeAccessError(f"{msg.message} (socket {path}, this process runs as uid {os.getuid()})")
-            if msg.code == "version":
-                raise ConfigError(f"the node service at {path} refused protocol version {p.PROTOCOL_VERSION}: "
-                                  f"{msg.message}")
-            raise _Lost(f"the node service at {path} refused hello: {msg.code}: {msg.message}")
-        if not isinstance(msg, p.Welcome) or msg.id != 1:
-            raise _Lost(f"the node service at {path} answered hello with {type(msg).__name__}")
-        if msg.version != p.PROTOCOL_VERSION:
-            raise ConfigError(f"the node service at {path} speaks protocol version {msg.version}, this client "
-                              f"{p.PROTOCOL_VERSION}")
-        if want_segment and fd is None:
-            raise _Lost(f"the node service at {path} sent no segment fd with its welcome")
-        out_fd, fd = fd, None
-        return sock, decoder, pending, msg, out_fd
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        sock.close()
-        raise
-
-
-def _access_message(path: str, e: OSError) -> str:
-    directory = os.path.dirname(path) or "."
-    try:
-        st = os.stat(directory)
-        where = f"{directory} belongs to uid {st.st_uid}, mode {st.st_mode & 0o777:o}"
-    except OSError as se:
-        where = f"{directory}: {se.strerror}"
-    return (f"uid {os.getuid()} may not connect to the node service socket {path}: {e.strerror} ({where}; "
-            f"the service admits only its own user)")
-
-
-def probe(path: str, timeout_s: float = 2.0) -> p.Welcome | None:
-    """The welcome of the service answering at ``path`` (no segment asked), or None when none answers.
-    NodeAccessError when one answers but this user may not attach; ConfigError for another protocol
-    version. Blocking, at most about ``timeout_s``."""
-    try:
-        sock, _d, _p, welcome, fd = _hello(path, "probe", False, timeout_s)
-    except (FileNotFoundError, ConnectionRefusedError, _Lost):
-        return None
-    if fd is not None:
-        os.close(fd)
-    try:
-        sock.sendall(p.encode(p.Goodbye(2)))
-    except OSError:
-        pass
-    sock.close()
-    return welcome
-
-
 # -- the client -------------------------------------------------------------------------------------
 class NodeClient:
     """A :class:`~store_backend.api.KVStore` served by the node service at ``socket_path``.
@@ -398,7 +181,7 @@ class NodeClient:
         self._pid = os.getpid()
         self._cond = threading.Condition(threading.Lock())
         self._start_lock = threading.Lock()
-        self._conns: list[_Conn] = []
+        self._conns: list[Connection] = []
         self._opening = 0
         self._opening_extra = 0
         self._inflight = 0
@@ -420,7 +203,7 @@ class NodeClient:
         """Whether this client verifies what it reads: its own choice, else the service's."""
         return self._reads_verified(None)
 
-    def _reads_verified(self, conn: _Conn | None) -> bool:
+    def _reads_verified(self, conn: Connection | None) -> bool:
         if self._verify_reads is not None:
             return self._verify_reads
         welcome = conn.welcome if conn is not None else self.welcome
@@ -531,11 +314,11 @@ class NodeClient:
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _checkout(self, deadline: float, strict: bool = False, urgent: bool = False) -> _Conn:
+    def _checkout(self, deadline: float, strict: bool = False, urgent: bool = False) -> Connection:
         """A connection marked busy: an idle one of the pool, or a new one while the pool has room.
         ``urgent`` (a commit, abort or release, which a call in flight may be waiting for): never
         wait for a busy connection; when none is idle and the pool is full, an extra one is opened
-        (at most ``max_connections`` of them) and closed after the call. _Lost when the service
+        (at most ``max_connections`` of them) and closed after the call. Lost when the service
         cannot be reached (with ``strict``: ConnectionError naming why)."""
         extra = False
         with self._cond:
@@ -560,7 +343,7 @@ class NodeClient:
                     raise StoreClosedError("the node client is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise _Lost(f"no free connection to {self.socket_path} within the op timeout")
+                    raise Lost(f"no free connection to {self.socket_path} within the op timeout")
                 self._cond.wait(left)
         try:
             conn = self._open(strict, extra)
@@ -573,7 +356,7 @@ class NodeClient:
                 self._cond.notify_all()
         return conn
 
-    def _checkin(self, conn: _Conn) -> None:
+    def _checkin(self, conn: Connection) -> None:
         retire = False
         with self._cond:
             conn.busy = False
@@ -592,29 +375,29 @@ class NodeClient:
                 pass
             conn.close()
 
-    def _open(self, strict: bool, extra: bool = False) -> _Conn:
+    def _open(self, strict: bool, extra: bool = False) -> Connection:
         now = time.monotonic()
         with self._cond:
             if not self._backoff.ready(now) and not strict:
-                raise _Lost(f"the node service at {self.socket_path} is not reachable (next try in "
+                raise Lost(f"the node service at {self.socket_path} is not reachable (next try in "
                             f"{self._backoff.wait_s(now):.2f} s)")
         try:
             try:
-                sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
+                sock, decoder, pending, welcome, fd = hello(self.socket_path, self.name, True, self.connect_timeout_s)
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 # (Connections already open are left alone: a draining service still serves them.)
                 if self._starter is None:
-                    raise _Lost(f"no node service at {self.socket_path}: {e.strerror}") from None
+                    raise Lost(f"no node service at {self.socket_path}: {e.strerror}") from None
                 self._auto_start(wait=strict)
-                sock, decoder, pending, welcome, fd = _hello(self.socket_path, self.name, True, self.connect_timeout_s)
+                sock, decoder, pending, welcome, fd = hello(self.socket_path, self.name, True, self.connect_timeout_s)
             assert fd is not None
             try:
                 mapping = MAPPINGS.acquire(fd, welcome.segment_id, welcome.segment_bytes)
             except (OSError, ValueError) as e:
                 sock.close()
                 logger.error("node service at %s: cannot map its segment: %s", self.socket_path, e)
-                raise _Lost(f"cannot map the node service's segment: {e}") from None
-        except (_Lost, FileNotFoundError, ConnectionRefusedError, ConfigError) as e:
+                raise Lost(f"cannot map the node service's segment: {e}") from None
+        except (Lost, FileNotFoundError, ConnectionRefusedError, ConfigError) as e:
             with self._cond:
                 delay = self._backoff.failed(time.monotonic())
                 first = self._lost_since is None
@@ -627,18 +410,18 @@ class NodeClient:
             logger.log(logging.WARNING if first else logging.DEBUG,
                        "node service at %s not reachable (%s); calls answer misses, next try in %.2f s",
                        self.socket_path, e, delay)
-            raise _Lost(str(e)) from None
-        conn = _Conn(sock, decoder, pending, welcome, mapping)
+            raise Lost(str(e)) from None
+        conn = Connection(sock, decoder, pending, welcome, mapping)
         conn.extra = extra
         self._adopt(conn)
         return conn
 
     def _auto_start(self, wait: bool) -> None:
         """Run the starter; while another thread runs it, wait for that one (``wait``) or answer
-        _Lost at once (a call does not stall behind a start: its keys are misses meanwhile)."""
+        Lost at once (a call does not stall behind a start: its keys are misses meanwhile)."""
         assert self._starter is not None
         if not self._start_lock.acquire(blocking=wait):
-            raise _Lost(f"the node service at {self.socket_path} is being started")
+            raise Lost(f"the node service at {self.socket_path} is being started")
         try:
             with self._cond:
                 self.counters.auto_starts += 1
@@ -647,7 +430,7 @@ class NodeClient:
         finally:
             self._start_lock.release()
 
-    def _adopt(self, conn: _Conn) -> None:
+    def _adopt(self, conn: Connection) -> None:
         """Add a new connection to the pool (busy); when it reached a new service (another segment),
         every connection to the old one is dropped first and the new segment becomes the client's."""
         old_mapping = None
@@ -683,7 +466,7 @@ class NodeClient:
         if old_mapping is not None:
             MAPPINGS.release(old_mapping)
 
-    def _void(self, conn: _Conn, lost: bool = True) -> None:
+    def _void(self, conn: Connection, lost: bool = True) -> None:
         """(Under the lock.) The connection is gone (``lost``: not by this client's choice): its
         socket is closed. The tokens taken on it stay this process's (the handles callers hold
         are ended on another connection); the service is told to forget the others (a reply the
@@ -698,7 +481,7 @@ class NodeClient:
             self._conns.remove(conn)
             MAPPINGS.release(conn.mapping)
 
-    def _lose(self, conn: _Conn, why: str) -> None:
+    def _lose(self, conn: Connection, why: str) -> None:
         with self._cond:
             if conn.dead:
                 return
@@ -709,7 +492,7 @@ class NodeClient:
             self._void(conn)
         logger.log(logging.WARNING if first else logging.DEBUG, "node service at %s lost: %s", self.socket_path, why)
 
-    def _call(self, body: Callable[[_Conn], T], fail: Callable[[str], T], urgent: bool = False) -> T:
+    def _call(self, body: Callable[[Connection], T], fail: Callable[[str], T], urgent: bool = False) -> T:
         """A public call: refused once closed, counted in flight (close waits for it), then _run."""
         self._enter()
         try:
@@ -717,7 +500,7 @@ class NodeClient:
         finally:
             self._exit()
 
-    def _run(self, body: Callable[[_Conn], T], fail: Callable[[str], T], urgent: bool = False) -> T:
+    def _run(self, body: Callable[[Connection], T], fail: Callable[[str], T], urgent: bool = False) -> T:
         """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.
         What earlier calls left owed to the service (forgets, aborts, releases) goes first, on the
         same connection. A connection from the pool that fails before answering anything (closed
@@ -726,14 +509,14 @@ class NodeClient:
         for attempt in range(2):
             try:
                 conn = self._checkout(time.monotonic() + self.op_timeout_s, urgent=urgent)
-            except _Lost as e:
+            except Lost as e:
                 return fail(str(e))
             reused = conn.answered > 0
             before = conn.answered
             try:
                 try:
                     self._settle_debts(conn)
-                except (_Lost, _Refused) as e:
+                except (Lost, Refused) as e:
                     # Nothing of the call was sent yet: it goes on a new connection (what is owed
                     # stays owed).
                     self._lose(conn, str(e))
@@ -743,14 +526,14 @@ class NodeClient:
                         continue
                     return fail(str(e))
                 return body(conn)
-            except _Lost as e:
+            except Lost as e:
                 self._lose(conn, str(e))
                 if self._closed:
                     raise StoreClosedError("the node client was closed during the call") from None
                 if attempt == 0 and e.hung_up and reused and conn.answered == before:
                     continue
                 return fail(str(e))
-            except _Refused as e:
+            except Refused as e:
                 if e.error.code == "closed":
                     conn.draining = True
                 elif e.error.code != "bad_request":  # a bad value leaves the connection usable
@@ -760,10 +543,10 @@ class NodeClient:
                 self._checkin(conn)
         raise AssertionError("unreachable")
 
-    def _settle_debts(self, conn: _Conn) -> None:
+    def _settle_debts(self, conn: Connection) -> None:
         """Before a call: tell the service to forget the tokens of lost connections that no handle
         names any more, and send the aborts and releases a lost connection did not deliver.
-        _Lost/_Refused as a round trip raises them (the debts stay for the next call)."""
+        Lost/Refused as a round trip raises them (the debts stay for the next call)."""
         with self._cond:
             if not self._forget and not self._owed["abort"] and not self._owed["release"]:
                 return
@@ -781,7 +564,7 @@ class NodeClient:
                 self._ask_split(conn, len(releases), lambda rid, lo, hi: p.Release(rid, releases[lo:hi]), p.Bools)
             if lost:
                 ended = self._ask(conn, lambda rid: p.Forget(rid, lost, keep), p.Count).n
-        except _Refused as e:
+        except Refused as e:
             if e.error.code != "bad_request":
                 raise  # closed or busy: owed still, sent at a later call
             # A service that cannot take them now never will (this start's exit reclaims them):
@@ -795,7 +578,7 @@ class NodeClient:
             self.counters.forgets += max(0, ended)
             self.counters.owed_retries += len(aborts) + len(releases)
 
-    def _ask(self, conn: _Conn, build: Callable[[int], p.Frame], reply_type: type,
+    def _ask(self, conn: Connection, build: Callable[[int], p.Frame], reply_type: type,
              timeout_s: float | None = None) -> Any:
         """One round trip: ``build(request_id)`` encoded (FrameTooLargeError propagates to the caller,
         who splits) and its reply, checked to be ``reply_type``."""
@@ -803,12 +586,12 @@ class NodeClient:
         payload = p.encode(build(rid), conn.max_frame_bytes)
         reply = conn.round_trip(payload, rid, self.op_timeout_s if timeout_s is None else timeout_s)
         if isinstance(reply, p.Error):
-            raise _Refused(reply)
+            raise Refused(reply)
         if not isinstance(reply, reply_type):
-            raise _Lost(f"the node service answered {type(reply).__name__} where {reply_type.__name__} was due")
+            raise Lost(f"the node service answered {type(reply).__name__} where {reply_type.__name__} was due")
         return reply
 
-    def _ask_split(self, conn: _Conn, n: int, build: Callable[[int, int, int], p.Frame], reply_type: type,
+    def _ask_split(self, conn: Connection, n: int, build: Callable[[int, int, int], p.Frame], reply_type: type,
                    timeout_s: float | None = None) -> list[tuple[int, int, Any]]:
         """Round trips for items [0, n) in as few frames as fit ``max_frame_bytes`` (halving a range
         whose frame would be over it); (lo, hi, reply) per frame, in order."""
@@ -820,7 +603,7 @@ class NodeClient:
         values: list[Any] = [None] * n
         for lo, hi, reply in replies:
             if len(reply.values) != hi - lo:
-                raise _Lost(f"the node service answered {len(reply.values)} values for {hi - lo} keys")
+                raise Lost(f"the node service answered {len(reply.values)} values for {hi - lo} keys")
             values[lo:hi] = reply.values
         return values
 
@@ -857,14 +640,14 @@ class NodeClient:
         check_wait_s("wait_s", wait_s)
         keys = list(keys)
 
-        def body(conn: _Conn) -> int:
+        def body(conn: Connection) -> int:
             conn.waiting = wait_s > 0
             try:
                 return ask(conn)
             finally:
                 conn.waiting = False
 
-        def ask(conn: _Conn) -> int:
+        def ask(conn: Connection) -> int:
             deadline = time.monotonic() + wait_s
             total = 0
             # Parts are asked in order, each only when every key before it was there.
@@ -893,7 +676,7 @@ class NodeClient:
         for ks in lists:
             _check_keys(ks)
 
-        def body(conn: _Conn) -> int:
+        def body(conn: Connection) -> int:
             try:
                 return max(0, self._ask(conn, lambda rid: p.ExistsAll(rid, lists, count_reserved), p.Count).n)
             except FrameTooLargeError:
@@ -917,7 +700,7 @@ class NodeClient:
         return self._call(body, self._failed_lookup(0))
 
     @staticmethod
-    def _ranges(conn: _Conn, n: int, build: Callable[[int, int, int], p.Frame]) -> list[tuple[int, int]]:
+    def _ranges(conn: Connection, n: int, build: Callable[[int, int, int], p.Frame]) -> list[tuple[int, int]]:
         """[lo, hi) ranges of [0, n) whose frames fit, found by halving (encoding only, nothing sent)."""
         def fits(lo: int, hi: int) -> tuple[int, int]:
             p.encode(build(2 ** 62, lo, hi), conn.max_frame_bytes)  # FrameTooLargeError: halve
@@ -929,7 +712,7 @@ class NodeClient:
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
 
-        def body(conn: _Conn) -> list[str]:
+        def body(conn: Connection) -> list[str]:
             out: list[str] = []
             cursor = ""
             while True:
@@ -953,7 +736,7 @@ class NodeClient:
         _check_keys(keys)
         keys = list(keys)
 
-        def body(conn: _Conn) -> None:
+        def body(conn: Connection) -> None:
             self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Unpin(rid, keys[lo:hi]), p.Ack)
 
         self._call(body, self._failed_lookup(None))
@@ -968,7 +751,7 @@ class NodeClient:
         out = [Status.IO_ERROR] * len(keys)
         timeout_s = self.op_timeout_s + REMOVE_FRAME_EXTRA_S
 
-        def body(conn: _Conn) -> list[Status]:
+        def body(conn: Connection) -> list[Status]:
             for lo in range(0, len(keys), REMOVE_BATCH_KEYS):
                 part = keys[lo:lo + REMOVE_BATCH_KEYS]
                 replies = self._ask_split(conn, len(part), lambda rid, a, b: p.Remove(rid, part[a:b]), p.Statuses,
@@ -995,7 +778,7 @@ class NodeClient:
             self._exit()
 
     def _flush_report(self, timeout_s: float | None, reply_timeout_s: float | None) -> FlushReport:
-        def body(conn: _Conn) -> FlushReport:
+        def body(conn: Connection) -> FlushReport:
             r = self._ask(conn, lambda rid: p.Flush(rid, timeout_s), p.FlushResult, reply_timeout_s)
             return FlushReport(unpersisted=dict(r.unpersisted), declined=r.declined, lost_untracked=r.lost_untracked)
 
@@ -1020,7 +803,7 @@ class NodeClient:
         out = [Status.IO_ERROR] * len(keys)
         done = [False] * len(keys)
 
-        def body(conn: _Conn) -> list[Status]:
+        def body(conn: Connection) -> list[Status]:
             todo = list(range(len(keys)))
             while todo:
                 sub_keys = [keys[i] for i in todo]
@@ -1066,7 +849,7 @@ class NodeClient:
             return []
         return self._call(body, fail)
 
-    def _reserve_on(self, conn: _Conn, keys: list[str], sizes: list[int], parents: list[str | None] | None,
+    def _reserve_on(self, conn: Connection, keys: list[str], sizes: list[int], parents: list[str | None] | None,
                     ttl_s: float, room_wait_s: float | None) -> list[p.Grant]:
         conn.granted = True  # from here the service may hold tokens this client never learns of
         # The service may wait for room (its put_wait_s, or room_wait_s) before it answers.
@@ -1077,7 +860,7 @@ class NodeClient:
         grants = self._grants(conn, replies, len(keys), sizes)
         return grants
 
-    def _grants(self, conn: _Conn, replies: list[tuple[int, int, Any]], n: int,
+    def _grants(self, conn: Connection, replies: list[tuple[int, int, Any]], n: int,
                 sizes: list[int] | None) -> list[p.Grant]:
         grants: list[p.Grant] = [p.Grant(Status.IO_ERROR)] * n
         bad: str | None = None
@@ -1094,21 +877,21 @@ class NodeClient:
                 grants[i] = g
         if bad is not None:
             # A service that hands out slots outside its segment is broken: nothing is written.
-            raise _Lost(f"the node service broke the protocol: {bad}")
+            raise Lost(f"the node service broke the protocol: {bad}")
         return grants
 
-    def _commit_on(self, conn: _Conn, tokens: list[int], checksums: list[int | None]) -> list[Status]:
+    def _commit_on(self, conn: Connection, tokens: list[int], checksums: list[int | None]) -> list[Status]:
         if not tokens:
             return []
         replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Commit(
             rid, tokens[lo:hi], checksums[lo:hi]), p.Statuses)
         return [Status(v) for v in self._values(replies, len(tokens))]
 
-    def _abort_on(self, conn: _Conn, tokens: list[int]) -> None:
+    def _abort_on(self, conn: Connection, tokens: list[int]) -> None:
         if tokens:
             self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Abort(rid, tokens[lo:hi]), p.Ack)
 
-    def _release_on(self, conn: _Conn, tokens: list[int]) -> list[bool]:
+    def _release_on(self, conn: Connection, tokens: list[int]) -> list[bool]:
         if not tokens:
             return []
         replies = self._ask_split(conn, len(tokens), lambda rid, lo, hi: p.Release(rid, tokens[lo:hi]), p.Bools)
@@ -1129,7 +912,7 @@ class NodeClient:
         out = [ReadResult(Status.IO_ERROR)] * len(keys)
         done = [False] * len(keys)
 
-        def body(conn: _Conn) -> list[ReadResult]:
+        def body(conn: Connection) -> list[ReadResult]:
             todo = list(range(len(keys)))
             while todo:
                 # A batch larger than this process's share of the arena is read in rounds, as put
@@ -1157,7 +940,7 @@ class NodeClient:
             return []
         return self._call(body, fail)
 
-    def _lease_round(self, conn: _Conn, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
+    def _lease_round(self, conn: Connection, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
                      out: list[ReadResult], done: list[bool]) -> list[int]:
         """One lease -> copy -> release round of ``get_into`` over the indices ``todo``; fills
         ``out``/``done`` for what it answered and returns the indices refused NO_SPACE (to go again)."""
@@ -1220,7 +1003,7 @@ class NodeClient:
         keys, sz = list(keys), [int(n) for n in sizes]
         pars = None if parents is None else list(parents)
 
-        def body(conn: _Conn) -> list[Reservation]:
+        def body(conn: Connection) -> list[Reservation]:
             grants = self._reserve_on(conn, keys, sz, pars, ttl_s, room_wait_s)
             out = []
             with self._cond:
@@ -1255,7 +1038,7 @@ class NodeClient:
         check_wait_s("wait_pending_s", wait_pending_s)
         keys = list(keys)
 
-        def body(conn: _Conn) -> list[SlotLease]:
+        def body(conn: Connection) -> list[SlotLease]:
             conn.waiting = wait_pending_s > 0
             conn.granted = True
             try:
@@ -1310,7 +1093,7 @@ class NodeClient:
         return idx, held, rest
 
     def _settle(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
-                send: Callable[[_Conn, list[_Held]], list[Any]], lost_value: Any,
+                send: Callable[[Connection, list[_Held]], list[Any]], lost_value: Any,
                 rest_value: Callable[[Reservation | SlotLease], Any], owe: str | None) -> list[Any]:
         """End the handles of ``items``: ``send(conn, held)`` on any connection to the service start
         that granted them (the service keeps tokens per process), never waiting for a busy one;
@@ -1332,7 +1115,7 @@ class NodeClient:
             settled = False
             gone = False  # the service start that granted them is gone: nothing to send, nothing owed
 
-            def send_if_same(conn: _Conn) -> list[Any] | None:
+            def send_if_same(conn: Connection) -> list[Any] | None:
                 nonlocal gone
                 if conn.welcome.segment_id != held[0].segment_id:
                     # Another service start: its tokens are numbered afresh, so these numbers may
@@ -1381,7 +1164,7 @@ class NodeClient:
         gone), or the reservation's own status when it was not OK. A commit the service did not
         answer is sent again once on another connection; still unanswered it is IO_ERROR, counted
         in ``saves_dropped_disconnect``, and the slot's abort is owed (sent at a later call)."""
-        def send(conn: _Conn, held: list[_Held]) -> list[Status]:
+        def send(conn: Connection, held: list[_Held]) -> list[Status]:
             sums: list[int | None] = ([object_checksum(h.key, conn.mapping.slot(h.offset, h.nbytes)) for h in held]
                                       if conn.welcome.verify_reads else [None] * len(held))
             return self._commit_on(conn, [h.token for h in held], sums)
@@ -1408,7 +1191,7 @@ class NodeClient:
         ``verify_reads``, the slot still matches its writer's checksum (checked here, after the
         caller's copy); else, and for a lease this client does not hold or whose service could
         not be asked, False: drop that read. A mismatch is counted (``corrupt_reads``) and logged."""
-        def send(conn: _Conn, held: list[_Held]) -> list[bool]:
+        def send(conn: Connection, held: list[_Held]) -> list[bool]:
             intact = [self._verify_slot(conn, h) for h in held]
             stable = self._release_on(conn, [h.token for h in held])
             return [ok and good for ok, good in zip(stable, intact)]
@@ -1417,7 +1200,7 @@ class NodeClient:
         _release_views(leases)
         return [bool(v) for v in out]
 
-    def _verify_slot(self, conn: _Conn, h: _Held) -> bool:
+    def _verify_slot(self, conn: Connection, h: _Held) -> bool:
         """Whether a leased slot's bytes match their writer's checksum (True when not verifying)."""
         if not self._reads_verified(conn):
             return True
@@ -1475,7 +1258,7 @@ class NodeClient:
         """The service's store stats and its own (connections, tokens, held bytes), or None when it
         cannot be asked. ``mine``: the counters of this process's connections rather than the whole
         store's."""
-        def body(conn: _Conn) -> tuple[StoreStats, p.NodeStats]:
+        def body(conn: Connection) -> tuple[StoreStats, p.NodeStats]:
             r = self._ask(conn, lambda rid: p.Stats(rid, mine), p.StatsReply)
             return r.store, r.node
 

@@ -3,10 +3,10 @@ Unix socket, with the arena in a shared-memory segment the clients map.
 
 Process model: :meth:`NodeService.serve` runs one asyncio loop in the calling thread (the process's
 main thread under ``python -m store_backend.node serve``) for every connection; there is no thread
-per connection, so an idle one costs a socket and a small :class:`_Conn`. Calls that only take the
+per connection, so an idle one costs a socket and a small :class:`ServiceConn`. Calls that only take the
 store lock for bookkeeping (``exists``, ``contains``, ``size_of``, ``tier_of``, ``pin``, ``unpin``,
 ``reserve``, ``commit``, ``abort``, a DRAM ``lease``, ``release``, ``stats``) run inline on the loop
-when they name at most ``_INLINE_MAX_KEYS`` keys or tokens (a longer list's store call goes to the
+when they name at most ``INLINE_MAX_KEYS`` keys or tokens (a longer list's store call goes to the
 pool; the check a lease makes for pending commits is the service's own table, no store call);
 calls that may block run on two bounded thread pools owned by the service: ``remove``, ``flush``,
 ``keys`` and long lists on ``workers`` threads, loads (a lease that stages an object in from SSD, a
@@ -31,7 +31,7 @@ segment's fd (SCM_RIGHTS) when asked. A frame over the cap or one that does not 
 first byte; the incomplete frames of all connections hold at most ``max_buffered_bytes``; a
 connection through which no slot still held was taken is closed after ``idle_timeout_s``.
 
-Slots (reservations, leases) belong to the client *process* (:class:`_Proc`), whichever of its
+Slots (reservations, leases) belong to the client *process* (:class:`ClientProc`), whichever of its
 connections took them: any of its connections may end them, and a connection that ends frees
 nothing (a thread of the process may still be copying). They end when the process ends them,
 forgets those of a connection it lost (``forget``: a reply it never read may have granted some),
@@ -52,11 +52,9 @@ bounded by ``shutdown_flush_s``, unlink the segment and the socket. A second sig
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import concurrent.futures
 import errno
-import itertools
 import logging
 import os
 import signal
@@ -65,7 +63,6 @@ import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -73,16 +70,20 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from store_backend.api import StoreClosedError
 from store_backend.config_loader import ConfigError
-from store_backend.metrics import LatencyHistogram, StoreCounters, StoreStats, TierStats
-from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameDecoder, FrameError, FrameTimeoutError
+from store_backend.metrics import LatencyHistogram, TierStats
+from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameError, FrameTimeoutError
 from store_backend.node import protocol as p
+from store_backend.node.batches import INLINE_MAX_KEYS, in_chunks, key_page, leading_in_chunks, sorted_keys
 from store_backend.node.config import DEFAULT_METRICS_PORT, NodeServiceConfig, load_node_config
 from store_backend.node.fdpass import may_attach, peer_credentials
+from store_backend.node.lanes import Lane
 from store_backend.node.metrics import NodeCollector
+from store_backend.node.node_lock import file_kind, take_node_lock
 from store_backend.node.peers import ProcessWatch, boot_time_s
 from store_backend.node.segment import segment_id, unlink_if_same
+from store_backend.node.service_state import ClientProc, Ended, HeldSlot, ServiceConn, with_gauges
 from store_backend.node.socket_dir import make_socket_dir
-from store_backend.ownership import HeldLock, OwnershipError, flock_or_raise
+from store_backend.ownership import HeldLock
 from store_backend.pool.service import PoolService
 from store_backend.pool.tier import PoolTier
 from store_backend.pool.transport import TransportError
@@ -96,16 +97,11 @@ logger = logging.getLogger(__name__)
 # Listen backlog: clients beyond what the loop has accepted yet wait here.
 _LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
 _TICK_S = 1.0
-# A key page is cut well below the frame cap (keys are at most 1 KiB each).
-_KEY_PAGE_BYTES = MAX_FRAME_BYTES // 2
 _FLUSH_UNPERSISTED_MAX = 1000
 # Longest a waiting exists/lease sleeps before looking again without being woken.
 _WAIT_SLICE_S = 0.25
 # A lease is ended by the service this long after its TTL (the store has expired it by then).
 _LEASE_GRACE_S = 1.0
-# A call naming more keys (or tokens) than this runs its store call on the pool, not the loop: a
-# store call costs tens of microseconds per key, and the loop serves every client.
-_INLINE_MAX_KEYS = 1024
 
 
 async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
@@ -116,26 +112,6 @@ async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
     return await asyncio.wait_for(aw, seconds)
 
 
-
-
-def _with_gauges(mine: StoreStats, whole: StoreStats) -> StoreStats:
-    """A client process's own counters (``mine``) with the store's gauges as they are now (from
-    ``whole``): what an engine's stats hook reports, so summing engines counts each hit once while
-    the usage gauges (the same for every engine: the one store) stay true."""
-    for name, tier in mine.tiers.items():
-        w = whole.tiers[name]
-        tier.capacity_bytes, tier.used_bytes, tier.objects = w.capacity_bytes, w.used_bytes, w.objects
-    mine.queues = whole.queues
-    mine.slots = whole.slots
-    return mine
-
-@dataclass(frozen=True, slots=True)
-class _Ended:
-    """A reservation that ended outside a commit or an abort (a remove detached it): what
-    :meth:`NodeService._written` needs of it."""
-    key: str
-    token: int
-
 class _Closing(Exception):
     """Raised inside a connection's task to end it quietly (idle, goodbye, refused)."""
 
@@ -145,188 +121,6 @@ class _BuffersFull(Exception):
     with ``error(busy)``."""
 
 
-@dataclass(slots=True)
-class _Slot:
-    """One token a client process holds: a reservation or a lease (the store's object, its view
-    dropped), the connection that took it (the store's owner of the token), the end of its TTL,
-    and for a lease the tier its bytes came from."""
-
-    lease: bool
-    obj: Any
-    conn_id: int
-    deadline: float
-    tier: str = "dram"
-
-
-class _Proc:
-    """One client process: its connections, every token it holds (whichever connection took it:
-    any of its connections may end it), the store owners (connection ids) it has used, its
-    counters, and the watch on its exit. Its slots' memory goes back when it ends them, forgets
-    them (:class:`~store_backend.node.protocol.Forget`) or exits; never when a connection ends.
-    Loop thread only."""
-
-    __slots__ = ("pid", "watch", "conns", "slots", "owners", "in_flight", "forgotten", "mine", "ended")
-
-    def __init__(self, pid: int, watch: ProcessWatch) -> None:
-        self.pid = pid
-        self.watch = watch
-        self.conns: set[_Conn] = set()
-        self.slots: dict[int, _Slot] = {}  # token -> what it holds
-        # Connection ids whose tokens the store may hold for it: every one it used, until a Forget
-        # ended them all; all are reclaimed when it exits.
-        self.owners: set[int] = set()
-        # Ended connections whose store call was still running on a pool thread (it may yet grant
-        # tokens): reclaimed again once it is done, if the process forgot them or exited meanwhile.
-        self.in_flight: dict[int, concurrent.futures.Future[Any]] = {}
-        self.forgotten: dict[int, frozenset[int]] = {}  # such a connection -> the tokens its Forget kept
-        self.mine = _Mine()
-        self.ended = False
-
-
-class _Conn:
-    """One connection's state. Touched on the loop thread only."""
-
-    __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "proc", "open_slots", "buffered",
-                 "frames", "pending", "frame_t0", "task", "send_lock", "in_flight", "key_snapshot")
-
-    def __init__(self, conn_id: int, sock: socket.socket, proc: _Proc, uid: int, max_frame_bytes: int) -> None:
-        self.conn_id = conn_id
-        self.sock = sock
-        self.proc = proc
-        self.pid = proc.pid
-        self.uid = uid
-        self.name = ""
-        self.since = time.monotonic()
-        self.hello = False
-        self.open_slots = 0  # tokens taken on this connection that its process still holds
-        self.buffered = 0  # bytes of a frame not complete yet (counted in the service's total)
-        self.key_snapshot: tuple[str, list[str]] | None = None  # (prefix, sorted keys) while paging
-        self.frames = FrameDecoder(max_frame_bytes)
-        self.pending: collections.deque[bytes] = collections.deque()
-        self.frame_t0: float | None = None  # when the frame being read began to arrive
-        self.task: asyncio.Task[None] | None = None
-        self.send_lock = asyncio.Lock()
-        self.in_flight: concurrent.futures.Future[Any] | None = None  # a pool call it awaits
-
-    @property
-    def mine(self) -> _Mine:
-        return self.proc.mine
-
-
-class _Mine:
-    """What one client process did through this service (every connection of its pid): the
-    counters a ``stats(mine=True)`` answers, so engines that sum their reports count each hit once.
-    Counters only; the gauges (capacity, use, objects) are the store's, in ``stats()``."""
-
-    __slots__ = ("tiers", "store")
-
-    def __init__(self) -> None:
-        self.tiers: dict[str, TierStats] = {"dram": TierStats(), "ssd": TierStats(), "pool": TierStats()}
-        self.store = StoreCounters()
-
-    def stats(self) -> StoreStats:
-        return StoreStats(dram=msgspec.structs.replace(self.tiers["dram"]),
-                          ssd=msgspec.structs.replace(self.tiers["ssd"]),
-                          pool=msgspec.structs.replace(self.tiers["pool"]), store=msgspec.structs.replace(self.store))
-
-
-class _Lane:
-    """One thread pool and the shares of it: at most ``share`` of its threads for one client
-    process and as many for one kind of call (``remove``, ``flush_report``, ...), so one client's
-    or one slow kind's calls cannot take every thread. Waiting for a share is the calling
-    coroutine's (loop thread), not a thread's. Owned by the service; closed with it."""
-
-    def __init__(self, name: str, threads: int) -> None:
-        self.executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"node-{name}")
-        self.share = max(1, threads // 2) if threads > 1 else 1
-        self._by_client: collections.Counter[int] = collections.Counter()
-        self._by_kind: collections.Counter[str] = collections.Counter()
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def _fits(self, pid: int, kind: str) -> bool:
-        return self._by_client[pid] < self.share and self._by_kind[kind] < self.share
-
-    async def run(self, pid: int, kind: str, submit: Callable[[concurrent.futures.ThreadPoolExecutor],
-                                                               concurrent.futures.Future[Any]]) -> Any:
-        """``submit(executor)`` once ``pid`` and ``kind`` are within their shares; its result. The
-        shares are taken back when the thread is done with the call, not when its waiter is: a
-        cancelled waiter leaves the call running, holding its share until it returns."""
-        loop = asyncio.get_running_loop()
-        while not self._fits(pid, kind):
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        self._by_client[pid] += 1
-        self._by_kind[kind] += 1
-        try:
-            fut = submit(self.executor)
-        except BaseException:
-            self._give_back(pid, kind)
-            raise
-
-        def done(_f: concurrent.futures.Future[Any]) -> None:
-            try:
-                loop.call_soon_threadsafe(self._give_back, pid, kind)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits for a share any more
-
-        fut.add_done_callback(done)
-        return await asyncio.wrap_future(fut)
-
-    def _give_back(self, pid: int, kind: str) -> None:
-        """(loop thread; plain counters, no lock: nothing between the checks awaits.)"""
-        self._by_client[pid] -= 1
-        self._by_kind[kind] -= 1
-        if self._by_client[pid] <= 0:
-            del self._by_client[pid]
-        if self._by_kind[kind] <= 0:
-            del self._by_kind[kind]
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return f"mode {mode:o}"
-
-
-def _take_lock(path: str) -> HeldLock:
-    """The service's ``node.lock`` (flock, holds our pid); ConfigError naming the holder's pid when
-    another service has it."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise ConfigError(f"socket: cannot open the lock file {path}: {e.strerror}") from None
-    try:
-        flock_or_raise(fd, path, "socket")
-    except OwnershipError as e:
-        os.close(fd)
-        who = ", ".join(f"pid {pid}" for pid in e.holders) or "a process"
-        raise OwnershipError(f"socket: another node service ({who}) holds {path}: one service per socket "
-                             f"directory; stop it first (mooncake-kv stop --socket "
-                             f"{os.path.join(os.path.dirname(path), 'node.sock')})", e.path, e.holders) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass
-    return HeldLock(fd)
 
 
 class NodeService:
@@ -353,10 +147,10 @@ class NodeService:
         self._listener: socket.socket | None = None
         self._httpd: Any = None
         self._httpd_thread: threading.Thread | None = None
-        self._lanes: dict[str, _Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists)
+        self._lanes: dict[str, Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conns: dict[int, _Conn] = {}
-        self._procs: dict[int, _Proc] = {}  # client processes by pid (connected, or holding tokens or pins)
+        self._conns: dict[int, ServiceConn] = {}
+        self._procs: dict[int, ClientProc] = {}  # client processes by pid (connected, or holding tokens or pins)
         self._buffered = 0  # bytes of incomplete frames, all connections
         self._next_conn_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -378,7 +172,7 @@ class NodeService:
         self._pool_tier: PoolTier | None = None
         # Calls naming more keys than this run on the threads; with a pool every lookup may be a
         # network round trip, so none runs on the loop.
-        self._inline_max_keys = _INLINE_MAX_KEYS if self.config.pool is None else 0
+        self._inline_max_keys = INLINE_MAX_KEYS if self.config.pool is None else 0
         # Counters (read by stats and /metrics from other threads: plain ints).
         self.frames: collections.Counter[str] = collections.Counter()
         # Time from a request's arrival to its reply being sent, by op (waits and pool calls included).
@@ -401,7 +195,7 @@ class NodeService:
         cfg = self.config
         directory = os.path.dirname(self.socket_path)
         make_socket_dir(directory)
-        self._lock = _take_lock(cfg.lock_path)
+        self._lock = take_node_lock(cfg.lock_path)
         try:
             # The store unlinks leftover segments of a killed service whose lock is free.
             if cfg.pool is not None:
@@ -437,7 +231,7 @@ class NodeService:
             raise ConfigError(f"socket: cannot look at {path}: {e.strerror}") from None
         if st is not None:
             if not stat.S_ISSOCK(st.st_mode):
-                raise ConfigError(f"socket: {path} exists and is not a socket ({_file_kind(st.st_mode)}); "
+                raise ConfigError(f"socket: {path} exists and is not a socket ({file_kind(st.st_mode)}); "
                                   f"nothing was deleted: name another path in `socket`, or move that file away")
             try:
                 os.unlink(path)
@@ -590,8 +384,8 @@ class NodeService:
         self._loop = loop
         self._wake = asyncio.Event()
         self._slots_changed = asyncio.Event()
-        self._lanes = {"bulk": _Lane("call", self.config.workers),
-                       "fast": _Lane("fast", self.config.stage_in_workers)}
+        self._lanes = {"bulk": Lane("call", self.config.workers),
+                       "fast": Lane("fast", self.config.stage_in_workers)}
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._request_stop, signal.Signals(sig).name, False)
@@ -709,12 +503,12 @@ class NodeService:
             self._spawn(self._refuse(sock, p.Error(0, "busy", msg)))
             return
         self._next_conn_id += 1
-        c = _Conn(self._next_conn_id, sock, proc, creds.uid, MAX_FRAME_BYTES)
+        c = ServiceConn(self._next_conn_id, sock, proc, creds.uid, MAX_FRAME_BYTES)
         self._conns[c.conn_id] = c
         proc.conns.add(c)
         c.task = self._spawn(self._serve_conn(c))
 
-    def _proc_of(self, pid: int) -> _Proc | None:
+    def _proc_of(self, pid: int) -> ClientProc | None:
         """(loop thread) The record of client process ``pid``, made (with its watch) at its first
         connection; a record whose process has exited (the pid now names another process) is
         ended first. None when the process is gone already."""
@@ -738,7 +532,7 @@ class NodeService:
             if watch.exited():
                 watch.close()
                 return None
-            proc = self._procs[pid] = _Proc(pid, watch)
+            proc = self._procs[pid] = ClientProc(pid, watch)
             if watch.fd is not None:
                 asyncio.get_running_loop().add_reader(watch.fd, self._pid_readable, proc)
         return proc
@@ -761,7 +555,7 @@ class NodeService:
         logger.warning(fmt, *args)
 
     # -- one connection ---------------------------------------------------------------------------
-    async def _serve_conn(self, c: _Conn) -> None:
+    async def _serve_conn(self, c: ServiceConn) -> None:
         try:
             while True:
                 msg = await self._next_message(c)
@@ -787,7 +581,7 @@ class NodeService:
         finally:
             self._end(c)
 
-    async def _next_message(self, c: _Conn) -> p.Frame | None:
+    async def _next_message(self, c: ServiceConn) -> p.Frame | None:
         loop = asyncio.get_running_loop()
         while not c.pending:
             now = time.monotonic()
@@ -820,7 +614,7 @@ class NodeService:
                 c.frame_t0 = time.monotonic()  # a new frame began in this piece
         return _DECODER.decode(c.pending.popleft())
 
-    async def _send(self, c: _Conn, msg: p.Frame) -> None:
+    async def _send(self, c: ServiceConn, msg: p.Frame) -> None:
         """Send ``msg`` within ``send_timeout_s``; past it :class:`_Closing` (the connection ends):
         a peer that sends requests and reads no reply would otherwise hold its task forever."""
         data = p.encode(msg)
@@ -835,13 +629,13 @@ class NodeService:
                            c.name or "unnamed", timeout_s)
             raise _Closing() from None
 
-    async def _send_quietly(self, c: _Conn, msg: p.Frame) -> None:
+    async def _send_quietly(self, c: ServiceConn, msg: p.Frame) -> None:
         try:
             await _within(self._send(c, msg), 1.0)
         except (OSError, asyncio.TimeoutError, FrameError, _Closing):
             pass
 
-    def _count_buffered(self, c: _Conn) -> None:
+    def _count_buffered(self, c: ServiceConn) -> None:
         """(loop thread) Account what ``c`` holds of frames not complete yet in the service's total;
         past ``max_buffered_bytes`` the connection that asks for more is closed (error busy): the
         control frames of every client together never hold more memory than that."""
@@ -853,7 +647,7 @@ class NodeService:
             raise _BuffersFull(f"the node service holds {self._buffered} bytes of incomplete frames, more than "
                                f"max_buffered_bytes ({self.config.max_buffered_bytes}); send it again")
 
-    def _end(self, c: _Conn) -> None:
+    def _end(self, c: ServiceConn) -> None:
         """(loop thread) The connection is over: its socket is closed. Its process's tokens stay
         (a thread of it may still be copying through one): they end when the process ends them,
         forgets them, or exits."""
@@ -889,7 +683,7 @@ class NodeService:
         if not self._conns:
             self._last_client_left = time.monotonic()
 
-    def _reclaim_late(self, proc: _Proc, conn_id: int) -> None:
+    def _reclaim_late(self, proc: ClientProc, conn_id: int) -> None:
         """(loop thread) The pool call of ended connection ``conn_id`` returned: what it granted
         ends if its process exited or forgot the connection meanwhile."""
         proc.in_flight.pop(conn_id, None)
@@ -918,11 +712,11 @@ class NodeService:
         return aborted, released
 
     # -- client processes -------------------------------------------------------------------------
-    def _pid_readable(self, proc: _Proc) -> None:
+    def _pid_readable(self, proc: ClientProc) -> None:
         if proc.watch.exited():
             self._proc_exited(proc)
 
-    def _proc_exited(self, proc: _Proc) -> None:
+    def _proc_exited(self, proc: ClientProc) -> None:
         """(loop thread) Client process ``proc`` exited: nothing can touch its slots any more.
         Its connections close, every token and pin it held ends, its record goes."""
         if proc.ended:
@@ -957,14 +751,14 @@ class NodeService:
             logger.info("process %d exited holding %d reservations and leases and %d pinned keys: reclaimed",
                         proc.pid, held, pins)
 
-    def _close_conn(self, c: _Conn) -> None:
+    def _close_conn(self, c: ServiceConn) -> None:
         if c.task is not None and not c.task.done():
             c.task.cancel()
         else:
             self._end(c)
 
     # -- requests ---------------------------------------------------------------------------------
-    async def _answer(self, c: _Conn, msg: p.Frame) -> None:
+    async def _answer(self, c: ServiceConn, msg: p.Frame) -> None:
         op = type(msg).__struct_config__.tag
         self.frames[op] += 1
         rid = getattr(msg, "id", 0)
@@ -1000,7 +794,7 @@ class NodeService:
             hist = self.op_latency[op] = LatencyHistogram()
         hist.observe(time.monotonic() - t0)
 
-    async def _blocking(self, c: _Conn, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
+    async def _blocking(self, c: ServiceConn, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
                         **kwargs: Any) -> Any:
         """``fn`` on one of the service's pools; the connection's task waits for it. ``fast_lane``:
         the threads kept for loads (stage-in leases, exists), which slow bulk calls (remove, flush,
@@ -1015,24 +809,24 @@ class NodeService:
         c.in_flight = None
         return result
 
-    async def _sized(self, c: _Conn, nkeys: int, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
+    async def _sized(self, c: ServiceConn, nkeys: int, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
                      chunked: bool = True, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` (a store call over ``nkeys`` keys or tokens): inline on the loop
-        up to ``_INLINE_MAX_KEYS`` (bookkeeping only), on the pool beyond, so one client's long key
+        up to ``INLINE_MAX_KEYS`` (bookkeeping only), on the pool beyond, so one client's long key
         list does not hold every other client's calls up. ``chunked``: ``fn`` answers one value per
         item of its first argument, each independent of the others, so the pool calls it a chunk at
         a time (the store lock is let go between chunks)."""
         if nkeys <= self._inline_max_keys:
             return fn(*args, **kwargs)
         if chunked:
-            def in_chunks() -> Any:
-                return _in_chunks(fn, *args, **kwargs)
+            def call_in_chunks() -> Any:
+                return in_chunks(fn, *args, **kwargs)
 
-            in_chunks.__name__ = getattr(fn, "__name__", "call")  # the pool's share is by kind of call
-            return await self._blocking(c, in_chunks, fast_lane=fast_lane)
+            call_in_chunks.__name__ = getattr(fn, "__name__", "call")  # the pool's share is by kind of call
+            return await self._blocking(c, call_in_chunks, fast_lane=fast_lane)
         return await self._blocking(c, fn, *args, fast_lane=fast_lane, **kwargs)
 
-    async def _on_hello(self, c: _Conn, m: p.Hello) -> p.Frame | None:
+    async def _on_hello(self, c: ServiceConn, m: p.Hello) -> p.Frame | None:
         if c.hello:
             return p.Error(m.id, "bad_request", "hello was already sent on this connection")
         if m.version != p.PROTOCOL_VERSION:
@@ -1065,7 +859,7 @@ class NodeService:
             await self._send(c, p.Draining(0, round(max(0.0, self._drain_end - time.monotonic()), 3)))
         return None
 
-    async def _on_exists(self, c: _Conn, m: p.Exists) -> p.Frame:
+    async def _on_exists(self, c: ServiceConn, m: p.Exists) -> p.Frame:
         store = self.store
         assert store is not None
         check_wait_s("wait_s", m.wait_s)
@@ -1074,37 +868,37 @@ class NodeService:
             # The wait is this coroutine's, not a pool thread's: a client that asks for an hour and
             # leaves costs nothing once its connection ends.
             changed = self._slots_changed
-            n = await self._sized(c, len(m.keys), _leading_in_chunks, store.exists, m.keys,
+            n = await self._sized(c, len(m.keys), leading_in_chunks, store.exists, m.keys,
                                   count_reserved=m.count_reserved, fast_lane=True, chunked=False)
             left = end - time.monotonic()
             if n == len(m.keys) or left <= 0:
                 return p.Count(m.id, n)
             await self._wait_change(c, changed, left)
 
-    async def _on_exists_all(self, c: _Conn, m: p.ExistsAll) -> p.Frame:
+    async def _on_exists_all(self, c: ServiceConn, m: p.ExistsAll) -> p.Frame:
         assert self.store is not None
         n = sum(len(keys) for keys in m.key_lists)
         return p.Count(m.id, await self._sized(c, n, self.store.exists_all, m.key_lists,
                                                count_reserved=m.count_reserved, chunked=False))
 
-    async def _on_contains(self, c: _Conn, m: p.Contains) -> p.Frame:
+    async def _on_contains(self, c: ServiceConn, m: p.Contains) -> p.Frame:
         assert self.store is not None
         return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.contains, m.keys))
 
-    async def _on_size_of(self, c: _Conn, m: p.SizeOf) -> p.Frame:
+    async def _on_size_of(self, c: ServiceConn, m: p.SizeOf) -> p.Frame:
         assert self.store is not None
         return p.Sizes(m.id, await self._sized(c, len(m.keys), self.store.size_of, m.keys))
 
-    async def _on_tier_of(self, c: _Conn, m: p.TierOf) -> p.Frame:
+    async def _on_tier_of(self, c: ServiceConn, m: p.TierOf) -> p.Frame:
         assert self.store is not None
         return p.Names(m.id, await self._sized(c, len(m.keys), self.store.tier_of, m.keys))
 
-    async def _on_pin(self, c: _Conn, m: p.Pin) -> p.Frame:
+    async def _on_pin(self, c: ServiceConn, m: p.Pin) -> p.Frame:
         assert self.store is not None
         # Counted against the process's share (past it: False), ended when the process exits.
         return p.Bools(m.id, await self._sized(c, len(m.keys), self.store.pin, m.keys, m.ttl_s, group=c.pid))
 
-    async def _on_unpin(self, c: _Conn, m: p.Unpin) -> p.Frame:
+    async def _on_unpin(self, c: ServiceConn, m: p.Unpin) -> p.Frame:
         assert self.store is not None
         await self._sized(c, len(m.keys), self.store.unpin, m.keys, group=c.pid, chunked=False)
         return p.Ack(m.id)
@@ -1115,7 +909,7 @@ class NodeService:
                                            f"no new {type(m).__struct_config__.tag}")
         return None
 
-    async def _on_reserve(self, c: _Conn, m: p.Reserve) -> p.Frame:
+    async def _on_reserve(self, c: ServiceConn, m: p.Reserve) -> p.Frame:
         if (refused := self._refuse_new_tokens(m)) is not None:
             return refused
         store = self.store
@@ -1156,25 +950,25 @@ class NodeService:
                 c.mine.store.put_no_space += 1
             if r.status is Status.OK:
                 r.view = None  # the service never writes a slot: its clients do
-                self._hold(c, r.token, _Slot(False, r, c.conn_id, now + m.ttl_s))
+                self._hold(c, r.token, HeldSlot(False, r, c.conn_id, now + m.ttl_s))
                 self._writing.setdefault(r.key, {})[r.token] = now + m.ttl_s
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes))
             else:
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 
-    def _hold(self, c: _Conn, token: int, slot: _Slot) -> None:
+    def _hold(self, c: ServiceConn, token: int, slot: HeldSlot) -> None:
         """(loop thread) ``c``'s process holds ``token`` from now on."""
         c.proc.slots[token] = slot
         c.open_slots += 1
 
-    def _find(self, c: _Conn, tokens: Sequence[int], lease: bool) -> list[_Slot | None]:
+    def _find(self, c: ServiceConn, tokens: Sequence[int], lease: bool) -> list[HeldSlot | None]:
         """The slots ``c``'s process holds under ``tokens`` (of the kind asked; None for any other
         token: unknown, ended, another process's, the other kind, or named twice). They stay in its
         table until :meth:`_drop`: a call cut short (its connection lost, the store raising) leaves
         them there, for the process to end again or its exit to reclaim."""
         slots = c.proc.slots
-        out: list[_Slot | None] = []
+        out: list[HeldSlot | None] = []
         seen: set[int] = set()
         for t in tokens:
             slot = slots.get(t) if isinstance(t, int) and t not in seen else None
@@ -1185,7 +979,7 @@ class NodeService:
             out.append(slot)
         return out
 
-    def _drop(self, c: _Conn, tokens: Sequence[int], slots: Sequence[_Slot | None], idx: Sequence[int]) -> None:
+    def _drop(self, c: ServiceConn, tokens: Sequence[int], slots: Sequence[HeldSlot | None], idx: Sequence[int]) -> None:
         """(loop thread) The store ended ``slots[i]`` (token ``tokens[i]``) for each ``i`` in ``idx``:
         out of the process's table (unless its exit or a Forget took it out meanwhile); a
         reservation's key is no longer pending."""
@@ -1199,14 +993,14 @@ class NodeService:
             if not slot.lease:
                 self._written(slot.obj)
 
-    def _let_go(self, slot: _Slot) -> None:
+    def _let_go(self, slot: HeldSlot) -> None:
         """(loop thread) ``slot`` left its process's table: its connection holds one slot less."""
         origin = self._conns.get(slot.conn_id)
         if origin is not None:
             origin.open_slots -= 1
 
     @staticmethod
-    def _by_owner(slots: Sequence[_Slot | None]) -> dict[int, list[int]]:
+    def _by_owner(slots: Sequence[HeldSlot | None]) -> dict[int, list[int]]:
         """Indexes of the known ``slots`` by the store owner (connection) of each."""
         out: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
@@ -1214,7 +1008,7 @@ class NodeService:
                 out.setdefault(slot.conn_id, []).append(i)
         return out
 
-    async def _on_commit(self, c: _Conn, m: p.Commit) -> p.Frame:
+    async def _on_commit(self, c: ServiceConn, m: p.Commit) -> p.Frame:
         assert self.store is not None
         if m.checksums is not None and len(m.checksums) != len(m.tokens):
             raise ValueError(f"got {len(m.tokens)} tokens but {len(m.checksums)} checksums")
@@ -1238,7 +1032,7 @@ class NodeService:
                 c.mine.tiers["dram"].bytes_written += slot.obj.nbytes
         return p.Statuses(m.id, out)
 
-    async def _on_abort(self, c: _Conn, m: p.Abort) -> p.Frame:
+    async def _on_abort(self, c: ServiceConn, m: p.Abort) -> p.Frame:
         assert self.store is not None
         slots = self._find(c, m.tokens, lease=False)
         try:
@@ -1251,7 +1045,7 @@ class NodeService:
                 self._kick()
         return p.Ack(m.id)
 
-    async def _on_forget(self, c: _Conn, m: p.Forget) -> p.Frame:
+    async def _on_forget(self, c: ServiceConn, m: p.Forget) -> p.Frame:
         """The client says connections ``conn_ids`` are gone for it: every token taken on them and
         not in ``keep`` ends (a reply it never read may have granted some). Only this process's
         connections count; one still open here is closed first. A store call of one still running
@@ -1284,7 +1078,7 @@ class NodeService:
             logger.info("process %d forgot %d tokens of connections it lost", proc.pid, ended)
         return p.Count(m.id, ended)
 
-    async def _on_lease(self, c: _Conn, m: p.Lease) -> p.Frame:
+    async def _on_lease(self, c: ServiceConn, m: p.Lease) -> p.Frame:
         if (refused := self._refuse_new_tokens(m)) is not None:
             return refused
         store = self.store
@@ -1305,10 +1099,10 @@ class NodeService:
 
         def lease() -> tuple[list[str | None] | None, list[Any]]:
             # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
-            tiers = _in_chunks(store.tier_of, m.keys, local_only=True) if look_below else None
-            return tiers, _in_chunks(store.lease, m.keys, **kwargs)
+            tiers = in_chunks(store.tier_of, m.keys, local_only=True) if look_below else None
+            return tiers, in_chunks(store.lease, m.keys, **kwargs)
 
-        if len(m.keys) > _INLINE_MAX_KEYS:
+        if len(m.keys) > INLINE_MAX_KEYS:
             tiers, got = await self._blocking(c, lease, fast_lane=True)
         else:
             # This node's tiers only (no pool lookup on the loop); a key none holds may be in the pool.
@@ -1343,7 +1137,7 @@ class NodeService:
                 mine.tiers["dram"].misses += 1  # it was below: DRAM missed it first
             if r.status is Status.OK:
                 r.view = None
-                self._hold(c, r.token, _Slot(True, r, c.conn_id, now + m.ttl_s, tier))
+                self._hold(c, r.token, HeldSlot(True, r, c.conn_id, now + m.ttl_s, tier))
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes, r.checksum))
             else:
                 if tier == "dram":
@@ -1371,7 +1165,7 @@ class NodeService:
         now = time.monotonic()
         return [k for k in keys if (t := writing.get(k)) is not None and max(t.values()) > now]
 
-    async def _wait_not_pending(self, c: _Conn, keys: Sequence[str], wait_s: float) -> None:
+    async def _wait_not_pending(self, c: ServiceConn, keys: Sequence[str], wait_s: float) -> None:
         """Until no key of ``keys`` is being written (committed, aborted, expired, reclaimed), or
         ``wait_s`` passed; on the loop, woken by every commit and abort through this service."""
         end = time.monotonic() + wait_s
@@ -1390,7 +1184,7 @@ class NodeService:
         changed, self._slots_changed = self._slots_changed, asyncio.Event()
         changed.set()
 
-    async def _wait_change(self, c: _Conn, changed: asyncio.Event, left_s: float) -> None:
+    async def _wait_change(self, c: ServiceConn, changed: asyncio.Event, left_s: float) -> None:
         """Until ``changed`` is set or a slice of ``left_s`` passed; :class:`_Closing` when the peer
         closed its end meanwhile (nothing else reads the socket while a request is answered)."""
         loop = asyncio.get_running_loop()
@@ -1421,7 +1215,7 @@ class NodeService:
         if gone.done():
             raise _Closing()
 
-    async def _on_release(self, c: _Conn, m: p.Release) -> p.Frame:
+    async def _on_release(self, c: ServiceConn, m: p.Release) -> p.Frame:
         assert self.store is not None
         slots = self._find(c, m.tokens, lease=True)
         out = [False] * len(slots)
@@ -1438,7 +1232,7 @@ class NodeService:
                 t.bytes_read += slot.obj.nbytes
         return p.Bools(m.id, out)
 
-    async def _on_remove(self, c: _Conn, m: p.Remove) -> p.Frame:
+    async def _on_remove(self, c: ServiceConn, m: p.Remove) -> p.Frame:
         assert self.store is not None
         # A remove detaches a reservation still being written: its commit can no longer make the
         # key visible, so a lease waiting for it must stop waiting. Only the reservations open
@@ -1448,41 +1242,41 @@ class NodeService:
         if before:
             for k, tokens in before.items():
                 for token in tokens:
-                    self._written(_Ended(k, token))
+                    self._written(Ended(k, token))
             self._kick()
         return p.Statuses(m.id, out)
 
-    async def _on_keys(self, c: _Conn, m: p.Keys) -> p.Frame:
+    async def _on_keys(self, c: ServiceConn, m: p.Keys) -> p.Frame:
         assert self.store is not None
         if m.limit < 1:
             raise ValueError(f"limit must be >= 1, got {m.limit}")
         snap = c.key_snapshot
         if not m.cursor or snap is None or snap[0] != m.prefix:
             # The first page takes the snapshot the later ones are cut from (no O(n log n) per page).
-            snap = c.key_snapshot = (m.prefix, await self._blocking(c, _sorted_keys, self.store, m.prefix))
-        page, cursor = _key_page(snap[1], m.cursor, m.limit)
+            snap = c.key_snapshot = (m.prefix, await self._blocking(c, sorted_keys, self.store, m.prefix))
+        page, cursor = key_page(snap[1], m.cursor, m.limit)
         if not cursor:
             c.key_snapshot = None
         return p.KeyPage(m.id, page, cursor)
 
-    async def _on_flush(self, c: _Conn, m: p.Flush) -> p.Frame:
+    async def _on_flush(self, c: ServiceConn, m: p.Flush) -> p.Frame:
         assert self.store is not None
         report = await self._blocking(c, self.store.flush_report, m.timeout_s)
         first = dict(list(report.unpersisted.items())[:_FLUSH_UNPERSISTED_MAX])
         lost = report.lost_untracked + len(report.unpersisted) - len(first)
         return p.FlushResult(m.id, report.ok, first, report.declined, lost)
 
-    async def _on_stats(self, c: _Conn, m: p.Stats) -> p.Frame:
+    async def _on_stats(self, c: ServiceConn, m: p.Stats) -> p.Frame:
         assert self.store is not None
         whole = self.store.stats()
-        return p.StatsReply(m.id, _with_gauges(c.mine.stats(), whole) if m.mine else whole, self.node_stats())
+        return p.StatsReply(m.id, with_gauges(c.mine.stats(), whole) if m.mine else whole, self.node_stats())
 
-    async def _on_shutdown(self, c: _Conn, m: p.Shutdown) -> p.Frame:
+    async def _on_shutdown(self, c: ServiceConn, m: p.Shutdown) -> p.Frame:
         logger.warning("shutdown requested by pid %d (%s)", c.pid, c.name or "unnamed")
         self._request_stop(f"shutdown requested by pid {c.pid}", False)
         return p.Ack(m.id)
 
-    async def _on_goodbye(self, c: _Conn, m: p.Goodbye) -> p.Frame:
+    async def _on_goodbye(self, c: ServiceConn, m: p.Goodbye) -> p.Frame:
         raise _Closing()
 
     _handlers: dict[type, Callable[..., Awaitable[p.Frame | None]]] = {
@@ -1494,7 +1288,7 @@ class NodeService:
     }
 
     # -- gauges -----------------------------------------------------------------------------------
-    def _conn_list(self) -> list[_Conn]:
+    def _conn_list(self) -> list[ServiceConn]:
         # list() of a dict's values is one C call: safe to take from a scrape thread.
         return list(self._conns.values())
 
@@ -1674,47 +1468,6 @@ class NodeService:
         self.store = None
         self._release()
         logger.info("node service stopped (exit status %d)", self.exit_status)
-
-
-def _in_chunks(fn: Callable[..., list[Any]], items: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
-    """``fn`` over ``items`` a chunk of ``_INLINE_MAX_KEYS`` at a time, answers concatenated
-    (blocking; on a pool thread). Each store call holds the store lock for its chunk only, so the
-    loop's inline calls get the lock between chunks."""
-    out: list[Any] = []
-    for i in range(0, len(items), _INLINE_MAX_KEYS):
-        out.extend(fn(items[i:i + _INLINE_MAX_KEYS], *args, **kwargs))
-    return out
-
-
-def _leading_in_chunks(exists: Callable[..., int], keys: Sequence[str], **kwargs: Any) -> int:
-    """``exists(keys)`` (the leading run of present keys) a chunk at a time, stopping at the
-    first chunk with a miss."""
-    n = 0
-    for i in range(0, len(keys), _INLINE_MAX_KEYS):
-        chunk = keys[i:i + _INLINE_MAX_KEYS]
-        got = exists(chunk, **kwargs)
-        n += got
-        if got < len(chunk):
-            break
-    return n
-
-
-def _sorted_keys(store: TieredStore, prefix: str) -> list[str]:
-    """``store.keys(prefix)`` in order (blocking: the store may list a lower tier)."""
-    return sorted(store.keys(prefix))
-
-
-def _key_page(keys: list[str], cursor: str, limit: int) -> tuple[list[str], str]:
-    """The keys of sorted ``keys`` after ``cursor``, at most ``limit`` and about half a frame of
-    them, and the next cursor ("" after the last page)."""
-    page: list[str] = []
-    nbytes = 0
-    for k in itertools.islice(keys, bisect.bisect_right(keys, cursor) if cursor else 0, None):
-        if len(page) >= limit or nbytes >= _KEY_PAGE_BYTES:
-            return page, page[-1]
-        page.append(k)
-        nbytes += len(k.encode()) + 8
-    return page, ""
 
 
 _DECODER = p.MessageDecoder(p.Request)
