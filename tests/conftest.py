@@ -40,7 +40,7 @@ _ENGINE_NAMES = re.compile(r"\b(run_engine|engine_runner|vllm_kv_runner|node_fau
 # ... one of these starts other processes (directly, or through a harness that does).
 _PROCS_NAMES = re.compile(r"\b(subprocess|Popen|multiprocessing|get_context|os\.fork|ServiceProcess|OtherProcess|"
                           r"ClientProcess|RedisProcess|redis_server|pool_nodes|PoolNodes|netns|SentinelCluster|"
-                          r"sentinel|rank_writer|node_rank|fork|BenchNodeService)\b")
+                          r"sentinel|rank_writer|node_rank|fork|BenchNodeService|spawn_service)\b")
 # Short tool runs a test (or a library under it) may make in any tier: probes and mounts, no servers.
 _TOOLS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "mount", "umount", "ldconfig", "nvidia-smi", "uname"})
 # Fixtures that start processes, wherever they are used.

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from store_backend.dram import unlink_leftover_segments
+from store_backend.node.launch import spawn_service
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
@@ -62,9 +63,7 @@ class ServiceRun:
         log = open(self.log_path, "a")
         log.write(f"---- start {self.starts}\n")
         log.flush()
-        self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config",
-                                      str(self.config_path)], stdout=log, stderr=subprocess.STDOUT,
-                                     env=service_env(), cwd=ROOT, start_new_session=True)
+        self.proc = spawn_service(self.config_path, log, env=service_env(), cwd=ROOT)
         log.close()
         self.starts += 1
         got = self.cli("status", "--json", "--wait", str(READY_TIMEOUT_S), check=False)

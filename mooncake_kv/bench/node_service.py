@@ -9,14 +9,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from store_backend.node.client import probe
+from store_backend.node.launch import spawn_service, wait_answering
 
 
 class BenchNodeService:
@@ -41,17 +39,13 @@ class BenchNodeService:
             f.write(json.dumps(doc))
         self.log = self.directory / "node.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config", str(config)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + start_timeout_s
-        while probe(self.socket) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-2000:]  # before close removes it
-                self.close()
-                what = f"node service {name}" if name else "the node service"
-                raise RuntimeError(f"{what} did not start: {tail}")
-            time.sleep(0.05)
+            self.proc = spawn_service(config, log)
+        what = f"node service {name}" if name else "the node service"
+        try:
+            wait_answering(self.socket, self.proc, start_timeout_s, self.log, what=what)
+        except RuntimeError as e:
+            self.close()  # removes the log, whose end the error carries
+            raise RuntimeError(f"{what} did not start: {e}") from None
 
     def close(self) -> None:
         """SIGTERM and wait up to 60 s (then SIGKILL); remove the directory. Idempotent."""

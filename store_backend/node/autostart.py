@@ -38,6 +38,7 @@ from pathlib import Path
 
 from store_backend.config import ConfigError
 from store_backend.node.client import probe
+from store_backend.node.launch import serve_argv, spawn_service
 from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach
 from store_backend.node.config import LOCK_NAME as SERVICE_LOCK_NAME
 from store_backend.node.config import load_node_config
@@ -178,19 +179,17 @@ class ServiceProcess:
             time.sleep(_POLL_S)
 
     def _spawn(self) -> None:
-        argv = [self.python, "-m", "store_backend.node", "serve", "--config", self.config_file,
-                "--started-by", str(os.getpid())]
+        args = ["--started-by", str(os.getpid())]
         if self.idle_exit_s is not None:
-            argv += ["--idle-exit-s", str(self.idle_exit_s)]
+            args += ["--idle-exit-s", str(self.idle_exit_s)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_CODE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
         with self._open_log() as log:
             self._log_start = log.tell()
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts: "
-                      f"{' '.join(argv)}\n".encode())
+                      f"{' '.join(serve_argv(self.config_file, *args, python=self.python))}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, close_fds=True, env=env, cwd="/")
+            self.process = spawn_service(self.config_file, log, *args, env=env, cwd="/", python=self.python)
         logger.info("started the node service (pid %d) for %s; its log: %s", self.process.pid, self.socket_path,
                     self.log_path)
 

@@ -25,6 +25,7 @@ import yaml
 
 from store_backend.node import protocol as p
 from store_backend.node.fdpass import recv_fd
+from store_backend.node.launch import spawn_service
 from store_backend.node.segment import map_segment
 from store_backend.node.server import NodeService
 from tests.processes import stop
@@ -203,9 +204,8 @@ class ServiceProcess:
         self.log_path = os.path.join(directory, "node.log")
         self.log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "store_backend.node", "serve", "--config", self.config_path, *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+        self.proc = spawn_service(self.config_path, self.log, *args, prefix=prefix, env=env, cwd=REPO,
+                                  new_session=False)
         self.socket_path = cfg["socket"]
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from store_backend.node.client import NodeClient, probe
+from store_backend.node.launch import spawn_service
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload, short_socket_dir
 
@@ -47,8 +48,7 @@ class Service:
 
     def start(self) -> Service:
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "store_backend.node", "serve", "--config",
-                                          str(self.config)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = spawn_service(self.config, log, cwd=REPO, new_session=False)
         wait_until(lambda: probe(self.socket) is not None or self.proc.poll() is not None, 60, "service ready")
         assert self.proc.poll() is None, self.log.read_text()
         return self

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -22,6 +20,7 @@ import pytest
 import yaml
 
 from store_backend.node.client import NodeAccessError, NodeClient
+from store_backend.node.launch import spawn_service
 from store_backend.node.server import NodeService  # noqa: F401  (the service under test)
 from store_backend.types import ReadResult, Status
 
@@ -237,9 +236,8 @@ def test_a_client_whose_pid_the_service_cannot_see_is_refused(sdir) -> None:
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     log = open(os.path.join(sdir, "node.log"), "wb")
-    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM", sys.executable, "-m",
-                             "store_backend.node", "serve", "--config", path], cwd=str(REPO), stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = spawn_service(path, log, prefix=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, new_session=False)
     try:
         def refused() -> str | None:
             try:
