@@ -14,7 +14,7 @@ import os
 import sys
 
 from store_backend.node import __main__ as node_main
-from store_backend.pool import status as pool_status
+from mooncake_kv import pool_status
 
 _RUNNERS = {
     "serve": (node_main.add_serve_arguments, node_main.run_serve),

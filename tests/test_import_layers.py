@@ -102,6 +102,10 @@ def test_an_upward_import_inside_a_function_breaks_the_contracts(tmp_path: Path)
     _write(tmp_path / "vllm_plugin" / "__init__.py", "\ndef _f():\n    import sglang\n")
     _write(tmp_path / "mooncake_connector" / "__init__.py", "\ndef _f():\n    import sglang\n")
     _write(tmp_path / "mooncake_kv" / "demo.py", "\ndef _f():\n    from mooncake_kv.devtools import llama\n")
+    _write(tmp_path / "store_backend" / "plans.py", "\ndef _f():\n    from store_backend import slots\n")
+    _write(tmp_path / "store_backend" / "types.py", "\ndef _f():\n    from store_backend.pool import tier\n")
+    _write(tmp_path / "store_backend" / "pool" / "tier.py", "\ndef _f():\n    from store_backend.node import text\n")
+    _write(tmp_path / "store_backend" / "node" / "client.py", "\ndef _f():\n    from store_backend.pool import tier\n")
     proc = _run(tmp_path, tmp_path / "pyproject.toml")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -112,5 +116,9 @@ def test_an_upward_import_inside_a_function_breaks_the_contracts(tmp_path: Path)
                                ("sglang_hicache", "vllm"),
                                ("vllm_plugin", "sglang"),
                                ("mooncake_connector", "sglang"),
-                               ("mooncake_kv.demo", "mooncake_kv.devtools.llama")]:
+                               ("mooncake_kv.demo", "mooncake_kv.devtools.llama"),
+                               ("store_backend.plans", "store_backend.slots"),
+                               ("store_backend.types", "store_backend.pool.tier"),
+                               ("store_backend.pool.tier", "store_backend.node.text"),
+                               ("store_backend.node.client", "store_backend.pool.tier")]:
         assert re.search(rf"{re.escape(importer)} -> {re.escape(imported)}\b", out), (importer, imported, out)
