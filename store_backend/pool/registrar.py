@@ -26,12 +26,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import xxhash
 
 from store_backend.api import StoreClosedError
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location, NodeInfo, TierUsage
+from store_backend.pool.host import PoolHost
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.residency import ResidencyEvent
 from store_backend.types import Status
@@ -50,7 +50,7 @@ _CHECKSUMS_MAX = 1 << 20
 
 
 class Registrar:
-    def __init__(self, store: Any, directory: Directory, node_id: str, *, info: Callable[[], NodeInfo],
+    def __init__(self, store: PoolHost, directory: Directory, node_id: str, *, info: Callable[[], NodeInfo],
                  heartbeat_s: float = 1.0, node_ttl_s: float = 5.0, checksum: bool = True,
                  on_stored: Callable[[list[tuple[str, int, float]]], None] | None = None,
                  queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX, pull_margin_s: float = 10.0,
@@ -511,7 +511,7 @@ class Registrar:
                 return
 
 
-def node_info(store: Any, node_id: str, address: str, started_ns: int,
+def node_info(store: PoolHost, node_id: str, address: str, started_ns: int,
               counters: Callable[[], dict[str, int]] | None = None) -> NodeInfo:
     """This node's :class:`NodeInfo` now: its address, capacity and use per tier (from the store's
     stats) and counters for ``status`` (hits and misses per tier, the depth of each background

@@ -20,12 +20,12 @@ import collections
 import logging
 import threading
 import time
-from typing import Any
 
 import xxhash
 
 from store_backend.plans import replica_targets
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
+from store_backend.pool.host import PoolHost
 from store_backend.pool.transport import Transport
 from store_backend.types import Status
 
@@ -38,7 +38,7 @@ BATCH_MAX = 64
 
 
 class Replicator:
-    def __init__(self, store: Any, directory: Directory, transport: Transport, node_id: str, replicas: int, *,
+    def __init__(self, store: PoolHost, directory: Directory, transport: Transport, node_id: str, replicas: int, *,
                  timeout_s: float = 10.0, queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX) -> None:
         self.store = store
         self.directory = directory

@@ -25,6 +25,7 @@ from store_backend.pool.cache import CachedDirectory
 from store_backend.pool.config import PoolConfig
 from store_backend.pool.directory import Directory, DirectoryUnavailable, NodeInfo
 from store_backend.pool.factory import make_directory
+from store_backend.pool.host import PoolHost
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.replicator import Replicator
@@ -65,7 +66,7 @@ class _LocalStore:
     restores the directory's tombstones. ``committed_after`` is set once the registrar, which knows the
     commit times, runs; until then every copy is deleted."""
 
-    def __init__(self, store: Any, forget: Callable[[Sequence[str]], None] | None = None,
+    def __init__(self, store: PoolHost, forget: Callable[[Sequence[str]], None] | None = None,
                  removed_window_s: float = 0.0, clock_skew_s: float = 1.0,
                  remove_log: RemoveLog | None = None) -> None:
         self._store = store
@@ -162,7 +163,7 @@ class _LocalStore:
             return {i for i, k in enumerate(keys) if k in self._removed}
 
 
-def local_view(store: Any, tier: PoolTier | None = None) -> Any:
+def local_view(store: PoolHost, tier: PoolTier | None = None) -> PoolHost:
     """``store`` with reads and removes limited to this node's tiers (what the transport server
     serves); a peer's remove also drops the keys from ``tier``'s location cache and refuses a
     peer's put of them for twice ``tier.timeout_s`` (the longest a replica leased before the
@@ -174,7 +175,7 @@ def local_view(store: Any, tier: PoolTier | None = None) -> Any:
 
 
 class PoolService:
-    def __init__(self, store: Any, cfg: PoolConfig, socket_path: str, tier: PoolTier | None = None) -> None:
+    def __init__(self, store: PoolHost, cfg: PoolConfig, socket_path: str, tier: PoolTier | None = None) -> None:
         self.store = store
         self.cfg = cfg
         self.node_id = cfg.node_id_for(socket_path)
