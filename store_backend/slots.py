@@ -88,6 +88,9 @@ class SlotLease:
     # The writer's object_checksum of these bytes (store_backend.checksum) when the store keeps
     # checksums (a shared arena); None when it does not.
     checksum: int | None = None
+    # Where the store found the bytes: "dram", or the name of the lower tier ("ssd", "pool") this
+    # lease staged them in from. A node client's leases do not carry it ("dram").
+    source: str = "dram"
 
     def layer(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the object (a layer's range of a canonical chunk)."""

@@ -1134,7 +1134,7 @@ class TieredStore:
         token = self._slots.add(SlotKind.LEASE, e, owner, time.monotonic() + ttl_s, block, source, account)
         self.metrics_counters.store.slot_leases += 1
         return SlotLease(Status.OK, e.key, e.size, token, e.offset,
-                         arena[e.offset:e.offset + e.size].toreadonly(), e.checksum)
+                         arena[e.offset:e.offset + e.size].toreadonly(), e.checksum, source)
 
     def _wait_pending(self, keys: list[str], until: float) -> None:
         """(lock held) Wait until none of ``keys`` is being written (committed, aborted, expired or

@@ -166,6 +166,7 @@ class NodeService:
         self._last_client_left = time.monotonic()
         self._loop_lag_s = 0.0
         self._has_below = False
+        self._below_names: list[str] = []  # the store's tiers below DRAM, in the order it asks them
         # The pool across nodes (config section `pool`): its tier is the store's last, the service
         # (directory, transport listener, registrar) starts beside the socket.
         self.pool: PoolService | None = None
@@ -210,6 +211,7 @@ class NodeService:
             self._segment_id = segment_id(self.segment)
             self._segment_fd = self.store.open_segment_fd()
             self._has_below = cfg.store.ssd is not None or cfg.pool is not None
+            self._below_names = ["ssd"] * (cfg.store.ssd is not None) + ["pool"] * (cfg.pool is not None)
             self._listener = self._bind()
             if cfg.pool is not None:
                 self._start_pool()
@@ -1097,15 +1099,12 @@ class NodeService:
         c.proc.owners.add(c.conn_id)
         look_below = m.stage_in and self._has_below
 
-        def lease() -> tuple[list[str | None] | None, list[Any]]:
-            # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
-            tiers = in_chunks(store.tier_of, m.keys, local_only=True) if look_below else None
-            return tiers, in_chunks(store.lease, m.keys, **kwargs)
-
         if len(m.keys) > INLINE_MAX_KEYS:
-            tiers, got = await self._blocking(c, lease, fast_lane=True)
+            # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
+            got = await self._blocking(c, in_chunks, store.lease, m.keys, fast_lane=True, **kwargs)
         else:
-            # This node's tiers only (no pool lookup on the loop); a key none holds may be in the pool.
+            # Inline when every key is in DRAM: this node's tiers only (no pool lookup on the loop); a
+            # key none of them holds may be in the pool, which a lease on a pool thread reads.
             tiers = store.tier_of(m.keys, local_only=True) if look_below else None
             if tiers is not None and any(t != "dram" for t in tiers):
                 if self.config.pool is not None and m.wait_pending_s > 0:
@@ -1120,30 +1119,20 @@ class NodeService:
         grants: list[p.Grant] = []
         mine = c.mine
         mine.store.gets += len(m.keys)
-        pool = self.config.pool is not None
-        for i, r in enumerate(got):
-            tier = (tiers[i] if tiers is not None else None) or "dram"
-            if pool and tiers is not None and tiers[i] is None:
-                # Held by no tier of this node: a hit came from the pool, a miss missed every tier.
-                mine.tiers["dram"].misses += 1
-                if self.config.store.ssd is not None:  # the SSD was asked first, as the store counts it
-                    mine.tiers["ssd"].misses += 1
-                if r.status is not Status.OK:
-                    mine.tiers["pool"].misses += 1
-                    grants.append(p.Grant(Status(r.status)))
-                    continue
-                tier = "pool"
-            elif tier != "dram":
-                mine.tiers["dram"].misses += 1  # it was below: DRAM missed it first
+        # This process's share of the store's per-tier counts, from where the store found each
+        # object (SlotLease.source): every tier asked before that one missed it; a key not leased
+        # missed every tier the lease asked.
+        asked = ["dram", *self._below_names] if look_below else ["dram"]
+        for r in got:
             if r.status is Status.OK:
+                for t in asked[:asked.index(r.source)] if r.source in asked else ():
+                    mine.tiers[t].misses += 1
                 r.view = None
-                self._hold(c, r.token, HeldSlot(True, r, c.conn_id, now + m.ttl_s, tier))
+                self._hold(c, r.token, HeldSlot(True, r, c.conn_id, now + m.ttl_s, r.source))
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes, r.checksum))
             else:
-                if tier == "dram":
-                    mine.tiers["dram"].misses += 1
-                    if self._has_below and m.stage_in:
-                        mine.tiers["ssd"].misses += 1
+                for t in asked:
+                    mine.tiers[t].misses += 1
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 
