@@ -36,7 +36,7 @@ _TESTS = Path(__file__).resolve().parent
 
 # A test module that names one of these starts engines (each runner starts vLLM or SGLang).
 _ENGINE_NAMES = re.compile(r"\b(run_engine|engine_runner|vllm_kv_runner|node_fault_runner|disagg_cluster|"
-                           r"vllm_prefix_reuse|bench_serve|LLM\()")
+                           r"vllm_prefix_reuse|bench_serve|LLM\()|\"bench\",\s*\"serve\"")
 # ... one of these starts other processes (directly, or through a harness that does).
 _PROCS_NAMES = re.compile(r"\b(subprocess|Popen|multiprocessing|get_context|os\.fork|ServiceProcess|OtherProcess|"
                           r"ClientProcess|RedisProcess|redis_server|pool_nodes|PoolNodes|netns|SentinelCluster|"
