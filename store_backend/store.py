@@ -1237,18 +1237,18 @@ class TieredStore:
                     continue  # removed since its size was asked: NOT_FOUND
                 block = self._dram.block_bytes(size)
                 if self._slots.too_large(block):
-                    out[i] = SlotLease(Status.TOO_LARGE, key)
+                    out[i] = SlotLease(Status.TOO_LARGE, key, source=tier.name)
                     continue
                 # The slots this batch staged so far are not in the table yet: count them, so that a
                 # key past the share is refused before it evicts anything (its repeats count too).
                 n = 1 + len(repeats.get(i, ()))
                 if not self._slots.admits(account, staged_bytes + block, staged_tokens + 1):
-                    out[i] = SlotLease(Status.NO_SPACE, key)
+                    out[i] = SlotLease(Status.NO_SPACE, key, source=tier.name)
                     m.store.slot_refused += 1
                     continue
                 e = self._reserve(key, size, None, promotion=True)
                 if e is None:
-                    out[i] = SlotLease(Status.NO_SPACE, key)
+                    out[i] = SlotLease(Status.NO_SPACE, key, source=tier.name)
                     m.dram.failures.capacity += 1
                     continue
                 staged.append((i, e, tier))
@@ -1283,7 +1283,7 @@ class TieredStore:
                     if st is not Status.NOT_FOUND:
                         _count_failure(tm.failures, st)
                     tm.misses += 1
-                    out[i] = SlotLease(st, e.key)
+                    out[i] = SlotLease(st, e.key, source=tier.name)
                     continue
                 tm.hits += 1
                 tm.bytes_read += e.size
@@ -1310,7 +1310,7 @@ class TieredStore:
                     m.store.slot_refused += 1
                     if not promote:
                         self._release_detached(e)
-                    out[i] = SlotLease(Status.NO_SPACE, e.key)
+                    out[i] = SlotLease(Status.NO_SPACE, e.key, source=tier.name)
                     continue
                 out[i] = self._lease_entry(e, owner, account, ttl_s, tier.name, arena)
                 if out[i].status is Status.OK:

@@ -81,7 +81,7 @@ from store_backend.node.metrics import NodeCollector
 from store_backend.node.node_lock import file_kind, take_node_lock
 from store_backend.node.peers import ProcessWatch, boot_time_s
 from store_backend.node.segment import segment_id, unlink_if_same
-from store_backend.node.service_state import ClientProc, Ended, HeldSlot, ServiceConn, with_gauges
+from store_backend.node.service_state import ClientProc, Ended, HeldSlot, ServiceConn, missed_tiers, with_gauges
 from store_backend.node.socket_dir import make_socket_dir
 from store_backend.ownership import HeldLock
 from store_backend.pool.service import PoolService
@@ -1100,8 +1100,12 @@ class NodeService:
         look_below = m.stage_in and self._has_below
 
         if len(m.keys) > INLINE_MAX_KEYS:
-            # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
-            got = await self._blocking(c, in_chunks, store.lease, m.keys, fast_lane=True, **kwargs)
+            def lease() -> list[Any]:
+                # A chunk at a time: the store lock is let go between chunks (each key's lease is its own).
+                return in_chunks(store.lease, m.keys, **kwargs)
+
+            # (named "lease": the lane's share is by kind of call, one kind with the short leases)
+            got = await self._blocking(c, lease, fast_lane=True)
         else:
             # Inline when every key is in DRAM: this node's tiers only (no pool lookup on the loop); a
             # key none of them holds may be in the pool, which a lease on a pool thread reads.
@@ -1119,20 +1123,15 @@ class NodeService:
         grants: list[p.Grant] = []
         mine = c.mine
         mine.store.gets += len(m.keys)
-        # This process's share of the store's per-tier counts, from where the store found each
-        # object (SlotLease.source): every tier asked before that one missed it; a key not leased
-        # missed every tier the lease asked.
         asked = ["dram", *self._below_names] if look_below else ["dram"]
         for r in got:
+            for t in missed_tiers(r, asked):
+                mine.tiers[t].misses += 1
             if r.status is Status.OK:
-                for t in asked[:asked.index(r.source)] if r.source in asked else ():
-                    mine.tiers[t].misses += 1
                 r.view = None
                 self._hold(c, r.token, HeldSlot(True, r, c.conn_id, now + m.ttl_s, r.source))
                 grants.append(p.Grant(Status.OK, r.token, r.offset, r.nbytes, r.checksum))
             else:
-                for t in asked:
-                    mine.tiers[t].misses += 1
                 grants.append(p.Grant(Status(r.status)))
         return p.Slots(m.id, grants)
 

@@ -1,7 +1,8 @@
 """What the node service keeps per client process and per connection (loop thread only): the slots
 a process holds (:class:`HeldSlot`), the process (:class:`ClientProc`: its connections, tokens, store
 owners, counters and exit watch), a connection (:class:`ServiceConn`), a process's own counters
-(:class:`ProcessCounters`), and :func:`with_gauges`, which gives those counters the store's gauges.
+(:class:`ProcessCounters`), :func:`with_gauges`, which gives those counters the store's gauges, and
+:func:`missed_tiers`, the tiers a lease's result counts a miss at.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import collections
 import concurrent.futures
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ import msgspec
 from store_backend.framing import FrameDecoder
 from store_backend.metrics import StoreCounters, StoreStats, TierStats
 from store_backend.node.peers import ProcessWatch
+from store_backend.slots import SlotLease
+from store_backend.types import Status
 
 
 def with_gauges(mine: StoreStats, whole: StoreStats) -> StoreStats:
@@ -126,3 +130,22 @@ class ProcessCounters:
         return StoreStats(dram=msgspec.structs.replace(self.tiers["dram"]),
                           ssd=msgspec.structs.replace(self.tiers["ssd"]),
                           pool=msgspec.structs.replace(self.tiers["pool"]), store=msgspec.structs.replace(self.store))
+
+
+def missed_tiers(r: SlotLease, asked: Sequence[str]) -> Sequence[str]:
+    """The tiers a lease's result counts a miss at, for a client process's share of the store's
+    per-tier counts (``asked``: the tiers the lease looks in, in order). From where the store found
+    the object (``SlotLease.source``): each tier before it missed; a read there that failed
+    (CORRUPT, IO_ERROR, gone meanwhile) missed there too; NOT_FOUND from no tier missed every tier
+    asked; an invalid key none.
+    A refusal of an object found (NO_SPACE, TOO_LARGE) misses only the tiers before it. (The
+    store also counts a DRAM miss for a key it leased from DRAM after waiting for its write, and a
+    hit for an object read in and then refused: neither is told apart here.)"""
+    if r.status is Status.INVALID_KEY:
+        return ()
+    if r.status is Status.NOT_FOUND and r.source == "dram":  # no tier found it
+        return asked
+    before = list(asked[:asked.index(r.source)]) if r.source in asked else []
+    if r.status in (Status.CORRUPT, Status.IO_ERROR, Status.NOT_FOUND) and r.source in asked:
+        before.append(r.source)  # found there, and the read there failed (or the object went)
+    return before
