@@ -25,7 +25,7 @@ from store_backend.pool.cache import CachedDirectory
 from store_backend.pool.config import PoolConfig
 from store_backend.pool.directory import Directory, DirectoryUnavailable, NodeInfo
 from store_backend.pool.factory import make_directory
-from store_backend.pool.host import PoolHost
+from store_backend.pool.host import PeerView, PoolHost
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.replicator import Replicator
@@ -163,7 +163,7 @@ class _LocalStore:
             return {i for i, k in enumerate(keys) if k in self._removed}
 
 
-def local_view(store: PoolHost, tier: PoolTier | None = None) -> PoolHost:
+def local_view(store: PoolHost, tier: PoolTier | None = None) -> PeerView:
     """``store`` with reads and removes limited to this node's tiers (what the transport server
     serves); a peer's remove also drops the keys from ``tier``'s location cache and refuses a
     peer's put of them for twice ``tier.timeout_s`` (the longest a replica leased before the

@@ -44,7 +44,7 @@ import xxhash
 from store_backend.pool.auth import AuthError, RefusedError, secret_bytes, server_handshake
 from store_backend.pool.frames import (REQUEST_OPS, FrameError, Header, Session, TagError, read_header,
                                        recv_exactly_into, send_header, send_view, wait_readable)
-from store_backend.pool.host import PoolHost
+from store_backend.pool.host import PeerView
 from store_backend.pool.tcp_common import DEFAULT_SOCKET_BUFFER_BYTES, checksum, sendfile_range, tune_socket
 from store_backend.pool.transport import TRANSPORT_OWNER_BASE, TransportError
 from store_backend.threads import Deadline, join_threads, shutdown_pool
@@ -72,7 +72,7 @@ class TcpTransportServer:
     """Serves ``store`` (anything with the slot API of :class:`store_backend.api.KVStore`) to
     peers that prove ``secret``. ``start()`` binds; ``close()`` ends it. Thread-safe."""
 
-    def __init__(self, store: PoolHost, secret: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, store: PeerView, secret: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
                  max_connections: int = 64, max_handshakes: int = 16, handshake_timeout_s: float = 2.0,
                  frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, lease_ttl_s: float = 60.0, max_object_bytes: int | None = None,
