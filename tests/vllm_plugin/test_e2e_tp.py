@@ -23,7 +23,9 @@ no worker opens a lookup socket. Engine A serves the prompts and saves both shar
 fresh TP=2 engine, gets the full external hit from the service and the baseline's tokens.
 
 One module, so that its TP=2 engines (each fills both cores) run one after the other on one xdist
-worker and share one baseline.
+worker and share one baseline. The embedded half's directories use the file backend (the repair
+damages one of its record files in place); the bucket backend under engines is proven by
+``test_e2e_eviction.py`` and by this module's node-service half.
 """
 
 from __future__ import annotations
