@@ -38,7 +38,8 @@ def _collection(modules: list[str], tests: int = 3) -> list[str]:
 
 
 def _scopes(worker: _Worker, collection: list[str]) -> list[str]:
-    return [collection[batch[0]].split("::")[0].removeprefix("tests/").removesuffix(".py") for batch in worker.sent]
+    return [collection[batch[0]].split("::")[0].removeprefix("tests/").removesuffix(".py") if batch else "(nothing)"
+            for batch in worker.sent]
 
 
 def _finish(sched: EngineLaneScheduling, worker: _Worker, collection: list[str], batch: int) -> None:
@@ -78,3 +79,21 @@ def test_when_one_kind_runs_out_both_workers_take_the_other() -> None:
     _finish(sched, a, collection, 0)
     _finish(sched, b, collection, 1)
     assert a.shutting_down and b.shutting_down  # nothing left for either
+
+
+def test_a_crashed_workers_finished_modules_are_not_handed_out_before_pending_ones() -> None:
+    collection = _collection(["engine1", "light1", "engine2", "light2"])
+    sched = EngineLaneScheduling(_Config(), is_heavy=lambda scope: "engine" in scope)
+    a, b = _Worker("a"), _Worker("b")
+    for w in (a, b):
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    assert (_scopes(a, collection), _scopes(b, collection)) == (["engine1"], ["light1"])
+    _finish(sched, a, collection, 0)  # a finished engine1 and took engine2 ...
+    assert _scopes(a, collection) == ["engine1", "engine2"]
+    sched.mark_test_complete(a, a.sent[1][0])  # ... ran one of its tests, then crashed
+    sched.remove_node(a)  # xdist queues a's modules again, engine1 (all done) included
+    _finish(sched, b, collection, 0)  # b holds no engine module: it wants one, and gets the pending one
+    assert _scopes(b, collection) == ["light1", "engine2", "light2"]  # never engine1 again (nothing to run)
+    assert b.sent[1] == [collection.index("tests/engine2.py::t1"), collection.index("tests/engine2.py::t2")]

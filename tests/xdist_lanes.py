@@ -38,15 +38,18 @@ class EngineLaneScheduling(LoadScopeScheduling):
 
     def next_scope(self, node: Any) -> str:
         """The scope ``node`` gets next: an engine module while no other worker has one pending,
-        else a light one; the first of the other kind when its own kind has run out."""
+        else a light one; the first of the other kind when its own kind has run out; a scope
+        whose tests all ran (a crashed worker's, queued again whole) only when nothing else is left."""
         others_heavy = any(self.heavy(scope) and not all(unit.values())
                            for other, work in self.assigned_work.items() if other is not node
                            for scope, unit in work.items())
         want = not others_heavy
-        for scope in self.workqueue:
+        # A crashed worker's modules come back whole, finished ones included: those go last.
+        pending = [scope for scope, unit in self.workqueue.items() if not all(unit.values())]
+        for scope in pending:
             if self.heavy(scope) == want:
                 return scope
-        return next(iter(self.workqueue))
+        return pending[0] if pending else next(iter(self.workqueue))
 
     def _assign_work_unit(self, node: Any) -> None:
         scope = self.next_scope(node)
