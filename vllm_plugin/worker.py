@@ -51,7 +51,8 @@ One step, as vLLM drives it:
 On a GPU the staging buffers are pinned, gathers run on a side stream and loads on a load stream;
 the forward's stream waits on per-layer events, and the I/O thread (not the forward thread) waits
 for a save's device-to-host copies before putting (or committing) it; a slot is aborted only after
-the side stream is synchronized. Not tested on a GPU yet (scripts/gpu_check_node.py is the check).
+the side stream is synchronized. The copies were checked on an H100 (scripts/gpu_check_node.py,
+docs/VLLM.md); vLLM with this connector on a GPU has not been run.
 """
 
 from __future__ import annotations
