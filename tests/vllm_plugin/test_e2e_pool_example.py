@@ -28,6 +28,7 @@ from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.factory import make_directory
 from tests.store_backend.pool.redis_server import require_redis
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
+from tests.store_backend.node.server_harness import wait_until
 from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, metric, script_cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -54,14 +55,11 @@ def _node_keys(redis_port: int, node_id: str, at_least: int) -> set[str]:
     directory = make_directory(DirectoryConfig(kind="redis", url=f"redis://127.0.0.1:{redis_port}/0"),
                                node_id="example-observer")
     try:
-        deadline = time.monotonic() + REGISTER_TIMEOUT_S
-        while True:
+        def registered() -> tuple[set[str]] | None:  # a tuple: truthy even when no key is wanted
             keys = set(directory.node_keys(node_id))
-            if len(keys) >= at_least:
-                return keys
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{node_id} registered {len(keys)} keys, expected at least {at_least}")
-            time.sleep(0.1)  # poll interval; the loop has a deadline
+            return (keys,) if len(keys) >= at_least else None
+
+        return wait_until(registered, REGISTER_TIMEOUT_S, f"{node_id} registering at least {at_least} keys")[0]
     finally:
         directory.close()
 
@@ -129,25 +127,21 @@ def test_a_node_service_killed_underneath_stops_the_script(cluster: dict[str, An
     services = [pid for pid, cmd in _processes() if "store_backend.node serve" in cmd and cmd.endswith("/node2.json")]
     assert len(services) == 1, services
     os.kill(int(services[0]), signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while "stopping the others" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: "stopping the others" in log.read_text(errors="replace"), 120,
+               "the script saying it stops the others")
     text = log.read_text(errors="replace")
     assert f"process {services[0]} exited with status 137; stopping the others" in text, text[-3000:]
     # The cleanup stops the vLLM servers too: nothing answers on their ports any more.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    def port1_closed() -> bool:
         try:
             metric(cluster["ports"]["port1"], "vllm:num_requests_running")
         except OSError:
-            break
-        time.sleep(1)
-    else:
-        raise AssertionError("the vLLM server on PORT1 still answers after the script's cleanup")
+            return True
+        return False
+
+    wait_until(port1_closed, 120, "the vLLM server on PORT1 to stop answering after the script's cleanup")
     # ... and the killed service's arena segment does not stay behind in /dev/shm.
-    deadline = time.monotonic() + 120
-    while _arenas(cluster["started"]) and time.monotonic() < deadline:
-        time.sleep(1)
+    wait_until(lambda: not _arenas(cluster["started"]), 120, "the killed service's arena segment to be removed")
     assert _arenas(cluster["started"]) == []
 
 
