@@ -42,6 +42,17 @@ def _scopes(worker: _Worker, collection: list[str]) -> list[str]:
             for batch in worker.sent]
 
 
+def _scheduled(collection: list[str]) -> tuple[EngineLaneScheduling, _Worker, _Worker]:
+    """A scheduler with two workers that collected ``collection``, after xdist's first round."""
+    sched = EngineLaneScheduling(_Config(), is_heavy=lambda scope: "engine" in scope)
+    a, b = _Worker("a"), _Worker("b")
+    for w in (a, b):
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    return sched, a, b
+
+
 def _finish(sched: EngineLaneScheduling, worker: _Worker, collection: list[str], batch: int) -> None:
     for i in worker.sent[batch]:
         sched.mark_test_complete(worker, i)
@@ -49,12 +60,7 @@ def _finish(sched: EngineLaneScheduling, worker: _Worker, collection: list[str],
 
 def test_one_worker_runs_engine_modules_while_the_other_runs_light_ones() -> None:
     collection = _collection(["light1", "engine1", "light2", "engine2", "light3"])
-    sched = EngineLaneScheduling(_Config(), is_heavy=lambda scope: "engine" in scope)
-    a, b = _Worker("a"), _Worker("b")
-    for w in (a, b):
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    sched, a, b = _scheduled(collection)
     # The first asker takes the first engine module; the second, with an engine module held, a light one.
     assert (_scopes(a, collection), _scopes(b, collection)) == (["engine1"], ["light1"])
     _finish(sched, b, collection, 0)  # b done first: a still holds engine1, so b stays light
@@ -67,12 +73,7 @@ def test_one_worker_runs_engine_modules_while_the_other_runs_light_ones() -> Non
 
 def test_when_one_kind_runs_out_both_workers_take_the_other() -> None:
     collection = _collection(["engine1", "engine2", "light1"])
-    sched = EngineLaneScheduling(_Config(), is_heavy=lambda scope: "engine" in scope)
-    a, b = _Worker("a"), _Worker("b")
-    for w in (a, b):
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    sched, a, b = _scheduled(collection)
     assert (_scopes(a, collection), _scopes(b, collection)) == (["engine1"], ["light1"])
     _finish(sched, b, collection, 0)  # no light module left: b takes an engine module beside a's
     assert _scopes(b, collection) == ["light1", "engine2"]
@@ -83,12 +84,7 @@ def test_when_one_kind_runs_out_both_workers_take_the_other() -> None:
 
 def test_a_crashed_workers_finished_modules_are_not_handed_out_before_pending_ones() -> None:
     collection = _collection(["engine1", "light1", "engine2", "light2"])
-    sched = EngineLaneScheduling(_Config(), is_heavy=lambda scope: "engine" in scope)
-    a, b = _Worker("a"), _Worker("b")
-    for w in (a, b):
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    sched, a, b = _scheduled(collection)
     assert (_scopes(a, collection), _scopes(b, collection)) == (["engine1"], ["light1"])
     _finish(sched, a, collection, 0)  # a finished engine1 and took engine2 ...
     assert _scopes(a, collection) == ["engine1", "engine2"]

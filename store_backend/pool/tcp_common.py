@@ -1,6 +1,16 @@
 """What both ends of the TCP pool transport share (:mod:`store_backend.pool.tcp_server`,
 :mod:`store_backend.pool.tcp_client`): socket tuning, the stream count for this host, the payload
 checksum, address parsing, ``sendfile`` with a deadline and the pure split of a batch over streams.
+
+Every frame after the handshake is tagged with the connection's session key and every payload
+checksum is keyed by it (:class:`~store_backend.pool.frames.Session`): a relay without the secret
+cannot change a request, a reply or a payload unnoticed. Checksums are computed inline, piece by piece (256 KiB) as each piece is received or just before
+it is sent, while it is in the CPU cache: measured here that costs 0.33-0.40 CPU-s per GB on the
+reader against 0.5 with a hash thread reading the whole object again afterwards (xxhash releases
+the GIL, but the second pass over DRAM costs more than it overlaps). The sendfile path cannot hash
+inline (the bytes never pass through the server), so it hashes on the server's hash threads. Every call is bounded by its
+``timeout_s`` (one deadline for the whole call; every socket wait gets what is left of it).
+Thread-safe; no lock is held across I/O.
 """
 
 from __future__ import annotations

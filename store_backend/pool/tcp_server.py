@@ -15,15 +15,7 @@ acknowledged every byte (sendfile queues page references, not copies), and sends
 the release verdicts last. A put reserves, receives straight into the reserved
 slots, verifies the sender's checksums and commits (or aborts).
 
-Every frame after the handshake is tagged with the connection's session key and every payload
-checksum is keyed by it (:class:`~store_backend.pool.frames.Session`): a relay without the secret
-cannot change a request, a reply or a payload unnoticed. Checksums are computed inline, piece by piece (256 KiB) as each piece is received or just before
-it is sent, while it is in the CPU cache: measured here that costs 0.33-0.40 CPU-s per GB on the
-reader against 0.5 with a hash thread reading the whole object again afterwards (xxhash releases
-the GIL, but the second pass over DRAM costs more than it overlaps). The sendfile path cannot hash
-inline (the bytes never pass through the server), so it hashes on the server's hash threads. Every call is bounded by its
-``timeout_s`` (one deadline for the whole call; every socket wait gets what is left of it).
-Thread-safe; no lock is held across I/O.
+Frames, checksums and deadlines: :mod:`store_backend.pool.tcp_common`.
 """
 
 from __future__ import annotations
