@@ -106,6 +106,37 @@ class RemovalTracker:
         return key in self._stuck and key not in self._hidden
 
 
+class Ticket:
+    """The rule "ask a lower tier outside the lock, then re-check under the lock that no remove or
+    eviction intervened", in one place. Taken under the store lock before a lookup, read or write
+    outside it; asked under the lock again after, per key. Not thread-safe (the store's lock
+    guards it, as it guards the trackers it reads)."""
+
+    __slots__ = ("_removals", "_removed_at", "_evictions", "_evicted_at")
+
+    def __init__(self, removals: RemovalTracker, evictions: EvictionClock) -> None:
+        self._removals = removals
+        self._removed_at = removals.generation()
+        self._evictions = evictions
+        self._evicted_at = evictions.generation()
+
+    def removed(self, key: str) -> bool:
+        """What was learned of ``key`` outside the lock is not to be trusted: it is being removed
+        now (hidden), or a removal of it began, or an owed deletion of its copy below ended, since
+        the ticket was taken. A copy read or found meanwhile may be the removed bytes."""
+        return self._removals.hidden(key) or self._removals.changed_since(key, self._removed_at)
+
+    def changed(self, key: str) -> bool:
+        """``key`` is visible now but its visibility changed since the ticket was taken (a removal
+        began and ended): an answer about it is worth asking again, not taking."""
+        return not self._removals.hidden(key) and self._removals.changed_since(key, self._removed_at)
+
+    def evicted(self, key: str) -> bool:
+        """A tier below reported an eviction of ``key`` since the ticket was taken: a write of it
+        that landed meanwhile may be gone (see :class:`EvictionClock`)."""
+        return self._evictions.changed_since(key, self._evicted_at)
+
+
 class LossLedger:
     """Objects dropped from DRAM before they reached SSD, each with why (bounded).
 

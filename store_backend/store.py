@@ -39,13 +39,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from store_backend.api import StoreClosedError  # defined there; re-exported here
-from store_backend.coherence import EvictionClock, KnownBelow, LossLedger, RemovalTracker
+from store_backend.coherence import EvictionClock, KnownBelow, LossLedger, RemovalTracker, Ticket
 from store_backend.config import StoreConfig, load_config
 from store_backend.dram import Entry, EntryState, HostDramTier
 from store_backend.engine import BatchWorker
@@ -484,6 +484,11 @@ class TieredStore:
         underneath the store)."""
         return next((t.backend for t in self._below if isinstance(t, SsdTier)), None)
 
+    def _ticket(self) -> Ticket:
+        """(lock held) A ticket for work about to ask or move something below DRAM outside the
+        lock: asked under the lock after whether a remove or an eviction intervened."""
+        return Ticket(self._removals, self._evictions)
+
     def _live(self, e: Entry) -> bool:
         """Whether ``e`` is still the index's entry for its key (lock held): a removed entry is
         not, though readers or an offload may still hold its bytes."""
@@ -573,16 +578,16 @@ class TieredStore:
         local = [t for t in self._below if t.traits.local_index]
         on_ssd = [False] * len(keys)
         on_backing = [False] * len(keys)  # the hit was in the backing tier
-        asked_at = [0] * len(keys)
+        asked_at: list[Ticket | None] = [None] * len(keys)
         ask = [i for i, ok in enumerate(valid) if ok] if local else []
         tries = 0
         reasked: set[int] = set()  # asked again because they turned up known below (see above)
         with self._lock:
-            evicted_at = self._evictions.generation()
+            first = self._ticket()
         while True:
             if ask:
                 with self._lock:
-                    generation = self._removals.generation()
+                    ticket = self._ticket()
                 found = [False] * len(ask)
                 for t in local:
                     rest = [j for j, hit in enumerate(found) if not hit]
@@ -592,10 +597,9 @@ class TieredStore:
                         found[j] = hit
                         on_backing[ask[j]] = hit and t is self._backing
                 for i, hit in zip(ask, found):
-                    on_ssd[i], asked_at[i] = hit, generation
+                    on_ssd[i], asked_at[i] = hit, ticket
             with self._lock:
-                stale = [i for i in ask if on_ssd[i] and not self._removals.hidden(keys[i])
-                         and self._removals.changed_since(keys[i], asked_at[i])]
+                stale = [i for i in ask if on_ssd[i] and (t := asked_at[i]) is not None and t.changed(keys[i])]
                 landed = [i for i in range(len(keys)) if valid[i] and local and not on_ssd[i] and i not in reasked
                           and keys[i] in self._known_below and keys[i] not in self._dram.entries
                           and not self._removals.hidden(keys[i])]
@@ -613,7 +617,7 @@ class TieredStore:
                 reserved = self._reserve_puts(keys, sizes, parents, valid, on_ssd, out, slot, wait_s, room_owed)
                 for i, st in enumerate(out):  # EXISTS because it is below: a parent admission may ask of
                     if st is Status.EXISTS and on_ssd[i] and on_backing[i] and keys[i] not in self._dram.entries \
-                            and not self._evictions.changed_since(keys[i], evicted_at):
+                            and not first.evicted(keys[i]):
                         self._known_below.add(keys[i])
                 break
         return reserved
@@ -746,14 +750,9 @@ class TieredStore:
             m.store.puts += 1
             m.dram.bytes_written += entry.size
             if eager:
-                entry.offload_queued = True
                 queued.append(entry)
         self._bus.publish(stored)
-        if queued:
-            refused = self._offloader.submit([e.key for e in queued])
-            m.store.offload_queue_full += refused
-            for entry in queued[len(queued) - refused:]:  # the queue takes a prefix
-                entry.offload_queued = False  # the next eviction queues it again (not a failed write)
+        self._queue_offload(queued)
         if stored:
             self._commits += 1
             self._slot_changed.notify_all()  # exists(wait_s) and lease(wait_pending_s) waiters
@@ -855,21 +854,29 @@ class TieredStore:
                                            self._started and not self._offloader.dead and not self._closing)
         return entry, owed
 
-    def _write_back(self, retry: list[Entry]) -> None:
-        """(lock held) Queue the offload of entries just marked ``offload_queued``. Those a full
-        queue refuses are not queued: the next eviction asks again (eager mode), or a demotion
-        pass writes them (watermark mode). A refusal is not a failed write: it never brings an
-        entry nearer to being dropped unpersisted (see :func:`victim_verdict`)."""
-        if not retry:
-            return
-        m = self.metrics_counters
-        refused = len(retry)
+    def _queue_offload(self, entries: list[Entry], *, front: bool = False) -> int:
+        """(lock held) The one way onto the offload queue: queue the SSD writes of ``entries``
+        (at the queue's head with ``front``) and mark them ``offload_queued``; returns how many
+        were refused. The queue takes a prefix; what it refuses (all of it before ``start()``) is
+        not queued and not marked: the next eviction queues it again (eager mode), or a demotion
+        pass or a flush writes it (watermark mode). A refusal is not a failed write: it never
+        brings an entry nearer to being dropped unpersisted (see :func:`victim_verdict`)."""
+        if not entries:
+            return 0
+        refused = len(entries)
         if self._started:
-            refused = self._offloader.submit([e.key for e in retry])
-            m.store.offload_retries += len(retry) - refused
-            m.store.offload_queue_full += refused
-        for e in retry[len(retry) - refused:]:  # the queue takes a prefix
-            e.offload_queued = False
+            refused = self._offloader.submit([e.key for e in entries], front=front)
+            self.metrics_counters.store.offload_queue_full += refused
+        for n, e in enumerate(entries):
+            e.offload_queued = n < len(entries) - refused
+        return refused
+
+    def _write_back(self, retry: list[Entry]) -> None:
+        """(lock held) Queue the offload of dirty entries eviction met that need a write now
+        (counted as retries when queued)."""
+        queued = len(retry) - self._queue_offload(retry)
+        if self._started:
+            self.metrics_counters.store.offload_retries += queued
 
     def _on_below_evicted(self, tier: Tier, keys: list[str]) -> None:
         """``tier`` evicted ``keys`` on its own (called by it, in the thread of the put that
@@ -1193,27 +1200,11 @@ class TieredStore:
         another call in ``busy``."""
         m = self.metrics_counters
         with self._lock:
-            generation = self._removals.generation()
-            evicted_at = self._evictions.generation()
+            ticket = self._ticket()
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
-        sizes: dict[int, tuple[int, Tier]] = {}
-        absent: list[tuple[Tier, int]] = []  # per tier asked, the keys it did not hold: its misses
-        todo = list(idx)
-        for tier in tiers:
-            if not todo:
-                break
-            try:
-                got = tier.size_of([keys[i] for i in todo])
-            except Exception:
-                self._tier_raised(tier, "size_of", len(todo))
-                for i in todo:
-                    out[i] = SlotLease(Status.IO_ERROR, keys[i])
-                break
-            for i, size in zip(todo, got):
-                if size is not None:
-                    sizes[i] = (size, tier)
-            todo = [i for i in todo if i not in sizes]
-            absent.append((tier, len(todo)))
+        sizes, absent, unanswered = self._locate_below(keys, idx, tiers)
+        for i in unanswered:
+            out[i] = SlotLease(Status.IO_ERROR, keys[i])
         staged: list[tuple[int, Entry, Tier]] = []
         staged_bytes = staged_tokens = 0  # what the staged slots will hold against the share
         arena = self._dram.arena.view
@@ -1233,7 +1224,7 @@ class TieredStore:
                     else:
                         busy.append(i)
                     continue
-                if self._removals.hidden(key) or self._removals.changed_since(key, generation):
+                if ticket.removed(key):
                     continue  # removed since its size was asked: NOT_FOUND
                 block = self._dram.block_bytes(size)
                 if self._slots.too_large(block):
@@ -1256,29 +1247,18 @@ class TieredStore:
                 staged_tokens += n
         if not staged:
             return
-        results: dict[int, ReadResult] = {}
-        for tier in dict.fromkeys(t for _i, _e, t in staged):  # one read per tier, in tier order
-            batch = [(i, e) for i, e, t in staged if t is tier]
-            try:
-                got = tier.get_into([e.key for _i, e in batch], [arena[e.offset:e.offset + e.size] for _i, e in batch])
-            except Exception:
-                self._tier_raised(tier, "get_into", len(batch))
-                got = [ReadResult(Status.IO_ERROR)] * len(batch)
-            results.update((i, r) for (i, _e), r in zip(batch, got))
-        if self._checksums:
-            self._sum_read(arena, [(e, results[i]) for i, e, _t in staged])
+        filled = self._fill([(e, tier) for _i, e, tier in staged])
         with self._lock:
             events: list[ResidencyEvent] = []
-            for i, e, tier in staged:
-                res = results[i]
+            for (i, e, tier), res in zip(staged, filled):
                 tm = m.tier(tier.name)
-                if not self._live(e) or self._removals.changed_since(e.key, generation):
+                if not self._live(e) or ticket.removed(e.key):
                     # Removed while it was read (or between the size lookup and the reservation).
                     self._end_reservation(e)
                     out[i] = SlotLease(Status.NOT_FOUND, e.key)
                     continue
-                if res.status is not Status.OK or res.nbytes != e.size:
-                    self._dram.drop(e.key)
+                if not res.ok:
+                    self._end_reservation(e)
                     st = res.status if res.status in (Status.CORRUPT, Status.IO_ERROR) else Status.NOT_FOUND
                     if st is not Status.NOT_FOUND:
                         _count_failure(tm.failures, st)
@@ -1288,21 +1268,15 @@ class TieredStore:
                 tm.hits += 1
                 tm.bytes_read += e.size
                 m.store.slot_stage_ins += 1
-                hits = self._ssd_hits.get(e.key, 0) + 1
                 if self._closing:
                     promote = False
                 elif not tier.traits.local_index:  # from another node: kept as a local replica at once
                     promote = self.config.promotion.enabled
                 else:
-                    promote = should_promote(hits, self.config.promotion.admission_hits,
-                                             self.config.promotion.enabled, policy_uses(self._dram.policy, e.key))
+                    promote = self._hit_below(e.key)
                 if promote:
-                    self._ssd_hits.pop(e.key, None)
-                    self._commit_promoted(e, tier, evicted_at, events)
+                    self._commit_promoted(e, tier, ticket, events)
                 else:
-                    if len(self._ssd_hits) >= _HIT_TABLE_MAX:
-                        self._ssd_hits.pop(next(iter(self._ssd_hits)))
-                    self._ssd_hits[e.key] = hits
                     # A transient slot outside the index: the lease is its only holder and its
                     # release frees it (see _unlease).
                     del self._dram.entries[e.key]
@@ -1496,8 +1470,7 @@ class TieredStore:
             hidden = [i for i in idx if self._removals.hidden(keys[i])]
             idx = [i for i in idx if not self._removals.hidden(keys[i])]
             m.tier(self._below[0].name).misses += len(hidden)
-            evicted_at = self._evictions.generation()
-            generation = self._removals.generation()
+            ticket = self._ticket()
         promote: list[str] = []
         remote: list[tuple[int, Tier]] = []  # hits in a tier of another node: kept as local replicas
         for tier in self._below:
@@ -1536,17 +1509,10 @@ class TieredStore:
                             remote.append((i, tier))
                             continue
                         if tier is self._backing and keys[i] not in self._dram.entries \
-                                and not self._evictions.changed_since(keys[i], evicted_at):
+                                and not ticket.evicted(keys[i]):
                             self._known_below.add(keys[i])  # seen stored: a parent admission may ask of
-                        hits = self._ssd_hits.get(keys[i], 0) + 1
-                        if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
-                                          policy_uses(self._dram.policy, keys[i])):
-                            self._ssd_hits.pop(keys[i], None)
+                        if self._hit_below(keys[i]):
                             promote.append(keys[i])
-                        else:
-                            if len(self._ssd_hits) >= _HIT_TABLE_MAX:
-                                self._ssd_hits.pop(next(iter(self._ssd_hits)))
-                            self._ssd_hits[keys[i]] = hits
                         continue
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):
                         _count_failure(tm.failures, res.status)
@@ -1555,7 +1521,7 @@ class TieredStore:
                         missed.append(i)
             idx = missed
         if remote and self.config.promotion.enabled:
-            self._keep_replicas(keys, buffers, out, remote, generation, evicted_at)
+            self._keep_replicas(keys, buffers, out, remote, ticket)
         if promote and self._started:
             refused = self._promoter.submit(promote)
             if refused:
@@ -1563,7 +1529,7 @@ class TieredStore:
                     m.store.promotion_queue_full += refused
 
     def _keep_replicas(self, keys: Sequence[str], buffers: Sequence[Buffer], out: list[ReadResult],
-                       hits: list[tuple[int, Tier]], generation: int, evicted_at: int) -> None:
+                       hits: list[tuple[int, Tier]], ticket: Ticket) -> None:
         """Keep objects just read from another node (into the caller's ``buffers``) as local DRAM
         replicas: a slot reserved as a promotion does (clean victims only), the bytes copied from
         the caller's buffer (no store lock held), committed unless a remove came in between. Best
@@ -1574,40 +1540,104 @@ class TieredStore:
                 return
             for i, tier in hits:
                 key = keys[i]
-                if key in self._dram.entries or self._removals.hidden(key) \
-                        or self._removals.changed_since(key, generation):
+                if key in self._dram.entries or ticket.removed(key):
                     continue
                 e = self._reserve(key, out[i].nbytes, None, promotion=True)
                 if e is not None:
                     staged.append((i, e, tier))
         if not staged:
             return
-        arena = self._dram.arena.view
-        copied = 0
-        try:
-            for i, e, _tier in staged:
-                copy_bytes(arena[e.offset:e.offset + e.size], byte_view(buffers[i])[:e.size])
-                if self._checksums:
-                    e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
-                copied += 1
-        finally:
-            with self._lock:
-                events: list[ResidencyEvent] = []
-                for n, (_i, e, tier) in enumerate(staged):
-                    if not self._live(e) or self._removals.changed_since(e.key, generation) or n >= copied:
-                        self._end_reservation(e)
-                    else:
-                        self._commit_promoted(e, tier, evicted_at, events)
-                self._bus.publish(events)
-                self._slot_changed.notify_all()
+        filled = self._fill([(e, tier) for _i, e, tier in staged], [buffers[i] for i, _e, _t in staged])
+        with self._lock:
+            events: list[ResidencyEvent] = []
+            for (_i, e, tier), res in zip(staged, filled):
+                if not self._live(e) or ticket.removed(e.key) or not res.ok:
+                    self._end_reservation(e)
+                else:
+                    self._commit_promoted(e, tier, ticket, events)
+            self._bus.publish(events)
+            self._slot_changed.notify_all()
 
-    @staticmethod
-    def _sum_read(arena: memoryview, read: list[tuple[Entry, ReadResult]]) -> None:
-        """(no lock held) The checksum of each entry a read filled (its slot is WRITING: no one
-        else writes it), so a lease of it can be verified like a committed write."""
-        for e, res in read:
-            if res.status is Status.OK and res.nbytes == e.size:
-                e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
+    # -- the fill primitive: objects from the tiers below into DRAM slots ------------------------
+    # Stage-in (lease), promotion and pool replicas all bring objects up the same way: locate each
+    # below (no store lock held), reserve a WRITING slot under the lock (evicting clean entries
+    # only), fill the slots (no lock held), then, under the lock again, keep what is still live and
+    # was read whole (``_commit_promoted``, or a stage-in's transient slot) and give the rest up
+    # (``_end_reservation``). The first and third steps are these two methods.
+    def _locate_below(self, keys: Sequence[str], idx: Iterable[int], tiers: Sequence[Tier]
+                      ) -> tuple[dict[int, tuple[int, Tier]], list[tuple[Tier, int]], list[int]]:
+        """(no store lock held) Where the keys at ``idx`` lie below DRAM: each one's size in the
+        first of ``tiers`` (in order) that has it. Returns (found: index -> (size, tier); misses:
+        per tier asked, how many of the keys it was asked it lacked; unanswered: the indices a
+        tier whose ``size_of`` raised was asked, not asked further: see :meth:`_tier_raised`)."""
+        found: dict[int, tuple[int, Tier]] = {}
+        misses: list[tuple[Tier, int]] = []
+        todo = list(idx)
+        for tier in tiers:
+            if not todo:
+                break
+            try:
+                got = tier.size_of([keys[i] for i in todo])
+            except Exception:
+                self._tier_raised(tier, "size_of", len(todo))
+                return found, misses, todo
+            for i, size in zip(todo, got):
+                if size is not None:
+                    found[i] = (size, tier)
+            todo = [i for i in todo if i not in found]
+            misses.append((tier, len(todo)))
+        return found, misses, []
+
+    def _fill(self, slots: Sequence[tuple[Entry, Tier]], copies: Sequence[Buffer] | None = None
+              ) -> list[ReadResult]:
+        """(no store lock held) Fill WRITING slots (each reserved by the caller, so no one else
+        writes it) with their objects: read from each slot's tier, one ``get_into`` per tier in
+        tier order, or, with ``copies``, copied from the caller's buffers (bytes it read from that
+        tier already). Per slot, in the order of ``slots``: OK when the slot holds the whole object
+        (``ReadResult.ok``), else the failure (a tier that raised, or a copy that did, answers
+        IO_ERROR, logged). With checksums, each whole slot gets its object's checksum, so a lease
+        of it is verified like a committed write."""
+        arena = self._dram.arena.view
+        out = [ReadResult(Status.IO_ERROR)] * len(slots)
+        if copies is not None:
+            for n, ((e, tier), src) in enumerate(zip(slots, copies)):
+                try:
+                    copy_bytes(arena[e.offset:e.offset + e.size], byte_view(src)[:e.size])
+                except Exception:
+                    logger.exception("copy of %r from the %s tier into its DRAM slot failed", e.key, tier.name)
+                    continue
+                out[n] = ReadResult(Status.OK, e.size)
+        else:
+            for tier in dict.fromkeys(t for _e, t in slots):
+                batch = [n for n, (_e, t) in enumerate(slots) if t is tier]
+                entries = [slots[n][0] for n in batch]
+                try:
+                    got = tier.get_into([e.key for e in entries], [arena[e.offset:e.offset + e.size] for e in entries])
+                except Exception:
+                    self._tier_raised(tier, "get_into", len(batch))
+                    continue
+                for n, e, res in zip(batch, entries, got):
+                    # Whole, or of another size than located (a newer copy meanwhile): not this slot's.
+                    out[n] = ReadResult(Status.NOT_FOUND) if res.status is Status.OK and res.nbytes != e.size else res
+        if self._checksums:
+            for (e, _t), res in zip(slots, out):
+                if res.ok:
+                    e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
+        return out
+
+    def _hit_below(self, key: str) -> bool:
+        """(lock held) Count a hit of ``key`` in a local tier below DRAM; True when the promotion
+        rule says it now belongs in DRAM (its count is then forgotten). The counts are bounded
+        (``_HIT_TABLE_MAX``; the oldest goes first)."""
+        hits = self._ssd_hits.get(key, 0) + 1
+        if should_promote(hits, self.config.promotion.admission_hits, self.config.promotion.enabled,
+                          policy_uses(self._dram.policy, key)):
+            self._ssd_hits.pop(key, None)
+            return True
+        if len(self._ssd_hits) >= _HIT_TABLE_MAX:
+            self._ssd_hits.pop(next(iter(self._ssd_hits)))
+        self._ssd_hits[key] = hits
+        return False
 
     def _tier_raised(self, tier: Tier, method: str, nkeys: int) -> None:
         """(no lock held; called from an ``except`` block) ``tier.method`` raised for ``nkeys``
@@ -1634,18 +1664,14 @@ class TieredStore:
             if not todo:
                 break
             with self._lock:
-                generation = self._removals.generation()
+                ticket = self._ticket()
             answers = ask([keys[i] for i in todo])
             again: list[int] = []
             with self._lock:
                 for i, a in zip(todo, answers):
-                    if self._removals.hidden(keys[i]):
-                        out[i] = absent
-                    elif self._removals.changed_since(keys[i], generation):
-                        out[i] = absent
+                    out[i] = absent if ticket.removed(keys[i]) else a
+                    if ticket.changed(keys[i]):
                         again.append(i)
-                    else:
-                        out[i] = a
             todo = again
         return out
 
@@ -1784,13 +1810,11 @@ class TieredStore:
             seen = set(out)
             for tier in self._local_tiers():
                 with self._lock:
-                    generation = self._removals.generation()
+                    ticket = self._ticket()
                 below = [k for k in tier.keys() if k.startswith(prefix) and k not in seen]
                 with self._lock:
-                    changed = [k for k in below if not self._removals.hidden(k)
-                               and self._removals.changed_since(k, generation)]
-                    found = [k for k in below if not self._removals.hidden(k)
-                             and not self._removals.changed_since(k, generation)]
+                    changed = [k for k in below if ticket.changed(k)]
+                    found = [k for k in below if not ticket.removed(k)]
                 if changed:  # seen while a removal of them ended: asked again
                     found.extend(k for k, hit in zip(changed, self._on_below(changed, [tier])) if hit)
                 out.extend(found)
@@ -1964,12 +1988,8 @@ class TieredStore:
         head, so that older objects still reach SSD before newer ones. One a full queue refuses
         is not queued: eviction queues it again before DRAM may drop it (eager mode), or a
         demotion pass or a flush writes it (it never counts as a failed write)."""
-        if not entries:
-            return
-        refused = self._offloader.submit([e.key for e in entries], front=True) if self._started else len(entries)
-        self.metrics_counters.store.offload_queue_full += refused if self._started else 0
-        for n, e in enumerate(entries):
-            e.offload_queued = n < len(entries) - refused
+        self._queue_offload(entries, front=True)
+        for e in entries:
             problems[e.key] = "its SSD write did not finish"
 
     def _offload_again(self, keys: list[str]) -> None:
@@ -1977,13 +1997,8 @@ class TieredStore:
         deletion of an older copy (eager mode; in watermark mode demotion or flush takes them)."""
         if not keys or not self._started or self.config.offload.policy != "eager":
             return
-        todo = [e for e in map(self._dram.ready, keys) if e is not None and not e.clean and not e.offload_queued]
-        for e in todo:
-            e.offload_queued = True
-        refused = self._offloader.submit([e.key for e in todo])
-        self.metrics_counters.store.offload_queue_full += refused
-        for e in todo[len(todo) - refused:]:
-            e.offload_queued = False  # queued again by the next eviction (not a failed write)
+        self._queue_offload([e for e in map(self._dram.ready, keys)
+                             if e is not None and not e.clean and not e.offload_queued])
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0, *, group: int | None = None) -> list[bool]:
         """Lease objects for an in-flight load: DRAM copies are not evicted until ``unpin`` or
@@ -2322,7 +2337,7 @@ class TieredStore:
             batch: list[Entry] = []
             dropped: list[ResidencyEvent] = []
             # Evictions the SSD tier reports from here on void this batch's OKs (EvictionClock).
-            evicted_at = self._evictions.generation()
+            ticket = self._ticket()
             cap, leased = min(self._write_batch_bytes(), half - self._writing_bytes), 0
             for e in todo:
                 if not writable(e):
@@ -2365,7 +2380,7 @@ class TieredStore:
                 if not self._live(e):  # removed while it was written: delete what may have landed
                     landed_after_remove.append(e.key)
                     continue
-                if st.ok and self._evictions.changed_since(e.key, evicted_at):
+                if st.ok and ticket.evicted(e.key):
                     # The SSD tier evicted the copy after it landed (and the report came first):
                     # still dirty, written back before DRAM may drop it.
                     self._lost_below(e)
@@ -2434,13 +2449,13 @@ class TieredStore:
         if chunk:
             self._offload_batch(chunk, demote=True)
 
-    def _commit_promoted(self, e: Entry, tier: Tier, evicted_at: int, events: list[ResidencyEvent]) -> None:
+    def _commit_promoted(self, e: Entry, tier: Tier, ticket: Ticket, events: list[ResidencyEvent]) -> None:
         """(store lock held) Make ``e``, just read from ``tier`` into its DRAM slot, the DRAM copy:
         clean when read from the backing tier, unless the backing tier evicted the copy since the
-        read was planned (generation ``evicted_at``); counted as a promotion and published."""
+        read was planned (``ticket``); counted as a promotion and published."""
         e.persisted = tier is self._backing
         e.replica = not tier.traits.local_index  # read from another node: a local replica of it
-        if e.persisted and self._evictions.changed_since(e.key, evicted_at):
+        if e.persisted and ticket.evicted(e.key):
             self._lost_below(e)
         self._dram.commit(e)
         self._known_below.discard(e.key)
@@ -2460,26 +2475,18 @@ class TieredStore:
         with self._lock:
             if self._closed:
                 return
-            generation = self._removals.generation()
+            looked = self._ticket()
             keys = [k for k in keys if not self._removals.hidden(k) and k not in self._dram.entries]
-        sizes: list[int | None] = [None] * len(keys)
-        source: list[Tier | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in self._below:
-            if not todo:
-                break
-            for i, size in zip(todo, tier.size_of([keys[i] for i in todo])):
-                if size is not None:
-                    sizes[i], source[i] = size, tier
-            todo = [i for i in todo if source[i] is None]
+        found, _misses, unanswered = self._locate_below(keys, range(len(keys)), self._below)
         reserved: list[tuple[Entry, Tier]] = []
         with self._lock:
             if self._closed:
                 return
-            evicted_at = self._evictions.generation()
-            for key, size, tier in zip(keys, sizes, source):
-                if size is None or tier is None or key in self._dram.entries or self._removals.hidden(key) \
-                        or self._removals.changed_since(key, generation):
+            m.store.promotions_skipped += len(unanswered)
+            ticket = self._ticket()  # evictions from here on void the read's cleanliness
+            for i, (size, tier) in sorted(found.items()):
+                key = keys[i]
+                if key in self._dram.entries or looked.removed(key):
                     continue
                 e = self._reserve(key, size, None, promotion=True)
                 if e is None:
@@ -2489,29 +2496,14 @@ class TieredStore:
                 reserved.append((e, tier))
         if not reserved:
             return
-        arena = self._dram.arena.view
-        results: list[ReadResult] = []
-        for tier in dict.fromkeys(t for _e, t in reserved):  # one read per tier, in tier order
-            batch = [e for e, t in reserved if t is tier]
-            try:
-                got = tier.get_into([e.key for e in batch], [arena[e.offset:e.offset + e.size] for e in batch])
-            except Exception:
-                got = [ReadResult(Status.IO_ERROR)] * len(batch)
-                logger.exception("promotion of %d objects from the %s tier failed", len(batch), tier.name)
-            results.extend(got)
-        reserved = [(e, t) for tier in dict.fromkeys(t for _e, t in reserved) for e, t in reserved if t is tier]
-        if self._checksums:
-            self._sum_read(arena, [(e, res) for (e, _t), res in zip(reserved, results)])
+        filled = self._fill(reserved)
         with self._lock:
             events: list[ResidencyEvent] = []
-            for (e, tier), res in zip(reserved, results):
-                if not self._live(e):  # removed while it was read
-                    self._release_detached(e)
-                    m.store.promotions_skipped += 1
-                elif res.status is Status.OK and res.nbytes == e.size:
-                    self._commit_promoted(e, tier, evicted_at, events)
-                else:
-                    self._dram.drop(e.key)
+            for (e, tier), res in zip(reserved, filled):
+                if self._live(e) and res.ok:
+                    self._commit_promoted(e, tier, ticket, events)
+                else:  # removed while it was read, or the read failed
+                    self._end_reservation(e)
                     m.store.promotions_skipped += 1
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):
                         _count_failure(m.tier(tier.name).failures, res.status)

@@ -68,6 +68,14 @@ class RaisingSizeOf:
         return getattr(self.inner, name)
 
 
+class NonsenseSizeOf(RaisingSizeOf):
+    """A real backend whose ``size_of`` answers something that is not a size: the promotion's
+    bookkeeping then raises inside the worker (an exception no tier call was expected to raise)."""
+
+    def size_of(self, keys):  # noqa: ANN001, ANN201
+        return ["not a size"] * len(keys)
+
+
 def test_close_with_a_stuck_offload_is_bounded_by_one_timeout_and_reports_the_thread(tmp_path, caplog) -> None:
     cfg = _config(tmp_path)
     assert cfg.ssd is not None
@@ -119,7 +127,7 @@ def test_an_exception_escaping_a_worker_is_logged_and_counted_and_the_store_keep
         assert first.flush()
     assert cfg.ssd is not None
     caplog.set_level(logging.ERROR)
-    with TieredStore(cfg, ssd=RaisingSizeOf(open_ssd_backend(cfg.ssd))) as store:
+    with TieredStore(cfg, ssd=NonsenseSizeOf(open_ssd_backend(cfg.ssd))) as store:
         buf = np.empty(OBJ, dtype=np.uint8)
         for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
             assert store.get_into(["k"], [buf])[0].status is Status.OK
@@ -127,6 +135,30 @@ def test_an_exception_escaping_a_worker_is_logged_and_counted_and_the_store_keep
         assert store.metrics_counters.store.worker_errors == 1
         logged = [r for r in caplog.records if "kv-promote" in r.getMessage()]
         assert logged and logged[0].exc_info is not None, "no traceback logged"
+        assert store.get_into(["k"], [buf])[0].status is Status.OK
+        np.testing.assert_array_equal(buf, payload("k", OBJ))
+
+
+def test_a_promotion_from_a_tier_whose_size_of_raises_is_skipped_not_a_worker_error(tmp_path, caplog) -> None:
+    """The fill primitive survives a tier whose ``size_of`` raises, for promotion as for a lease's
+    stage-in: the promotion is skipped and counted, the tier's failure logged once with its
+    traceback, and the worker has no error to count."""
+    cfg = _config(tmp_path)
+    with TieredStore(cfg) as first:
+        assert first.put(["k"], [payload("k", OBJ)]) == [Status.OK]
+        assert first.flush()
+    assert cfg.ssd is not None
+    caplog.set_level(logging.ERROR)
+    with TieredStore(cfg, ssd=RaisingSizeOf(open_ssd_backend(cfg.ssd))) as store:
+        buf = np.empty(OBJ, dtype=np.uint8)
+        for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
+            assert store.get_into(["k"], [buf])[0].status is Status.OK
+        assert store._promoter.wait_idle(10)
+        m = store.metrics()["store"]
+        assert m["worker_errors"] == 0 and m["promotions_skipped"] == 1
+        logged = [r for r in caplog.records if "size_of raised" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].exc_info is not None, [r.getMessage() for r in caplog.records]
+        assert store.tier_of(["k"]) == ["ssd"]  # not promoted
         assert store.get_into(["k"], [buf])[0].status is Status.OK
         np.testing.assert_array_equal(buf, payload("k", OBJ))
 
