@@ -490,3 +490,28 @@ def test_close_ends_a_put_waiting_for_room() -> None:
     ssd.release.set()
     closer.join(10)
     assert not closer.is_alive()
+
+
+def test_a_put_against_a_stalled_ssd_answers_no_space_once_put_wait_s_has_passed() -> None:
+    """put_wait_s bounds the wait: with the SSD stalled (its write never lands), a put that finds
+    DRAM full of unwritten objects waits about put_wait_s for room, then answers NO_SPACE; nothing
+    acknowledged is dropped, and once the SSD comes back everything acknowledged reaches it."""
+    ssd = BlockingSsd()
+    wait_s = 0.4
+    s = TieredStore({"dram": {"capacity_bytes": 2 * MiB}, "offload": {"policy": "eager", "put_wait_s": wait_s}},
+                    ssd=ssd).start()
+    try:
+        keys = [f"k{i}" for i in range(8)]  # DRAM full, every object's write owed
+        assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 8
+        assert ssd.entered.wait(10)  # the offload's first write hangs in the SSD
+        t0 = time.monotonic()
+        assert s.put(["new"], [payload("new", CHUNK)]) == [Status.NO_SPACE]
+        waited = time.monotonic() - t0
+        assert wait_s * 0.9 <= waited < wait_s + 2.0, waited
+        m = s.metrics()["store"]
+        assert m["put_room_waits"] == 1 and m["put_no_space_dirty"] == 1 and m["dropped_unpersisted"] == 0
+        ssd.release.set()
+        assert s.flush(timeout_s=30) and all(read_ok(s, keys)) and sorted(ssd.data) == sorted(keys)
+    finally:
+        ssd.release.set()
+        s.close(flush=False)
