@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from store_backend.api import KVStore, Reservation, SegmentInfo, SlotLease, StoreClosedError
 from store_backend.dram import SHM_DIR
 from store_backend.node.client import NodeClient
-from store_backend import store as store_module
+from store_backend.core import slot_calls as slot_calls_module
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
@@ -381,7 +381,7 @@ def test_lease_waiting_for_a_pending_key_that_is_aborted_answers_not_found(make_
 @pytest.mark.parametrize("end", ["remove", "expire", "reclaim"])
 def test_a_wait_for_a_pending_key_ends_when_the_reservation_does(make_store, monkeypatch, end) -> None:
     """Woken by the event itself: the waits' periodic backstop is pushed out of reach."""
-    monkeypatch.setattr(store_module, "_WAIT_SLICE_S", 60.0)
+    monkeypatch.setattr(slot_calls_module, "_WAIT_SLICE_S", 60.0)
     s = make_store(DRAM)
     [r] = s.reserve(["k"], [SIZE], ttl_s=0.5 if end == "expire" else 60, owner=1)
     got: list[SlotLease] = []

@@ -341,9 +341,9 @@ def test_remove_while_an_offload_writes_the_object(tmp_path, monkeypatch, lands,
     waits for it (then remove deletes it before it returns OK), or only after the remove gave up
     waiting (IO_ERROR); either way the old bytes are never read again and the new put's bytes
     are kept."""
-    import store_backend.store as store_module
+    import store_backend.core.removal as removal_module
 
-    monkeypatch.setattr(store_module, "_REMOVE_LANDED_S", 0.3 if lands == "after_remove" else 30.0)
+    monkeypatch.setattr(removal_module, "_REMOVE_LANDED_S", 0.3 if lands == "after_remove" else 30.0)
     s, gate = gated_store(tmp_path, "put", "kv-offload", after=lands == "before_remove", policy=policy)
     try:
         assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
@@ -402,10 +402,10 @@ def test_remove_while_a_reader_copies_out_of_dram(monkeypatch) -> None:
     """remove does not wait for (or refuse because of) a reader copying the object out of DRAM:
     the key is gone at once, the reader finishes with the old bytes, and the DRAM space is freed
     when it is done (not before, not never)."""
-    import store_backend.store as store_module
+    import store_backend.core.reads as reads_module
 
     copying, release = threading.Event(), threading.Event()
-    real_copy = store_module.copy_bytes
+    real_copy = reads_module.copy_bytes
 
     def gated_copy(dst, src) -> None:  # noqa: ANN001
         real_copy(dst, src)
@@ -413,7 +413,7 @@ def test_remove_while_a_reader_copies_out_of_dram(monkeypatch) -> None:
             copying.set()
             assert release.wait(30)
 
-    monkeypatch.setattr(store_module, "copy_bytes", gated_copy)
+    monkeypatch.setattr(reads_module, "copy_bytes", gated_copy)
     s = TieredStore({"dram": {"capacity_bytes": 8 * OBJ_BYTES}}).start()
     try:
         assert s.put(["x"], [versioned(0, 1)]) == [Status.OK]
@@ -506,9 +506,9 @@ def test_a_lookup_that_saw_an_old_copy_just_before_its_deletion_is_not_trusted(
     remove returned looks the key up on SSD while the landed copy is there, and answers only
     after the deletion made the key visible again: a put must store v2 (not EXISTS), a lookup
     must not report the deleted copy."""
-    import store_backend.store as store_module
+    import store_backend.core.removal as removal_module
 
-    monkeypatch.setattr(store_module, "_REMOVE_LANDED_S", 0.2, raising=False)
+    monkeypatch.setattr(removal_module, "_REMOVE_LANDED_S", 0.2)
     s, g = landing_store(tmp_path, backend)
     try:
         assert s.put(["K"], [versioned(0, 1)]) == [Status.OK]
@@ -744,9 +744,9 @@ def test_a_copy_moved_to_ssd_after_the_last_lookup_round_is_exists_not_a_second_
     """The same miss on the put's last lookup round (a round with no try left to ask again): the key
     turned up known below after that round's lookup, and the put used to store a second object
     beside the SSD copy. With one round allowed, the first round is the last."""
-    import store_backend.store as store_module
+    import store_backend.core.writes as writes_module
 
-    monkeypatch.setattr(store_module, "_LOOKUP_TRIES", 1)
+    monkeypatch.setattr(writes_module, "_LOOKUP_TRIES", 1)
     store, ssd = gated_store(tmp_path)
     try:
         only_on_ssd(store, "k")
