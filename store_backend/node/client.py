@@ -26,6 +26,10 @@ service restarted, and starts the service first when a ``starter`` was given
 (:class:`store_backend.node.autostart.ServiceProcess`). A process forked from one using a client
 drops the inherited connections and mappings at its first call and makes its own.
 
+Keys the store does not accept (empty, with NUL, longer than ``MAX_KEY_BYTES``: ``check_key``) are
+answered here as the service would answer them (INVALID_KEY, or absent for a lookup), never sent; the
+other keys of the call go as usual.
+
 Exceptions are for misuse (``TypeError``/``ValueError`` before anything is sent), for a closed client
 (:class:`~store_backend.api.StoreClosedError`), for a user who may not attach
 (:class:`NodeAccessError`) and for a service speaking another protocol version
@@ -66,6 +70,7 @@ from store_backend.types import (
     Status,
     byte_view,
     check_batch,
+    check_key,
     check_ttl_s,
     check_wait_s,
     copy_bytes,
@@ -616,13 +621,20 @@ class NodeClient:
 
     # -- lookups -------------------------------------------------------------------------------------
     def _lookup(self, keys: Sequence[str], request: Any, reply: Any, absent: Any) -> list[Any]:
-        """One per-key lookup (``request(rid, keys)`` answered by ``reply``), split to fit the frame
-        limit; ``absent`` for every key when the service cannot be asked."""
-        _check_keys(keys)
+        """One per-key lookup (``request(rid, keys)`` answered by ``reply``) of the valid keys, split
+        to fit the frame limit; ``absent`` for an invalid key (never sent), and for every key when
+        the service cannot be asked."""
+        ok = _check_keys(keys)
         keys = list(keys)
-        return self._call(lambda c: self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: request(rid, keys[lo:hi]), reply), len(keys)),
-            self._failed_lookup([absent] * len(keys)))
+        sub = [keys[i] for i in ok]
+        if not sub:
+            self._enter()  # closed: StoreClosedError, as for any call
+            self._exit()
+            return [absent] * len(keys)
+        got = self._call(lambda c: self._values(self._ask_split(
+            c, len(sub), lambda rid, lo, hi: request(rid, sub[lo:hi]), reply), len(sub)),
+            self._failed_lookup([absent] * len(sub)))
+        return _scatter(len(keys), ok, got, lambda _i: absent)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return [bool(v) for v in self._lookup(keys, p.Contains, p.Bools, False)]
@@ -635,10 +647,11 @@ class NodeClient:
 
     def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
         """Leading keys stored (``count_reserved``: saves in flight count); ``wait_s`` > 0 waits that
-        long for reserved keys to be committed. 0 when the service cannot be asked."""
-        _check_keys(keys)
+        long for reserved keys to be committed. 0 when the service cannot be asked. An invalid key
+        is never present: the run ends before it (nothing after it is sent)."""
+        ok = _check_keys(keys)
         check_wait_s("wait_s", wait_s)
-        keys = list(keys)
+        keys = list(keys)[:_leading(ok)]
 
         def body(conn: Connection) -> int:
             conn.waiting = wait_s > 0
@@ -673,8 +686,7 @@ class NodeClient:
         if isinstance(key_lists, (str, bytes)):
             raise TypeError("key_lists must be a sequence of key lists")
         lists = [list(ks) for ks in key_lists]
-        for ks in lists:
-            _check_keys(ks)
+        lists = [ks[:_leading(_check_keys(ks))] for ks in lists]  # a run ends before an invalid key
 
         def body(conn: Connection) -> int:
             try:
@@ -693,7 +705,7 @@ class NodeClient:
                 best = n if best is None else min(best, n)
             return best or 0
 
-        if not lists:
+        if not lists or not all(lists):  # a list with no leading valid key: 0, nothing sent
             self._enter()
             self._exit()
             return 0
@@ -725,16 +737,29 @@ class NodeClient:
         return self._call(body, self._failed_lookup([]))
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]:
-        _check_keys(keys)
+        """Pin the keys for ``ttl_s``; per key whether it is pinned (False for an invalid key, never
+        sent, and for every key when the service cannot be asked)."""
+        ok = _check_keys(keys)
         ttl_s = check_ttl_s(ttl_s)
         keys = list(keys)
-        return self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
-            c, len(keys), lambda rid, lo, hi: p.Pin(rid, keys[lo:hi], ttl_s), p.Bools), len(keys))],
-            self._failed_lookup([False] * len(keys)))
+        sub = [keys[i] for i in ok]
+        if not sub:
+            self._enter()
+            self._exit()
+            return [False] * len(keys)
+        got = self._call(lambda c: [bool(v) for v in self._values(self._ask_split(
+            c, len(sub), lambda rid, lo, hi: p.Pin(rid, sub[lo:hi], ttl_s), p.Bools), len(sub))],
+            self._failed_lookup([False] * len(sub)))
+        return _scatter(len(keys), ok, got, lambda _i: False)
 
     def unpin(self, keys: Sequence[str]) -> None:
-        _check_keys(keys)
-        keys = list(keys)
+        """End one pin of each valid key (an invalid key is never pinned: not sent)."""
+        ok = _check_keys(keys)
+        keys = [keys[i] for i in ok]
+        if not keys:
+            self._enter()
+            self._exit()
+            return
 
         def body(conn: Connection) -> None:
             self._ask_split(conn, len(keys), lambda rid, lo, hi: p.Unpin(rid, keys[lo:hi]), p.Ack)
@@ -745,25 +770,27 @@ class NodeClient:
     def remove(self, keys: Sequence[str]) -> list[Status]:
         """Remove objects from every tier; per key its status. Sent in batches of at most
         ``REMOVE_BATCH_KEYS`` keys (each with its own longer timeout, see there); keys of batches
-        the service answered keep their answers when it is lost later, the rest are IO_ERROR."""
-        _check_keys(keys)
+        the service answered keep their answers when it is lost later, the rest are IO_ERROR. An
+        invalid key is INVALID_KEY, never sent."""
+        ok = _check_keys(keys)
         keys = list(keys)
-        out = [Status.IO_ERROR] * len(keys)
+        sub = [keys[i] for i in ok]
+        answers = [Status.IO_ERROR] * len(sub)
         timeout_s = self.op_timeout_s + REMOVE_FRAME_EXTRA_S
 
         def body(conn: Connection) -> list[Status]:
-            for lo in range(0, len(keys), REMOVE_BATCH_KEYS):
-                part = keys[lo:lo + REMOVE_BATCH_KEYS]
+            for lo in range(0, len(sub), REMOVE_BATCH_KEYS):
+                part = sub[lo:lo + REMOVE_BATCH_KEYS]
                 replies = self._ask_split(conn, len(part), lambda rid, a, b: p.Remove(rid, part[a:b]), p.Statuses,
                                           timeout_s)
-                out[lo:lo + len(part)] = [Status(v) for v in self._values(replies, len(part))]
-            return out
+                answers[lo:lo + len(part)] = [Status(v) for v in self._values(replies, len(part))]
+            return answers
 
-        if not keys:
+        if not sub:
             self._enter()
             self._exit()
-            return []
-        return self._call(body, lambda _why: out)
+            return [Status.INVALID_KEY] * len(keys)
+        return _scatter(len(keys), ok, self._call(body, lambda _why: answers), lambda _i: Status.INVALID_KEY)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.flush_report(timeout_s).ok
@@ -792,9 +819,10 @@ class NodeClient:
             parents: Sequence[str | None] | None = None) -> list[Status]:
         """reserve -> copy into the slots (with each object's checksum) -> commit, on one
         connection. A lost service answers IO_ERROR for every key not yet answered (counted in
-        ``saves_dropped_disconnect``; the slots it granted are forgotten at the next call)."""
+        ``saves_dropped_disconnect``; the slots it granted are forgotten at the next call). An
+        invalid key is INVALID_KEY, never sent."""
         check_batch(keys, buffers)
-        _check_keys(keys)
+        valid = _check_keys(keys)
         _check_parents(parents, len(keys))
         views = [byte_view(b) for b in buffers]
         keys = list(keys)
@@ -802,9 +830,12 @@ class NodeClient:
         sizes = [v.nbytes for v in views]
         out = [Status.IO_ERROR] * len(keys)
         done = [False] * len(keys)
+        if len(valid) != len(keys):
+            for i in set(range(len(keys))).difference(valid):
+                out[i], done[i] = Status.INVALID_KEY, True
 
         def body(conn: Connection) -> list[Status]:
-            todo = list(range(len(keys)))
+            todo = list(valid)
             while todo:
                 sub_keys = [keys[i] for i in todo]
                 sub_sizes = [sizes[i] for i in todo]
@@ -843,10 +874,10 @@ class NodeClient:
                 self.counters.saves_dropped_disconnect += done.count(False)
             return out
 
-        if not keys:
+        if not valid:
             self._enter()
             self._exit()
-            return []
+            return out
         return self._call(body, fail)
 
     def _reserve_on(self, conn: Connection, keys: list[str], sizes: list[int], parents: list[str | None] | None,
@@ -902,18 +933,22 @@ class NodeClient:
         """lease -> copy out of the slots -> (``verify_reads``: check the copy against its writer's
         checksum) -> release, on one connection. A release answered False, and a service lost
         before it answered, fail the key with IO_ERROR; a copy that does not match its checksum is
-        CORRUPT (whatever was copied is not to be used either way)."""
+        CORRUPT (whatever was copied is not to be used either way). An invalid key is INVALID_KEY,
+        never sent."""
         check_batch(keys, buffers)
-        _check_keys(keys)
+        valid = _check_keys(keys)
         for i, buf in enumerate(buffers):
             if memoryview(buf).readonly:  # type: ignore[arg-type]
                 raise TypeError(f"buffers[{i}] (for key {keys[i]!r}) is read-only; get_into writes into it")
         keys = list(keys)
         out = [ReadResult(Status.IO_ERROR)] * len(keys)
         done = [False] * len(keys)
+        if len(valid) != len(keys):
+            for i in set(range(len(keys))).difference(valid):
+                out[i], done[i] = ReadResult(Status.INVALID_KEY), True
 
         def body(conn: Connection) -> list[ReadResult]:
-            todo = list(range(len(keys)))
+            todo = list(valid)
             while todo:
                 # A batch larger than this process's share of the arena is read in rounds, as put
                 # stores in rounds: the keys refused NO_SPACE go again once this round's leases are
@@ -934,10 +969,10 @@ class NodeClient:
                 self.counters.loads_failed_disconnect += n
             return out
 
-        if not keys:
+        if not valid:
             self._enter()
             self._exit()
-            return []
+            return out
         return self._call(body, fail)
 
     def _lease_round(self, conn: Connection, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
@@ -989,8 +1024,9 @@ class NodeClient:
         :meth:`reclaim` in this client. The slot stays this process's until it is committed or
         aborted (whatever happens to the connection that took it), or the process exits.
         ``room_wait_s``: as :meth:`TieredStore.reserve <store_backend.store.TieredStore.reserve>`
-        (0: never wait for the offload to make room; None: the service's ``offload.put_wait_s``)."""
-        _check_keys(keys)
+        (0: never wait for the offload to make room; None: the service's ``offload.put_wait_s``).
+        An invalid key is INVALID_KEY (no slot), never sent."""
+        ok = _check_keys(keys)
         if len(sizes) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(sizes)} sizes")
         _check_parents(parents, len(keys))
@@ -1000,8 +1036,9 @@ class NodeClient:
         ttl_s = check_ttl_s(ttl_s)
         _check_owner(owner)
         _check_room_wait(room_wait_s)
-        keys, sz = list(keys), [int(n) for n in sizes]
-        pars = None if parents is None else list(parents)
+        every = list(keys)
+        keys, sz = [every[i] for i in ok], [int(sizes[i]) for i in ok]
+        pars = None if parents is None else [parents[i] for i in ok]
 
         def body(conn: Connection) -> list[Reservation]:
             grants = self._reserve_on(conn, keys, sz, pars, ttl_s, room_wait_s)
@@ -1023,7 +1060,14 @@ class NodeClient:
                 self.counters.saves_dropped_disconnect += len(keys)
             return [Reservation(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail)
+        def invalid(i: int) -> Reservation:
+            return Reservation(Status.INVALID_KEY, every[i], 0, 0, 0, None)
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return [invalid(i) for i in range(len(every))]
+        return _scatter(len(every), ok, self._call(body, fail), invalid)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = DEFAULT_TTL_S, stage_in: bool = True,
               wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
@@ -1031,12 +1075,13 @@ class NodeClient:
         until ``release``, whose False means they were not stable, or (``verify_reads``) did not
         match their writer's checksum: drop the read. ``owner`` tags the handles for
         :meth:`reclaim`. The service ends a lease past ``ttl_s`` by itself (its release then
-        answers False)."""
-        _check_keys(keys)
+        answers False). An invalid key is INVALID_KEY (no slot), never sent."""
+        ok = _check_keys(keys)
         ttl_s = check_ttl_s(ttl_s)
         _check_owner(owner)
         check_wait_s("wait_pending_s", wait_pending_s)
-        keys = list(keys)
+        every = list(keys)
+        keys = [every[i] for i in ok]
 
         def body(conn: Connection) -> list[SlotLease]:
             conn.waiting = wait_pending_s > 0
@@ -1065,7 +1110,14 @@ class NodeClient:
                 self.counters.loads_failed_disconnect += len(keys)
             return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        return self._call(body, fail)
+        def invalid(i: int) -> SlotLease:
+            return SlotLease(Status.INVALID_KEY, every[i], 0, 0, 0, None)
+
+        if not keys:
+            self._enter()
+            self._exit()
+            return [invalid(i) for i in range(len(every))]
+        return _scatter(len(every), ok, self._call(body, fail), invalid)
 
     def _claim(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
                ) -> tuple[list[int], list[tuple[int, _Held]], list[int]]:
@@ -1320,18 +1372,45 @@ def _release_views(items: Sequence[Reservation | SlotLease]) -> None:
                 pass
 
 
-def _check_keys(keys: Sequence[object]) -> None:
-    """Misuse of a key list, raised before anything is sent: a single str, or an item that is no
-    str or cannot be sent as UTF-8 text (TypeError/ValueError naming its index). A key the store
-    does not accept (empty, with NUL, too long) is sent and answered per key (INVALID_KEY)."""
+def _check_keys(keys: Sequence[object]) -> list[int]:
+    """The indexes of the keys the store accepts (``check_key``, the service's own rule: only those
+    are sent). Misuse of a key list is raised before anything is sent: a single str, or an item
+    that is no str or cannot be sent as UTF-8 text (TypeError/ValueError naming its index). A key
+    the store does not accept (empty, with NUL, too long) is no misuse: the caller answers it per
+    key as the service would (INVALID_KEY, absent), without sending it."""
     check_batch(keys)
+    ok: list[int] = []
     for i, k in enumerate(keys):
         if not isinstance(k, str):
             raise TypeError(f"keys[{i}] must be str, got {type(k).__name__} {k!r:.80}")
+        if check_key(k) is None:
+            ok.append(i)
+            continue
         try:
             k.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"keys[{i}] is not valid UTF-8 text: {e}") from None
+    return ok
+
+
+def _leading(valid: Sequence[int]) -> int:
+    """How many keys come before the first invalid one, from :func:`_check_keys`'s indexes (a
+    leading run of present keys ends there)."""
+    n = 0
+    while n < len(valid) and valid[n] == n:
+        n += 1
+    return n
+
+
+def _scatter(n: int, idx: Sequence[int], values: Sequence[Any], fill: Callable[[int], Any]) -> list[Any]:
+    """``n`` answers: ``values[j]`` at ``idx[j]`` (the keys sent), ``fill(i)`` at every other
+    index ``i`` (the invalid keys, answered here)."""
+    if len(idx) == n:
+        return list(values)
+    out = [fill(i) for i in range(n)]
+    for i, v in zip(idx, values):
+        out[i] = v
+    return out
 
 
 def _check_parents(parents: Sequence[object] | None, n: int) -> None:

@@ -17,7 +17,7 @@ from store_backend.framing import READ_PIECE_BYTES, FrameError, read_frame
 from store_backend.node import protocol as p
 from store_backend.node.fdpass import may_attach, peer_credentials, recv_fd
 from store_backend.node.mapping import SegmentMapping
-from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach
+from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach, check_socket_to_attach
 
 
 class Backoff:
@@ -144,13 +144,14 @@ def hello(path: str, name: str, want_segment: bool, timeout_s: float,
     """Connect to ``path`` and say hello: the socket, its decoder state, the welcome and the segment
     fd that came with it (the caller owns both). Raises ConnectionRefusedError/FileNotFoundError when
     no service listens there (or its directory does not exist), NodeAccessError (a socket directory
-    another user could serve from, a service run by another user), ConfigError (protocol version),
-    Lost for the rest."""
+    another user could serve from, a socket file another user made, a service run by another user),
+    ConfigError (protocol version), Lost for the rest."""
     deadline = time.monotonic() + timeout_s
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fd: int | None = None
     try:
         check_socket_dir_to_attach(os.path.dirname(os.path.abspath(path)))
+        check_socket_to_attach(path)
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)

@@ -6,13 +6,28 @@ whose fd came with its ``welcome`` (checked against ``welcome.segment_id`` by
 :func:`store_backend.node.segment.map_segment`, mapped ``MAP_SHARED|MAP_POPULATE``) and releases it
 when it ends. A mapping nobody uses any more is unmapped, unless a slot view a caller still holds
 exports it (``BufferError``): it is kept aside then and unmapped at a later acquire or release, once
-those views are gone. After a fork the child starts with an empty table (what it inherited belongs
-to its parent's connections), and every segment range the parent had mapped is replaced in the
-child by private anonymous memory (an ``os.register_at_fork`` hook, installed at the first mapping):
-a slot view the child inherited (a reservation its parent was filling) can no longer write into the
-shared segment, whose slots the service frees once the parent exits. What the child writes through
-such a view lands in its own private pages; what it reads there is zeros (and its release of an
-inherited lease answers False: the child's client knows none of its parent's tokens).
+those views are gone.
+
+A forked child never shares the segment with its parent, two ways:
+
+- **The kernel** (``madvise(MADV_DONTFORK)`` on every mapping, before it is used): a child made by
+  any ``fork`` (``os.fork``, a C library or extension that forks, ``multiprocessing``'s fork start)
+  gets no mapping of the segment at all at those addresses; a write there from C code that skipped
+  Python's fork hooks faults (SIGSEGV) instead of landing in a slot the service may since have
+  given to another key. ``vfork``/``posix_spawn`` children share the parent's memory until they
+  exec, as the parent's own threads would.
+- **Python's fork hook** (``os.register_at_fork``, installed at the first mapping): in a child of
+  ``os.fork`` the table starts empty (what it inherited belongs to its parent's connections) and
+  every segment range the parent had mapped is filled with private anonymous memory at the same
+  addresses, so Python objects that still point there (an inherited slot view, the ``mmap`` object
+  itself) stay harmless: what the child writes through them lands in its own private pages, what it
+  reads there is zeros (and its release of an inherited lease answers False: the child's client
+  knows none of its parent's tokens).
+
+The limit: a thread of the *parent* that is still copying when the parent exits is gone with it; a
+process that obtained the segment's fd otherwise (``/proc/<pid>/fd`` of a client, as the same user)
+can map it anew: same-user processes are trusted (docs/NODE.md, "Access"; ``verify_reads`` catches
+the bytes such a process changes).
 
 Thread-safe; acquire blocks on mmap (populating the segment's pages) outside the table's lock.
 """
@@ -81,8 +96,9 @@ class Mappings:
         self._lock.release()
 
     def _after_fork_in_child(self) -> None:
-        """(In a forked child, before anything else runs there.) Cut every inherited segment range
-        off the shared segment: the same addresses, now private anonymous pages."""
+        """(In a child of ``os.fork``, before anything else runs there.) The kernel left the segment
+        ranges unmapped (MADV_DONTFORK): fill them with private anonymous pages at the same
+        addresses, so that the inherited Python objects pointing there stay harmless."""
         for m in [*self._by_id.values(), *self._retired]:
             _replace_with_private(m.address, m.length)
         self._pid = -1  # _check_fork makes a fresh (unlocked) table
@@ -96,9 +112,11 @@ class Mappings:
             self._retired = []
 
     def acquire(self, fd: int, segment_id: str, nbytes: int) -> SegmentMapping:
-        """The mapping of the segment open at ``fd`` (consumed: closed here either way). OSError
+        """The mapping of the segment open at ``fd`` (consumed: closed here either way), never
+        inherited by a forked child (``MADV_DONTFORK``). OSError
         (:class:`~store_backend.node.segment.SegmentMismatchError`) when ``fd`` is not the file
-        ``segment_id`` names or is smaller than ``nbytes``, or when it cannot be mapped."""
+        ``segment_id`` names or is smaller than ``nbytes``, or when it cannot be mapped (or marked
+        so)."""
         self._check_fork()
         try:
             with self._lock:
@@ -110,6 +128,12 @@ class Mappings:
             mm = map_segment(fd, nbytes, segment_id, populate=True)
         finally:
             os.close(fd)
+        try:
+            # No child of any fork inherits this mapping (a fork from C code skips the hook below).
+            mm.madvise(mmap.MADV_DONTFORK)
+        except OSError:
+            mm.close()
+            raise
         with self._lock:
             if not self._hooked:
                 os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent,
@@ -167,10 +191,11 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 def _replace_with_private(address: int, length: int) -> None:
     """Map private anonymous memory over ``[address, address + length)`` (MAP_FIXED, reserving no
-    swap: the child pays only for pages it touches): the shared mapping that was there is gone
-    from this process. Where the kernel refuses a writable range (strict overcommit), the range
-    is mapped with no access at all (a stray touch faults). Aborts the process when both fail: a
-    child that could still write into the service's slots must not run on."""
+    swap: the child pays only for pages it touches): nothing of the shared segment is there in this
+    process (the kernel left the range unmapped at fork; a shared mapping still there would go).
+    Where the kernel refuses a writable range (strict overcommit), the range is mapped with no
+    access at all (a stray touch faults). Aborts the process when both fail: a child that could
+    still write into the service's slots must not run on."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
     got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if got == _MAP_FAILED or got != address:

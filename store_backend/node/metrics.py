@@ -33,7 +33,8 @@ NODE_FAMILIES: dict[str, tuple[str, str]] = {
                                                    "forgets them, or exits).")),
     "mooncake_kv_node_leases_expired": ("counter", ("Leases the service ended past their TTL (their process "
                                                     "stopped answering; its release then answers False).")),
-    "mooncake_kv_node_buffered_bytes": ("gauge", "Bytes of control frames not complete yet, all connections."),
+    "mooncake_kv_node_buffered_bytes": ("gauge", ("Bytes held for clients' control frames (incomplete, queued, "
+                                                  "being answered) and replies being sent, all connections.")),
     "mooncake_kv_node_frames": ("counter", "Request frames the node service answered, by op."),
     "mooncake_kv_node_bad_frames": ("counter", ("Connections closed for breaking the protocol (oversized, "
                                                 "undecodable, slow or out-of-order frames).")),

@@ -334,7 +334,9 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     processes: int = 0  # client processes known (connected, or holding tokens or pins)
     orphaned: int = 0  # tokens whose connection ended while their process still runs
     leases_expired: int = 0  # leases ended by the service past their TTL (their release answers False)
-    buffered_bytes: int = 0  # bytes held for control frames not complete yet, all connections
+    # Bytes held for clients' frames (incomplete, queued, being answered) and replies being sent,
+    # all connections (besides the stats request asking).
+    buffered_bytes: int = 0
 
 
 class StatsReply(_Frame, tag="stats_reply"):

@@ -16,11 +16,13 @@ wait on the loop, holding none). Waits (``exists`` with ``wait_s``, a lease's ``
 are the connection's coroutine's and hold no thread. ``loop_lag_s`` (in ``status`` and
 ``/metrics``) says when an inline call blocked the loop.
 
-Start (:meth:`NodeService.open`): the socket directory (made 0700; refused when another user owns
-it or its mode is wider), ``node.lock`` (flock; a second service is refused naming the holder),
-leftover segments of a killed service unlinked, the store (SSD recovery), a fresh segment, the
-socket bound (0600; from here connections queue, and are answered once the loop runs: "answers"
-means ready), ``/metrics``, then the loop logs ``ready``.
+Start (:meth:`NodeService.open`): the socket directory (made 0700; one of this user's that only
+group or others may read is tightened to 0700, one that they may write or another user owns is
+refused, and so is an entry of another user in it: :mod:`store_backend.node.socket_dir`),
+``node.lock`` (flock; a second service is refused naming the holder), leftover segments of a
+killed service unlinked, the store (SSD recovery), a fresh segment, the socket bound (0600; from
+here connections queue, and are answered once the loop runs: "answers" means ready),
+``/metrics``, then the loop logs ``ready``.
 
 Per connection: the peer's uid (SO_PEERCRED) must be the service's or root, else
 ``error(permission)`` and close; a peer whose pid this service cannot see (0: another pid
@@ -28,8 +30,10 @@ namespace) is refused too; past ``max_connections``, or ``max_connections_per_cl
 process, ``error(busy)`` and close. The first frame must be ``hello``; ``welcome`` carries the
 segment's fd (SCM_RIGHTS) when asked. A frame over the cap or one that does not decode gets
 ``error`` and the connection is closed; a frame must complete within ``frame_timeout_s`` of its
-first byte; the incomplete frames of all connections hold at most ``max_buffered_bytes``; a
-connection through which no slot still held was taken is closed after ``idle_timeout_s``.
+first byte; what the service holds of clients' frames (incomplete ones, complete ones queued, the
+request being answered, the reply being sent) is counted against ``max_buffered_bytes`` for all
+connections together (:meth:`NodeService._count_buffered`); a connection through which no slot
+still held was taken is closed after ``idle_timeout_s``.
 
 Slots (reservations, leases) belong to the client *process* (:class:`ClientProc`), whichever of its
 connections took them: any of its connections may end them, and a connection that ends frees
@@ -117,8 +121,8 @@ class _Closing(Exception):
 
 
 class _BuffersFull(Exception):
-    """The service's frame buffers are full (``max_buffered_bytes``): the connection is closed
-    with ``error(busy)``."""
+    """The service's frame buffers are full (``max_buffered_bytes``): the connection whose bytes
+    arrived is closed with ``error(busy)``."""
 
 
 
@@ -151,7 +155,7 @@ class NodeService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[int, ServiceConn] = {}
         self._procs: dict[int, ClientProc] = {}  # client processes by pid (connected, or holding tokens or pins)
-        self._buffered = 0  # bytes of incomplete frames, all connections
+        self._buffered = 0  # bytes held for clients' frames and replies, all connections (_count_buffered)
         self._next_conn_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._draining = False
@@ -564,6 +568,8 @@ class NodeService:
                 if msg is None:
                     return
                 await self._answer(c, msg)
+                c.request_bytes = 0  # answered: its frame is no longer held
+                self._count_buffered(c, check=False)
         except (FrameError, FrameTimeoutError) as e:
             self.bad_frames += 1
             self._log_peer(c.pid, "closing connection %d of pid %d: %s", c.conn_id, c.pid, e)
@@ -609,18 +615,27 @@ class NodeService:
                 return None
             bodies = c.frames.feed(data)
             c.pending.extend(bodies)
+            c.pending_bytes += sum(len(b) for b in bodies)
             self._count_buffered(c)
             if not c.frames.mid_frame:
                 c.frame_t0 = None
             elif bodies or c.frame_t0 is None:
                 c.frame_t0 = time.monotonic()  # a new frame began in this piece
-        return _DECODER.decode(c.pending.popleft())
+        body = c.pending.popleft()
+        # From here until its reply is sent, the request is held as this body's size (the decoded
+        # message in its place): the total is unchanged, nothing to check.
+        c.pending_bytes -= len(body)
+        c.request_bytes = len(body)
+        return _DECODER.decode(body)
 
     async def _send(self, c: ServiceConn, msg: p.Frame) -> None:
         """Send ``msg`` within ``send_timeout_s``; past it :class:`_Closing` (the connection ends):
         a peer that sends requests and reads no reply would otherwise hold its task forever."""
         data = p.encode(msg)
         timeout_s = self.config.send_timeout_s
+        # The reply is held until it is sent: counted (never refused: its request was done).
+        c.reply_bytes += len(data)
+        self._count_buffered(c, check=False)
         try:
             async with c.send_lock:
                 await _within(asyncio.get_running_loop().sock_sendall(c.sock, data), timeout_s)
@@ -630,6 +645,9 @@ class NodeService:
                            "%g s (send_timeout_s; the peer reads nothing)", c.conn_id, c.pid,
                            c.name or "unnamed", timeout_s)
             raise _Closing() from None
+        finally:
+            c.reply_bytes -= len(data)
+            self._count_buffered(c, check=False)
 
     async def _send_quietly(self, c: ServiceConn, msg: p.Frame) -> None:
         try:
@@ -637,17 +655,27 @@ class NodeService:
         except (OSError, asyncio.TimeoutError, FrameError, _Closing):
             pass
 
-    def _count_buffered(self, c: ServiceConn) -> None:
-        """(loop thread) Account what ``c`` holds of frames not complete yet in the service's total;
-        past ``max_buffered_bytes`` the connection that asks for more is closed (error busy): the
-        control frames of every client together never hold more memory than that."""
-        now = c.frames.buffered_bytes
+    def _count_buffered(self, c: ServiceConn, check: bool = True) -> None:
+        """(loop thread) Account in the service's total what ``c`` holds for its client: the bytes
+        of a frame not complete yet, of complete frames queued behind the one being answered (at
+        most one read piece, ``READ_PIECE_BYTES``, or one frame), of the request being answered
+        (its body's size, standing for the decoded message, until its reply is sent) and of the
+        reply being sent. ``check`` (bytes arrived): past ``max_buffered_bytes`` the connection
+        they arrived on is closed (error busy), so new frames never take the total past it. A reply
+        is counted but never refused (its request was done; it is at most one frame, and
+        ``send_timeout_s`` bounds how long it is held), so replies of requests admitted earlier may
+        take the total past the bound until they are sent. Not counted: per-connection state that
+        is no frame (a ``keys`` snapshot, the connection's own objects). No-op once ``c`` ended."""
+        if self._conns.get(c.conn_id) is not c:
+            return
+        now = c.frames.buffered_bytes + c.pending_bytes + c.request_bytes + c.reply_bytes
         self._buffered += now - c.buffered
         c.buffered = now
-        if now and self._buffered > self.config.max_buffered_bytes:
+        if check and now and self._buffered > self.config.max_buffered_bytes:
             self.refused["buffers"] += 1
-            raise _BuffersFull(f"the node service holds {self._buffered} bytes of incomplete frames, more than "
-                               f"max_buffered_bytes ({self.config.max_buffered_bytes}); send it again")
+            raise _BuffersFull(f"the node service holds {self._buffered} bytes of clients' frames and replies "
+                               f"(incomplete, queued and being answered), more than max_buffered_bytes "
+                               f"({self.config.max_buffered_bytes}); send it again")
 
     def _end(self, c: ServiceConn) -> None:
         """(loop thread) The connection is over: its socket is closed. Its process's tokens stay
@@ -1257,7 +1285,9 @@ class NodeService:
     async def _on_stats(self, c: ServiceConn, m: p.Stats) -> p.Frame:
         assert self.store is not None
         whole = self.store.stats()
-        return p.StatsReply(m.id, with_gauges(c.mine.stats(), whole) if m.mine else whole, self.node_stats())
+        node = self.node_stats()
+        node.buffered_bytes -= c.request_bytes  # what is held besides this stats request itself
+        return p.StatsReply(m.id, with_gauges(c.mine.stats(), whole) if m.mine else whole, node)
 
     async def _on_shutdown(self, c: ServiceConn, m: p.Shutdown) -> p.Frame:
         logger.warning("shutdown requested by pid %d (%s)", c.pid, c.name or "unnamed")

@@ -89,7 +89,8 @@ class ServiceConn:
     """One connection's state. Touched on the loop thread only."""
 
     __slots__ = ("conn_id", "sock", "pid", "uid", "name", "since", "hello", "proc", "open_slots", "buffered",
-                 "frames", "pending", "frame_t0", "task", "send_lock", "in_flight", "key_snapshot")
+                 "pending_bytes", "request_bytes", "reply_bytes", "frames", "pending", "frame_t0", "task",
+                 "send_lock", "in_flight", "key_snapshot")
 
     def __init__(self, conn_id: int, sock: socket.socket, proc: ClientProc, uid: int, max_frame_bytes: int) -> None:
         self.conn_id = conn_id
@@ -101,7 +102,13 @@ class ServiceConn:
         self.since = time.monotonic()
         self.hello = False
         self.open_slots = 0  # tokens taken on this connection that its process still holds
-        self.buffered = 0  # bytes of a frame not complete yet (counted in the service's total)
+        # What the service's total (max_buffered_bytes) counts for this connection: the sum of the
+        # bytes of a frame not complete yet (``frames``), of complete frames queued (``pending``),
+        # of the request being answered and of the reply being sent.
+        self.buffered = 0
+        self.pending_bytes = 0
+        self.request_bytes = 0
+        self.reply_bytes = 0
         self.key_snapshot: tuple[str, list[str]] | None = None  # (prefix, sorted keys) while paging
         self.frames = FrameDecoder(max_frame_bytes)
         self.pending: collections.deque[bytes] = collections.deque()

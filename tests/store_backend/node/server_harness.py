@@ -38,6 +38,25 @@ def short_dir() -> str:
     return tempfile.mkdtemp(prefix="mkn-", dir="/tmp")
 
 
+def throwaway_uid() -> int:
+    """A uid that no account has (no passwd entry) and no process runs as, for acting as another
+    user (``setpriv --reuid``, ``os.setuid``: both take a bare number). Only root can become it."""
+    import pwd
+
+    taken = {pw.pw_uid for pw in pwd.getpwall()}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:"):
+                    taken.update(int(u) for u in line.split()[1:])
+        except (OSError, ValueError):
+            continue
+    uid = 1_900_000_000 + os.getpid() % 100_000
+    while uid in taken:
+        uid += 1
+    return uid
+
+
 def service_config(directory: str, **over: Any) -> dict[str, Any]:
     """A small service: 16 MiB DRAM under a name of its own, socket in ``directory``, no metrics."""
     cfg: dict[str, Any] = {

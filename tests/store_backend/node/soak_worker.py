@@ -8,7 +8,11 @@ every process):
   in between -> commit), ``["put", key, version, t0, t1, status]`` after it;
 - ``["rm+", key, t]`` / ``["rm", key, t0, t1, status]`` around a remove;
 - ``["get", key, version or null, t0, t1, how]`` after a read that returned bytes (``how``: get,
-  lease); a read whose bytes do not verify is ``["bad", key, t0, t1, what]``.
+  lease); a read whose bytes do not verify is ``["bad", key, t0, t1, what]``;
+- ``["raw", kind, outcome]`` after a malformed call sent over a raw connection of its own straight
+  to the service (:func:`raw_misuse`: garbage, truncated, oversized, wrong-type, before-hello and
+  bad-value frames), which the service answered as it must (``outcome``: ``error`` or
+  ``disconnect``); one it answered otherwise is a ``["bad", "raw/" + kind, t0, t1, what]``.
 
 Every object is self-describing: a 128-byte header naming its key and version (worker, counter),
 then bytes generated from both, so a reader can tell another key's or version's bytes, and any
@@ -25,10 +29,14 @@ import sys
 import threading
 import time
 
+import socket
+
 import msgspec
 import numpy as np
 import xxhash
 
+from store_backend.framing import LEN, MAX_FRAME_BYTES, FrameError
+from store_backend.node import protocol as p
 from store_backend.node.client import NodeClient
 from store_backend.types import Status
 
@@ -73,6 +81,84 @@ class Log:
         with self.lock:
             self.f.write(line)
             self.f.flush()
+
+
+# Malformed frames that reach the service over a connection of their own. Each but "bad_value"
+# breaks the protocol: the service answers error (or hangs up) and closes the connection, counted
+# in its bad_frames. "bad_value" is a well-formed request with a value out of range: error, and the
+# connection stays (a valid request on it is answered next).
+RAW_KINDS = ("garbage", "truncated", "oversized", "wrong_type", "no_hello", "bad_value")
+RAW_READ_S = 10.0  # the service may be stopped (SIGSTOP) for up to 0.9 s meanwhile
+
+
+def _raw_frames(kind: str, rng: random.Random) -> tuple[bytes, bool]:
+    """(bytes to send after hello, whether to say hello first) for one malformed call."""
+    if kind == "garbage":  # 0xc1 is never valid msgpack: the body cannot decode as anything
+        body = b"\xc1" + rng.randbytes(rng.randrange(0, 200))
+        return LEN.pack(len(body)) + body, True
+    if kind == "truncated":
+        whole = p.encode(p.Exists(2, [rng.choice(KEYS) for _ in range(rng.randrange(1, 20))]))
+        return whole[:rng.randrange(1, len(whole))], True
+    if kind == "oversized":
+        return LEN.pack(rng.randrange(MAX_FRAME_BYTES + 1, 2 ** 32)) + rng.randbytes(16), True
+    if kind == "wrong_type":
+        body = rng.choice([msgspec.msgpack.encode(["exists", 2, "not a list of keys"]),
+                           msgspec.msgpack.encode(["reserve", 2, [KEYS[0]], ["big"], None, 1.0]),
+                           msgspec.msgpack.encode(["count", 2, 7]),  # a reply's tag
+                           msgspec.msgpack.encode(["no such op", 2])])
+        return LEN.pack(len(body)) + body, True
+    if kind == "no_hello":
+        return p.encode(p.Exists(1, [KEYS[0]])), False
+    return p.encode(p.Exists(2, [KEYS[0]], False, -1.0)), True  # bad_value: a negative wait
+
+
+def raw_misuse(sock_path: str, kind: str, rng: random.Random) -> tuple[str, str]:
+    """One malformed call of ``kind`` on a raw connection to the service: ("error" or "disconnect",
+    "") when the service answered as it must, ("", what it did instead) otherwise."""
+    data, say_hello = _raw_frames(kind, rng)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(RAW_READ_S)
+    try:
+        s.connect(sock_path)
+        reader = p.FrameReader(s, p.Reply)
+        if say_hello:
+            s.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, os.getpid(), "soak-raw", False)))
+            welcome = reader.read(RAW_READ_S)
+            if not isinstance(welcome, p.Welcome):
+                return "", f"hello answered {welcome!r}"
+        try:
+            s.sendall(data)
+            if kind == "truncated":
+                s.shutdown(socket.SHUT_WR)  # the stream ends inside the frame
+        except (BrokenPipeError, ConnectionResetError):
+            return "disconnect", ""
+        try:
+            reply = reader.read(RAW_READ_S)
+        except (ConnectionResetError, FrameError):
+            return "disconnect", ""
+        if reply is None:
+            return "disconnect", ""
+        if not isinstance(reply, p.Error):
+            return "", f"a {kind} frame was answered {type(reply).__name__}"
+        if kind == "bad_value":  # the connection stays: a valid request is answered on it
+            s.sendall(p.encode(p.Exists(3, [KEYS[0]])))
+            after = reader.read(RAW_READ_S)
+            if not (isinstance(after, p.Count) and after.id == 3):
+                return "", f"after a bad value the connection answered {after!r}"
+            return "error", ""
+        try:  # the others close the connection after their error
+            rest = reader.read(RAW_READ_S)
+        except (ConnectionResetError, FrameError):
+            rest = None
+        if rest is not None:
+            return "", f"after the error of a {kind} frame the service sent {rest!r} and kept the connection"
+        return "error", ""
+    except (TimeoutError, socket.timeout):
+        return "", f"no answer to a {kind} frame within {RAW_READ_S} s"
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        return "", f"cannot connect: {e}"
+    finally:
+        s.close()
 
 
 def run_thread(c: NodeClient, wid: str, tid: int, log: Log, rng: random.Random, stop: str) -> None:
@@ -138,6 +224,11 @@ def run_thread(c: NodeClient, wid: str, tid: int, log: Log, rng: random.Random, 
             c.pin(keys, ttl_s=rng.choice([0.5, 30.0, 3600.0]))
             if rng.random() < 0.5:
                 c.unpin(keys)
+        elif op < 0.985:  # misuse that reaches the service: malformed frames on a raw connection
+            kind = rng.choice(RAW_KINDS)
+            t0 = time.monotonic()
+            outcome, wrong = raw_misuse(c.socket_path, kind, rng)
+            log("raw", kind, outcome) if outcome else log("bad", f"raw/{kind}", t0, time.monotonic(), wrong)
         else:  # misuse: refused in the client, nothing sent, the client goes on
             for call in (lambda: c.exists([b"oops"]), lambda: c.reserve([key], [-1]),  # type: ignore[list-item]
                          lambda: c.lease([key], ttl_s=-1.0), lambda: c.put([key], [b"x"], parents=[7])):  # type: ignore[list-item]

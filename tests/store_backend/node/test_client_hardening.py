@@ -5,9 +5,11 @@ SIGKILL, real sockets)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 
@@ -168,19 +170,37 @@ def test_a_waiting_call_does_not_hold_up_the_commit_it_waits_for(restartable, po
 
 
 # -- F2: the client attaches only to its own user's service, in a directory no one else controls -----
-@pytest.mark.parametrize("mode", [0o711, 0o755])
-def test_a_socket_directory_others_can_use_is_refused(restartable, mode) -> None:
+@pytest.mark.parametrize("mode", [0o775, 0o757])
+def test_a_socket_directory_others_can_write_is_refused(restartable, mode) -> None:
     cfg, d, _holder = restartable
     os.chmod(d, mode)
     try:
-        with pytest.raises(NodeAccessError, match=rf"{d}.*mode {mode:o}"):
+        with pytest.raises(NodeAccessError, match=rf"{d}.*mode {mode:o}.*chmod 700 {d}"):
             probe(cfg["socket"])
         with pytest.raises(NodeAccessError, match=rf"{d}.*mode {mode:o}"):
             NodeClient(cfg["socket"]).start()
+        assert stat.S_IMODE(os.stat(d).st_mode) == mode  # refused, never tightened: left as it is
     finally:
         os.chmod(d, 0o700)
     c = NodeClient(cfg["socket"]).start()  # the same service, once the directory is private again
     c.close(flush=False)
+
+
+@pytest.mark.parametrize("mode", [0o711, 0o755])
+def test_a_socket_directory_others_can_only_pass_or_read_is_tightened_by_the_client(restartable, mode,
+                                                                                     caplog) -> None:
+    """Nobody else could have put anything in it: the client makes it 0700 (one WARNING line) and
+    attaches."""
+    cfg, d, _holder = restartable
+    os.chmod(d, mode)
+    caplog.set_level(logging.WARNING)
+    assert probe(cfg["socket"]) is not None
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    c = NodeClient(cfg["socket"]).start()
+    c.close(flush=False)
+    lines = [r.getMessage() for r in caplog.records if "access away" in r.getMessage()]
+    assert lines == [f"socket directory={d}: took group and other access away from the directory "
+                     f"(mode {mode:04o} -> 0700)"], lines
 
 
 def _listen_as(uid: int, path: str) -> tuple[int, int]:
@@ -236,16 +256,16 @@ def test_a_service_run_by_another_user_is_refused() -> None:
         cleanup_dir(d)
 
 
-def test_auto_start_refuses_a_socket_directory_of_wider_mode(tmp_path) -> None:
+def test_auto_start_refuses_a_socket_directory_others_can_write(tmp_path) -> None:
     d = short_dir()
     try:
-        os.chmod(d, 0o755)
+        os.chmod(d, 0o775)
         cfg = service_config(d)
         conf = os.path.join(d, "node.yaml")
         with open(conf, "w") as f:
             yaml.safe_dump(cfg, f)
         starter = Starter(cfg["socket"], conf, start_timeout_s=20)
-        with pytest.raises(NodeAccessError, match=rf"{d}.*mode 755"):
+        with pytest.raises(NodeAccessError, match=rf"{d}.*mode 775"):
             starter.ensure()
         assert not os.path.exists(os.path.join(d, "node.log"))  # nothing spawned
     finally:

@@ -1,10 +1,12 @@
 """Per-client limits of the node service, held by real client processes: the arena share of one
 process covers its reservations, leases and pins (a process over it is refused, the others are
-not), pins end with the process that took them, connections per process and the memory of
-incomplete frames are bounded."""
+not), pins end with the process that took them, connections per process and the memory the
+service holds for clients' frames (incomplete, queued, being answered, and the replies) are
+bounded."""
 
 from __future__ import annotations
 
+import signal
 
 import numpy as np
 
@@ -147,5 +149,65 @@ def test_incomplete_frames_of_all_connections_hold_at_most_max_buffered_bytes(sd
         assert stats.ask(p.Stats(0)).node.buffered_bytes == 0
     finally:
         for c in (a, b, stats):
+            c.close()
+        svc.close()
+
+
+def test_frames_queued_or_being_answered_and_replies_count_against_max_buffered_bytes(sdir) -> None:
+    """Complete frames a connection sent behind a request that waits, and that request itself, are
+    held by the service as much as an incomplete frame is: they count in ``buffered_bytes``, so
+    another connection's frame that would take the total past ``max_buffered_bytes`` is refused
+    (busy) while the first connection's frames are all answered in order. A reply its peer does
+    not read is held, and counted, until it is sent or the connection ends. (Before, only
+    incomplete frames counted.)"""
+    svc = _service(sdir, max_buffered_bytes=MiB, frame_timeout_s=10.0)
+    w, a, b, stats = (Raw(svc.socket_path) for _ in range(4))
+    r = None
+    try:
+        for c in (w, a, b, stats):
+            assert isinstance(c.hello(want_segment=False), p.Welcome)
+        grant = w.ask(p.Reserve(0, ["pending/1"], [4096])).grants[0]
+        assert grant.status == 0
+        waiting = p.encode(p.Exists(1, ["pending/1"], False, 20.0))  # waits for the commit
+        queued = [p.Contains(2 + i, [f"q{i}/{j:05d}" + "x" * 40 for j in range(600)]) for i in range(4)]
+        queued_bytes = b"".join(p.encode(m) for m in queued)
+        assert 100_000 < len(queued_bytes) < 200_000
+        # Stopped, so that every byte is in the socket when the service reads: one read takes the
+        # waiting request and the frames behind it.
+        svc.signal(signal.SIGSTOP)
+        try:
+            a.sock.sendall(waiting + queued_bytes)
+        finally:
+            svc.signal(signal.SIGCONT)
+        held = wait_until(lambda: (n := stats.ask(p.Stats(0)).node.buffered_bytes) >= len(queued_bytes) and n,
+                          timeout_s=5, what="the frames queued behind a waiting request counted")
+        assert held < len(queued_bytes) + len(waiting) + 1024, held
+        big = p.encode(p.Exists(7, [f"k{i:07d}" + "x" * 100 for i in range(9000)]))  # ~0.95 MiB, complete
+        assert MiB - len(queued_bytes) < len(big) < MiB
+        b.sock.sendall(big)
+        reply = b.read(5.0)
+        assert isinstance(reply, p.Error) and reply.code == "busy" and "max_buffered_bytes" in reply.message, reply
+        assert b.closed_by_peer()
+        assert isinstance(w.ask(p.Commit(0, [grant.token])), p.Statuses)
+        got = a.read(10.0)
+        assert isinstance(got, p.Count) and got.id == 1 and got.n == 1, got
+        for m in queued:
+            got = a.read(10.0)
+            assert isinstance(got, p.Bools) and got.id == m.id and got.values == [False] * 600, got
+        wait_until(lambda: stats.ask(p.Stats(0)).node.buffered_bytes == 0, timeout_s=5, what="nothing held")
+        # A reply the peer does not read: ~480 KB (a grant per key) for a ~160 KB request, more
+        # than the socket takes; held, and counted, while the service tries to send it.
+        r = Raw(svc.socket_path)
+        assert isinstance(r.hello(want_segment=False), p.Welcome)
+        request = p.encode(p.Lease(9, ["a"] * 80_000))
+        assert len(request) < 200_000
+        r.sock.sendall(request)
+        wait_until(lambda: stats.ask(p.Stats(0)).node.buffered_bytes >= len(request) + 300_000, timeout_s=10,
+                   what="the unread reply counted")
+        r.close()
+        wait_until(lambda: stats.ask(p.Stats(0)).node.buffered_bytes == 0, timeout_s=15,
+                   what="the reply dropped with its connection")
+    finally:
+        for c in (w, a, b, stats, *([r] if r is not None else [])):
             c.close()
         svc.close()

@@ -1,7 +1,9 @@
-"""Another user gets nothing of a running node service: not its socket directory, not its socket,
-not its segment, not its SSD directory. Real uids: processes dropped to uid 65534 (a fork that
-calls ``setuid``, or ``setpriv``), with the service under a directory anyone may pass through, so
-the service's own modes are what keep them out. Needs root (CI runs as root)."""
+"""Another user gets nothing of a running node service: it can neither read nor write nor plant
+anything in its socket directory or its SSD directory, open its segment (read-only or read-write),
+or connect to its socket. Real uids: processes dropped to a throwaway uid (one no account has and
+no process runs as: a fork that calls ``setuid``, or ``setpriv``), with the service under a
+directory anyone may pass through, so the service's own modes are what keep them out. Needs root
+(CI runs as root; a skip there is a failure)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.store_backend.node.server_harness import service_config, service_thread
+from tests.store_backend.node.server_harness import service_config, service_thread, throwaway_uid
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")]
 
-OTHER = 65534
 SETPRIV = shutil.which("setpriv")
 
 
@@ -34,15 +35,15 @@ def open_base() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def as_other(*argv: str) -> subprocess.CompletedProcess[str]:
+def as_other(uid: int, *argv: str) -> subprocess.CompletedProcess[str]:
     if SETPRIV is None:
         pytest.skip("needs setpriv (util-linux)")
-    return subprocess.run([SETPRIV, f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", *argv],
+    return subprocess.run([SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv],
                           capture_output=True, text=True, timeout=30)
 
 
-def connect_as_other(path: str) -> int:
-    """errno of a connect to ``path`` by a child running as uid 65534 (0: it connected)."""
+def connect_as_other(uid: int, path: str) -> int:
+    """errno of a connect to ``path`` by a child running as ``uid`` (0: it connected)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: only os and socket calls until _exit
@@ -50,8 +51,8 @@ def connect_as_other(path: str) -> int:
         try:
             os.close(r)
             os.setgroups([])
-            os.setgid(OTHER)
-            os.setuid(OTHER)
+            os.setgid(uid)
+            os.setuid(uid)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(5)
             try:
@@ -71,6 +72,7 @@ def connect_as_other(path: str) -> int:
 
 
 def test_another_user_reaches_nothing_of_a_running_service(open_base):
+    other = throwaway_uid()
     sock_dir = open_base / "sock"
     ssd = open_base / "ssd"
     cfg = service_config(str(sock_dir), store={"ssd": {"path": str(ssd), "backend": "bucket", "io_engine": "posix",
@@ -84,9 +86,19 @@ def test_another_user_reaches_nothing_of_a_running_service(open_base):
             assert stat.S_IMODE(os.stat(svc.socket_path).st_mode) & 0o077 == 0
             assert stat.S_IMODE(os.stat(seg).st_mode) == 0o600
             assert stat.S_IMODE(os.stat(ssd).st_mode) == 0o700
-            assert as_other("ls", str(open_base)).returncode == 0  # the way in is open
-            for denied in (as_other("ls", str(sock_dir)), as_other("cat", seg), as_other("ls", str(ssd))):
-                assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
-            assert connect_as_other(svc.socket_path) == errno.EACCES
+            assert as_other(other, "ls", str(open_base)).returncode == 0  # the way in is open
+            assert as_other(other, "id", "-u").stdout.strip() == str(other)  # it really runs as that uid
+            denied = [as_other(other, "ls", str(sock_dir)), as_other(other, "cat", seg),
+                      as_other(other, "ls", str(ssd)),
+                      # writes: plant a file in either directory, open the segment read-write
+                      as_other(other, "sh", "-c", ': > "$0"', str(sock_dir / "planted")),
+                      as_other(other, "sh", "-c", ': > "$0"', str(ssd / "planted")),
+                      as_other(other, "sh", "-c", ': > "$0"', str(sock_dir / "node.sock")),
+                      as_other(other, "sh", "-c", 'exec 3<>"$0"', seg),
+                      as_other(other, "sh", "-c", 'exec 3>>"$0"', seg)]
+            for d in denied:
+                assert d.returncode != 0 and "Permission denied" in d.stderr, d
+            assert connect_as_other(other, svc.socket_path) == errno.EACCES
+            assert "planted" not in os.listdir(sock_dir) and "planted" not in os.listdir(ssd)
     finally:
         os.umask(old)

@@ -7,6 +7,7 @@ connection limits and broken frames."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -20,8 +21,10 @@ import pytest
 from store_backend.config_loader import ConfigError
 from store_backend.framing import LEN
 from store_backend.node import protocol as p
+from store_backend.node.client import NodeAccessError, probe
 from store_backend.node.fdpass import fd_identity
 from store_backend.node.server import NodeService
+from store_backend.private import NotPrivateError
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
@@ -31,8 +34,12 @@ from .server_harness import (
     Raw,
     service_config,
     service_thread,
+    throwaway_uid,
     wait_until,
 )
+
+# Acting as another user needs root (CI runs as root; there a skip fails the run: tests/conftest.py).
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
 
 @pytest.fixture
@@ -280,23 +287,94 @@ def test_the_peer_process_exiting_reclaims_even_while_a_forked_child_keeps_the_s
             pass
 
 
-def test_a_socket_directory_wider_than_0700_or_of_another_owner_is_refused(sdir):
-    wide = os.path.join(sdir, "wide")
-    os.mkdir(wide, 0o755)
-    os.chmod(wide, 0o755)
-    with pytest.raises(ConfigError, match=r"mode 0755, wider than 0700"):
-        NodeService(service_config(wide)).open()
-    assert not os.path.exists(os.path.join(wide, "node.sock"))
-    if os.getuid() == 0:
-        other = os.path.join(sdir, "other")
-        os.mkdir(other, 0o700)
-        os.chown(other, 65534, 65534)
-        with pytest.raises(ConfigError, match=r"owned by uid 65534"):
-            NodeService(service_config(other)).open()
+def test_a_socket_directory_wider_than_0700_is_tightened_with_one_log_line(sdir, caplog):
+    """A directory of this user that group and others may only read or pass through cannot hold
+    anything they planted: the service takes their access away (0700), says so in one WARNING
+    line, and starts. One the service makes is 0700, its socket 0600."""
+    caplog.set_level(logging.WARNING)
+    for mode in (0o755, 0o711):
+        wide = os.path.join(sdir, f"wide{mode:o}")
+        os.mkdir(wide, 0o700)
+        os.chmod(wide, mode)
+        with service_thread(service_config(wide)):
+            assert stat.S_IMODE(os.stat(wide).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(os.path.join(wide, "node.sock")).st_mode) == 0o600
+        lines = [r.getMessage() for r in caplog.records if "access away" in r.getMessage() and wide in r.getMessage()]
+        assert lines == [f"socket directory={wide}: took group and other access away from the directory "
+                         f"(mode {mode:04o} -> 0700)"], lines
     made = os.path.join(sdir, "made")
     with service_thread(service_config(made)):
         assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(os.path.join(made, "node.sock")).st_mode) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o1777])
+def test_a_socket_directory_others_may_write_is_refused_and_left_alone(sdir, mode):
+    """Someone else could have planted a socket, a lock or a config in it: refused (taking the
+    write bit away now would bless what is there), naming the path, owner, mode and the fix."""
+    d = os.path.join(sdir, "open")
+    os.mkdir(d, 0o700)
+    os.chmod(d, mode)
+    with pytest.raises(NotPrivateError) as e:
+        NodeService(service_config(d)).open()
+    msg = str(e.value)
+    assert d in msg and f"owner uid {os.geteuid()}" in msg and f"mode {stat.S_IMODE(mode):04o}" in msg, msg
+    assert f"chmod -R go-rwx {d}" in msg, msg
+    assert stat.S_IMODE(os.stat(d).st_mode) == mode and os.listdir(d) == []
+
+
+def test_a_socket_directory_that_is_a_link_or_holds_a_file_others_may_write_is_refused(sdir):
+    real = os.path.join(sdir, "real")
+    os.mkdir(real, 0o700)
+    link = os.path.join(sdir, "link")
+    os.symlink(real, link)
+    with pytest.raises(ConfigError, match=rf"{link} is not a directory \(a symbolic link, owner uid {os.geteuid()}"):
+        NodeService(service_config(link)).open()
+    # Others could pass through the directory until now, and may write a file in it: they could
+    # have changed that file (a config an auto-start would run).
+    os.chmod(real, 0o755)
+    planted = os.path.join(real, "autostart-config.json")
+    with open(planted, "w") as f:
+        f.write("{}")
+    os.chmod(planted, 0o666)
+    with pytest.raises(NotPrivateError) as e:
+        NodeService(service_config(real)).open()
+    msg = str(e.value)
+    assert planted in msg and "mode 0666" in msg and "remove it" in msg, msg
+    assert not os.path.exists(os.path.join(real, "node.sock"))
+
+
+@as_root
+def test_a_socket_directory_of_another_user_or_holding_another_users_socket_is_refused(sdir):
+    """Another user's directory is refused (that user can serve or replace the socket), and so is
+    a socket file another user made in a directory of ours: neither the service (which would take
+    its place) nor a client (before it connects) trusts it."""
+    uid = throwaway_uid()
+    other = os.path.join(sdir, "other")
+    os.mkdir(other, 0o700)
+    os.chown(other, uid, uid)
+    with pytest.raises(NotPrivateError) as e:
+        NodeService(service_config(other)).open()
+    msg = str(e.value)
+    assert other in msg and f"owned by uid {uid}" in msg and "mode 0700" in msg and f"chown -R {os.geteuid()}" in msg
+    assert os.listdir(other) == []
+    mine = os.path.join(sdir, "mine")
+    os.mkdir(mine, 0o700)
+    path = os.path.join(mine, "node.sock")
+    planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        planted.bind(path)
+        planted.listen(1)
+        os.chown(path, uid, uid)
+        with pytest.raises(NotPrivateError) as e:
+            NodeService(service_config(mine)).open()
+        msg = str(e.value)
+        assert path in msg and f"owned by uid {uid}" in msg and "remove it" in msg, msg
+        assert os.stat(path).st_uid == uid  # left as it was
+        with pytest.raises(NodeAccessError, match=rf"{path} is owned by uid {uid}"):
+            probe(path, timeout_s=2.0)
+    finally:
+        planted.close()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")

@@ -3,9 +3,12 @@
 Every test runs the real service in a process of its own and clients in processes of their own:
 a writer whose connection is lost mid-copy (the service stopped past the client's op timeout, or a
 frame left half sent) keeps its slot, so another process's object never lands in it; a malformed
-call is refused before anything is sent; a commit or release that could not be sent is sent
-again; a lease held by a stopped client ends at its TTL; a forked child cannot write through the
-views it inherited; a client whose pid the service cannot see is refused at once."""
+call is refused before anything is sent, and a key the store rejects is answered INVALID_KEY by
+the client without being sent; a commit the service does not answer is IO_ERROR and its slot's
+abort is sent later, an abort or release that could not be sent is sent again; a lease held by a
+stopped client ends at its TTL; a forked child cannot write through the views it inherited (nor,
+forked from C code past Python's hook, reach the segment at all); a client whose pid the service
+cannot see is refused at once."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import yaml
 from store_backend.node.client import NodeAccessError, NodeClient
 from store_backend.node.launch import spawn_service
 from store_backend.node.server import NodeService  # noqa: F401  (the service under test)
-from store_backend.types import ReadResult, Status
+from store_backend.types import MAX_KEY_BYTES, ReadResult, Status
 
 from .server_harness import (
     REPO,
@@ -121,6 +124,67 @@ def test_a_malformed_key_is_refused_before_anything_is_sent_and_the_connection_s
         a.close(flush=False)
 
 
+# Keys the store rejects (check_key): empty, with NUL, too long in UTF-8 bytes (ASCII and not).
+INVALID = ["", "a\x00b", "k" * (MAX_KEY_BYTES + 1), "\u00e9" * (MAX_KEY_BYTES // 2 + 1)]
+
+
+def test_keys_the_store_rejects_are_answered_by_the_client_and_never_sent(service) -> None:
+    """Every call that takes keys answers an invalid key itself, as the service would (INVALID_KEY,
+    absent, not pinned): a batch of only such keys sends no frame at all (the service's counters do
+    not move), and a batch that mixes them with valid keys sends the valid ones and answers per
+    key exactly as the service did when it was sent everything."""
+    a = NodeClient(service.socket_path, name="A", max_connections=1).start()
+    try:
+        assert a.put(["ok/1"], [np.full(4096, 1, np.uint8)]) == [Status.OK]
+        n = len(INVALID)
+        before = a.service_stats()[1].frames
+        assert a.put(INVALID, [b"x"] * n) == [Status.INVALID_KEY] * n
+        assert a.get_into(INVALID, [bytearray(1) for _ in INVALID]) == [ReadResult(Status.INVALID_KEY)] * n
+        assert [r.status for r in a.reserve(INVALID, [1] * n)] == [Status.INVALID_KEY] * n
+        leases = a.lease(INVALID)
+        assert [ls.status for ls in leases] == [Status.INVALID_KEY] * n and a.release(leases) == [False] * n
+        assert a.remove(INVALID) == [Status.INVALID_KEY] * n
+        assert a.contains(INVALID) == [False] * n
+        assert a.size_of(INVALID) == [None] * n and a.tier_of(INVALID) == [None] * n
+        assert a.exists(INVALID) == 0 and a.exists(INVALID, count_reserved=True, wait_s=5.0) == 0
+        assert a.exists_all([["ok/1"], INVALID]) == 0
+        assert a.pin(INVALID) == [False] * n
+        a.unpin(INVALID)
+        after = a.service_stats()[1].frames
+        assert after == {**before, "stats": before.get("stats", 0) + 1}, (before, after)  # only the stats call
+        assert a.counters.saves_dropped_disconnect == 0 and a.counters.loads_failed_disconnect == 0
+        assert a.counters.failures == 0
+
+        # A mixed batch: the valid keys go, each key answered as before.
+        mixed = ["ok/1", "", "ok/2", "a\x00b"]
+        assert a.put(mixed, [np.full(4096, i, np.uint8) for i in range(4)]) == [
+            Status.EXISTS, Status.INVALID_KEY, Status.OK, Status.INVALID_KEY]
+        outs = [bytearray(4096) for _ in mixed]
+        assert a.get_into(mixed, outs) == [ReadResult(Status.OK, 4096), ReadResult(Status.INVALID_KEY),
+                                           ReadResult(Status.OK, 4096), ReadResult(Status.INVALID_KEY)]
+        assert outs[0] == b"\x01" * 4096 and outs[2] == b"\x02" * 4096
+        assert a.contains(mixed) == [True, False, True, False]
+        assert a.size_of(mixed) == [4096, None, 4096, None]
+        assert a.tier_of(mixed) == ["dram", None, "dram", None]
+        assert a.exists(mixed) == 1 and a.exists(["ok/1", "ok/2", ""]) == 2
+        assert a.exists_all([["ok/1", "ok/2"], ["ok/2", "", "ok/1"]]) == 1
+        assert a.pin(mixed, ttl_s=5.0) == [True, False, True, False]
+        a.unpin(mixed)
+        rs = a.reserve(["new/1", "", "new/2"], [16, 16, 16])
+        assert [r.status for r in rs] == [Status.OK, Status.INVALID_KEY, Status.OK]
+        assert rs[1].token == 0 and rs[1].view is None
+        a.abort(rs)
+        leases = a.lease(mixed)
+        assert [ls.status for ls in leases] == [Status.OK, Status.INVALID_KEY, Status.OK, Status.INVALID_KEY]
+        assert bytes(leases[2].view) == b"\x02" * 4096
+        assert a.release(leases) == [True, False, True, False]
+        assert a.remove(mixed) == [Status.OK, Status.INVALID_KEY, Status.OK, Status.INVALID_KEY]
+        assert a.contains(["ok/1", "ok/2"]) == [False, False]
+        assert _held(a) == (0, 0, 0)
+    finally:
+        a.close(flush=False)
+
+
 def test_a_frame_left_half_sent_closes_the_connection_but_not_the_processs_slot(service) -> None:
     other = OtherProcess(service.socket_path)
     watcher = NodeClient(service.socket_path, name="watcher").start()
@@ -165,6 +229,40 @@ def test_a_release_the_service_did_not_answer_is_owed_and_sent_again(service) ->
         assert _stalled(service, lambda: a.abort([r])) is None
         assert _held(a) == (0, 0, 0)
         assert a.counters.owed_retries == 2
+    finally:
+        a.close(flush=False)
+
+
+def test_a_commit_the_service_does_not_answer_is_io_error_and_its_abort_reaches_the_service(service) -> None:
+    """The service is stopped (SIGSTOP) past the client's op timeout while it commits: the commit
+    is tried again once on another connection, then answered IO_ERROR and counted in
+    ``saves_dropped_disconnect``; the slot's abort is owed. After SIGCONT the next call sends it
+    first, and the service took it: no reservation is left, and nothing was committed (the key
+    is not readable). The reservation's TTL (1 s) passes during the 2 s stall, so the commit frame
+    that was already on its way, which the service reads once it runs again, is refused there too
+    (without the TTL lapse it would land: the writer had finished its copy, so the key would hold
+    exactly its bytes although the client said IO_ERROR; either way no other key's bytes)."""
+    a = NodeClient(service.socket_path, name="A", max_connections=1, op_timeout_s=0.5,
+                   connect_timeout_s=0.5).start()
+    try:
+        [r] = a.reserve(["unanswered/1"], [8 * KiB], ttl_s=1.0)
+        assert r.status is Status.OK
+        r.view[:] = b"u" * (8 * KiB)
+        stats, node = a.service_stats()
+        commits, aborts = stats.store.slot_commits, node.frames.get("abort", 0)
+        assert _stalled(service, lambda: a.commit([r]), seconds=2.0) == [Status.IO_ERROR]
+        assert a.counters.saves_dropped_disconnect == 1 and a.counters.disconnects >= 1
+        assert a.counters.owed_retries == 0  # owed, not sent yet
+        assert _held(a) == (0, 0, 0)  # the next call (stats) sent the owed abort first
+        assert a.counters.owed_retries == 1
+        stats, node = a.service_stats()
+        assert node.frames.get("abort", 0) == aborts + 1  # the abort reached the service
+        assert node.reservations == 0 and stats.slots.reservations == 0
+        assert stats.store.slot_commits == commits  # nothing was committed
+        assert a.contains(["unanswered/1"]) == [False]
+        assert a.get_into(["unanswered/1"], [bytearray(8 * KiB)]) == [ReadResult(Status.NOT_FOUND)]
+        # The key is free again for a writer.
+        assert a.put(["unanswered/1"], [np.full(8 * KiB, 9, np.uint8)]) == [Status.OK]
     finally:
         a.close(flush=False)
 
@@ -223,6 +321,76 @@ def test_a_forked_child_cannot_write_through_the_views_it_inherited(service) -> 
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        b.close(flush=False)
+
+
+def test_a_child_forked_from_c_gets_no_mapping_of_the_segment(service) -> None:
+    """A fork from C code (here libc's fork() through ctypes) skips Python's at-fork hook, so only
+    the kernel keeps the child off the shared segment (MADV_DONTFORK on the client's mapping): the
+    child finds the slot's address unmapped in /proc/self/maps and dies of SIGSEGV when it writes
+    there, and the parent's slot keeps the parent's bytes. A child of multiprocessing's fork start
+    and a subprocess still work with the client open (the hook gives a Python child private memory
+    at those addresses, and its client attaches anew)."""
+    parent = ClientProcess(service.socket_path, name="parent")
+    b = NodeClient(service.socket_path, name="B").start()
+    try:
+        got = parent.run("""
+            import ctypes
+            r = c.reserve(["cfork/1"], [65536])[0]
+            view = np.frombuffer(r.view, np.uint8)
+            view.fill(0xAA)
+            addr = view.ctypes.data
+            rd, wr = os.pipe()
+            pid = ctypes.PyDLL(None).fork()  # libc's fork(): Python's at-fork hooks do not run
+            if pid == 0:  # the child: raw os calls only, then _exit
+                os.close(rd)
+                fd = os.open("/proc/self/maps", os.O_RDONLY)
+                while True:
+                    piece = os.read(fd, 65536)
+                    if not piece:
+                        break
+                    os.write(wr, piece)
+                os.close(fd)
+                ctypes.memset(addr, 0xCC, 65536)  # through the inherited address: SIGSEGV when unmapped
+                os.write(wr, b"WROTE")
+                os._exit(0)
+            os.close(wr)
+            maps = b""
+            while True:
+                piece = os.read(rd, 65536)
+                if not piece:
+                    break
+                maps += piece
+            os.close(rd)
+            _, status = os.waitpid(pid, 0)
+            v["r"] = r
+            v["out"] = [addr, maps.decode(), os.WIFSIGNALED(status) and os.WTERMSIG(status), int(r.status)]
+        """)
+        addr, maps, signalled, status = got
+        assert status == 0, got
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps.splitlines()
+                 if not line.startswith("WROTE")]
+        assert spans and not any(lo <= addr < hi for lo, hi in spans), "the C-forked child has the segment mapped"
+        assert "WROTE" not in maps and signalled == signal.SIGSEGV, (signalled, maps[-200:])
+        assert parent.run('[int(s) for s in c.commit([v["r"]])]') == [0]
+        out = bytearray(65536)
+        assert b.get_into(["cfork/1"], [out]) == [ReadResult(Status.OK, 65536)]
+        assert out == b"\xaa" * 65536
+        # Forking with the client open, the ordinary ways, still works.
+        assert parent.run("""
+            import multiprocessing, subprocess, sys
+            def child_put():
+                ok = c.put(["mp/1"], [np.full(4096, 7, np.uint8)]) == [Status.OK]
+                os._exit(0 if ok else 3)
+            pr = multiprocessing.get_context("fork").Process(target=child_put)
+            pr.start()
+            pr.join(30)
+            ran = subprocess.run([sys.executable, "-c", "print('spawned')"], capture_output=True, text=True, timeout=30)
+            v["out"] = [pr.exitcode, ran.stdout.strip(), c.exists(["cfork/1", "mp/1"])]
+        """) == [0, "spawned", 2]
+        assert b.get_into(["mp/1"], [out]) == [ReadResult(Status.OK, 4096)] and out[:4096] == b"\x07" * 4096
+    finally:
+        parent.kill()
         b.close(flush=False)
 
 

@@ -1,10 +1,14 @@
 """A randomized soak of the node service: four client processes (soak_worker.py) put, read, lease,
-remove, pin and misuse self-describing versioned objects on two threads each, while this test
+remove, pin and misuse self-describing versioned objects on two threads each (misuse the client
+refuses, and malformed frames sent straight to the service on raw connections: garbage,
+truncated, oversized, wrong-type, before hello, a bad value), while this test
 stops (SIGSTOP) and kills (SIGKILL) clients at random and stops the service past the clients' op
 timeout (so their connections are lost mid-copy). At the end every read is checked against the
 history of writes and removes: it returned the bytes of a version of that very key, written before
 the read ended, never refused, and not removed (by a remove that began after the write was
-acknowledged and ended before the read began). Once every client is gone, nothing is held."""
+acknowledged and ended before the read began). Every malformed frame was answered with an error
+or a disconnect, and the service kept serving everyone. Once every client is gone, nothing is
+held."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import pytest
 
 from store_backend.node.client import NodeClient
 from store_backend.types import Status
-from tests.store_backend.node.soak_worker import KEYS, SIZES, decode
+from tests.store_backend.node.soak_worker import KEYS, RAW_KINDS, SIZES, decode
 
 from .server_harness import REPO, ServiceProcess, cleanup_dir, service_config, short_dir, wait_until
 
@@ -164,15 +168,20 @@ def test_random_clients_stopped_and_killed_never_read_a_wrong_byte(tmp_path) -> 
                     final.append(["get", key, version, t0, time.monotonic(), "final"] if version
                                  else ["bad", key, t0, time.monotonic(), bad])
             # Every client process is gone: nothing of theirs may stay held (slots or pins).
-            wait_until(lambda: (s := checker.service_stats()) is not None and s[0].slots.held_bytes == 0
-                       and s[0].slots.pins == 0 and s[1].processes == 1, timeout_s=30,
-                       what="every slot and pin of the exited clients given back")
+            node = wait_until(lambda: (s := checker.service_stats()) is not None and s[0].slots.held_bytes == 0
+                              and s[0].slots.pins == 0 and s[1].processes == 1 and s[1], timeout_s=30,
+                              what="every slot and pin of the exited clients given back")
         finally:
             checker.close(flush=False)
         events = _events(workers) + final
         problems, counts = check_history(events)
-        assert not problems, f"{len(problems)} bad reads, the first: {problems[:10]}"
+        assert not problems, f"{len(problems)} bad reads or answers, the first: {problems[:10]}"
         assert counts["gets"] > 200 and counts["leases"] > 50 and counts["puts_ok"] > 100 and counts["removes"] > 20, counts
+        # Malformed frames reached the service (not only the client's own refusals), of most kinds,
+        # and each that broke the protocol was counted there as a bad frame.
+        raw = [e for e in events if e[0] == "raw"]
+        assert len(raw) >= 50 and {e[1] for e in raw} == set(RAW_KINDS), (len(raw), sorted({e[1] for e in raw}))
+        assert node.bad_frames >= sum(1 for e in raw if e[1] != "bad_value"), (node.bad_frames, len(raw))
         assert actions["client_killed"] and actions["client_stopped"] and actions["service_stopped"], actions
         # The clients did lose connections mid-call (the case that used to hand a slot to another key).
         lost = sum(e[1]["disconnects"] for e in events if e[0] == "stats")

@@ -1,12 +1,14 @@
 """With ``verify_reads`` on in the node service, every object in its shared arena carries its
 writer's checksum (key and bytes, xxh3_64), and a reader that verifies checks what it copied:
 bytes another process wrote into the segment after the commit (here: another key's bytes) are
-CORRUPT, never OK, through ``get_into`` and through a lease. Objects the service writes itself
+CORRUPT, never OK, through ``get_into`` and through a lease, and each is logged naming the key.
+Objects the service writes itself
 (staged in from SSD) carry one too. With it off (the default), nothing is summed and a client
 that asks to verify is told its reads go unverified."""
 
 from __future__ import annotations
 
+import logging
 
 import numpy as np
 
@@ -19,7 +21,8 @@ from .server_harness import OtherProcess, ServiceProcess, service_config
 MiB = 1 << 20
 
 
-def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verifying_reader(sdir) -> None:
+def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verifying_reader(sdir, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="store_backend.node.client")
     svc = ServiceProcess(service_config(sdir, verify_reads=True), sdir)
     svc.wait_ready()
     checked = NodeClient(svc.socket_path, name="checked").start()  # verifies as the service says
@@ -45,6 +48,14 @@ def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verify
         assert ls.status is Status.OK
         assert checked.release([ls]) == [False]  # the slot no longer matches: drop what was read
         assert checked.counters.corrupt_reads == 2 and checked.counters.unverified_reads == 0
+        # Each CORRUPT read is logged, naming the key and the service (the first at ERROR: one
+        # line an operator sees; the later ones at DEBUG, so a bad segment cannot flood the log).
+        logged = [r for r in caplog.records if r.name == "store_backend.node.client"
+                  and "do not match their writer's checksum" in r.getMessage()]
+        assert len(logged) == 2, [r.getMessage() for r in caplog.records]
+        assert all("key 'key-A'" in r.getMessage() and "CORRUPT" in r.getMessage()
+                   and svc.socket_path in r.getMessage() for r in logged), [r.getMessage() for r in logged]
+        assert [r.levelno for r in logged] == [logging.ERROR, logging.DEBUG]
         # Without verification those bytes would have been served as key-A's: what the check stops.
         assert trusting.get_into(["key-A"], [out]) == [ReadResult(Status.OK, MiB)] and out == b.tobytes()
         assert checked.get_into(["key-B"], [out]) == [ReadResult(Status.OK, MiB)] and out == b.tobytes()
