@@ -119,19 +119,27 @@ def _join_named(name: str, timeout_s: float = 10) -> None:
             assert not t.is_alive(), f"{name} still running"
 
 
-def test_an_exception_escaping_a_worker_is_logged_and_counted_and_the_store_keeps_answering(tmp_path,
-                                                                                            caplog) -> None:
+def _promoted_through(tmp_path, wrapper: type) -> tuple[TieredStore, np.ndarray]:  # noqa: ANN001
+    """A started store over an SSD directory holding "k" only (its backend wrapped in ``wrapper``),
+    after the second SSD hit of "k" queued its promotion and the promotion worker went idle."""
     cfg = _config(tmp_path)
     with TieredStore(cfg) as first:
         assert first.put(["k"], [payload("k", OBJ)]) == [Status.OK]
         assert first.flush()
     assert cfg.ssd is not None
+    store = TieredStore(cfg, ssd=wrapper(open_ssd_backend(cfg.ssd))).start()
+    buf = np.empty(OBJ, dtype=np.uint8)
+    for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
+        assert store.get_into(["k"], [buf])[0].status is Status.OK
+    assert store._promoter.wait_idle(10)
+    return store, buf
+
+
+def test_an_exception_escaping_a_worker_is_logged_and_counted_and_the_store_keeps_answering(tmp_path,
+                                                                                            caplog) -> None:
     caplog.set_level(logging.ERROR)
-    with TieredStore(cfg, ssd=NonsenseSizeOf(open_ssd_backend(cfg.ssd))) as store:
-        buf = np.empty(OBJ, dtype=np.uint8)
-        for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
-            assert store.get_into(["k"], [buf])[0].status is Status.OK
-        assert store._promoter.wait_idle(10)
+    store, buf = _promoted_through(tmp_path, NonsenseSizeOf)
+    with store:
         assert store.metrics_counters.store.worker_errors == 1
         logged = [r for r in caplog.records if "kv-promote" in r.getMessage()]
         assert logged and logged[0].exc_info is not None, "no traceback logged"
@@ -143,17 +151,9 @@ def test_a_promotion_from_a_tier_whose_size_of_raises_is_skipped_not_a_worker_er
     """The fill primitive survives a tier whose ``size_of`` raises, for promotion as for a lease's
     stage-in: the promotion is skipped and counted, the tier's failure logged once with its
     traceback, and the worker has no error to count."""
-    cfg = _config(tmp_path)
-    with TieredStore(cfg) as first:
-        assert first.put(["k"], [payload("k", OBJ)]) == [Status.OK]
-        assert first.flush()
-    assert cfg.ssd is not None
     caplog.set_level(logging.ERROR)
-    with TieredStore(cfg, ssd=RaisingSizeOf(open_ssd_backend(cfg.ssd))) as store:
-        buf = np.empty(OBJ, dtype=np.uint8)
-        for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
-            assert store.get_into(["k"], [buf])[0].status is Status.OK
-        assert store._promoter.wait_idle(10)
+    store, buf = _promoted_through(tmp_path, RaisingSizeOf)
+    with store:
         m = store.metrics()["store"]
         assert m["worker_errors"] == 0 and m["promotions_skipped"] == 1
         logged = [r for r in caplog.records if "size_of raised" in r.getMessage()]
