@@ -296,7 +296,7 @@ def test_auto_start_never_writes_its_log_through_a_symlink() -> None:
 
 # -- F6: a remove of many keys is sent in batches that each finish within their timeout --------------
 def test_a_remove_longer_than_the_op_timeout_answers_what_the_service_removed(monkeypatch) -> None:
-    import store_backend.node.client as client_module
+    import store_backend.node.client_queries as queries_module
     d = short_dir()
     ssd = {"path": os.path.join(d, "ssd"), "capacity_bytes": 64 << 20, "io_engine": "posix", "backend": "file",
            "admission_policy": "all"}
@@ -309,7 +309,7 @@ def test_a_remove_longer_than_the_op_timeout_answers_what_the_service_removed(mo
         for i in range(0, len(keys), 100):
             assert c.put(keys[i:i + 100], [b"r" * 4096] * 100) == [Status.OK] * 100
         assert c.flush(120)
-        monkeypatch.setattr(client_module, "REMOVE_BATCH_KEYS", 100, raising=False)
+        monkeypatch.setattr(queries_module, "REMOVE_BATCH_KEYS", 100)
         before = c.service_stats()[1].frames.get("remove", 0)
         t0 = time.monotonic()
         assert c.remove(keys) == [Status.OK] * len(keys)

@@ -22,7 +22,7 @@ MiB = 1 << 20
 
 
 def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verifying_reader(sdir, caplog) -> None:
-    caplog.set_level(logging.DEBUG, logger="store_backend.node.client")
+    caplog.set_level(logging.DEBUG, logger="store_backend.node.client_slots")
     svc = ServiceProcess(service_config(sdir, verify_reads=True), sdir)
     svc.wait_ready()
     checked = NodeClient(svc.socket_path, name="checked").start()  # verifies as the service says
@@ -50,7 +50,7 @@ def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verify
         assert checked.counters.corrupt_reads == 2 and checked.counters.unverified_reads == 0
         # Each CORRUPT read is logged, naming the key and the service (the first at ERROR: one
         # line an operator sees; the later ones at DEBUG, so a bad segment cannot flood the log).
-        logged = [r for r in caplog.records if r.name == "store_backend.node.client"
+        logged = [r for r in caplog.records if r.name == "store_backend.node.client_slots"
                   and "do not match their writer's checksum" in r.getMessage()]
         assert len(logged) == 2, [r.getMessage() for r in caplog.records]
         assert all("key 'key-A'" in r.getMessage() and "CORRUPT" in r.getMessage()
