@@ -27,6 +27,10 @@ recovery also starts above the highest record on disk, tombstoned ones included.
 
 Thread-safe: one lock guards the index; file I/O runs outside it. A bucket that is deleted while
 being read stays readable through the reader's descriptor.
+
+The file formats and the functions that read them are :mod:`store_backend.ssd.bucket_format`; opening
+a directory, the high-water mark and the tombstone log are :mod:`store_backend.ssd.bucket_recovery`
+(a mixin over this backend's state); this module keeps the index, writes, reads, eviction and removal.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-import struct
 import threading
 from collections.abc import Sequence
 
@@ -45,20 +47,24 @@ import xxhash
 from store_backend.config import ConfigError, SsdConfig
 from store_backend.private import open_private
 from store_backend.ssd.base import SsdStats
+from store_backend.ssd.bucket_format import (
+    _ENOSPC_RETRIES,
+    _MAX_OPEN_FILES,
+    _TRAILER,
+    _TRAILER_MAGIC,
+    TOMBSTONE_FILE,
+    _Bucket,
+    _FooterEntry,
+    _Loc,
+)
+from store_backend.ssd.bucket_recovery import BucketRecovery
 from store_backend.ssd.directory import direct_io_usable, open_directory
 from store_backend.ssd.indexed import IndexedBackend
 from store_backend.ssd.io.base import IoEngine
-from store_backend.ssd.io.requests import (
-    ALIGN,
-    IoRequest,
-    align_up,
-    aligned_buffer,
-    fsync_dir,
-)
+from store_backend.ssd.io.requests import ALIGN, IoRequest, align_up, aligned_buffer, fsync_dir
 from store_backend.ssd.record import (
     HEADER_BLOCK,
     RecordRead,
-    decode_header,
     encode_header,
     read_records,
     record_bytes,
@@ -66,160 +72,13 @@ from store_backend.ssd.record import (
     value_checksum,
     write_buffers,
 )
-from store_backend.types import (
-    Buffer,
-    ReadResult,
-    Status,
-    byte_view,
-    check_batch,
-    check_key,
-)
+from store_backend.types import Buffer, ReadResult, Status, byte_view, check_batch, check_key
+
+__all__ = ["TOMBSTONE_FILE", "BucketBackend"]
 
 logger = logging.getLogger(__name__)
 
-_TRAILER = struct.Struct("<8sQQQQI")  # magic, bucket id, footer offset, footer length, footer xxh3, count
-_TRAILER_MAGIC = b"MKVBKT\x00\x01"
-_FRAME = struct.Struct("<IQ")  # tombstone frame: payload length, xxh3_64 of payload
-_NAME = re.compile(r"^bucket-([0-9a-f]{16})\.(bkt|tmp)$")
-_MAX_OPEN_FILES = 256  # bucket descriptors kept open for readers
-_ENOSPC_RETRIES = 2  # write passes after the first one that met a full file system
-_HWM_FILE = "seq.hwm"
-TOMBSTONE_FILE = "tombstones.log"
-_HWM = struct.Struct("<8sQQQQ")  # magic, generation, next seq, next bucket id, xxh3_64 of the rest
-_HWM_MAGIC = b"MKVHWM\x00\x01"
-_HWM_STEP = 1 << 16  # numbers handed out per high-water-mark write
-
-
-class _FooterEntry(msgspec.Struct, array_like=True):
-    key: str
-    offset: int
-    value_len: int
-    seq: int
-    checksum: int
-
-
-class _Loc(msgspec.Struct):
-    bucket: int
-    offset: int
-    value_len: int
-    seq: int
-
-
-class _Bucket:
-    __slots__ = ("id", "path", "file_bytes", "live", "last_access", "fd", "readers", "deleted")
-
-    def __init__(self, bucket_id: int, path: str, file_bytes: int, live: set[str], last_access: int) -> None:
-        self.id = bucket_id
-        self.path = path
-        self.file_bytes = file_bytes
-        self.live = live
-        self.last_access = last_access
-        self.fd = -1
-        self.readers = 0
-        self.deleted = False
-
-
-def _frame(payload: bytes) -> bytes:
-    return _FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
-
-
-# -- read-only directory reading (recovery uses these; so does store_backend.ssd.inspect) ----------
-
-def bucket_file_id(name: str) -> tuple[int, bool] | None:
-    """(bucket id, is a temporary file) for a bucket file's name; None for any other name."""
-    m = _NAME.match(name)
-    return None if m is None else (int(m.group(1), 16), m.group(2) == "tmp")
-
-
-def read_footer(fd: int, bid: int, size: int) -> list[_FooterEntry] | None:
-    """The index in the footer of bucket ``bid`` (open at ``fd``, ``size`` bytes long), or None
-    when its trailer or footer is damaged. Reads only."""
-    if size < _TRAILER.size:
-        return None
-    magic, tid, foff, flen, fcheck, count = _TRAILER.unpack(os.pread(fd, _TRAILER.size, size - _TRAILER.size))
-    if magic != _TRAILER_MAGIC or tid != bid or foff + flen > size - _TRAILER.size:
-        return None
-    footer = os.pread(fd, flen, foff)
-    if len(footer) != flen or xxhash.xxh3_64_intdigest(footer) != fcheck:
-        return None
-    try:
-        entries = msgspec.msgpack.decode(footer, type=list[_FooterEntry])
-    except msgspec.DecodeError:
-        return None
-    if len(entries) != count or any(e.offset + record_bytes(e.value_len) > foff for e in entries):
-        return None
-    return entries
-
-
-def scan_records(fd: int, size: int) -> tuple[list[_FooterEntry], list[tuple[int, bytes]]]:
-    """Walk a bucket's records from the start (its footer being damaged): the entries whose
-    checksum verifies, and (offset, key) of each record dropped (cut short, bad checksum, a key
-    that is not UTF-8). Reads only."""
-    out: list[_FooterEntry] = []
-    dropped: list[tuple[int, bytes]] = []
-    pos = 0
-    while pos + HEADER_BLOCK <= size:
-        h = decode_header(os.pread(fd, HEADER_BLOCK, pos))
-        if h is None:
-            break
-        if pos + record_bytes(h.value_len) > size:  # cut short
-            dropped.append((pos, h.key))
-            break
-        value = os.pread(fd, h.value_len, pos + HEADER_BLOCK)
-        if len(value) == h.value_len and value_checksum(h.key, value) == h.checksum:
-            try:
-                out.append(_FooterEntry(h.key.decode(), pos, h.value_len, h.seq, h.checksum))
-            except UnicodeDecodeError:
-                dropped.append((pos, h.key))
-        else:
-            dropped.append((pos, h.key))
-        pos += record_bytes(h.value_len)
-    return out, dropped
-
-
-def read_tombstones(directory: str) -> set[tuple[int, str]]:
-    """The (bucket id, key) pairs in ``directory``'s tombstone log, up to a torn or damaged tail
-    (logged). Reads only."""
-    path = os.path.join(directory, TOMBSTONE_FILE)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return set()
-    out: set[tuple[int, str]] = set()
-    pos = 0
-    while pos + _FRAME.size <= len(data):
-        n, check = _FRAME.unpack_from(data, pos)
-        payload = data[pos + _FRAME.size:pos + _FRAME.size + n]
-        if len(payload) != n or xxhash.xxh3_64_intdigest(payload) != check:
-            break  # a torn tail: the remove it belonged to never returned
-        try:
-            bid, key = msgspec.msgpack.decode(payload, type=tuple[int, str])
-        except msgspec.DecodeError:
-            logger.error("bucket backend at %s: tombstone log damaged at byte %d; later entries ignored",
-                         directory, pos)
-            break
-        out.add((bid, key))
-        pos += _FRAME.size + n
-    return out
-
-
-def live_records(found: dict[int, list[_FooterEntry]],
-                 tombs: set[tuple[int, str]]) -> dict[str, tuple[int, _FooterEntry]]:
-    """key -> (bucket id, entry) of the record recovery serves: the highest (seq, bucket id) of
-    the key's records not tombstoned in their bucket."""
-    winners: dict[str, tuple[int, _FooterEntry]] = {}
-    for bid in sorted(found):
-        for e in found[bid]:
-            if (bid, e.key) in tombs:
-                continue
-            best = winners.get(e.key)
-            if best is None or (e.seq, bid) > (best[1].seq, best[0]):
-                winners[e.key] = (bid, e)
-    return winners
-
-
-class BucketBackend(IndexedBackend):
+class BucketBackend(BucketRecovery, IndexedBackend):
     """See the module docstring. ``engine`` does the file I/O; closed by ``close()`` when owned."""
 
     name = "bucket"
@@ -263,192 +122,6 @@ class BucketBackend(IndexedBackend):
             self._release()
             raise
 
-    # -- recovery -------------------------------------------------------------------------------
-    def _recover(self) -> None:
-        found: dict[int, list[_FooterEntry]] = {}
-        sizes: dict[int, int] = {}
-        seen_ids: list[int] = []
-        skipped: set[int] = set()
-        for name in sorted(os.listdir(self._dir)):
-            named = bucket_file_id(name)
-            if named is None:
-                continue
-            path = os.path.join(self._dir, name)
-            bid, tmp = named
-            if tmp:
-                os.unlink(path)  # never renamed into place, so never acknowledged
-                continue
-            seen_ids.append(bid)
-            try:
-                entries = self._load_bucket(bid, path)
-                if entries is None:
-                    continue
-                sizes[bid] = os.stat(path).st_size
-            except OSError as e:
-                # One bad file must not keep the store closed: it stays on disk (for inspection, and
-                # its id is never reused) and its objects are misses.
-                self._stats.unreadable_files += 1
-                skipped.add(bid)
-                logger.error("bucket backend at %s: skipping unreadable %s: %s", self._dir, name, e)
-                continue
-            found[bid] = entries
-        tombs = self._load_tombstones()
-        hwm_seq, hwm_id = self._load_hwm()
-        winners = live_records(found, tombs)
-        self._seq = max([self._seq] + [e.seq + 1 for entries in found.values() for e in entries])
-        # Sequence numbers never go back (a key removed, then put again with other bytes, must win
-        # over the old record even if the tombstone that hid it is lost): the persisted high-water
-        # mark covers every number handed out before the restart.
-        self._seq = max(self._seq, hwm_seq)
-        self._seq_limit = self._seq
-        live: dict[int, set[str]] = {bid: set() for bid in found}
-        for key, (bid, e) in winners.items():
-            live[bid].add(key)
-            self._index[key] = _Loc(bid, e.offset, e.value_len, e.seq)
-        for bid in sorted(found):
-            path = self._bucket_path(bid)
-            if not live[bid]:
-                os.unlink(path)
-                continue
-            self._clock += 1
-            self._buckets[bid] = _Bucket(bid, path, sizes[bid], live[bid], self._clock)
-            self._used_bytes += sizes[bid]
-        ids = seen_ids + [bid for bid, _ in tombs]
-        self._next_id = max(max(ids, default=0) + 1, hwm_id)
-        self._id_limit = self._next_id
-        self._rewrite_tombstones({t for t in tombs if t[0] in self._buckets or t[0] in skipped})
-        fsync_dir(self._dir)
-        self._stats.recovered_objects = len(self._index)
-        if self._index or self._stats.discarded_records:
-            logger.info("bucket backend at %s: recovered %d objects in %d buckets (%d records discarded)",
-                        self._dir, len(self._index), len(self._buckets), self._stats.discarded_records)
-
-    def _bucket_path(self, bid: int, tmp: bool = False) -> str:
-        return os.path.join(self._dir, f"bucket-{bid:016x}.{'tmp' if tmp else 'bkt'}")
-
-    def _load_bucket(self, bid: int, path: str) -> list[_FooterEntry] | None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            entries = self._read_footer(fd, bid, size)
-            if entries is None:
-                logger.warning("bucket %s: footer damaged, scanning its records", path)
-                entries = self._scan_records(fd, size)
-        finally:
-            os.close(fd)
-        if not entries:
-            os.unlink(path)
-            return None
-        return entries
-
-    @staticmethod
-    def _read_footer(fd: int, bid: int, size: int) -> list[_FooterEntry] | None:
-        return read_footer(fd, bid, size)
-
-    def _scan_records(self, fd: int, size: int) -> list[_FooterEntry]:
-        """Fallback: walk the records from the start, keeping each one whose checksum verifies."""
-        entries, dropped = scan_records(fd, size)
-        self._stats.discarded_records += len(dropped)
-        return entries
-
-    def _load_tombstones(self) -> set[tuple[int, str]]:
-        return read_tombstones(self._dir)
-
-    def _load_hwm(self) -> tuple[int, int]:
-        """The persisted (next sequence number, next bucket id); (0, 0) when there is none yet.
-
-        ``seq.hwm`` holds two checksummed slots written in turn, so a write torn by a power loss
-        leaves the other slot (which still covers every number handed out before it)."""
-        path = os.path.join(self._dir, _HWM_FILE)
-        self._hwm_fd = open_private(path, os.O_RDWR | os.O_CREAT)
-        raw = os.pread(self._hwm_fd, 2 * ALIGN, 0)
-        best = (0, 0, 0)
-        damaged = False
-        for slot in range(2):
-            rec = raw[slot * ALIGN:slot * ALIGN + _HWM.size]
-            if len(rec) < _HWM.size:
-                damaged = damaged or any(rec)
-                continue
-            magic, gen, seq, bid, check = _HWM.unpack(rec)
-            if magic == _HWM_MAGIC and xxhash.xxh3_64_intdigest(rec[:-8]) == check:
-                if gen >= best[0]:
-                    best = (gen, seq, bid)
-            elif any(rec):
-                damaged = True  # all zeroes is a slot never written (the file is zero-filled at once)
-        size = os.fstat(self._hwm_fd).st_size
-        if best[0] == 0 and damaged:
-            logger.warning("bucket backend at %s: %s is damaged; sequence numbers continue from the records",
-                           self._dir, _HWM_FILE)
-        if size < 2 * ALIGN:
-            # Both slots written once now, so raising the mark later never needs a new block (and
-            # cannot fail on a full disk).
-            try:
-                os.pwrite(self._hwm_fd, bytes(2 * ALIGN - size), size)
-                os.fdatasync(self._hwm_fd)
-            except OSError as e:
-                logger.warning("bucket backend at %s: cannot size %s: %s", self._dir, _HWM_FILE, e)
-        self._hwm_gen = best[0]
-        self._hwm_persisted = (best[1], best[2])
-        return best[1], best[2]
-
-    def _persist_hwm(self, seq: int, bid: int) -> None:
-        """Make (seq, bid) durable as the new high-water mark (``_hwm_lock`` held, not ``_lock``).
-
-        Never lowers it: two callers compute their marks under ``_lock`` and persist them here in
-        either order, so the mark written is the larger of each number and the one already on
-        disk (nothing is written when that already covers both)."""
-        seq = max(seq, self._hwm_persisted[0])
-        bid = max(bid, self._hwm_persisted[1])
-        if self._hwm_gen and (seq, bid) == self._hwm_persisted:
-            with self._lock:
-                self._seq_limit = max(self._seq_limit, seq)
-                self._id_limit = max(self._id_limit, bid)
-            return
-        gen = self._hwm_gen + 1
-        rec = _HWM.pack(_HWM_MAGIC, gen, seq, bid, 0)[:-8]
-        rec += struct.pack("<Q", xxhash.xxh3_64_intdigest(rec))
-        os.pwrite(self._hwm_fd, rec, (gen % 2) * ALIGN)
-        os.fdatasync(self._hwm_fd)
-        self._hwm_gen = gen
-        self._hwm_persisted = (seq, bid)
-        with self._lock:
-            self._seq_limit = max(self._seq_limit, seq)
-            self._id_limit = max(self._id_limit, bid)
-
-    def _take_numbers(self, nseq: int, nids: int) -> tuple[int, int]:
-        """First of ``nseq`` new sequence numbers and ``nids`` new bucket ids, all below the
-        persisted high-water mark (raised, with one fdatasync, every ``_HWM_STEP`` numbers)."""
-        while True:
-            with self._lock:
-                if self._seq + nseq <= self._seq_limit and self._next_id + nids <= self._id_limit:
-                    seq, bid = self._seq, self._next_id
-                    self._seq += nseq
-                    self._next_id += nids
-                    return seq, bid
-                want = (self._seq + nseq + _HWM_STEP, self._next_id + nids + _HWM_STEP)
-            with self._hwm_lock:
-                self._persist_hwm(*want)
-
-    def _rewrite_tombstones(self, tombs: set[tuple[int, str]]) -> None:
-        path = os.path.join(self._dir, TOMBSTONE_FILE)
-        tmp = path + ".tmp"
-        data = b"".join(_frame(msgspec.msgpack.encode(t)) for t in sorted(tombs))
-        fd = open_private(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._tomb_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-
-    def _append_tombstones(self, tombs: list[tuple[int, str]]) -> None:
-        if not tombs:
-            return
-        data = b"".join(_frame(msgspec.msgpack.encode(t)) for t in tombs)
-        with self._tomb_lock:
-            os.write(self._tomb_fd, data)
-            os.fdatasync(self._tomb_fd)
 
     # -- put --------------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[Status]:
