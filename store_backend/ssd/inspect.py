@@ -5,7 +5,7 @@ what an open would clean up, and (``verify``) which records fail their checksum.
 in :mod:`mooncake_kv.inspect_cli` prints it). The backend is detected from the files on
 disk; each backend is read through its own read-only recovery helpers (``read_footer``,
 ``scan_records``, ``read_tombstones``, ``live_records`` in :mod:`~store_backend.ssd.bucket_format`;
-``decode_superblock``, ``scan_records``, ``pick_winners`` in :mod:`~store_backend.ssd.offset`;
+``decode_superblock``, ``scan_records``, ``pick_winners`` in :mod:`~store_backend.ssd.offset_format`;
 ``read_record_header`` in :mod:`~store_backend.ssd.file_per_key`), so the objects counted are
 the ones a store opened on the directory would serve; verification reads every such record
 through :func:`store_backend.ssd.record.read_records`, the check every ``get_into`` makes.
@@ -37,7 +37,8 @@ import msgspec
 
 from store_backend.ownership import LOCK_FILE, flock_holders
 from store_backend.ssd import bucket_format as bucket
-from store_backend.ssd import file_per_key, offset
+from store_backend.ssd import file_per_key
+from store_backend.ssd import offset_format as offset
 from store_backend.ssd.io.posix_engine import PosixEngine
 from store_backend.ssd.io.requests import ALIGN, align_down, aligned_buffer
 from store_backend.ssd.record import RecordRead, read_records, record_bytes
