@@ -65,6 +65,9 @@ a configuration error: one ERROR names the user, the channel and the ACL rule to
 
 Thread-safety: every method may be called from any thread (redis-py's pool hands each call its own
 connection).
+
+How it reaches Redis (sentinels, retry, password files) is :mod:`store_backend.pool.redis_connect`;
+its invalidation listener :mod:`store_backend.pool.redis_invalidations` (a mixin over its state).
 """
 
 from __future__ import annotations
@@ -72,11 +75,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from importlib import resources
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -86,7 +86,6 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, Sentinel
 
 from store_backend.pool.directory import (
     DEFAULT_CLOCK_SKEW_S,
@@ -99,11 +98,14 @@ from store_backend.pool.directory import (
     check_tombstones,
 )
 from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
-from store_backend.pool.private_file import check_private_file
+from store_backend.pool.redis_connect import _ParallelSentinel, _parse_hostport, _RetryOnce, read_password_file
+from store_backend.pool.redis_invalidations import _SEP, RedisInvalidations
+
+__all__ = ["MAX_KEYS_PER_SCRIPT", "DirectoryAuthError", "DirectoryPolicyError", "RedisDirectory", "check_namespace",
+           "read_password_file"]
 
 logger = logging.getLogger(__name__)
 
-_SEP = "\x00"  # joins keys in an invalidation message: the one character a key cannot hold
 _PUBLISH_CHUNK = 4096  # keys per invalidation message
 # Keys per script call. A script holds Redis until it ends (other clients get BUSY past
 # busy-reply-threshold): 4096 keys run in a few milliseconds, and a bigger batch is several calls.
@@ -167,16 +169,6 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
-def read_password_file(path: str) -> str:
-    """The password in ``path`` (one line). ValueError naming the file when it is not a regular
-    file, is readable or writable by group or other, or cannot be read; never the password."""
-    check_private_file(path, "password_file ")
-    try:
-        return Path(path).read_text().strip("\r\n")
-    except OSError as e:
-        raise ValueError(f"password_file {path} cannot be read: {e.strerror}") from None
-
-
 def _ms(stored_at_s: Sequence[float]) -> list[str]:
     return [str(int(t * 1000)) for t in stored_at_s]
 
@@ -191,96 +183,7 @@ def _check_node_id(node_id: object) -> str:
     return node_id
 
 
-def _parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"sentinel address must be 'host:port', got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-class _RetryOnce(Retry):
-    """Retry once on a connection error (a stale pooled connection, the old primary gone), but not
-    when no primary could be found: the Sentinels were already asked within op_timeout_s, and
-    asking again would double the stall."""
-
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[no-untyped-def]
-        def retryable(e: Exception) -> bool:
-            return not isinstance(e, MasterNotFoundError) and (is_retryable is None or is_retryable(e))
-
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
-
-
-class _ParallelSentinel(Sentinel):
-    """Asks every Sentinel for the primary at once and takes the first healthy answer, within
-    ``deadline_s`` in all (redis-py asks them one after the other, each with the full timeout).
-    When no Sentinel answers at all (a partition, stopped hosts) the last primary one named is
-    used, with one warning per outage; when they answer but none names a healthy primary (a
-    failover under way), MasterNotFoundError. A Sentinel still busy with an earlier question is
-    not asked again: its running answer is awaited, so at most one question per Sentinel is in
-    flight (the executor's threads, one per Sentinel, are owned here; :meth:`close` stops them)."""
-
-    def __init__(self, addrs: list[tuple[str, int]], *, deadline_s: float, **kw: Any) -> None:
-        super().__init__(addrs, **kw)
-        self._deadline_s = deadline_s
-        self._executor = ThreadPoolExecutor(max_workers=len(self.sentinels), thread_name_prefix="mkv-sentinel")
-        self._lock = threading.Lock()
-        self._asking: dict[int, Future[tuple[tuple[str, int] | None, str]]] = {}
-        self._last: dict[str, tuple[str, int]] = {}
-        self._partitioned = False
-
-    def _ask(self, sentinel: Any, service_name: str) -> tuple[tuple[str, int] | None, str]:
-        try:
-            state = sentinel.sentinel_masters().get(service_name)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            return None, f"{type(e).__name__}"
-        if state and self.check_master_state(state, service_name):
-            return (state["ip"], int(state["port"])), ""
-        return None, "answered: no healthy primary"
-
-    def discover_master(self, service_name: str) -> tuple[str, int]:
-        deadline = time.monotonic() + self._deadline_s
-        with self._lock:
-            futures = []
-            for i, sentinel in enumerate(self.sentinels):
-                f = self._asking.get(i)
-                if f is None or f.done():
-                    f = self._asking[i] = self._executor.submit(self._ask, sentinel, service_name)
-                futures.append(f)
-        errors: list[str] = []
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
-            if not done:
-                break
-            for f in done:
-                addr, error = f.result()
-                if addr is not None:
-                    with self._lock:
-                        self._last[service_name] = addr
-                        self._partitioned = False
-                    return addr
-                errors.append(error)
-        answered = any(e.startswith("answered") for e in errors)
-        with self._lock:
-            last = self._last.get(service_name)
-            warn = not self._partitioned
-            if last is not None and not answered:
-                self._partitioned = True
-        if last is not None and not answered:
-            if warn:
-                logger.warning("no Sentinel answered within %.2f s (%s); using the last known primary %s:%d",
-                               self._deadline_s, ", ".join(errors) or "timeout", *last)
-            return last
-        raise MasterNotFoundError(f"no primary found for {service_name!r} within {self._deadline_s:.2f} s "
-                                  f"({len(errors)} of {len(self.sentinels)} Sentinels answered: "
-                                  f"{', '.join(errors) or 'none'})")
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        super().close()
-
-
-class RedisDirectory:
+class RedisDirectory(RedisInvalidations):
     """A Directory in Redis. Thread-safe; every call blocks on one round trip, bounded by
     ``op_timeout_s``; raises DirectoryUnavailable (DirectoryAuthError) on any Redis failure."""
 
@@ -634,126 +537,7 @@ class RedisDirectory:
         return out
 
     # -- invalidations and lifecycle -------------------------------------------------------------
-    def subscribe(self, fn: Invalidation) -> Callable[[], None]:
-        with self._sub_lock:
-            self._subscribers.append(fn)
-        self._start_listener()
 
-        def unsubscribe() -> None:
-            with self._sub_lock:
-                try:
-                    self._subscribers.remove(fn)
-                except ValueError:
-                    pass
-
-        return unsubscribe
-
-    def _start_listener(self) -> None:
-        with self._sub_lock:
-            if self._closed:
-                raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
-            started = self._sub_thread is None
-            if started:
-                self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
-                self._sub_thread.start()
-        # So the first lookups after subscribing can be cached (invalidations_live), and an ACL
-        # refusal is logged at start: wait for the first subscription's outcome, bounded.
-        self._first_attempt.wait(self._op_timeout_s)
-
-    def invalidations_live(self) -> bool:
-        """True while the listener holds the invalidation channel. A cache must not keep entries
-        while it is False (nothing would tell it of a remove): CachedDirectory checks it. Additive
-        to the Directory Protocol."""
-        return self._subscribed
-
-    def _listen(self) -> None:
-        channel = f"{self._ns}:inval"
-        backoff_s = 0.05
-        denied = False  # the ACL refused the channel: logged once as an ERROR, retried quietly
-        while not self._stop.is_set():
-            pubsub = None
-            try:
-                pubsub = self._r.pubsub()
-                pubsub.subscribe(channel)
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=0.2)
-                    if msg is None:
-                        continue
-                    if msg.get("type") == "message":
-                        self._deliver(msg["data"].split(_SEP))
-                    elif msg.get("type") == "subscribe":
-                        # Subscribed (again): what was published before this is unknown.
-                        backoff_s = 0.05
-                        if denied:
-                            logger.warning("redis directory at %s: invalidation channel %r now allowed",
-                                           self.address, channel)
-                            denied = False
-                        self._subscribed = True
-                        self._first_attempt.set()
-                        self._deliver_gap()
-            except Exception as e:  # noqa: BLE001 - any failure: reconnect, never die
-                self._subscribed = False
-                self._first_attempt.set()
-                if self._stop.is_set():
-                    break
-                if isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in str(e):
-                    # A configuration error, not an outage: say what is missing, once.
-                    if not denied:
-                        logger.error("redis directory at %s: user %r may not subscribe to the invalidation "
-                                     "channel %r (grant it with the ACL rule '&%s'): location caches of this "
-                                     "node cache nothing until it may (%s)", self.address, self._username,
-                                     channel, channel, e)
-                    denied = True
-                    backoff_s = 2.0
-                else:
-                    # Warn once per outage; the retries of one outage go to debug.
-                    logger.log(logging.WARNING if backoff_s <= 0.05 else logging.DEBUG,
-                               "redis directory at %s: invalidation channel lost (%s: %s); reconnecting; "
-                               "location caches cache nothing meanwhile", self.address, type(e).__name__, e)
-                self._stop.wait(backoff_s)
-                backoff_s = min(2.0, backoff_s * 2)
-            finally:
-                if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:  # noqa: BLE001 - closing a broken connection
-                        pass
-
-    def on_gap(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Call ``fn()`` each time the invalidation channel is (re)subscribed: invalidations
-        published before it may have been missed, so a cache should forget everything. Additive to
-        the Directory Protocol (CachedDirectory uses it where the inner directory has it); returns
-        the unsubscribe function. Starts the subscriber thread like :meth:`subscribe`."""
-        with self._sub_lock:
-            self._gap_listeners.append(fn)
-
-        def unsubscribe() -> None:
-            with self._sub_lock:
-                try:
-                    self._gap_listeners.remove(fn)
-                except ValueError:
-                    pass
-
-        self._start_listener()
-        return unsubscribe
-
-    def _deliver_gap(self) -> None:
-        with self._sub_lock:
-            listeners = list(self._gap_listeners)
-        for fn in listeners:
-            try:
-                fn()
-            except Exception:
-                logger.exception("directory gap listener %r failed", fn)
-
-    def _deliver(self, keys: list[str]) -> None:
-        with self._sub_lock:
-            subscribers = list(self._subscribers)
-        for fn in subscribers:
-            try:
-                fn(keys)
-            except Exception:
-                logger.exception("directory invalidation subscriber %r failed", fn)
 
     def close(self) -> None:
         with self._sub_lock:

@@ -440,7 +440,7 @@ def test_an_acl_user_without_the_channel_gets_one_clear_error_and_no_caching(
     d.heartbeat(NodeInfo("a", "h:1"), 30.0)
     d.register("a", [("k", loc("a"))])
     cache = CachedDirectory(d, cache_ttl_s=60.0)
-    with caplog.at_level(logging.WARNING, logger="store_backend.pool.directory_redis"):
+    with caplog.at_level(logging.WARNING, logger="store_backend.pool.redis_invalidations"):
         assert cache.locate(["k"]) == [[loc("a")]]
         time.sleep(0.5)  # the window in which the cache must still keep nothing
         assert cache.locate(["k"]) == [[loc("a")]]
