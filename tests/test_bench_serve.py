@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import (attribute_sources, by_turn, compare_tokens, configurations, load_failures,
-                                     summarize)
+from mooncake_kv.bench.serve_results import attribute_sources, by_turn, compare_tokens, load_failures, summarize
+from mooncake_kv.bench.serve_server import configurations
 from mooncake_kv.bench.serve_workload import (build_workload, conversation_parents, conversations, max_hit_blocks,
                                               sample_conversations, shared_prefix_blocks)
 from tests.ports import free_port

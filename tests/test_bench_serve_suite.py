@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kv.bench.serve import (ModelShape, _vllm_blocks, add_arguments, break_even, kv_bytes_per_token, run,
-                                     working_set_blocks)
+from mooncake_kv.bench.serve import _vllm_blocks, add_arguments, kv_bytes_per_token, run, working_set_blocks
+from mooncake_kv.bench.serve_results import break_even
+from mooncake_kv.bench.serve_server import ModelShape
 from mooncake_kv.bench.serve_suite import (SUITE, SUITE_CACHES, SUITE_NAME, options_the_suite_sets, read_suite_runs,
                                            suite_runs, suite_summary)
 from mooncake_kv.bench.serve_workload import build_workload, sample_window

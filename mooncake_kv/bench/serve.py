@@ -38,6 +38,9 @@ platforms, the second falls back to recompute), so on CPU they are skipped and t
 
 Progress (a tqdm bar per configuration) goes to stderr; with ``--json`` the last stdout line is one
 JSON object. Logs, the model and the SSD directories go under ``--work-dir``.
+
+The servers it starts are :mod:`mooncake_kv.bench.serve_server`; what it makes of a run's records and
+metrics :mod:`mooncake_kv.bench.serve_results`; the workload :mod:`mooncake_kv.bench.serve_workload`.
 """
 
 from __future__ import annotations
@@ -48,37 +51,47 @@ import json
 import logging
 import math
 import random
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.serve_plot import write_plot
-from mooncake_kv.bench.serve_suite import (SUITE_NAME, options_the_suite_sets, read_suite_runs, suite_runs,
-                                            suite_summary)
+from mooncake_kv.bench.serve_results import (
+    _Scraper,
+    attribute_sources,
+    break_even,
+    compare_tokens,
+    load_failures,
+    parse_metrics,
+    summarize,
+)
+from mooncake_kv.bench.serve_server import (
+    MODEL_NAME,
+    ROOT,
+    ModelShape,
+    ServerConfig,
+    _progress,
+    configurations,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_seeded_llama,
+)
+from mooncake_kv.bench.serve_suite import SUITE_NAME, options_the_suite_sets, read_suite_runs, suite_runs, suite_summary
 from mooncake_kv.bench.serve_workload import SAMPLES, ServeRequest, build_workload
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 600
-MODEL_NAME = "bench"
 BLOCK_SIZE = 32  # vLLM's KV block; one trace block is tokens_per_block / 32 of them, and one stored chunk
-BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
-SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
 PEERS = ("offloading", "lmcache")  # vLLM's own CPU offload and LMCache: the CUDA path only
 CPU_PEERS_SKIPPED = ("vLLM's OffloadingConnector and LMCache are not run: no CUDA device here, and vLLM's CPU "
                      "build runs neither (OffloadingConnector refuses CPU platforms at start, LMCache falls back "
@@ -106,17 +119,6 @@ def kv_bytes_per_token(model: Path, shape: ModelShape, *, given: bool) -> int:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
-
-
-def break_even(kv_bytes: int, prefill: dict[str, Any] | None) -> dict[str, Any]:
-    """``kv_bytes_per_token``, ``prefill_s_per_token`` and ``break_even_load_gbps`` (GB/s, 1e9
-    bytes: the read bandwidth at which loading a token's KV takes as long as computing it)."""
-    per_token = prefill.get("s_per_token") if prefill else None
-    if not per_token:
-        return {"kv_bytes_per_token": kv_bytes, "prefill_s_per_token": None, "break_even_load_gbps": None}
-    per_token = float(f"{per_token:.4g}")  # four significant digits, the break-even computed from them
-    return {"kv_bytes_per_token": kv_bytes, "prefill_s_per_token": per_token,
-            "break_even_load_gbps": float(f"{kv_bytes / per_token / 1e9:.4g}")}
 
 
 def working_set_blocks(workload: list[ServeRequest], tokens_per_block: int) -> int:
@@ -183,199 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: WORK_DIR/bench_serve.png)")
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
-
-
-# -- the model -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int = 1024
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * 4  # K and V, float32
-
-
-def write_seeded_llama(path: Path, shape: ModelShape, seed: int = 0) -> Path:
-    """A Llama checkpoint (config.json, model.safetensors) with seeded random weights scaled so
-    attention is sharp: greedy tokens depend on every earlier token's KV, so a wrong byte loaded
-    from a cache changes them (vLLM's ``dummy`` weights would hide it). Returns ``path``."""
-    import torch  # the CPU path only; heavy, and the parent process needs it for nothing else
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate, "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "num_hidden_layers": shape.layers,
-        "vocab_size": shape.vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "torch_dtype": "float32", "tie_word_embeddings": False, "rope_theta": 10000.0,
-        "bos_token_id": 1, "eos_token_id": 2,
-    }))
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*dims: int, std: float) -> torch.Tensor:
-        return torch.randn(*dims, generator=g) * std
-
-    h, q, kv, m = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
-    tensors = {"model.embed_tokens.weight": w(shape.vocab, h, std=1.0), "model.norm.weight": torch.ones(h),
-               "lm_head.weight": w(shape.vocab, h, std=0.08)}
-    for i in range(shape.layers):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": w(q, h, std=0.12), p + "self_attn.k_proj.weight": w(kv, h, std=0.12),
-                    p + "self_attn.v_proj.weight": w(kv, h, std=0.12), p + "self_attn.o_proj.weight": w(h, q, std=0.12),
-                    p + "mlp.gate_proj.weight": w(m, h, std=0.06), p + "mlp.up_proj.weight": w(m, h, std=0.06),
-                    p + "mlp.down_proj.weight": w(h, m, std=0.06),
-                    p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)}
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
-
-
-# -- configurations --------------------------------------------------------------------------------
-@dataclass
-class ServerConfig:
-    """One configuration: the connector config vLLM gets (None: vLLM alone) and extra environment."""
-
-    name: str
-    kv_transfer: dict[str, Any] | None
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def _ours(chunk_tokens: int, dram_bytes: int, ssd: Path | None, ssd_bytes: int) -> dict[str, Any]:
-    store: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes}}
-    if ssd is not None:
-        store |= {"ssd": {"path": str(ssd), "capacity_bytes": ssd_bytes}, "offload": {"policy": "eager"}}
-    # recompute: a chunk that fails to load (evicted from a full DRAM tier between lookup and lease,
-    # say) is recomputed, as a deployment would run, instead of failing its request and the run;
-    # the run counts those from the server's log (``load_failures``), and the token check still
-    # catches a wrong byte.
-    return {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"chunk_tokens": chunk_tokens, "store": store}}
-
-
-def configurations(names: list[str], *, work: Path, chunk_tokens: int, dram_bytes: int, ssd_bytes: int,
-                   cuda: bool) -> list[ServerConfig]:
-    """The configurations to run, in order (alone first). With ``cuda`` the peers follow ours."""
-    table = {
-        "alone": ServerConfig("alone", None),
-        "dram": ServerConfig("dram", _ours(chunk_tokens, dram_bytes, None, 0)),
-        "dram_ssd": ServerConfig("dram_ssd", _ours(chunk_tokens, dram_bytes, work / "ssd-dram_ssd", ssd_bytes)),
-    }
-    unknown = [n for n in names if n not in table]
-    if unknown or "alone" not in names:
-        raise ValueError(f"--configs: need alone and only alone,dram,dram_ssd; got {','.join(names)}")
-    out = [table[n] for n in table if n in names]
-    if cuda:
-        # The peers on the same DRAM budget (and LMCache on the same SSD budget).
-        out.append(ServerConfig("offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                               "kv_connector_extra_config": {"cpu_bytes_to_use": dram_bytes,
-                                                                             "block_size": chunk_tokens}}))
-        disk = work / "ssd-lmcache"
-        out.append(ServerConfig("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, env={
-            "LMCACHE_CHUNK_SIZE": str(chunk_tokens), "LMCACHE_LOCAL_CPU": "True",
-            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{dram_bytes / 2**30:.3f}",
-            "LMCACHE_LOCAL_DISK": f"file://{disk}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": f"{ssd_bytes / 2**30:.3f}"}))
-    return out
-
-
 # -- one server ------------------------------------------------------------------------------------
-
-def _vllm_command(model: Path) -> list[str]:
-    # The server ``vllm serve MODEL`` runs. The ``vllm`` console script itself reads vLLM's package
-    # metadata, which a source build of the CPU wheel may lack; the module needs none.
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-
-
-def start_server(cfg: ServerConfig, *, model: Path, port: int, block_size: int, max_model_len: int,
-                 vllm_blocks: int, reserved_cpus: int, cuda: bool, log: Path, kv_space_gib: int = 1) -> subprocess.Popen:
-    """Start ``vllm serve`` for ``cfg`` (output to ``log``); the caller waits for health and stops it.
-    ``kv_space_gib``: the CPU build's KV space, which must hold ``vllm_blocks``."""
-    cmd = [*_vllm_command(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--block-size", str(block_size), "--dtype", "float32",
-           "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
-           "--num-gpu-blocks-override", str(vllm_blocks), "--seed", "0", "--disable-uvicorn-access-log"]
-    if cfg.kv_transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(cfg.kv_transfer)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "TOKENIZERS_PARALLELISM": "false", **cfg.env}
-    if not cuda:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
-        if reserved_cpus:
-            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cpus))
-    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    """Block until ``url/health`` answers 200; raise RuntimeError with the log's tail if the server
-    exits or does not answer within STARTUP_TIMEOUT_S."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; {log}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-# -- the client ------------------------------------------------------------------------------------
-def parse_metrics(text: str) -> dict[str, float]:
-    """``source:NAME`` -> tokens of vLLM's by-source counter, ``tier_hits:TIER`` -> objects the
-    store's gets served from that tier, ``stage_ins`` -> leases served by reading SSD into a slot."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == BY_SOURCE:
-                key = "source:" + s.labels.get("source", "?")
-            elif s.name == "mooncake_kv_tier_hits_total":
-                key = "tier_hits:" + s.labels.get("tier", "?")
-            elif s.name == "mooncake_kv_store_slot_stage_ins_total":
-                key = "stage_ins"
-            else:
-                continue
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-class _Scraper:
-    """Deltas of the cache counters between consecutive scrapes, one scrape at a time (asyncio)."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
-        self._client, self._url = client, url
-        self._lock = asyncio.Lock()
-        self.last: dict[str, float] = {}
-
-    async def delta(self) -> dict[str, float]:
-        async with self._lock:
-            now = parse_metrics((await self._client.get(self._url + "/metrics")).text)
-            d = {k: v - self.last.get(k, 0.0) for k, v in now.items() if v - self.last.get(k, 0.0)}
-            self.last = now
-            return d
 
 
 async def _one(client: httpx.AsyncClient, url: str, req: ServeRequest, max_tokens: int, t0: float,
@@ -473,96 +283,6 @@ def prefill_cost(url: str, vocab: int, max_model_len: int, repeats: int = 3) -> 
     slope = (times[long_n] - times[short_n]) / (long_n - short_n)
     return {"tokens": [short_n, long_n], "request_s": [round(times[short_n], 4), round(times[long_n], 4)],
             "s_per_token": slope if slope > 0 else None}
-
-
-# -- summary ---------------------------------------------------------------------------------------
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-def attribute_sources(recs: list[dict], totals: dict[str, float]) -> None:
-    """Set each record's ``tier_tokens`` (source -> tokens): the by-source counter deltas, in the
-    order they were scraped, consumed by the requests in arrival order, each taking its
-    ``cached_tokens``. vLLM counts a request's hits when it admits it and admits in arrival order,
-    so this is exact when no two requests' counts fall into one scrape; when they do, the split
-    between those requests follows the order of the sources in the delta."""
-    queue: list[list] = []  # [source, tokens left]
-    seen: dict[str, int] = {}
-    for r in sorted(recs, key=lambda r: r.get("scraped_s", 0.0)):
-        for src, n in r.get("source_delta", {}).items():
-            queue.append([src, n])
-            seen[src] = seen.get(src, 0) + n
-    for key, v in totals.items():  # what the engine published after the last request's scrape
-        if key.startswith("source:") and int(v) > seen.get(key[7:], 0):
-            queue.append([key[7:], int(v) - seen.get(key[7:], 0)])
-    pos = 0
-    for r in sorted(recs, key=lambda r: r["index"]):
-        want, got = r["cached_tokens"], {}
-        while want > 0 and pos < len(queue):
-            take = min(want, queue[pos][1])
-            if take > 0:
-                got[queue[pos][0]] = got.get(queue[pos][0], 0) + take
-            queue[pos][1] -= take
-            want -= take
-            if queue[pos][1] <= 0:
-                pos += 1
-        r["tier_tokens"] = got
-
-
-def by_turn(recs: list[dict], last_turn: int = 8) -> dict[str, dict[str, float]]:
-    """Turn ("1".."last_turn", and f"{last_turn}+" for the later ones pooled) -> requests, TTFT
-    p50 and hit ratio; empty when the records carry no turns (``--sample time``)."""
-    groups: dict[str, list[dict]] = {}
-    for r in recs:
-        if r.get("turn", 0) > 0:
-            groups.setdefault(str(r["turn"]) if r["turn"] < last_turn else f"{last_turn}+", []).append(r)
-    out = {}
-    for key in sorted(groups, key=lambda k: int(k.rstrip("+"))):
-        g = groups[key]
-        prompt = sum(r["prompt_tokens"] for r in g)
-        out[key] = {"requests": len(g), "ttft_p50_s": round(_pct([r["ttft_s"] for r in g], 50), 4),
-                    "hit_ratio": round(sum(r["cached_tokens"] for r in g) / prompt, 4) if prompt else 0.0,
-                    "hit_ratio_max": round(sum(r["max_hit_tokens"] for r in g) / prompt, 4) if prompt else 0.0}
-    return out
-
-
-def summarize(recs: list[dict], wall_s: float, totals: dict[str, float]) -> dict[str, Any]:
-    """One configuration's figures. ``ttft_p50_reusable_s``: the TTFT p50 of the requests at least
-    half of whose prompt could be reused (``max_hit_tokens`` at least half ``prompt_tokens``), the
-    ones a KV store can speed up (None when there are none)."""
-    ttft = [r["ttft_s"] for r in recs]
-    prompt = sum(r["prompt_tokens"] for r in recs)
-    cached = sum(r["cached_tokens"] for r in recs)
-    reusable = [r["ttft_s"] for r in recs if 2 * r["max_hit_tokens"] >= r["prompt_tokens"] > 0]
-    return {"by_turn": by_turn(recs),"ttft_p50_s": round(_pct(ttft, 50), 4), "ttft_p90_s": round(_pct(ttft, 90), 4),
-            "reusable_requests": len(reusable),
-            "ttft_p50_reusable_s": round(_pct(reusable, 50), 4) if reusable else None,
-            "ttft_p99_s": round(_pct(ttft, 99), 4), "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
-            "throughput_req_s": round(len(recs) / wall_s, 3), "prompt_tokens_s": round(prompt / wall_s, 1),
-            "wall_s": round(wall_s, 2), "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
-            "cached_by_source": {s: int(totals.get("source:" + s, 0)) for s in SOURCES if totals.get("source:" + s)},
-            "store_hits_objects": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("tier_hits:")},
-            # Leases of SSD objects read into a DRAM slot first (then counted as DRAM hits by the store).
-            "store_stage_ins": int(totals.get("stage_ins", 0)),
-            # Chunk loads that failed and vLLM recomputed (from the server's log).
-            "load_failures": {k.split(":", 1)[1]: int(v) for k, v in totals.items() if k.startswith("load_failures:")}}
-
-
-def compare_tokens(base: list[dict], other: list[dict], every: int) -> list[int]:
-    """Indices of the checked requests (every ``every``-th) whose generated tokens differ."""
-    return [a["index"] for a, b in zip(base, other) if a["index"] % every == 0 and a["tokens"] != b["tokens"]]
-
-
-_RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
-
-
-def load_failures(log_text: str) -> dict[str, int]:
-    """The loads vLLM recomputed (policy ``recompute``), from its server log: ``events``, the
-    ``requests`` rescheduled and the ``tokens`` affected, summed."""
-    found = [(int(m.group(1)), int(m.group(2))) for m in _RECOVERED.finditer(log_text)]
-    return {"events": len(found), "requests": sum(r for r, _ in found), "tokens": sum(t for _, t in found)}
 
 
 def _cuda() -> bool:
