@@ -43,7 +43,7 @@ from store_backend.api import KVStore
 from store_backend.config import ConfigError
 from store_backend.ownership import lock_holders
 from store_backend.private import ensure_private_dir, open_private
-from store_backend.threads import Deadline, join_threads
+from store_backend.threads import Deadline, Workers
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,8 @@ class EpochSweeper:
         self._pending: set[str] = set()
         self._retired: dict[str, None] = {}  # digests swept before, oldest first
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("epoch sweeper")
+        self._started = False  # its one thread was started
         self._running = False
         self.removed = 0
         self.busy = 0
@@ -276,9 +277,9 @@ class EpochSweeper:
                 return
             self._pending.update(digests)
             self._pending.update(self._retired)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kv-epoch-sweep", daemon=True)
-                self._thread.start()
+            if not self._started:
+                self._started = True
+                self._workers.start(self._run, name="kv-epoch-sweep")
             self._cond.notify()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -296,8 +297,7 @@ class EpochSweeper:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-            thread = self._thread
-        return join_threads([thread], deadline, owner="epoch sweeper")
+        return self._workers.join(deadline)
 
     def _run(self) -> None:
         while True:

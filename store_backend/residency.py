@@ -34,7 +34,7 @@ from typing import Literal
 
 import msgspec
 
-from store_backend.threads import Deadline, join_threads
+from store_backend.threads import Deadline, Workers
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class ResidencyBus:
         self._gap = False  # events were dropped: on_gap is owed after what is queued
         self._in_flight = 0
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._workers = Workers(name)
+        self._running = False  # the delivery thread was started and not yet told to close
         self.dropped = 0
         self.subscriber_errors = 0
 
@@ -92,10 +93,10 @@ class ResidencyBus:
     def start(self) -> None:
         """Start the delivery thread (idempotent)."""
         with self._cond:
-            if self._thread is not None or self._stopping:
+            if self._running or self._stopping:
                 return
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+            self._running = True
+            self._workers.start(self._run, name=self.name)
 
     def stop(self) -> None:
         """Refuse new events; the thread delivers what is queued, then ends (non-blocking: an
@@ -111,15 +112,15 @@ class ResidencyBus:
         deadline = deadline if deadline is not None else Deadline(10.0)
         self.stop()
         with self._cond:
-            thread, self._thread = self._thread, None
-        return join_threads([thread], deadline, owner=self.name) == 0
+            self._running = False
+        return self._workers.join(deadline) == 0
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until every event published so far was delivered (or dropped); False on timeout.
         Returns at once when the thread is not running."""
         deadline = Deadline(timeout_s)
         with self._cond:
-            while (self._queue or self._in_flight or self._gap) and self._thread is not None:
+            while (self._queue or self._in_flight or self._gap) and self._running:
                 left = deadline.left()
                 if left is not None and left <= 0:
                     return False

@@ -1,4 +1,5 @@
-"""Bounded stopping of owned background threads: join under one deadline, report what stayed.
+"""Owned background threads: started by one :class:`Workers` owner, stopped under one deadline,
+with what stayed reported.
 
 Every owner of background threads (the store's offload and promotion workers, the connectors' I/O
 pools, the lookup service, the epoch sweeper) stops them in its ``close()`` with one overall
@@ -17,7 +18,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
@@ -83,3 +84,59 @@ def close_within(resource: object, timeout_s: float | None) -> int:
         close()
         return 0
     return int(close(timeout_s=timeout_s) or 0)
+
+
+class Workers:
+    """The background threads of one owner (a replicator, a sweeper, a residency bus ...): each
+    started by :meth:`start`, named and a daemon; an exception that escapes one is logged with its
+    traceback, counted (:attr:`errors`) and passed on to ``on_error`` (the owner's own counter),
+    never lost with the thread; :meth:`join` joins them all under one deadline and returns how
+    many are still running (each logged by :func:`join_threads`). Threads that ended are forgotten
+    at the next start or join. Thread-safe."""
+
+    def __init__(self, owner: str, *, on_error: Callable[[], None] | None = None) -> None:
+        self.owner = owner
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._errors = 0
+
+    @property
+    def errors(self) -> int:
+        """Exceptions that escaped a thread of this owner (each logged with its traceback)."""
+        return self._errors
+
+    def alive(self) -> list[threading.Thread]:
+        """The threads still running."""
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            return list(self._threads)
+
+    def start(self, target: Callable[..., object], *args: object, name: str) -> threading.Thread:
+        """Start ``target(*args)`` on a daemon thread called ``name``; returns the thread."""
+        def run() -> None:
+            try:
+                target(*args)
+            except BaseException:  # noqa: BLE001  (logged and counted: the thread ends either way)
+                with self._lock:
+                    self._errors += 1
+                logger.exception("%s: thread %s ended with an exception", self.owner, name)
+                if self._on_error is not None:
+                    self._on_error()
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
+        return t
+
+    def join(self, deadline: Deadline) -> int:
+        """Join every thread (tell them to stop first) with what is left of ``deadline``; returns
+        how many are still running. The calling thread, if it is one of them, is not waited for."""
+        with self._lock:
+            threads = list(self._threads)
+        stuck = join_threads(threads, deadline, owner=self.owner)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+        return stuck

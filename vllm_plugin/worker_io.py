@@ -24,6 +24,7 @@ from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.layout import ChunkLayout, PagedLayer
 from mooncake_connector.staging import StagingPool
+from store_backend.threads import Deadline, Workers
 from vllm_plugin.device import DeviceCopies
 from vllm_plugin.metadata import SaveReport
 
@@ -47,8 +48,8 @@ class SlotCalls:
     def __init__(self, name: str) -> None:
         self.name = name
         self._queue: queue.SimpleQueue[tuple[Future, Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._workers = Workers(name)
+        self._workers.start(self._run, name=name)
 
     def submit(self, fn: Any, *args: Any) -> Future:
         fut: Future = Future()
@@ -71,11 +72,7 @@ class SlotCalls:
     def close(self, timeout_s: float) -> int:
         """Stop after the calls queued so far (at most ``timeout_s``); 1 when still running then."""
         self._queue.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("thread %s still running %.1f s after close", self.name, timeout_s)
-            return 1
-        return 0
+        return self._workers.join(Deadline(timeout_s))  # one still running is logged there
 
 
 class WorkerCounters(msgspec.Struct):

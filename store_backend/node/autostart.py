@@ -42,6 +42,7 @@ from store_backend.node.launch import serve_argv, spawn_service
 from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach
 from store_backend.node.config import LOCK_NAME as SERVICE_LOCK_NAME
 from store_backend.node.config import load_node_config
+from store_backend.threads import Deadline, Workers
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class ServiceProcess:
         self.process: subprocess.Popen[bytes] | None = None  # the service this object started, if any
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._workers = Workers("node service reaper")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> ServiceProcess:
@@ -103,11 +104,7 @@ class ServiceProcess:
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the reaper thread (the service keeps running). Idempotent."""
         self._stop.set()
-        t = self._reaper
-        if t is not None:
-            t.join(timeout_s)
-            if t.is_alive():
-                logger.warning("node service reaper did not stop within %.1f s", timeout_s)
+        self._workers.join(Deadline(timeout_s))  # one still running is logged there
 
     # -- starting ----------------------------------------------------------------------------------
     def ensure(self) -> bool:
@@ -286,11 +283,10 @@ class ServiceProcess:
 
     # -- reaping -----------------------------------------------------------------------------------
     def _start_reaper(self, proc: subprocess.Popen[bytes]) -> None:
-        if self._reaper is not None and self._reaper.is_alive():
+        if self._workers.alive():
             return
         self._stop.clear()
-        self._reaper = threading.Thread(target=self._reap, args=(proc,), name="node-service-reaper", daemon=True)
-        self._reaper.start()
+        self._workers.start(self._reap, proc, name="node-service-reaper")
 
     def _reap(self, proc: subprocess.Popen[bytes]) -> None:
         while not self._stop.is_set():

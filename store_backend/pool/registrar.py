@@ -34,6 +34,7 @@ from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavaila
 from store_backend.pool.host import PoolHost
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.residency import ResidencyEvent
+from store_backend.threads import Deadline, Workers
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class Registrar:
         # whether they are current.
         self._own_at: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._seen_seq = 0
-        self._threads: list[threading.Thread] = []
+        self._workers = Workers("pool registrar")
         self._unsubscribe: Callable[[], None] | None = None
         self._stop_event = threading.Event()
         self.counters = dict.fromkeys(("registered", "unregistered", "resyncs", "directory_errors", "gaps",
@@ -129,9 +130,7 @@ class Registrar:
             self._seen_seq = seq() if seq is not None else 0  # what came before is not this node's to vouch for
         self._unsubscribe = self.store.subscribe(self._on_events, self._on_gap)
         for name, target in (("mkv-pool-registrar", self._run), ("mkv-pool-heartbeat", self._beat)):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._workers.start(target, name=name)
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -144,12 +143,7 @@ class Registrar:
             self._stopping = True
             self._cond.notify_all()
         self._stop_event.set()
-        end = time.monotonic() + timeout_s
-        for t in self._threads:
-            t.join(max(0.0, end - time.monotonic()))
-            if t.is_alive():
-                logger.warning("pool registrar: thread %s still running after %.1f s", t.name, timeout_s)
-        self._threads = []
+        self._workers.join(Deadline(timeout_s))  # a thread still running is logged there
 
     def request_resync(self, restore: bool = False) -> None:
         """Resync soon; ``restore``: give the directory the remove log's tombstones back first

@@ -27,6 +27,7 @@ from store_backend.plans import replica_targets
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
 from store_backend.pool.host import PoolHost
 from store_backend.pool.transport import Transport
+from store_backend.threads import Deadline, Workers
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,11 @@ class Replicator:
         self._queue: collections.deque[tuple[str, int, float]] = collections.deque()  # key, size, stored_at_s
         self._stopping = False
         self._busy = False
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("pool replicator")
         self.counters = dict.fromkeys(("replicas_sent", "replicas_failed", "replicas_dropped", "replicas_skipped"), 0)
 
     def start(self) -> Replicator:
-        self._thread = threading.Thread(target=self._run, name="mkv-pool-replicator", daemon=True)
-        self._thread.start()
+        self._workers.start(self._run, name="mkv-pool-replicator")
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -65,11 +65,7 @@ class Replicator:
             self._stopping = True
             self._queue.clear()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                logger.warning("pool replicator still running after %.1f s", timeout_s)
-            self._thread = None
+        self._workers.join(Deadline(timeout_s))  # one still running is logged there
 
     def offer(self, key_sizes: list[tuple[str, int]] | list[tuple[str, int, float]]) -> None:
         """Queue objects just stored here for their extra copies: (key, size) or (key, size,

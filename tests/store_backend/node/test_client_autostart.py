@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -142,7 +143,8 @@ def test_a_client_with_a_starter_starts_the_service_and_starts_it_again_after_it
     finally:
         c.close(flush=False)
         starter.close()
-    assert not starter._reaper.is_alive()  # owned: stopped by close
+    # Owned: the reaper thread is stopped by close.
+    assert not [t for t in threading.enumerate() if t.name == "node-service-reaper"]
 
 
 def test_a_service_that_fails_at_start_raises_with_its_log(node_dir) -> None:
