@@ -210,6 +210,21 @@ class LookupServer:
         self._threads.append(t)
         return self
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections accepted and not yet ended (each holds one of ``max_connections``
+        slots: mid-frame, answering, or idle). A gauge for monitoring and tests; thread-safe."""
+        with self._lock:
+            return len(self._conns)
+
+    @property
+    def live_connection_threads(self) -> int:
+        """Serving threads ("kv-lookup-conn") still running, ended connections' threads that have
+        not yet exited included (what ``close`` joins). A gauge; thread-safe."""
+        with self._lock:
+            threads = list(self._threads)
+        return sum(t.is_alive() for t in threads if t.name == "kv-lookup-conn")
+
     def close(self, timeout_s: float = 5.0) -> int:
         """Stop accepting, close every connection, join the threads, remove the socket file.
 

@@ -176,10 +176,9 @@ class MooncakeTieredStorage(HiCacheStorage):
             staging_bytes = self.settings.connector.staging_bytes
             self._set_staging = _Staging(staging_bytes, geometry.page_bytes)
             self._get_staging = _Staging(staging_bytes, geometry.page_bytes)
-        mode = "slots" if self._slots else "direct" if self._pages.direct else "staged"
         logger.info("HiCache tiered storage: model %s, %s layout, %d-byte pages (%s), shard %d/%d, key prefix %s",
-                    self.model_id, geometry.layout, geometry.page_bytes, mode, shard_index, shard_count,
-                    self._prefix)
+                    self.model_id, geometry.layout, geometry.page_bytes, self.transfer_mode, shard_index,
+                    shard_count, self._prefix)
 
     def object_keys(self, keys: Sequence[str]) -> list[str]:
         """Store keys of SGLang page hashes (after ``register_mem_pool_host``)."""
@@ -192,6 +191,29 @@ class MooncakeTieredStorage(HiCacheStorage):
         if self._store is None:
             raise RuntimeError("the storage backend is closed")
         return self._store
+
+    @property
+    def host_pages(self) -> HostPages | None:
+        """The view of the host pool that pages are copied between (``direct``: whether a page is
+        one contiguous run there); None before ``register_mem_pool_host``. Owned by the backend;
+        its copies run on the calling SGLang thread."""
+        return self._pages
+
+    @property
+    def transfer_mode(self) -> str:
+        """How pages move between the host pool and the store, fixed by ``register_mem_pool_host``
+        ("" before it): "slots" (the store's slot API: one copy straight into or out of an arena
+        slot, no staging buffer held), else "direct" or "staged" (``put``/``get_into``, through
+        the staging buffers of :attr:`staging_buffers`)."""
+        if self._pages is None:
+            return ""
+        return "slots" if self._slots else "direct" if self._pages.direct else "staged"
+
+    @property
+    def staging_buffers(self) -> int:
+        """Staging buffers this backend holds (one per direction, allocated on first use): 0 in
+        "slots" mode, 2 otherwise (see :attr:`transfer_mode`)."""
+        return sum(s is not None for s in (self._set_staging, self._get_staging))
 
     # -- zero-copy interface (v1) ----------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:

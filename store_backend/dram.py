@@ -16,6 +16,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from store_backend.allocator import OffsetAllocator
 from store_backend.config import ConfigError, DramConfig
@@ -70,6 +71,40 @@ class Entry:
             and self.leases == 0
             and (self.pins == 0 or now > self.pin_deadline)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class EntryFacts:
+    """A copy of one DRAM entry's bookkeeping, taken under the store lock: what it says stays true
+    only until the next call that changes the entry. For tools and tests that observe residency
+    (it holds no reference into the index, so reading it never races the store)."""
+
+    key: str
+    size: int  # the object's bytes
+    parent: str | None  # the key stored before it in its prefix chain (put's ``parents``)
+    block_bytes: int  # arena bytes its block takes (what the allocator handed out)
+    ready: bool  # committed and visible to readers (False: a write still copying in)
+    persisted: bool  # a durable copy exists in the tier below
+    declined: bool  # the tier below's admission refused it: nothing to write
+    replica: bool  # a copy of another node's object
+    leases: int  # leases held on it now (readers, slot leases, SSD writes in flight)
+    pins: int  # pins held on it (store.pin)
+    offload_failures: int  # failed or refused attempts to write it below
+
+    @property
+    def clean(self) -> bool:
+        """Nothing is lost by dropping it (as :attr:`Entry.clean`)."""
+        return self.persisted or self.declined or self.replica
+
+
+@dataclass(frozen=True, slots=True)
+class DramSnapshot:
+    """The DRAM index at one moment (one lock hold): the allocator's used bytes and a copy of
+    each entry asked for, by key. Read-only; see ``TieredStore.dram_snapshot``."""
+
+    used_bytes: int
+    capacity_bytes: int
+    entries: dict[str, EntryFacts]
 
 
 def unlink_leftover_segments(shm_name: str) -> None:
@@ -332,6 +367,15 @@ class HostDramTier:
 
     def view(self, entry: Entry) -> memoryview:
         return self.arena.view[entry.offset:entry.offset + entry.size]
+
+    def facts(self, entry: Entry) -> EntryFacts:
+        """A copy of ``entry``'s bookkeeping (the caller holds the store lock)."""
+        # A freed entry (a bug if still indexed) reports the block it would take, so books that sum
+        # the index's blocks against the allocator's used bytes do not balance.
+        block = self.block_bytes(entry.size) if entry.freed else self.allocator.size_of(entry.offset)
+        return EntryFacts(entry.key, entry.size, entry.parent, block,
+                          entry.state is EntryState.READY, entry.persisted, entry.declined, entry.replica,
+                          entry.leases, entry.pins, entry.offload_failures)
 
     @property
     def used_bytes(self) -> int:

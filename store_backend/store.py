@@ -345,6 +345,20 @@ class TieredStore(StoreWrites, StoreSlots, StoreReads, StoreFill, StoreQueries, 
                 for k in keys:
                     self._removals.touch(k)
 
+    def wait_idle(self, timeout_s: float | None = None, *, offload: bool = True, promotion: bool = True,
+                  events: bool = True) -> bool:
+        """Block until the chosen background workers have nothing queued or in flight: the offload
+        worker (SSD writes and watermark passes), the promotion worker, and the residency event
+        bus (every event published so far delivered). Unlike :meth:`flush` it writes nothing
+        itself (objects evicted from the tier below are not written back). One ``timeout_s`` for
+        all of them; False on timeout, or when a worker died with work left. Thread-safe; waits
+        with no store lock held; may be called after close."""
+        deadline = Deadline(timeout_s)
+        waits = [w.wait_idle for w, on in ((self._offloader, offload), (self._promoter, promotion)) if on]
+        if events:
+            waits.append(self._bus.wait_idle)
+        return all(wait(deadline.left()) for wait in waits)
+
     def residency_seq(self) -> int:
         """The ``seq`` of the last residency event published (see ``ResidencyBus.published_seq``):
         a subscriber whose latest event has it knows every change made before this call. Thread-safe."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from store_backend.core.common import _LOOKUP_TRIES, _WAIT_SLICE_S
-from store_backend.dram import EntryState
+from store_backend.dram import DramSnapshot, EntryState
 from store_backend.tiers.base import Tier
 from store_backend.types import check_batch, check_key, check_wait_s
 
@@ -189,6 +189,20 @@ class StoreQueries:
                 out.extend(found)
                 seen.update(found)
             return out
+
+    def dram_snapshot(self, keys: Sequence[str] | None = None) -> DramSnapshot:
+        """A copy of the DRAM index at one moment: the arena's used bytes and each entry's
+        bookkeeping (:class:`~store_backend.dram.EntryFacts`: persisted, declined, leases, pins
+        ...), for ``keys`` (those not in DRAM are left out) or for every entry, writes still copying
+        in included. Read-only and thread-safe: one brief hold of the store lock, O(entries asked);
+        no tier below is asked. For tools and tests that observe residency; engines use
+        :meth:`tier_of` and :meth:`contains`."""
+        with self._call():
+            with self._lock:
+                entries = self._dram.entries
+                picked = entries.values() if keys is None else [entries[k] for k in keys if k in entries]
+                return DramSnapshot(self._dram.used_bytes, self._dram.capacity_bytes,
+                                    {e.key: self._dram.facts(e) for e in picked})
 
     def size_of(self, keys: Sequence[str]) -> list[int | None]:
         """Each object's size in bytes, or None when it is stored nowhere."""

@@ -36,6 +36,7 @@ from mooncake_connector.lookup_service import (
 )
 from store_backend.config import ConfigError
 from store_backend.store import TieredStore
+from tests.support.store_views import dram_entry
 
 
 def _ask_from_child(path: str, keys: list[str], out: mp.Queue) -> None:
@@ -209,7 +210,7 @@ def test_oversized_frames_close_the_connection_with_one_log_line(served, thread_
         s.close()
     # Every serving thread is over (one that died would have met the excepthook on its way out).
     _wait_for(lambda: server.bad_frames == 20
-              and not any(t.is_alive() for t in server._threads if t.name == "kv-lookup-conn"))
+              and server.live_connection_threads == 0)
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # one bad peer (this process): one line
     assert "frame" in lines[0].getMessage() and lines[0].exc_info is None
@@ -230,7 +231,7 @@ def test_bad_lease_ttls_are_refused_naming_ttl_s(served, ttl_s: float) -> None:
     assert reply.error is not None and "ttl_s" in reply.error
     assert reply.present == []
     s.close()
-    assert store._dram.entries["a"].pins == 0
+    assert dram_entry(store, "a").pins == 0
     assert asker.pin(["a"], ttl_s=5.0) == [True]  # a good lease still works
     asker.close()
 
@@ -338,7 +339,7 @@ def test_clients_beyond_the_connection_limit_wait_while_no_connection_is_idle(tm
                           frame_timeout_s=120.0).start()
     held = [_busy_peer(server.path) for _ in range(4)]
     try:
-        _wait_for(lambda: len(server._conns) == 4)  # every slot taken by a frame in progress
+        _wait_for(lambda: server.open_connections == 4)  # every slot taken by a frame in progress
         late = LookupClient(server.path, timeout_s=30.0)
         result: list[int] = []
         t = threading.Thread(target=lambda: result.append(late.exists(["a"])))
@@ -378,7 +379,7 @@ def test_an_idle_connection_closed_by_the_server_is_reopened_transparently(tmp_p
     try:
         assert asker.exists(["a"]) == 1
         _wait_for(lambda: server.idle_closed == 1)  # the server closed the idle connection
-        assert server._conns == set()
+        assert server.open_connections == 0
         assert asker.exists(["a"]) == 1  # on a new connection
         assert asker.failures == 0
     finally:
@@ -414,7 +415,7 @@ def test_a_full_listen_backlog_is_waited_out_not_answered_miss(tmp_path: Path, m
             answers.append(got)
 
     try:
-        _wait_for(lambda: len(server._conns) == 1)  # holds the only slot, mid-frame
+        _wait_for(lambda: server.open_connections == 1)  # holds the only slot, mid-frame
         threads = [threading.Thread(target=late) for _ in range(6)]
         for t in threads:
             t.start()
@@ -437,8 +438,8 @@ def test_the_store_itself_refuses_bad_pin_ttls_naming_ttl_s(ttl_s) -> None:
         assert store.put(["k"], [np.ones(10, np.uint8)])[0].ok
         with pytest.raises(ValueError, match="ttl_s"):
             store.pin(["k"], ttl_s=ttl_s)
-        assert store._dram.entries["k"].pins == 0
-        assert store.pin(["k"], ttl_s=5.0) == [True] and store._dram.entries["k"].pins == 1
+        assert dram_entry(store, "k").pins == 0
+        assert store.pin(["k"], ttl_s=5.0) == [True] and dram_entry(store, "k").pins == 1
         assert store.pin(["k"]) == [True]  # the default
 
 
@@ -482,7 +483,7 @@ def test_peers_dribbling_a_frame_byte_by_byte_cannot_hold_the_slots(tmp_path: Pa
         t.start()
     asker = LookupClient(server.path, timeout_s=20.0)
     try:
-        _wait_for(lambda: len(server._conns) == 2)
+        _wait_for(lambda: server.open_connections == 2)
         assert asker.exists(["k"]) == 1  # served once the dribblers' frames ran out of time
         assert asker.failures == 0
         _wait_for(lambda: server.slow_frames == 2)
@@ -518,7 +519,7 @@ def test_a_full_server_closes_its_longest_idle_connection_for_a_new_client(tmp_p
             assert len(full) == 1  # logged once while full
             for c in (old, older, new):
                 c.close()
-            _wait_for(lambda: not server._conns)  # drained
+            _wait_for(lambda: not server.open_connections)  # drained
             for c in (old, older, new):
                 assert c.exists(["a"]) == 1
                 time.sleep(0.3)  # idle gap by design: past _MIN_IDLE_TO_EVICT_S, so the next may evict it

@@ -193,10 +193,11 @@ def test_a_sweep_that_fails_after_close_is_not_counted(store, caplog) -> None:
     errors: list[int] = []
     hanging = Hanging(store, "keys")
     sweeper = EpochSweeper(hanging, on_error=lambda: errors.append(1))  # type: ignore[arg-type]
+    before = set(threading.enumerate())
     sweeper.sweep(["0" * 32])
     assert hanging.entered.wait(10)
+    [thread] = [t for t in threading.enumerate() if t not in before and t.name == "kv-epoch-sweep"]
     assert sweeper.close(timeout_s=0.2) == 1
-    thread = sweeper._thread
     store.close()
     hanging.release.set()  # the listing now meets the closed store
     assert thread is not None
@@ -224,7 +225,7 @@ def test_a_lookup_server_whose_error_callback_raises_keeps_serving(store, tmp_pa
         assert asker.exists(["a"]) == 1
         # Only the connection just answered is served: the failed ones' threads are over, and one
         # that died would have met the excepthook on its way out.
-        wait_until(lambda: sum(t.is_alive() for t in server._threads if t.name == "kv-lookup-conn") <= 1, 10,
+        wait_until(lambda: server.live_connection_threads <= 1, 10,
                    "the failed connections' threads ended")
         assert died == [], f"a serving thread died with its error callback: {died}"
         assert any("error callback" in r.getMessage() and r.exc_info is not None for r in caplog.records)

@@ -23,6 +23,8 @@ from sglang_hicache.storage import MooncakeTieredStorage, UnsupportedHostPoolErr
 from store_backend.config import ConfigError  # noqa: E402
 from store_backend.slots import SlotLease  # noqa: E402
 from store_backend.types import Status  # noqa: E402
+from tests.support.faults import returns, wrapped_calls  # noqa: E402
+from tests.support.store_views import slot_tokens  # noqa: E402
 from tests.sglang_hicache.harness import (  # noqa: E402
     PAGE,
     extra_config,
@@ -104,7 +106,7 @@ def test_pages_are_stored_with_their_prefix_chain(tmp_path, backends):
     assert backend.batch_set_v1(keys[:2], src[:2 * PAGE]) == [True, True]
     assert backend.batch_set_v1(keys[2:], src[2 * PAGE:], HiCacheStorageExtraInfo(prefix_keys=keys[:2])) == [True] * 2
     okeys = backend.object_keys(keys)
-    entries = backend.store._dram.entries
+    entries = backend.store.dram_snapshot(okeys).entries
     assert [entries[k].parent for k in okeys] == [None, *okeys[:-1]]
 
 
@@ -120,7 +122,7 @@ def test_stored_object_is_the_canonical_chunk(tmp_path, backends, layout, mla):
     src = pools.host.alloc(len(tokens))
     fill_pages(pools.host, src, seed=2)
     assert backend.batch_set_v1(keys, src) == [True, True]
-    assert backend._pages is not None and backend._pages.direct == (mla and layout == "page_first_direct")
+    assert backend.host_pages is not None and backend.host_pages.direct == (mla and layout == "page_first_direct")
 
     geometry = backend.geometry
     assert geometry is not None
@@ -271,8 +273,8 @@ def test_v1_calls_move_each_page_in_one_copy_through_slots(tmp_path, backends, l
     assert all(torch.equal(a, b) for a, b in zip(read_pages(pools.host, src), read_pages(pools.host, dst)))
     c = _counters(backend)
     assert (c.slot_commits - before[0], c.slot_releases - before[1]) == (5, 5)
-    assert backend._set_staging is None and backend._get_staging is None
-    assert len(backend.store._slots) == 0
+    assert backend.transfer_mode == "slots" and backend.staging_buffers == 0
+    assert slot_tokens(backend.store) == 0
     # The legacy path (flat data pages, put) stores the same bytes under the same key.
     legacy = build(extra_config({"dram": {"capacity_bytes": "16MiB"}}, model_id="legacy-check"), pools, backends)
     flat = [pools.host.get_data_page(s, flat=True) for s in src[::PAGE].tolist()]
@@ -296,22 +298,16 @@ def test_partial_hits_load_the_leading_pages_only(tmp_path, backends):
     dst = pools.host.alloc(4 * PAGE)
     assert backend.batch_get_v1(keys, dst) == [True, True, False, False]  # page 3 is there, but after a miss
     assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])
-    assert len(backend.store._slots) == 0  # page 3's lease (if taken) was given back
+    assert slot_tokens(backend.store) == 0  # page 3's lease (if taken) was given back
 
 
-class _VoidingRelease:
-    """Fault injection: the real store, except that ``release`` says False for the leases of
-    ``void`` keys (as for a lease whose TTL passed while it was read)."""
-
-    def __init__(self, store, void: set[str]) -> None:
-        self._store, self._void = store, void
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def release(self, leases, **kw):
-        ok = self._store.release(leases, **kw)
-        return [o and ls.key not in self._void for o, ls in zip(ok, leases)]
+def _voiding_release(void: set[str]):
+    """Fault injection on the real store's ``release``: False for the leases of ``void`` keys (as
+    for a lease whose TTL passed while it was read)."""
+    def release(orig, leases, **kw):
+        ok = orig(leases, **kw)
+        return [o and ls.key not in void for o, ls in zip(ok, leases)]
+    return returns(release)
 
 
 def test_a_page_whose_release_says_false_is_false_even_though_it_was_copied(tmp_path, backends):
@@ -322,14 +318,11 @@ def test_a_page_whose_release_says_false_is_false_even_though_it_was_copied(tmp_
     fill_pages(pools.host, src, seed=23)
     assert backend.batch_set_v1(keys, src) == [True] * 4
     real = backend.store
-    backend._store = _VoidingRelease(real, set(backend.object_keys(keys[1:2])))
-    try:
+    with wrapped_calls(real, release=_voiding_release(set(backend.object_keys(keys[1:2])))):
         dst = pools.host.alloc(4 * PAGE)
         assert backend.batch_get_v1(keys, dst) == [True, False, False, False]
-    finally:
-        backend._store = real
     assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])  # page 1 was copied, and still not used
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0
 
 
 def test_a_small_arena_takes_a_batch_in_rounds(tmp_path, backends):
@@ -354,7 +347,7 @@ def test_a_copy_that_raises_aborts_the_batch_reservations(tmp_path, backends, mo
     keys = chunk_hashes(list(range(1, 1 + 3 * PAGE)), PAGE, scheme="sglang")
     src = pools.host.alloc(3 * PAGE)
     fill_pages(pools.host, src, seed=25)
-    real = backend._pages.gather_into
+    real = backend.host_pages.gather_into
     calls = []
 
     def fails_second(start, dest):
@@ -363,24 +356,16 @@ def test_a_copy_that_raises_aborts_the_batch_reservations(tmp_path, backends, mo
             raise OSError("injected copy failure")
         real(start, dest)
 
-    monkeypatch.setattr(backend._pages, "gather_into", fails_second)
+    monkeypatch.setattr(backend.host_pages, "gather_into", fails_second)
     assert backend.batch_set_v1(keys, src) == [False] * 3
     assert backend.store.contains(backend.object_keys(keys)) == [False] * 3  # nothing half-written visible
-    assert len(backend.store._slots) == 0 and _counters(backend).slot_aborts >= 3
+    assert slot_tokens(backend.store) == 0 and _counters(backend).slot_aborts >= 3
     monkeypatch.undo()
     assert backend.batch_set_v1(keys, src) == [True] * 3  # the keys are free to store again
 
 
-class _NoSlots:
-    """A store as one without the slot API looks (only put/get_into and the lookups)."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-
-    def __getattr__(self, name):
-        if name in ("reserve", "commit", "abort", "lease", "release", "reclaim"):
-            raise AttributeError(name)
-        return getattr(self._store, name)
+# A store as one without the slot API looks (only put/get_into and the lookups).
+_NO_SLOTS = dict.fromkeys(("reserve", "commit", "abort", "lease", "release", "reclaim"))
 
 
 @pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", True)])
@@ -389,31 +374,20 @@ def test_a_store_without_slots_is_driven_through_staging(tmp_path, backends, lay
     backend = StorageBackendFactory.create_backend(
         "dynamic", storage_config(extra_config({"dram": {"capacity_bytes": "16MiB"}}), mla=mla), pools.host)
     backends.append(backend)
-    real = backend._store
-    backend._store = _NoSlots(real)
-    backend.register_mem_pool_host(pools.host)
-    assert not backend._slots and backend._set_staging is not None
-    keys = chunk_hashes(list(range(2, 2 + 3 * PAGE)), PAGE, scheme="sglang")
-    src, dst = pools.host.alloc(3 * PAGE), pools.host.alloc(3 * PAGE)
-    fill_pages(pools.host, src, seed=26)
-    assert backend.batch_set_v1(keys, src) == [True] * 3
-    assert backend.batch_get_v1(keys, dst) == [True] * 3
-    assert same_pages(pools.host, src, dst)
-    backend._store = real
+    with wrapped_calls(backend.store, **_NO_SLOTS):
+        backend.register_mem_pool_host(pools.host)
+        assert backend.transfer_mode == ("direct" if mla else "staged") and backend.staging_buffers == 2
+        keys = chunk_hashes(list(range(2, 2 + 3 * PAGE)), PAGE, scheme="sglang")
+        src, dst = pools.host.alloc(3 * PAGE), pools.host.alloc(3 * PAGE)
+        fill_pages(pools.host, src, seed=26)
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert same_pages(pools.host, src, dst)
 
 
-class _NoRoomToLease:
-    """Fault injection: the real store, except that every lease answers NO_SPACE (a DRAM tier full
-    of objects not yet written below, so an SSD object has no clean room to be staged into)."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def lease(self, keys, **kw):
-        return [SlotLease(Status.NO_SPACE, k) for k in keys]
+# Fault injection on the real store: every lease answers NO_SPACE (a DRAM tier full of objects not
+# yet written below, so an SSD object has no clean room to be staged into).
+_NO_ROOM_TO_LEASE = returns(lambda _orig, keys, **kw: [SlotLease(Status.NO_SPACE, k) for k in keys])
 
 
 @pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", True)])
@@ -424,10 +398,6 @@ def test_a_page_that_cannot_be_leased_is_read_with_get_into(tmp_path, backends, 
     src, dst = pools.host.alloc(3 * PAGE), pools.host.alloc(3 * PAGE)
     fill_pages(pools.host, src, seed=27)
     assert backend.batch_set_v1(keys[:2], src[:2 * PAGE]) == [True] * 2
-    real = backend.store
-    backend._store = _NoRoomToLease(real)
-    try:
+    with wrapped_calls(backend.store, lease=_NO_ROOM_TO_LEASE):
         assert backend.batch_get_v1(keys, dst) == [True, True, False]  # the third was never stored
-    finally:
-        backend._store = real
     assert same_pages(pools.host, src[:2 * PAGE], dst[:2 * PAGE])

@@ -12,28 +12,10 @@ from mooncake_connector.keys import chunk_hashes  # noqa: E402
 from store_backend.types import Status  # noqa: E402
 from tests.sglang_hicache.harness import PAGE, extra_config, fill_pages, make_pools  # noqa: E402
 from tests.sglang_hicache.test_backend import backends, build, same_pages  # noqa: E402,F401
+from tests.support.faults import raises_once, wrapped_calls  # noqa: E402
+from tests.support.store_views import slot_tokens  # noqa: E402
 
 pytestmark = pytest.mark.sglang
-
-
-class _RaisesOnce:
-    """Fault injection: the real store, except that the first call of each method in ``fail``
-    raises OSError before the store sees it (as a call whose transport broke)."""
-
-    def __init__(self, store, fail: set[str]) -> None:
-        self._store, self._fail = store, set(fail)
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if name not in self._fail:
-            return attr
-
-        def once(*a, **kw):
-            if name not in self._fail:  # a later call through the same bound method
-                return attr(*a, **kw)
-            self._fail.discard(name)
-            raise OSError(f"injected {name} failure")
-        return once
 
 
 def _setup(backends, seed: int, n: int = 3):
@@ -48,12 +30,9 @@ def _setup(backends, seed: int, n: int = 3):
 def test_a_commit_that_raises_leaves_no_reservation_held(backends):
     pools, backend, keys, src = _setup(backends, 31)
     real = backend.store
-    backend._store = _RaisesOnce(real, {"commit"})
-    try:
+    with wrapped_calls(real, commit=raises_once(OSError("injected commit failure"))):
         assert backend.batch_set_v1(keys, src) == [False] * 3
-    finally:
-        backend._store = real
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0
     assert real.contains(backend.object_keys(keys)) == [False] * 3
     assert backend.batch_set_v1(keys, src) == [True] * 3  # the keys are free to store again
 
@@ -64,14 +43,11 @@ def test_an_abort_that_raises_leaves_no_reservation_held(backends, monkeypatch):
     def broken(start, dest):
         raise OSError("injected copy failure")
 
-    monkeypatch.setattr(backend._pages, "gather_into", broken)
+    monkeypatch.setattr(backend.host_pages, "gather_into", broken)
     real = backend.store
-    backend._store = _RaisesOnce(real, {"abort"})
-    try:
+    with wrapped_calls(real, abort=raises_once(OSError("injected abort failure"))):
         assert backend.batch_set_v1(keys, src) == [False] * 3
-    finally:
-        backend._store = real
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0
     monkeypatch.undo()
     assert backend.batch_set_v1(keys, src) == [True] * 3
 
@@ -80,13 +56,10 @@ def test_a_release_that_raises_leaves_no_lease_held_and_its_pages_false(backends
     pools, backend, keys, src = _setup(backends, 33)
     assert backend.batch_set_v1(keys, src) == [True] * 3
     real = backend.store
-    backend._store = _RaisesOnce(real, {"release"})
     dst = pools.host.alloc(3 * PAGE)
-    try:
+    with wrapped_calls(real, release=raises_once(OSError("injected release failure"))):
         assert backend.batch_get_v1(keys, dst) == [False] * 3
-    finally:
-        backend._store = real
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0
     assert backend.batch_get_v1(keys, dst) == [True] * 3
     assert same_pages(pools.host, src, dst)
 
@@ -104,19 +77,18 @@ def test_a_page_larger_than_one_share_is_not_saved_and_a_miss_at_once(backends):
     calls: list[str] = []
     real = backend.store
 
-    class Counting:
-        def __getattr__(self, name):
-            if name in ("reserve", "lease"):
+    def counted(name):
+        def wrap(orig):
+            def call(*a, **kw):
                 calls.append(name)
-            return getattr(real, name)
+                return orig(*a, **kw)
+            return call
+        return wrap
 
-    backend._store = Counting()
-    try:
+    with wrapped_calls(real, reserve=counted("reserve"), lease=counted("lease")):
         assert backend.batch_set_v1(keys, src) == [False, False]
         # put holds no slot, so page 0 can be stored; its lease is still TOO_LARGE.
         assert real.put(backend.object_keys(keys[:1]), [bytes(page_bytes)]) == [Status.OK]
         assert backend.batch_get_v1(keys, pools.host.alloc(2 * PAGE)) == [False, False]
-    finally:
-        backend._store = real
     assert calls == ["reserve", "lease"]
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0

@@ -21,6 +21,7 @@ from store_backend.node.server import NodeService  # noqa: E402
 from tests.sglang_hicache.harness import PAGE, extra_config, fill_pages, make_pools, read_pages  # noqa: E402
 from tests.sglang_hicache.test_backend import backends, build  # noqa: E402,F401
 from tests.store_backend.conftest import short_socket_dir  # noqa: E402
+from tests.support.store_views import slot_tokens  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -56,7 +57,7 @@ def test_mixed_v1_calls_from_two_threads_are_byte_exact(store_spec, backends):
     store, service = store_spec
     pools = make_pools("page_first")
     backend = build(extra_config(store), pools, backends)
-    assert backend._slots
+    assert backend.transfer_mode == "slots"
     keys = chunk_hashes(list(range(7, 7 + KEYS * PAGE)), PAGE, scheme="sglang")
     regions = []
     for _ in range(2):
@@ -105,5 +106,5 @@ def test_mixed_v1_calls_from_two_threads_are_byte_exact(store_spec, backends):
     held = backend.store.stats().slots
     assert (held.reservations, held.leases) == (0, 0)
     real = service.store if service is not None else backend.store
-    assert len(real._slots) == 0
+    assert slot_tokens(real) == 0
     assert real.metrics_counters.store.slot_refused > 0  # the rounds met NO_SPACE

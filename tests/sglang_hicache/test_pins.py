@@ -64,6 +64,7 @@ def test_a_load_never_releases_a_pin_it_did_not_take(schedulers, tmp_path: Path)
 
     hit, loaded, dst = s.prefetch(tokens, before_transfer=promote_and_lease)
     assert hit == loaded == len(tokens) and same_pages(s.host, src, dst)
-    held = [st._dram.entries[k].pins if k in st._dram.entries else 0 for k in okeys]
+    in_dram = st.dram_snapshot(okeys).entries
+    held = [in_dram[k].pins if k in in_dram else 0 for k in okeys]
     assert held == [1, 1], f"the other holder's lease is gone: pins {held}"
     st.unpin(okeys)

@@ -34,14 +34,17 @@ def test_items_are_handled_in_the_order_submitted_and_handed_back_work_goes_firs
 
 
 def test_a_full_queue_refuses_the_last_items_also_at_its_front() -> None:
-    gate = threading.Event()
-    w: BatchWorker[int] = BatchWorker("test-full", lambda batch: gate.wait(10), queue_max=3)
+    seen: list[int] = []
+    w: BatchWorker[int] = BatchWorker("test-full", seen.extend, queue_max=3)  # not started: all queued
     try:
         assert w.submit([1, 2]) == 0
         assert w.submit([3, 4, 5], front=True) == 2  # 3 fits; 4 and 5 do not
-        assert list(w._queue) == [3, 1, 2]
+        assert w.depth == 3
+        w.start()  # the queue, in its order
+        assert w.wait_idle(10)
+        assert seen == [3, 1, 2]
     finally:
-        gate.set()
+        assert w.close(timeout_s=5)
 
 
 def test_several_threads_handle_batches_at_once() -> None:

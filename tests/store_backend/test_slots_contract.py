@@ -761,7 +761,7 @@ def test_commits_and_stage_ins_publish_residency_events(tmp_path) -> None:
         s.abort([a])
         [ls] = s.lease(["x"])
         assert s.release([ls]) == [True]
-        assert s._bus.wait_idle(10)
+        assert s.wait_idle(10, offload=False, promotion=False)
         seen = [(e.kind, e.key, e.tier, e.src_tier) for e in events if e.key in ("c", "a", "x")]
         assert ("stored", "c", "dram", None) in seen and ("moved", "x", "dram", "ssd") in seen
         assert not [e for e in seen if e[1] == "a"]

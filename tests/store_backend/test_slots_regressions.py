@@ -52,8 +52,8 @@ def push_to_ssd(s: TieredStore, key: str, tag: int, n_fill: int = 24) -> None:
 
 def allocator_matches_index(s: TieredStore) -> bool:
     """With no token held, the allocator's used bytes are exactly the index's entries' blocks."""
-    a = s._dram.allocator
-    return a.used_bytes == sum(a.size_of(e.offset) for e in s._dram.entries.values())
+    snap = s.dram_snapshot()
+    return snap.used_bytes == sum(e.block_bytes for e in snap.entries.values())
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_tiny_slots_count_their_whole_block_against_the_share(size: int) -> None
         got = s.reserve([f"g{i}" for i in range(n)], [size] * n, owner=1)
         ok = sum(r.status is Status.OK for r in got)
         assert ok == n // 2 and s.stats().slots.held_bytes == ok * 4096
-        assert s._dram.used_bytes <= MiB // 2
+        assert s.stats().dram.used_bytes <= MiB // 2
         assert s.reserve(["o"], [4096], owner=2)[0].status is Status.OK
         assert s.put(["p"], [tagged(1, 4096)]) == [Status.OK]
         assert s.put(["q"], [tagged(1, 8)]) == [Status.OK]

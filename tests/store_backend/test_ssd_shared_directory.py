@@ -19,6 +19,7 @@ from store_backend.ssd.record import HEADER_BLOCK
 from store_backend.store import TieredStore
 from store_backend.tiers.ssd import SsdTier
 from store_backend.types import Status
+from tests.support.store_views import dram_entry
 
 SIZE = 20_000
 
@@ -165,16 +166,17 @@ def test_its_own_evictions_reach_the_store_and_dirty_the_dram_copy(tmp_path: Pat
                              "capacity_bytes": "4MiB"}})
     assert c.ssd is not None
     chunk = 256 * 1024
-    with TieredStore(c, ssd=SharedDirectoryBackend(c.ssd)) as s:
+    ssd = SharedDirectoryBackend(c.ssd)
+    with TieredStore(c, ssd=ssd) as s:
         events: list = []
         s.subscribe(events.extend)
         for i in range(30):
             assert s.put([f"k{i}"], [np.full(chunk, i, np.uint8)]) == [Status.OK]
-            assert s._offloader.wait_idle(30)  # not flush: it would write evicted copies back
-        assert s._bus.wait_idle(10)
-        assert s._ssd is not None and s._ssd.contains(["k0"]) == [False]
+            assert s.wait_idle(30, promotion=False, events=False)  # not flush: it would write evicted copies back
+        assert s.wait_idle(10, offload=False, promotion=False)
+        assert ssd.contains(["k0"]) == [False]
         assert ("evicted", "k0", "ssd") in [(e.kind, e.key, e.tier) for e in events]
-        assert s._dram.entries["k0"].persisted is False
+        assert dram_entry(s, "k0").persisted is False
 
 
 def test_as_a_tier_it_is_not_exclusive(tmp_path: Path) -> None:

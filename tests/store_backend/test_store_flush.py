@@ -16,7 +16,8 @@ from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
 from tests.store_backend.node.server_harness import wait_until
-from tests.store_backend.test_store_tiered import CHUNK, FlakySsd, SlowSsd, read_ok, tiered
+from tests.store_backend.test_store_tiered import CHUNK, FlakySsd, SlowSsd, read_ok, tiered, tiered_with_ssd
+from tests.support.store_views import leased_dram_bytes
 
 MiB = 1 << 20
 BACKENDS = ["bucket", "offset", "file"]
@@ -29,11 +30,11 @@ def reopen(tmp_path, backend: str, policy: str) -> TieredStore:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_watermark_flush_persists_everything_not_only_down_to_the_low_mark(tmp_path, backend) -> None:
     keys = [f"k{i}" for i in range(20)]  # 5 MiB in 8 MiB of DRAM: below the high mark
-    s = reopen(tmp_path, backend, "watermark")
+    s, ssd = tiered_with_ssd(tmp_path, backend, dram=8 * MiB, policy="watermark")
     assert s.put(keys, [payload(k, CHUNK) for k in keys]) == [Status.OK] * 20
     report = s.flush_report(timeout_s=60)
     assert report.ok and not report.unpersisted, report
-    assert s._ssd is not None and s._ssd.contains(keys) == [True] * 20
+    assert ssd.contains(keys) == [True] * 20
     assert s.tier_of(keys) == ["dram"] * 20  # written, not demoted: still served from DRAM
     s.close()
     with reopen(tmp_path, backend, "watermark") as s2:
@@ -130,20 +131,22 @@ def test_flush_timeout_names_what_it_did_not_write() -> None:
 
 
 def test_flush_writes_again_a_dram_object_whose_ssd_copy_is_gone(tmp_path) -> None:
-    with tiered(tmp_path, "offset", dram=8 * MiB) as s:
+    s, ssd = tiered_with_ssd(tmp_path, "offset", dram=8 * MiB)
+    with s:
         s.put(["a"], [payload("a", CHUNK)])
         assert s.flush(timeout_s=30)
-        assert s._ssd is not None and s._ssd.remove(["a"]) == [Status.OK]  # as the SSD tier's eviction would
-        assert s.flush(timeout_s=30) and s._ssd.contains(["a"]) == [True]
+        assert ssd.remove(["a"]) == [Status.OK]  # as the SSD tier's eviction would
+        assert s.flush(timeout_s=30) and ssd.contains(["a"]) == [True]
 
 
 def test_declined_objects_do_not_fail_a_flush(tmp_path) -> None:
-    with tiered(tmp_path, "bucket", dram=8 * MiB, policy="watermark") as s:  # admission "prefix"
+    s, ssd = tiered_with_ssd(tmp_path, "bucket", dram=8 * MiB, policy="watermark")
+    with s:  # admission "prefix"
         s.put(["orphan-child"], [payload("c", CHUNK)], parents=["parent-stored-nowhere"])
         s.put(["root"], [payload("r", CHUNK)])
         report = s.flush_report(timeout_s=30)
         assert report.ok and report.declined == 1
-        assert s._ssd is not None and s._ssd.contains(["orphan-child", "root"]) == [False, True]
+        assert ssd.contains(["orphan-child", "root"]) == [False, True]
 
 
 def test_without_an_ssd_tier_flush_is_trivially_true() -> None:
@@ -167,6 +170,11 @@ class SlowPuts:
 
 
 def wrapped_store(tmp_path, wrap, **sections) -> TieredStore:  # noqa: ANN001
+    return wrapped_store_and_ssd(tmp_path, wrap, **sections)[0]
+
+
+def wrapped_store_and_ssd(tmp_path, wrap, **sections):  # noqa: ANN001, ANN201
+    """A store over ``wrap(`` an SSD backend ``)``; and that wrapper (the store owns it)."""
     cfg = {"dram": {"capacity_bytes": 8 * MiB, "eviction_policy": "lru"},
            "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 256 * MiB, "backend": "bucket",
                    "bucket_size_bytes": 1 * MiB, "admission_policy": "all"},
@@ -175,15 +183,17 @@ def wrapped_store(tmp_path, wrap, **sections) -> TieredStore:  # noqa: ANN001
         cfg.setdefault(section, {}).update(values)
     config = load_config(cfg)
     assert config.ssd is not None
-    return TieredStore(config, ssd=wrap(open_ssd_backend(config.ssd)))
+    ssd = wrap(open_ssd_backend(config.ssd))
+    return TieredStore(config, ssd=ssd), ssd
 
 
 def test_eager_flush_returns_under_steady_put_traffic(tmp_path) -> None:
     """Puts keep the offload queue busy (the SSD is slower than they are) the whole time: the
     flush must return once the objects put before it are on SSD, not when the traffic stops."""
     obj = 16 * 1024
-    s = wrapped_store(tmp_path, lambda inner: SlowPuts(inner, 0.005),
-                      offload={"policy": "eager", "batch_bytes": 2 * obj}).start()
+    s, ssd = wrapped_store_and_ssd(tmp_path, lambda inner: SlowPuts(inner, 0.005),
+                                   offload={"policy": "eager", "batch_bytes": 2 * obj})
+    s.start()
     stop = threading.Event()
     data = np.ones(obj, np.uint8)
     pre = [f"pre{i}" for i in range(10)]
@@ -203,9 +213,9 @@ def test_eager_flush_returns_under_steady_put_traffic(tmp_path) -> None:
         t = threading.Thread(target=producer)
         t.start()
         deadline = time.monotonic() + 30
-        while s._offloader.depth < 50 and time.monotonic() < deadline:  # the queue is backed up
+        while s.stats().queues.offload < 50 and time.monotonic() < deadline:  # the queue is backed up
             time.sleep(0.01)  # poll interval; the loop has a deadline
-        assert s._offloader.depth >= 50
+        assert s.stats().queues.offload >= 50
         got: list = []
         f = threading.Thread(target=lambda: got.append(s.flush_report()))
         f.start()
@@ -217,7 +227,7 @@ def test_eager_flush_returns_under_steady_put_traffic(tmp_path) -> None:
         f.join(120)
         assert not starved, "flush() waited for objects put after it began"
         assert got[0].ok, got[0]
-        assert s._ssd is not None and s._ssd.contains(pre) == [True] * 10
+        assert ssd.contains(pre) == [True] * 10
     finally:
         stop.set()
         s.close(flush=False)
@@ -348,8 +358,7 @@ def test_concurrent_flushes_together_lease_at_most_half_of_dram(tmp_path) -> Non
         assert inside
         wait_until(lambda: len(inside) >= 2, 10, "a second flusher writing")
         time.sleep(1.0)  # the window in which the third flusher must not start a write of its own
-        with s._lock:
-            leased = sum(e.size for e in s._dram.entries.values() if e.leases)
+        leased = leased_dram_bytes(s)
         # Each write leases at most its share of the half (offload.write_threads, 2: a quarter).
         assert leased <= 8 * obj and len(inside) == 2, (leased, inside)
         [refused] = s.reserve(["new"], [obj], room_wait_s=0)
@@ -387,9 +396,10 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
                 assert gate.wait(30)
             return self.inner.put(keys, buffers)
 
-    s = wrapped_store(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * unit},
-                      offload={"policy": "watermark", "high_watermark": 1.0, "low_watermark": 0.5,
-                               "queue_max_objects": 2, "write_threads": 1}).start()  # one write: all the half
+    s, ssd = wrapped_store_and_ssd(tmp_path, lambda inner: GatedPuts(inner, 0.0), dram={"capacity_bytes": 8 * unit},
+                                   offload={"policy": "watermark", "high_watermark": 1.0, "low_watermark": 0.5,
+                                            "queue_max_objects": 2, "write_threads": 1})
+    s.start()  # one write: all the half
     try:
         assert s.put(["big"], [np.ones(3 * unit, np.uint8)]) == [Status.OK]
         small = ["a", "b", "c", "d"]
@@ -404,10 +414,9 @@ def test_objects_the_offload_queue_refused_to_take_back_are_written_before_dram_
         gate.set()  # ... so after this write it stops: "d" is left to the background
         f1.join(30)
         deadline = time.monotonic() + 30
-        while s._offloader.depth and time.monotonic() < deadline:  # "b" and "c" are written
+        while s.stats().queues.offload and time.monotonic() < deadline:  # "b" and "c" are written
             time.sleep(0.01)  # poll interval; the loop has a deadline
-        assert s._ssd is not None
-        inner = s._ssd.inner  # type: ignore[attr-defined]
+        inner = ssd.inner
         assert inner.contains(["big", "a", "b", "c", "d"]) == [True, True, True, True, False]
         out = np.zeros(3 * unit, np.uint8)
         for k in ["big", "a", "b", "c"]:  # "d" becomes the least recently used
@@ -458,9 +467,9 @@ def test_flush_returns_under_steady_reads_that_queue_promotions(tmp_path) -> Non
         t = threading.Thread(target=reader)
         t.start()
         deadline = time.monotonic() + 30
-        while s._promoter.depth < 10 and time.monotonic() < deadline:
+        while s.stats().queues.promotion < 10 and time.monotonic() < deadline:
             time.sleep(0.01)  # poll interval; the loop has a deadline
-        assert s._promoter.depth >= 10
+        assert s.stats().queues.promotion >= 10
         got: list = []
         f = threading.Thread(target=lambda: got.append(s.flush_report()))
         f.start()

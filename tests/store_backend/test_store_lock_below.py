@@ -44,8 +44,10 @@ class OwnedLock:
         self.owner = None
         self._lock.release()
 
-    def _is_owned(self) -> bool:
+    def held_by_me(self) -> bool:
         return self.owner == threading.get_ident()
+
+    _is_owned = held_by_me  # what threading.Condition asks
 
     __enter__ = acquire
 
@@ -71,7 +73,7 @@ class ProbeBelow:
 
         def probed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             self.calls += 1
-            if self.lock is not None and self.lock._is_owned():
+            if self.lock is not None and self.lock.held_by_me():
                 self.under_lock.append(f"{name} from {threading.current_thread().name}")
             return attr(*args, **kwargs)
 

@@ -286,7 +286,7 @@ def only_on_ssd(store: TieredStore, key: str) -> None:
     assert store.tier_of([key]) == ["ssd"]
 
 
-def assert_gone_then_new_bytes_stick(store: TieredStore, key: str) -> None:
+def assert_gone_then_new_bytes_stick(store: TieredStore, gate: GatedSsd, key: str) -> None:
     out = np.zeros(OBJ_BYTES, np.uint8)
     assert store.get_into([key], [out])[0].status is Status.NOT_FOUND
     assert store.contains([key]) == [False] and store.size_of([key]) == [None] and key not in store.keys()
@@ -295,9 +295,7 @@ def assert_gone_then_new_bytes_stick(store: TieredStore, key: str) -> None:
     for tier_reads in range(3):  # from DRAM, and (after a flush that let promotions land) again
         assert store.get_into([key], [out])[0].status is Status.OK and decode(out) == (0, 2), tier_reads
         store.flush(timeout_s=30)
-    assert store._ssd is not None
-    inner = store._ssd.inner  # type: ignore[attr-defined]
-    assert inner.get_into([key], [out])[0].status is Status.OK and decode(out) == (0, 2)
+    assert gate.inner.get_into([key], [out])[0].status is Status.OK and decode(out) == (0, 2)
 
 
 def test_remove_while_a_promotion_reads_the_ssd_copy(tmp_path) -> None:
@@ -311,7 +309,7 @@ def test_remove_while_a_promotion_reads_the_ssd_copy(tmp_path) -> None:
         gate.release.set()
         s.flush(timeout_s=30)
         assert s.tier_of(["x"]) == [None]
-        assert_gone_then_new_bytes_stick(s, "x")
+        assert_gone_then_new_bytes_stick(s, gate, "x")
     finally:
         gate.release.set()
         s.close()
@@ -328,7 +326,7 @@ def test_remove_of_an_ssd_only_object_whose_promotion_is_queued(tmp_path) -> Non
         gate.release.set()
         s.flush(timeout_s=30)
         assert s.tier_of(["x"]) == [None] and s.metrics()["dram"]["promotions"] == 0
-        assert_gone_then_new_bytes_stick(s, "x")
+        assert_gone_then_new_bytes_stick(s, gate, "x")
     finally:
         gate.release.set()
         s.close()
@@ -365,7 +363,7 @@ def test_remove_while_an_offload_writes_the_object(tmp_path, monkeypatch, lands,
         assert report.ok, report
         assert s.get_into(["x"], [out])[0].status is Status.OK and decode(out) == (0, 2)
         assert s.remove(["x"]) == [Status.OK]
-        assert_gone_then_new_bytes_stick(s, "x")
+        assert_gone_then_new_bytes_stick(s, gate, "x")
     finally:
         gate.release.set()
         s.close()
@@ -379,7 +377,7 @@ def test_a_busy_ssd_copy_is_deleted_once_its_reader_is_done(tmp_path) -> None:
         only_on_ssd(s, "x")
         gate.busy_removes = 2
         assert s.remove(["x"]) == [Status.OK] and gate.remove_calls == 3
-        assert_gone_then_new_bytes_stick(s, "x")
+        assert_gone_then_new_bytes_stick(s, gate, "x")
     finally:
         s.close()
 
@@ -393,7 +391,7 @@ def test_an_ssd_copy_that_could_not_be_deleted_stays_hidden_until_it_is(tmp_path
         gate.failing_removes = 1
         assert s.remove(["x"]) == [Status.IO_ERROR]
         assert gate.inner.contains(["x"]) == [True]  # the old copy is still on disk ...
-        assert_gone_then_new_bytes_stick(s, "x")  # ... and never served; the new bytes replace it
+        assert_gone_then_new_bytes_stick(s, gate, "x")  # ... and never served; the new bytes replace it
     finally:
         s.close()
 

@@ -20,6 +20,7 @@ from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.conftest import payload
+from tests.support.store_views import dram_entry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +39,7 @@ class Recorder:
         self.gaps += 1
 
     def seen(self) -> list[tuple[str, str, str]]:
-        assert self.store._bus.wait_idle(10)
+        assert self.store.wait_idle(10, offload=False, promotion=False)
         return [(e.kind, e.key, e.tier) for e in self.events]
 
 
@@ -72,7 +73,7 @@ def test_stored_moved_evicted_promoted_removed(tmp_path) -> None:
         assert s.tier_of(["k0"]) == ["ssd"]
         buf = bytearray(CHUNK)
         assert s.get_into(["k0"], [buf])[0].status is Status.OK
-        assert s._promoter.wait_idle(10)
+        assert s.wait_idle(10, offload=False, events=False)
         assert ("moved", "k0", "dram") in rec.seen()
         assert s.remove(["k0", "k1", "nope"]) == [Status.OK, Status.OK, Status.NOT_FOUND]
         tail = rec.seen()[-2:]
@@ -96,7 +97,7 @@ def _ssd_evicts_the_first_key(s: TieredStore, n: int = 40) -> list[str]:
     keys = [f"k{i}" for i in range(n)]
     for k in keys:
         assert s.put([k], [payload(k, CHUNK)]) == [Status.OK]
-        assert s._offloader.wait_idle(30)  # not flush: it would write the evicted copies back
+        assert s.wait_idle(30, promotion=False, events=False)  # not flush: it would write the evicted copies back
     return keys
 
 
@@ -105,17 +106,19 @@ def test_an_eviction_inside_the_ssd_backend_makes_the_dram_copy_dirty_again(tmp_
     """16 MiB of DRAM keeps all 40 objects (10 MiB); 4 MiB of SSD cannot: the backend evicts the
     oldest. Each DRAM copy it evicted is dirty again (not persisted), and ``evicted`` is published
     for the SSD tier, not as lost (DRAM still has it)."""
-    with TieredStore(config(tmp_path, backend, dram=16 * MiB, ssd_bytes=4 * MiB)) as s:
+    c = load_config(config(tmp_path, backend, dram=16 * MiB, ssd_bytes=4 * MiB))
+    assert c.ssd is not None
+    ssd = open_ssd_backend(c.ssd)
+    with TieredStore(c, ssd=ssd) as s:
         rec = Recorder(s)
         _ssd_evicts_the_first_key(s)
-        ssd = s._ssd
-        assert ssd is not None and ssd.contains(["k0"]) == [False]
+        assert ssd.contains(["k0"]) == [False]
         rec.seen()
         ssd_evicted = [e for e in rec.events if e.kind == "evicted" and e.tier == "ssd"]
         assert "k0" in {e.key for e in ssd_evicted}
         assert not any(e.lost for e in ssd_evicted)
         # What the SSD tier lost and DRAM still holds is dirty; what the SSD tier holds is clean.
-        for key, e in s._dram.entries.items():
+        for key, e in s.dram_snapshot().entries.items():
             assert e.persisted == ssd.contains([key])[0], key
         # And it is written back when asked, not dropped: the bytes stay readable.
         buf = bytearray(CHUNK)
@@ -160,8 +163,8 @@ def test_an_eviction_reported_before_the_offload_commits_leaves_the_key_dirty(tm
     with TieredStore(c, ssd=ssd) as s:
         assert s.put(["k"], [payload("k", CHUNK)]) == [Status.OK]
         assert ssd.done.wait(10)
-        assert s._offloader.wait_idle(10)
-        e = s._dram.entries["k"]
+        assert s.wait_idle(10, promotion=False, events=False)
+        e = dram_entry(s, "k")
         assert ssd.inner.contains(["k"]) == [False]
         assert not e.persisted, "marked persisted although its only SSD copy was evicted"
         # DRAM pressure: "k" is written back before it goes, never dropped as the last copy.

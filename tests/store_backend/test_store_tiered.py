@@ -9,11 +9,13 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from store_backend.config import ConfigError
-from store_backend.ssd.base import SsdStats
+from store_backend.config import ConfigError, load_config
+from store_backend.ssd.base import SsdBackend, SsdStats
+from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.types import ReadResult, Status
 from tests.store_backend.conftest import payload
+from tests.support.store_views import leased_dram_bytes
 
 MiB = 1 << 20
 CHUNK = 256 * 1024
@@ -22,6 +24,13 @@ BACKENDS = ["bucket", "offset", "file"]
 
 def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str = "eager", *,
            eviction: str = "prefix_reuse", **extra) -> TieredStore:
+    return tiered_with_ssd(tmp_path, backend, dram, policy, eviction=eviction, **extra)[0]
+
+
+def tiered_with_ssd(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str = "eager", *,
+                    eviction: str = "prefix_reuse", **extra) -> tuple[TieredStore, SsdBackend]:
+    """A started store of :func:`tiered`'s config, and its SSD backend (opened here from the same
+    config and handed to the store, which owns it), so a test can look at the SSD tier itself."""
     cfg = {
         "dram": {"capacity_bytes": dram, "eviction_policy": eviction},
         "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": backend,
@@ -30,12 +39,15 @@ def tiered(tmp_path, backend: str = "bucket", dram: int = 2 * MiB, policy: str =
     }
     for section, values in extra.items():
         cfg.setdefault(section, {}).update(values)
-    return TieredStore(cfg).start()
+    config = load_config(cfg)
+    assert config.ssd is not None
+    ssd = open_ssd_backend(config.ssd)
+    return TieredStore(config, ssd=ssd).start(), ssd
 
 
 def settle(store: TieredStore, timeout_s: float = 30.0) -> None:
     """Wait for the background workers alone (flush would also write, and retry, on its own)."""
-    assert store._offloader.wait_idle(timeout_s) and store._promoter.wait_idle(timeout_s)
+    assert store.wait_idle(timeout_s, events=False)
 
 
 def read_ok(store: TieredStore, keys: Sequence[str], size: int = CHUNK) -> list[bool]:
@@ -314,11 +326,11 @@ def test_unknown_admission_policy_is_a_config_error(tmp_path) -> None:
 def test_a_dram_copy_that_outlived_its_ssd_copy_is_written_back_not_dropped(tmp_path) -> None:
     """The SSD tier evicts on its own (the offset backend: oldest first). A chunk kept in DRAM all
     that time is then the only copy; DRAM must write it back before it goes, not drop it as clean."""
-    with tiered(tmp_path, "offset", ssd={"capacity_bytes": 8 * MiB}, eviction="lru") as s:
+    s, ssd = tiered_with_ssd(tmp_path, "offset", ssd={"capacity_bytes": 8 * MiB}, eviction="lru")
+    with s:
         s.put(["hot"], [payload("hot", CHUNK)])
         s.flush(timeout_s=30)
-        ssd = s._ssd
-        assert ssd is not None and ssd.contains(["hot"]) == [True]
+        assert ssd.contains(["hot"]) == [True]
         i = 0
         while ssd.contains(["hot"])[0]:  # read all along, so LRU keeps it in DRAM
             assert read_ok(s, ["hot"]) == [True]
@@ -385,7 +397,9 @@ def test_a_failed_offload_is_retried_before_dram_drops_the_object(failures, kept
 def test_watermark_demotion_rewrites_a_copy_the_ssd_tier_evicted(tmp_path) -> None:
     """Watermark mode frees DRAM of persisted objects without writing them; one whose SSD copy is
     gone (here removed behind the store's back, as the SSD tier's own eviction would) is written again."""
-    with tiered(tmp_path, "offset", policy="watermark", eviction="lru", promotion={"admission_hits": 2}) as s:
+    s, ssd = tiered_with_ssd(tmp_path, "offset", policy="watermark", eviction="lru",
+                             promotion={"admission_hits": 2})
+    with s:
         keys = ["hot"] + [f"a{i}" for i in range(7)]
         for k in keys:
             s.put([k], [payload(k, CHUNK)])
@@ -394,7 +408,7 @@ def test_watermark_demotion_rewrites_a_copy_the_ssd_tier_evicted(tmp_path) -> No
         assert read_ok(s, ["hot"]) == [True] and read_ok(s, ["hot"]) == [True]
         s.flush(timeout_s=30)
         assert s.tier_of(["hot"]) == ["dram"]  # promoted: in DRAM, and persisted
-        assert s._ssd is not None and s._ssd.remove(["hot"]) == [Status.OK]
+        assert ssd.remove(["hot"]) == [Status.OK]
         for i in range(8):
             k = f"b{i}"
             s.put([k], [payload(k, CHUNK)])
@@ -448,8 +462,7 @@ def test_a_stalled_ssd_write_never_holds_all_of_dram() -> None:
         writer = threading.Thread(target=s._offload_batch, args=(keys,))
         writer.start()
         assert ssd.entered.wait(10)
-        with s._lock:
-            assert sum(e.size for e in s._dram.entries.values() if e.leases) <= MiB
+        assert leased_dram_bytes(s) <= MiB
         assert s.put(["new"], [payload("new", CHUNK)]) == [Status.NO_SPACE]
         got: list = []
         waiter = threading.Thread(target=lambda: got.extend(s.reserve(["new"], [CHUNK], room_wait_s=30)))

@@ -131,7 +131,7 @@ def _promoted_through(tmp_path, wrapper: type) -> tuple[TieredStore, np.ndarray]
     buf = np.empty(OBJ, dtype=np.uint8)
     for _ in range(2):  # promotion.admission_hits = 2: the second SSD hit queues a promotion
         assert store.get_into(["k"], [buf])[0].status is Status.OK
-    assert store._promoter.wait_idle(10)
+    assert store.wait_idle(10, offload=False, events=False)
     return store, buf
 
 
@@ -373,13 +373,18 @@ def test_close_in_watermark_mode_with_a_hung_ssd_is_bounded_and_the_late_write_l
 def test_close_bounds_the_ssd_engines_own_wait_and_counts_its_stuck_thread(tmp_path, monkeypatch, caplog) -> None:
     """An I/O pool thread of the SSD tier's engine still in a read at close (its caller gone): the
     store's close waits for it only until its own deadline, not the engine's 10 s, and counts it."""
+    from store_backend.ssd.bucket import BucketBackend
+    from store_backend.ssd.io.factory import make_io_engine
     from store_backend.ssd.io.requests import IoRequest
 
     cfg = load_config({"dram": {"capacity_bytes": 8 * MiB},
                        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "bucket",
                                "io_engine": "posix", "admission_policy": "all"},
                        "offload": {"policy": "eager"}})
-    store = TieredStore(cfg).start()
+    assert cfg.ssd is not None
+    # The backend owns its engine, as one the store opens itself would; the test keeps a handle.
+    engine = make_io_engine(cfg.ssd.io_engine, queue_depth=cfg.ssd.queue_depth, threads=cfg.ssd.io_threads)
+    store = TieredStore(cfg, ssd=BucketBackend(cfg.ssd, engine, owns_engine=True)).start()
     real_preadv = os.preadv
     release, entered = threading.Event(), threading.Event()
 
@@ -392,7 +397,6 @@ def test_close_bounds_the_ssd_engines_own_wait_and_counts_its_stuck_thread(tmp_p
     path = tmp_path / "side"
     path.write_bytes(b"x" * 8192)
     fd = os.open(path, os.O_RDONLY)
-    engine = store._ssd._engine  # type: ignore[union-attr]
     monkeypatch.setattr(os, "preadv", hung_disk)
     side = threading.Thread(target=lambda: engine.read([IoRequest(fd, 0, [bytearray(4096)]),
                                                         IoRequest(fd, 4096, [bytearray(4096)])]), daemon=True)

@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from store_backend.config import SsdConfig, load_config
+from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
 from store_backend.store import TieredStore
 from store_backend.tiers.base import Tier, TierGauges, TierTraits
 from store_backend.tiers.ssd import SsdTier
 from store_backend.types import Buffer, ReadResult, Status, byte_view
 from tests.store_backend.conftest import payload
+from tests.support.store_views import dram_entry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,22 +114,29 @@ class DictTier:
 
 
 def two_tiers(tmp_path) -> tuple[TieredStore, DictTier]:
+    s, pool, _ssd = two_tiers_and_ssd(tmp_path)
+    return s, pool
+
+
+def two_tiers_and_ssd(tmp_path) -> tuple[TieredStore, DictTier, SsdBackend]:
+    """A started store over SSD then a DictTier pool; and the SSD backend (the store owns it)."""
     cfg = load_config({"dram": {"capacity_bytes": 1 * MiB}, "offload": {"policy": "eager"},
                        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 16 * MiB,
                                "admission_policy": "all"},
                        "promotion": {"admission_hits": 1}})
     assert cfg.ssd is not None
     pool = DictTier()
-    store = TieredStore(cfg, ssd=open_ssd_backend(cfg.ssd), tiers=[pool])
-    return store.start(), pool
+    ssd = open_ssd_backend(cfg.ssd)
+    store = TieredStore(cfg, ssd=ssd, tiers=[pool])
+    return store.start(), pool, ssd
 
 
 def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
-    s, pool = two_tiers(tmp_path)
+    s, pool, ssd = two_tiers_and_ssd(tmp_path)
     with s:
-        assert s._backing is not None and s._backing.name == "ssd"  # the pool never backs DRAM
         pool.data["p"] = payload("p", CHUNK).tobytes()
         assert s.put(["d"], [payload("d", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
+        assert ssd.contains(["d"]) == [True] and "d" not in pool.data  # the pool never backs DRAM
         assert s.tier_of(["d", "p", "nope"]) == ["dram", "pool", None]
         assert s.contains(["p"]) == [True] and s.size_of(["p"]) == [CHUNK] and s.exists(["d", "p"]) == 2
         # keys() lists this node's own tiers only, and tier_of(local_only) asks them alone.
@@ -138,8 +147,8 @@ def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
         assert m.tier("pool").hits == 1 and m.ssd.misses >= 1  # SSD asked first, then the pool
         # Kept from the pool at once as a local replica: not persisted (no SSD copy), but clean
         # (another node holds it), so eviction may drop it and no flush writes it.
-        e = s._dram.ready("p")
-        assert e is not None and not e.persisted and e.replica and e.clean
+        e = dram_entry(s, "p")
+        assert e is not None and e.ready and not e.persisted and e.replica and e.clean
         assert s.tier_of(["p"], local_only=True) == ["dram"] and s.flush_report(timeout_s=30).ok
         # put's EXISTS check skips a tier without a local index: a key only in the pool is stored.
         pool.data["q"] = b"x"
@@ -149,12 +158,12 @@ def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
 
 
 def test_remove_is_ok_only_when_every_tier_deleted_and_a_pool_failure_is_the_pools_to_retry(tmp_path) -> None:
-    s, pool = two_tiers(tmp_path)
+    s, pool, ssd = two_tiers_and_ssd(tmp_path)
     with s:
         assert s.put(["k"], [payload("k", CHUNK)]) == [Status.OK] and s.flush(timeout_s=30)
         pool.data["k"] = payload("k", CHUNK).tobytes()
         assert s.remove(["k"]) == [Status.OK]
-        assert "k" not in pool.data and s._ssd.contains(["k"]) == [False] and s.contains(["k"]) == [False]
+        assert "k" not in pool.data and ssd.contains(["k"]) == [False] and s.contains(["k"]) == [False]
         # A pool that cannot delete (a node of it did not confirm): IO_ERROR, this node's SSD copy
         # went, the pool's stayed. The key is not hidden here for the pool's failure (the pool
         # retries it itself): once the pool's copy is gone, a put of the key is stored, persisted
@@ -163,11 +172,11 @@ def test_remove_is_ok_only_when_every_tier_deleted_and_a_pool_failure_is_the_poo
         pool.data["j"] = payload("j", CHUNK).tobytes()
         pool.fail_removes = True
         assert s.remove(["j"]) == [Status.IO_ERROR]
-        assert s._ssd.contains(["j"]) == [False] and "j" in pool.data
+        assert ssd.contains(["j"]) == [False] and "j" in pool.data
         assert s.tier_of(["j"]) == ["pool"]
         del pool.data["j"]  # the pool's own retry got through (its removes still fail: fail_removes)
         fresh = payload("j-v2", CHUNK)
         assert s.put(["j"], [fresh]) == [Status.OK] and s.flush(timeout_s=30)
-        assert s._ssd.contains(["j"]) == [True] and s.tier_of(["j"], local_only=True) == ["dram"]
+        assert ssd.contains(["j"]) == [True] and s.tier_of(["j"], local_only=True) == ["dram"]
         buf = bytearray(CHUNK)
         assert s.get_into(["j"], [buf])[0].status is Status.OK and bytes(buf) == fresh.tobytes()

@@ -255,7 +255,7 @@ def test_objects_a_pin_promotes_from_the_pool_count_as_pool_hits(directory: Embe
         serving_peer(stack, directory, "B", keys)
         store, _tier = stack.enter_context(local_node(directory))
         assert store.pin(keys) == [True] * 3  # queues their promotion: read from B into DRAM
-        assert store._promoter.wait_idle(10)
+        assert store.wait_idle(10, offload=False, events=False)
         assert store.tier_of(keys, local_only=True) == ["dram"] * 3
         st = store.stats().pool
         assert st.hits == 3 and st.bytes_read == 3 * SIZE

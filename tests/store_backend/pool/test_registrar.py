@@ -19,6 +19,7 @@ from store_backend.store import TieredStore
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.transport_helpers import payload
+from tests.support.faults import returns, wrapped_calls
 
 MiB = 1 << 20
 SIZE = 256 << 10
@@ -39,6 +40,21 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
 def _registrar(store: TieredStore, d: EmbeddedDirectory, **kw) -> Registrar:
     return Registrar(store, d, "N", info=lambda: node_info(store, "N", "127.0.0.1:1", 1), heartbeat_s=0.1,
                      node_ttl_s=2.0, **kw).start()
+
+
+def _registrar_and_its_subscription(store: TieredStore, d: EmbeddedDirectory, **kw) -> tuple[Registrar, tuple]:
+    """A started registrar, and the (events, on_gap) callbacks it gave ``store.subscribe``: what the
+    store's event bus calls, for a test to deliver a batch or a gap (dropped events) itself."""
+    subscribed: list[tuple] = []
+
+    def capture(orig, fn, on_gap=None):
+        subscribed.append((fn, on_gap))
+        return orig(fn, on_gap)
+
+    with wrapped_calls(store, subscribe=returns(capture)):
+        reg = _registrar(store, d, **kw)
+    [callbacks] = subscribed
+    return reg, callbacks
 
 
 def test_events_register_with_checksums_moves_and_removes_follow(store: TieredStore) -> None:
@@ -123,8 +139,8 @@ def test_a_directory_that_lost_the_node_and_dropped_events_are_resynced(store: T
         reg.close()
         assert store.put(["late"], [payload("late", SIZE)]) == [Status.OK]
         d.register("N", [("phantom", Location("N", "dram", SIZE))])
-        reg = _registrar(store, d, checksum=False)
-        reg._on_gap()
+        reg, (_on_events, on_gap) = _registrar_and_its_subscription(store, d, checksum=False)
+        on_gap()  # as the bus does when it dropped events
         wait_until(lambda: _located(d, ["late", "phantom"]) == [[Location("N", "dram", SIZE)], []], 10, "resynced")
     finally:
         reg.close()
@@ -187,7 +203,7 @@ def test_committed_after_vouches_only_for_own_puts_and_only_with_every_event_see
 
     d = EmbeddedDirectory()
     from_peer = {"peer"}
-    reg = _registrar(store, d, peer_put=lambda k, _seq: k in from_peer)
+    reg, (on_events, on_gap) = _registrar_and_its_subscription(store, d, peer_put=lambda k, _seq: k in from_peer)
     held = threading.Event()
     release = threading.Event()
 
@@ -221,11 +237,11 @@ def test_committed_after_vouches_only_for_own_puts_and_only_with_every_event_see
         assert reg.committed_after(["own2"], t0) == [False]
         # A copy pulled from a peer replaces what was known of the key.
         seq = store.residency_seq()
-        reg._on_events([ResidencyEvent("moved", "own", "dram", SIZE, src_tier="pool", seq=seq + 1, at_s=time.time())])
+        on_events([ResidencyEvent("moved", "own", "dram", SIZE, src_tier="pool", seq=seq + 1, at_s=time.time())])
         assert reg.committed_after(["own"], t0) == [False]
         # Lost events: nothing known any more.
         assert reg.committed_after(["fill11"], t0) == [True]
-        reg._on_gap()
+        on_gap()
         assert reg.committed_after(["fill11"], t0) == [False]
     finally:
         release.set()
