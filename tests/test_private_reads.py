@@ -14,8 +14,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-# Target: 40 (issue 26). Lower this whenever the count drops; never raise it. 75 on 2026-12-05.
-CEILING = 75
+# Target: 40 (issue 26). Lower this whenever the count drops; never raise it. 74 on 2026-12-05.
+CEILING = 74
 
 
 def _imported_modules(tree: ast.AST) -> set[str]:
