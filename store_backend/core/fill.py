@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from store_backend.checksum import object_checksum
 from store_backend.coherence import Ticket
+from store_backend.config import StoreConfig
 from store_backend.core.common import _HIT_TABLE_MAX, _count_failure
 from store_backend.dram import Entry
 from store_backend.plans import should_promote
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 class StoreFill:
     """Fill of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     # Stage-in (lease), promotion and pool replicas all bring objects up the same way: locate each
     # below (no store lock held), reserve a WRITING slot under the lock (evicting clean entries

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from store_backend.config import StoreConfig
 from store_backend.core.common import _WAIT_SLICE_S, _WRITE_FAILED, MAX_OFFLOAD_ATTEMPTS
 from store_backend.dram import Entry, EntryState
 from store_backend.types import FlushReport
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 class StoreFlush:
     """Flush of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Persist what is in DRAM; True only when every object put before the call that the SSD

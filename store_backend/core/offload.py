@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+from store_backend.config import StoreConfig
 from store_backend.core.common import _WAIT_SLICE_S, _WRITE_FAILED, _count_failure
 from store_backend.dram import Entry, EntryState
 from store_backend.plans import demotion_bytes, demotion_split
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 class StoreOffload:
     """Offload of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def _queue_offload(self, entries: list[Entry], *, front: bool = False) -> int:
         """(lock held) The one way onto the offload queue: queue the SSD writes of ``entries``

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from store_backend.config import StoreConfig
 from store_backend.core.common import _HIT_TABLE_MAX
 from store_backend.slots import PinRow, check_group
 from store_backend.types import check_ttl_s
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 class StorePins:
     """Pins of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0, *, group: int | None = None) -> list[bool]:
         """Lease objects for an in-flight load: DRAM copies are not evicted until ``unpin`` or

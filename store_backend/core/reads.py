@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from store_backend.coherence import Ticket
+from store_backend.config import StoreConfig
 from store_backend.core.common import _count_failure
 from store_backend.dram import Entry
 from store_backend.residency import ResidencyEvent
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 class StoreReads:
     """Reads of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
         """Copy objects into the caller's writable buffers (DRAM first, else SSD).

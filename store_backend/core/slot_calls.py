@@ -11,6 +11,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from store_backend.checksum import object_checksum
+from store_backend.config import StoreConfig
 from store_backend.core.common import _WAIT_SLICE_S, _check_items, _count_failure
 from store_backend.dram import Entry, EntryState
 from store_backend.residency import ResidencyEvent
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 class StoreSlots:
     """Slot calls of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
                 *, ttl_s: float = 60.0, owner: int = 0, group: int | None = None,

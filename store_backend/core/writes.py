@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from store_backend.checksum import object_checksum
 from store_backend.coherence import Ticket
+from store_backend.config import StoreConfig
 from store_backend.core.common import _LOOKUP_TRIES, _WAIT_SLICE_S, MAX_OFFLOAD_ATTEMPTS
 from store_backend.dram import Entry
 from store_backend.plans import EvictPass, Verdict, VictimFacts, evict_pass_order, room_owed, victim_verdict
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 class StoreWrites:
     """Writes of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
+
+    config: StoreConfig  # the store's typed config, set by TieredStore.__init__
 
     def put(
         self,

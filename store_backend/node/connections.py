@@ -24,6 +24,7 @@ from store_backend.framing import MAX_FRAME_BYTES, READ_PIECE_BYTES, FrameError,
 from store_backend.metrics import LatencyHistogram
 from store_backend.node import protocol as p
 from store_backend.node.batches import in_chunks
+from store_backend.node.config import NodeServiceConfig
 from store_backend.node.fdpass import may_attach, peer_credentials
 from store_backend.node.peers import ProcessWatch, boot_time_s
 from store_backend.node.service_state import ClientProc, ServiceConn
@@ -52,6 +53,8 @@ class _BuffersFull(Exception):
 
 class ServiceConnections:
     """The connections of :class:`~store_backend.node.server.NodeService` (see the module docstring)."""
+
+    config: NodeServiceConfig  # the service's typed config, set by NodeService.__init__
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -21,6 +21,7 @@ from store_backend.framing import MAX_FRAME_BYTES
 from store_backend.metrics import TierStats
 from store_backend.node import protocol as p
 from store_backend.node.batches import INLINE_MAX_KEYS, in_chunks, key_page, leading_in_chunks, sorted_keys
+from store_backend.node.config import NodeServiceConfig
 from store_backend.node.connections import _Closing
 from store_backend.node.service_state import Ended, HeldSlot, ServiceConn, missed_tiers, with_gauges
 from store_backend.types import MAX_PIN_TTL_S, Status, check_wait_s
@@ -34,6 +35,8 @@ _WAIT_SLICE_S = 0.25
 
 class ServiceHandlers:
     """The handlers of :class:`~store_backend.node.server.NodeService` (see the module docstring)."""
+
+    config: NodeServiceConfig  # the service's typed config, set by NodeService.__init__
 
     async def _on_hello(self, c: ServiceConn, m: p.Hello) -> p.Frame | None:
         if c.hello:
