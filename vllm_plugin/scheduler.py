@@ -18,7 +18,7 @@ An embedded store lives with the workers (they move the bytes); lookups and leas
 worker's :class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker
 shares this process or not. In node mode (``store.node``) every rank's objects are in the node
 service, and lookups and leases go to it directly, all shards in one round trip
-(:class:`mooncake_connector.lookup_service.NodeLookups`); a disaggregated decode request's lookup
+(:class:`mooncake_connector.lookup_client.NodeLookups`); a disaggregated decode request's lookup
 then waits in the service until the prefill instance's chunks are committed (no polling).
 - ``build_connector_meta`` emits the loads, and saves for every chunk whose tokens were all computed
   by the end of this step: prompt chunks, chunked-prefill chunks and decode-produced chunks alike.
@@ -54,7 +54,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import chunk_hashes, object_key
-from mooncake_connector.lookup_service import NodeLookups, RankLookups, ShardLookups, socket_path
+from mooncake_connector.lookup_client import NodeLookups, RankLookups, ShardLookups
+from mooncake_connector.lookup_service import socket_path
 from mooncake_connector.stores import acquire_node, epoch_directory, node_connections, release_store
 from store_backend.node.client import NodeClient
 from store_backend.config import ConfigError

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from mooncake_connector.client import KVClient
 from mooncake_connector import lookup_service
 from mooncake_connector.config import load_connector_config
+from mooncake_connector.lookup_client import LookupClient
 from mooncake_connector.lookup_service import (
     MAX_FRAME_BYTES,
     MAX_LEASE_TTL_S,
-    LookupClient,
     LookupServer,
     Reply,
     Request,

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from mooncake_connector.client import KVClient
-from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
+from mooncake_connector.lookup_client import LookupClient
+from mooncake_connector.lookup_service import LookupServer, socket_path
 from store_backend.store import TieredStore
 
 MiB = 1 << 20

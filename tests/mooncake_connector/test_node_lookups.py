@@ -1,4 +1,4 @@
-"""The scheduler's lookups in node mode (:class:`mooncake_connector.lookup_service.NodeLookups`)
+"""The scheduler's lookups in node mode (:class:`mooncake_connector.lookup_client.NodeLookups`)
 against a real node service subprocess: every shard in one round trip, saves in flight counted,
 pins with the slowest tier per chunk, a wait that answers at the commit (not at its deadline), and
 a lost service answered as misses and counted."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_connector.config import NodeAttachConfig
-from mooncake_connector.lookup_service import NodeLookups
+from mooncake_connector.lookup_client import NodeLookups
 from mooncake_connector.stores import acquire_node, release_store
 from store_backend.node.client import NodeClient
 from tests.node_service import ServiceRun, node_service

@@ -15,7 +15,8 @@ import pytest
 
 from mooncake_connector.client import KVClient
 from mooncake_connector.epoch import EpochSweeper
-from mooncake_connector.lookup_service import LookupClient, LookupServer, socket_path
+from mooncake_connector.lookup_client import LookupClient
+from mooncake_connector.lookup_service import LookupServer, socket_path
 from store_backend.store import TieredStore
 from tests.store_backend.node.server_harness import wait_until
 

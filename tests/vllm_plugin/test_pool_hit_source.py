@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_connector.lookup_service import slowest_tier
+from mooncake_connector.lookup_client import slowest_tier
 
 
 def test_pool_ranks_below_this_nodes_tiers() -> None:
