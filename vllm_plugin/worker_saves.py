@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -94,6 +95,21 @@ class _SaveCopies:
 
     def __init__(self, worker: WorkerState) -> None:
         self._w = worker
+
+    def _chunks_to_save(self, meta: TieredConnectorMetadata, failed_reqs: set[str]
+                        ) -> Iterator[tuple[str, ChunkSave, str, str | None]]:
+        """(request id, chunk, key, parent key) of each chunk the step asks to save, in order; a chunk
+        of a request whose load failed on some rank is skipped, counted and reported not saved (its
+        KV was computed over a failed load)."""
+        w = self._w
+        for plan in meta.requests:
+            for chunk in plan.saves:
+                if plan.req_id in failed_reqs:
+                    w.counters.saves_skipped_failed_load += 1
+                    w.reports.add(chunk.save_id, False)
+                    continue
+                parent = object_key(w.digest, chunk.parent_hash) if chunk.parent_hash else None
+                yield plan.req_id, chunk, object_key(w.digest, chunk.chunk_hash), parent
 
     def _side_stream(self) -> Any:
         device = self._w.device
@@ -210,16 +226,7 @@ class SlotSaves(_SaveCopies):
         reported saved and not gathered; one refused otherwise (no room, ...) is reported not
         saved, so the scheduler plans it again."""
         w = self._w
-        todo: list[tuple[str, ChunkSave, str, str | None]] = []
-        for plan in meta.requests:
-            for chunk in plan.saves:
-                if plan.req_id in failed_reqs:
-                    w.counters.saves_skipped_failed_load += 1
-                    w.reports.add(chunk.save_id, False)
-                    continue
-                key = object_key(w.digest, chunk.chunk_hash)
-                parent = object_key(w.digest, chunk.parent_hash) if chunk.parent_hash else None
-                todo.append((plan.req_id, chunk, key, parent))
+        todo = list(self._chunks_to_save(meta, failed_reqs))
         if not todo:
             return []
         fut = w.slot_calls.submit(lambda: w.client.reserve(
@@ -258,21 +265,14 @@ class StagedSaves(_SaveCopies):
         assert w.staging is not None
         jobs: list[SaveJob] = []
         deadline = time.monotonic() + w.cfg.load_timeout_s  # one bound for the whole step
-        for plan in meta.requests:
-            for chunk in plan.saves:
-                if plan.req_id in failed_reqs:
-                    w.counters.saves_skipped_failed_load += 1
-                    w.reports.add(chunk.save_id, False)
-                    continue
-                buf = w.staging_in_flight.acquire(w.staging, w.layout.chunk_bytes, deadline)
-                if buf is None:
-                    w.counters.saves_dropped_staging += 1
-                    w.client.count(staging_failures=1)
-                    w.reports.add(chunk.save_id, False)
-                    continue
-                key = object_key(w.digest, chunk.chunk_hash)
-                parent = object_key(w.digest, chunk.parent_hash) if chunk.parent_hash else None
-                jobs.append(SaveJob(plan.req_id, chunk, buf, key, parent))
+        for req_id, chunk, key, parent in self._chunks_to_save(meta, failed_reqs):
+            buf = w.staging_in_flight.acquire(w.staging, w.layout.chunk_bytes, deadline)
+            if buf is None:
+                w.counters.saves_dropped_staging += 1
+                w.client.count(staging_failures=1)
+                w.reports.add(chunk.save_id, False)
+                continue
+            jobs.append(SaveJob(req_id, chunk, buf, key, parent))
         return jobs
 
 

@@ -61,7 +61,8 @@ from store_backend.api import StoreClosedError
 from store_backend.config import ConfigError
 from store_backend.metrics import StoreStats
 from store_backend.node import protocol as p
-from store_backend.node.client_common import DEFAULT_TTL_S, REMOVE_BATCH_KEYS, T, _by_halving, _Held  # noqa: F401  (re-exported)
+from store_backend.node.client_common import DEFAULT_TTL_S, REMOVE_BATCH_KEYS  # noqa: F401  (re-exported)
+from store_backend.node.client_common import T, _by_halving, _Held, _scatter
 from store_backend.node.client_queries import ClientQueries
 from store_backend.node.client_slots import ClientSlots
 from store_backend.node.client_wire import Backoff, Connection, Lost, Refused, hello, probe  # noqa: F401 (probe re-exported)
@@ -459,6 +460,17 @@ class NodeClient(ClientQueries, ClientSlots):
             return self._run(body, fail, urgent)
         finally:
             self._exit()
+
+    def _call_valid(self, n: int, ok: list[int], body: Callable[[Connection], list[Any]],
+                    fail: Callable[[str], list[Any]], invalid: Callable[[int], Any]) -> list[Any]:
+        """A call over ``n`` keys of which only those at ``ok`` are valid: ``body`` (see :meth:`_call`)
+        answers them, ``invalid(i)`` every other index, answered here and never sent. With no valid
+        key nothing is sent, but a closed client still refuses (StoreClosedError, as any call)."""
+        if not ok:
+            self._enter()
+            self._exit()
+            return [invalid(i) for i in range(n)]
+        return _scatter(n, ok, self._call(body, fail), invalid)
 
     def _run(self, body: Callable[[Connection], T], fail: Callable[[str], T], urgent: bool = False) -> T:
         """``body`` on a checked-out connection; ``fail(why)`` answers when the service cannot be asked.

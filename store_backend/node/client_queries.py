@@ -211,11 +211,7 @@ class ClientQueries:
                 answers[lo:lo + len(part)] = [Status(v) for v in self._values(replies, len(part))]
             return answers
 
-        if not sub:
-            self._enter()
-            self._exit()
-            return [Status.INVALID_KEY] * len(keys)
-        return _scatter(len(keys), ok, self._call(body, lambda _why: answers), lambda _i: Status.INVALID_KEY)
+        return self._call_valid(len(keys), ok, body, lambda _why: answers, lambda _i: Status.INVALID_KEY)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.flush_report(timeout_s).ok

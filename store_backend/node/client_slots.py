@@ -25,7 +25,6 @@ from store_backend.node.client_common import (
     _check_room_wait,
     _Held,
     _release_views,
-    _scatter,
 )
 from store_backend.node.client_wire import Connection, Lost
 from store_backend.node.socket_dir import NodeAccessError, check_socket_dir_to_attach  # noqa: F401 (re-exported)
@@ -296,11 +295,7 @@ class ClientSlots:
         def invalid(i: int) -> Reservation:
             return Reservation(Status.INVALID_KEY, every[i], 0, 0, 0, None)
 
-        if not keys:
-            self._enter()
-            self._exit()
-            return [invalid(i) for i in range(len(every))]
-        return _scatter(len(every), ok, self._call(body, fail), invalid)
+        return self._call_valid(len(every), ok, body, fail, invalid)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float = DEFAULT_TTL_S, stage_in: bool = True,
               wait_pending_s: float = 0.0, owner: int = 0) -> list[SlotLease]:
@@ -346,11 +341,7 @@ class ClientSlots:
         def invalid(i: int) -> SlotLease:
             return SlotLease(Status.INVALID_KEY, every[i], 0, 0, 0, None)
 
-        if not keys:
-            self._enter()
-            self._exit()
-            return [invalid(i) for i in range(len(every))]
-        return _scatter(len(every), ok, self._call(body, fail), invalid)
+        return self._call_valid(len(every), ok, body, fail, invalid)
 
     def _claim(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
                ) -> tuple[list[int], list[tuple[int, _Held]], list[int]]:
