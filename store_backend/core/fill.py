@@ -64,14 +64,21 @@ class StoreFill:
         tier order, or, with ``copies``, copied from the caller's buffers (bytes it read from that
         tier already). Per slot, in the order of ``slots``: OK when the slot holds the whole object
         (``ReadResult.ok``), else the failure (a tier that raised, or a copy that did, answers
-        IO_ERROR, logged). With checksums, each whole slot gets its object's checksum, so a lease
-        of it is verified like a committed write."""
+        IO_ERROR, logged; so does a copy shorter than the object). With checksums, each whole slot
+        gets its object's checksum, so a lease of it is verified like a committed write (a checksum
+        that raises fails its slot). Never raises for a tier's or a copy's failure: every slot comes
+        back with an answer, so the caller ends each reservation it does not commit."""
         arena = self._dram.arena.view
         out = [ReadResult(Status.IO_ERROR)] * len(slots)
         if copies is not None:
             for n, ((e, tier), src) in enumerate(zip(slots, copies)):
+                view = byte_view(src)[:e.size]
+                if view.nbytes != e.size:  # shorter than the object: never commit a slot's old tail
+                    logger.error("copy of %r from the %s tier: %d bytes for an object of %d; not kept",
+                                 e.key, tier.name, view.nbytes, e.size)
+                    continue
                 try:
-                    copy_bytes(arena[e.offset:e.offset + e.size], byte_view(src)[:e.size])
+                    copy_bytes(arena[e.offset:e.offset + e.size], view)
                 except Exception:
                     logger.exception("copy of %r from the %s tier into its DRAM slot failed", e.key, tier.name)
                     continue
@@ -89,9 +96,14 @@ class StoreFill:
                     # Whole, or of another size than located (a newer copy meanwhile): not this slot's.
                     out[n] = ReadResult(Status.NOT_FOUND) if res.status is Status.OK and res.nbytes != e.size else res
         if self._checksums:
-            for (e, _t), res in zip(slots, out):
-                if res.ok:
+            for n, ((e, _t), res) in enumerate(zip(slots, out)):
+                if not res.ok:
+                    continue
+                try:
                     e.checksum = object_checksum(e.key, arena[e.offset:e.offset + e.size])
+                except Exception:  # a slot without its checksum is not kept (the caller gives it up)
+                    logger.exception("checksum of %r in its DRAM slot failed; not kept", e.key)
+                    out[n] = ReadResult(Status.IO_ERROR)
         return out
 
     def _hit_below(self, key: str) -> bool:
@@ -159,9 +171,9 @@ class StoreFill:
         with self._lock:
             events: list[ResidencyEvent] = []
             for (e, tier), res in zip(reserved, filled):
-                if self._live(e) and res.ok:
+                if self._live(e) and res.ok and not looked.removed(e.key):
                     self._commit_promoted(e, tier, ticket, events)
-                else:  # removed while it was read, or the read failed
+                else:  # removed (or its reads invalidated) while it was read, or the read failed
                     self._end_reservation(e)
                     m.store.promotions_skipped += 1
                     if res.status in (Status.CORRUPT, Status.IO_ERROR):

@@ -796,3 +796,21 @@ def test_a_lease_that_meets_a_promotion_begun_after_it_looked_waits_for_it(tmp_p
     finally:
         ssd.release.set()
         store.close()
+
+
+def test_reads_invalidated_while_a_promotion_reads_keep_no_copy(tmp_path) -> None:
+    """invalidate_reads during a promotion's read (a pool's retried remove that keeps a newer copy
+    elsewhere): the bytes the promotion read are not kept in DRAM, as for a stage-in or a replica."""
+    store, gate = gated_store(tmp_path, "get_into", "kv-promote", after=True)
+    try:
+        only_on_ssd(store, "x")
+        out = np.zeros(OBJ_BYTES, np.uint8)
+        assert store.get_into(["x"], [out])[0].status is Status.OK  # an SSD hit: its promotion is queued
+        assert gate.entered.wait(10), "the promotion never read x"
+        store.invalidate_reads(["x"])  # while the read it made waits to be committed
+        gate.release.set()
+        assert store.wait_idle(10)
+        assert store.tier_of(["x"]) == ["ssd"] and store.metrics()["store"]["promotions_skipped"] >= 1
+    finally:
+        gate.release.set()
+        store.close()

@@ -157,6 +157,28 @@ def test_reads_fall_through_the_tiers_in_order(tmp_path) -> None:
         assert set(s.metrics()) == {"dram", "ssd", "pool", "store", "queues", "latency", "slots"}
 
 
+class OversizedAnswers(DictTier):
+    """Fault injection: a pool tier that breaks the Tier contract by answering OK with more bytes
+    than the caller's buffer holds (it wrote only what fits)."""
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[ReadResult]:
+        out = super().get_into(keys, buffers)
+        return [ReadResult(Status.OK, byte_view(b).nbytes + 4096) if r.ok else r for r, b in zip(out, buffers)]
+
+
+def test_a_pool_answer_longer_than_its_buffer_is_never_kept_as_a_replica(tmp_path) -> None:
+    """A replica is kept only when the caller's buffer holds the whole object: a copy shorter than
+    the object would commit the slot's previous bytes as the object's tail."""
+    pool = OversizedAnswers()
+    s = TieredStore({"dram": {"capacity_bytes": 4 << 20}}, tiers=[pool]).start()
+    with s:
+        pool.data["p"] = payload("p", CHUNK).tobytes()
+        buf = bytearray(CHUNK)
+        assert s.get_into(["p"], [buf])[0].status is Status.OK
+        assert s.wait_idle(10)
+        assert dram_entry(s, "p") is None and s.tier_of(["p"], local_only=True) == [None]
+
+
 def test_remove_is_ok_only_when_every_tier_deleted_and_a_pool_failure_is_the_pools_to_retry(tmp_path) -> None:
     s, pool, ssd = two_tiers_and_ssd(tmp_path)
     with s:
