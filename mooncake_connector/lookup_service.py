@@ -46,7 +46,7 @@ from store_backend.framing import MAX_FRAME_BYTES, FrameError  # noqa: F401  (th
 from store_backend.framing import recv_frame as _recv
 from store_backend.framing import send_frame as _send
 from store_backend.node.fdpass import peer_credentials
-from store_backend.threads import Deadline, join_threads
+from store_backend.threads import Deadline, Workers
 from store_backend.types import MAX_PIN_TTL_S
 from store_backend.types import check_ttl_s as _store_check_ttl_s
 
@@ -183,7 +183,7 @@ class LookupServer:
         self._idle_since: dict[socket.socket, float] = {}
         self._evicted: set[socket.socket] = set()  # shut down for a newcomer, slot not yet back
         self._sock: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
+        self._workers = Workers(f"lookup server {self.path}")  # the accept thread and one per connection
         self._conns: set[socket.socket] = set()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
@@ -205,9 +205,7 @@ class LookupServer:
             os.umask(old_umask)
         sock.listen(_LISTEN_BACKLOG)
         self._sock = sock
-        t = threading.Thread(target=self._accept_loop, name="kv-lookup-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._workers.start(self._accept_loop, name="kv-lookup-accept")
         return self
 
     @property
@@ -221,9 +219,7 @@ class LookupServer:
     def live_connection_threads(self) -> int:
         """Serving threads ("kv-lookup-conn") still running, ended connections' threads that have
         not yet exited included (what ``close`` joins). A gauge; thread-safe."""
-        with self._lock:
-            threads = list(self._threads)
-        return sum(t.is_alive() for t in threads if t.name == "kv-lookup-conn")
+        return sum(t.name == "kv-lookup-conn" for t in self._workers.alive())
 
     def close(self, timeout_s: float = 5.0) -> int:
         """Stop accepting, close every connection, join the threads, remove the socket file.
@@ -242,13 +238,12 @@ class LookupServer:
             sock.close()
         with self._lock:
             conns = list(self._conns)
-            threads = list(self._threads)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        stuck = join_threads(threads, deadline, owner=f"lookup server {self.path}")
+        stuck = self._workers.join(deadline)
         if os.path.exists(self.path):
             os.unlink(self.path)
         return stuck
@@ -282,10 +277,7 @@ class LookupServer:
                 return
             with self._lock:
                 self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(conn,), name="kv-lookup-conn", daemon=True)
-                self._threads.append(t)
-            t.start()
+            self._workers.start(self._serve, conn, name="kv-lookup-conn")
 
     def _newcomer_waiting(self) -> bool:
         """Whether a client waits in the listen backlog (the listening socket is readable)."""

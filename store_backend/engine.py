@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from store_backend.threads import Deadline, join_threads
+from store_backend.threads import Deadline, Workers
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class BatchWorker(Generic[T]):
         self._passes_started = 0  # idle-hook passes
         self._passes_done = 0
         self._stopping = False
+        self._workers = Workers(name)
         self._threads: list[threading.Thread] = []
         self._on_error = on_error
         self._dead = False  # a loop died of an exception; nothing is handled any more
@@ -84,12 +85,9 @@ class BatchWorker(Generic[T]):
     def start(self) -> None:
         if self._threads:
             return
-        self._threads = [threading.Thread(target=self._run, name=self.name, daemon=True)
-                         for _ in range(self._nthreads)]
-        with self._cond:
-            self._running = len(self._threads)
-        for t in self._threads:
-            t.start()
+        with self._cond:  # a new thread's loop waits for this lock: it sees the whole list and count
+            self._running = self._nthreads
+            self._threads = [self._workers.start(self._run, name=self.name) for _ in range(self._nthreads)]
 
     def submit(self, items: Iterable[T], *, front: bool = False) -> int:
         """Queue items (FIFO: handled in the order submitted); returns how many did not fit (the
@@ -189,8 +187,8 @@ class BatchWorker(Generic[T]):
         if drain and self._threads:
             self.wait_idle(deadline.left())
         self.stop()
-        threads, self._threads = self._threads, []
-        return join_threads(threads, deadline, owner=self.name) == 0
+        self._threads = []
+        return self._workers.join(deadline) == 0
 
     def _take_batch(self) -> list[T]:
         batch: list[T] = []

@@ -64,7 +64,7 @@ from store_backend.residency import ResidencyBus, Subscriber
 from store_backend.slots import MAX_HELD_FRACTION, SlotTable
 from store_backend.ssd.base import SsdBackend
 from store_backend.ssd.factory import open_ssd_backend
-from store_backend.threads import JOIN_GRACE_S, Deadline, close_within
+from store_backend.threads import JOIN_GRACE_S, Deadline, Workers, close_within
 from store_backend.tiers.base import Tier
 from store_backend.tiers.ssd import SsdTier
 from store_backend.types import FlushReport, check_batch
@@ -268,8 +268,7 @@ class TieredStore(StoreWrites, StoreSlots, StoreReads, StoreFill, StoreQueries, 
 
         with self._lock:
             self._calls += 1
-        t = threading.Thread(target=run, name="kv-close-flush", daemon=True)
-        t.start()
+        t = Workers("store close").start(run, name="kv-close-flush")  # joined here, counted by close()
         left = limit.left()
         t.join(None if left is None else max(left, JOIN_GRACE_S))
         if done and not done[0].ok:

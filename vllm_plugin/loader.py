@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from mooncake_connector.layout import ChunkLayout, PagedLayer
+from store_backend.threads import Deadline, Workers
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class LayerLoader:
         self.load_stream = load_stream
         self.name = name
         self._queue: queue.Queue[LoadJob | None] = queue.Queue(maxsize=max_jobs)
+        self._workers = Workers(name)  # the loader thread and each job's resolver
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._max_jobs = max_jobs
@@ -152,8 +154,7 @@ class LayerLoader:
     def start(self) -> LayerLoader:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+                self._thread = self._workers.start(self._run, name=self.name)
         return self
 
     def close(self, timeout_s: float = 10.0) -> int:
@@ -167,17 +168,8 @@ class LayerLoader:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:
             pass
-        deadline = time.monotonic() + timeout_s
-        thread.join(timeout_s)
-        with self._lock:
-            resolving = list(self._resolving)
-        for t in resolving:
-            t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in [thread, *resolving] if t.is_alive()]
-        if stuck:
-            logger.warning("threads %s still running %.1f s after close", stuck, timeout_s)
-            return 1
-        return 0
+        # The loader thread and the resolvers, under one deadline (each left running is logged).
+        return 1 if self._workers.join(Deadline(timeout_s)) else 0
 
     # -- forward thread ----------------------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
@@ -190,7 +182,6 @@ class LayerLoader:
             # Blocks this step writes may have been read by earlier work on the forward's stream.
             job.start_event = torch.cuda.Event()
             job.start_event.record(torch.cuda.current_stream())
-        resolver = None
         with self._lock:
             if len(self._resolving) < self._max_jobs:
                 try:
@@ -198,12 +189,9 @@ class LayerLoader:
                 except queue.Full:
                     pass
                 else:
-                    resolver = threading.Thread(target=self._resolve, args=(job,), name=f"{self.name}-resolve",
-                                                daemon=True)
-                    self._resolving.add(resolver)
-        if resolver is not None:
-            resolver.start()
-            return
+                    # Started under _lock: the resolver's own discard (under _lock) follows this add.
+                    self._resolving.add(self._workers.start(self._resolve, job, name=f"{self.name}-resolve"))
+                    return
         logger.warning("%s: %d load jobs still resolving or queued; failing this step's %d chunk loads",
                        self.name, self._max_jobs, len(job.chunks))
         self._fail_resolve(job)

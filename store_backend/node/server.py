@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import functools
 import logging
 import os
 import signal
@@ -95,6 +96,7 @@ from store_backend.pool.tier import PoolTier
 from store_backend.pool.transport import TransportError
 from store_backend.prometheus import StoreCollector
 from store_backend.slots import SegmentInfo
+from store_backend.threads import Workers
 from store_backend.store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -145,6 +147,9 @@ class NodeService(ServiceConnections, ServiceHandlers):
         self._wake: asyncio.Event | None = None
         self._ready = threading.Event()
         self._done = threading.Event()
+        # The serving thread of run_in_thread and the store's close; neither is joined (stop()
+        # waits for _done, the service for _store_closed), both are logged if they raise.
+        self._workers = Workers("node service")
         self._started_mono = time.monotonic()
         self._last_client_left = time.monotonic()
         self._loop_lag_s = 0.0
@@ -331,10 +336,7 @@ class NodeService(ServiceConnections, ServiceHandlers):
     def run_in_thread(self, timeout_s: float = 30.0) -> NodeService:
         """``open()`` here, then serve on a thread of its own; returns once the service answers."""
         self.open()
-        t = threading.Thread(target=self.serve, kwargs={"handle_signals": False}, name="node-service",
-                             daemon=True)
-        t.start()
-        self._thread = t
+        self._workers.start(functools.partial(self.serve, handle_signals=False), name="node-service")
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"node service not ready within {timeout_s} s")
         if self._done.is_set():
@@ -576,7 +578,7 @@ class NodeService(ServiceConnections, ServiceHandlers):
                     except RuntimeError:
                         pass
 
-        threading.Thread(target=close, name="node-store-close", daemon=True).start()
+        self._workers.start(close, name="node-store-close")
 
     async def _await_close(self) -> None:
         while not self._store_closed.is_set() and not self._skip_waits:

@@ -100,6 +100,7 @@ from store_backend.pool.directory import (
 from store_backend.pool.directory_embedded import check_clock_skew, check_entries, stored_times
 from store_backend.pool.redis_connect import _ParallelSentinel, _parse_hostport, _RetryOnce, read_password_file
 from store_backend.pool.redis_invalidations import _SEP, RedisInvalidations
+from store_backend.threads import Deadline, Workers
 
 __all__ = ["MAX_KEYS_PER_SCRIPT", "DirectoryAuthError", "DirectoryPolicyError", "RedisDirectory", "check_namespace",
            "read_password_file"]
@@ -236,6 +237,7 @@ class RedisDirectory(RedisInvalidations):
         self._sub_lock = threading.Lock()
         self._subscribers: list[Invalidation] = []
         self._gap_listeners: list[Callable[[], None]] = []
+        self._workers = Workers("redis directory")  # the invalidation listener
         self._sub_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._subscribed = False  # the listener holds the invalidation channel now
@@ -544,10 +546,9 @@ class RedisDirectory(RedisInvalidations):
             if self._closed:
                 return
             self._closed = True
-            thread, self._sub_thread = self._sub_thread, None
+            self._sub_thread = None
         self._stop.set()
-        if thread is not None:
-            thread.join(timeout=5.0)
+        self._workers.join(Deadline(5.0))  # the listener (left running is logged)
         for close in (self._r.close, *((self._sentinel.close,) if self._sentinel is not None else ())):
             try:
                 close()

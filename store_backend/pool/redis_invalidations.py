@@ -8,7 +8,6 @@ A mixin of :class:`~store_backend.pool.directory_redis.RedisDirectory` over its 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import redis
@@ -44,8 +43,7 @@ class RedisInvalidations:
                 raise DirectoryUnavailable(f"redis directory at {self.address} is closed")
             started = self._sub_thread is None
             if started:
-                self._sub_thread = threading.Thread(target=self._listen, name="mkv-directory-inval", daemon=True)
-                self._sub_thread.start()
+                self._sub_thread = self._workers.start(self._listen, name="mkv-directory-inval")
         # So the first lookups after subscribing can be cached (invalidations_live), and an ACL
         # refusal is logged at start: wait for the first subscription's outcome, bounded.
         self._first_attempt.wait(self._op_timeout_s)

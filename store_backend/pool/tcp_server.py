@@ -39,7 +39,7 @@ from store_backend.pool.frames import (REQUEST_OPS, FrameError, Header, Session,
 from store_backend.pool.host import PeerView
 from store_backend.pool.tcp_common import DEFAULT_SOCKET_BUFFER_BYTES, checksum, sendfile_range, tune_socket
 from store_backend.pool.transport import TRANSPORT_OWNER_BASE, TransportError
-from store_backend.threads import Deadline, join_threads, shutdown_pool
+from store_backend.threads import Deadline, Workers, join_threads, shutdown_pool
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,9 @@ class TcpTransportServer:
                                      "bytes_received", "requests", "bad_frames", "bad_tags", "refused_connections",
                                      "sendfile_bytes"), 0)
         self._listener: socket.socket | None = None
+        self._workers = Workers("pool transport server")  # the accept thread and one per connection
         self._accept_thread: threading.Thread | None = None
-        self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._conns: dict[int, socket.socket] = {}
         # Connections in their handshake, oldest first (dict order), and the authenticated count.
         self._handshaking: dict[int, socket.socket] = {}
         self._authenticated = 0
@@ -158,11 +159,20 @@ class TcpTransportServer:
             except OSError as e:
                 logger.warning("transport server: no sendfile (cannot open the arena's segment: %s)", e)
         self._hasher = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="mkv-pool-srv-hash")
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"mkv-pool-accept-{bound[1]}",
-                                               daemon=True)
-        self._accept_thread.start()
+        self._accept_thread = self._workers.start(self._accept_loop, name=f"mkv-pool-accept-{bound[1]}")
         logger.info("pool transport serving on %s (sendfile %s)", self._address,
                     "on" if self._segment_fd >= 0 else "off")
+
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet ended (in their handshake or proven)."""
+        with self._lock:
+            return len(self._conns)
+
+    @property
+    def sendfile(self) -> bool:
+        """Whether objects in the arena are sent with sendfile (valid after :meth:`start`)."""
+        return self._segment_fd >= 0
 
     def stats(self) -> dict[str, int]:
         """Counters (see :class:`~store_backend.pool.transport.TransportServer`), plus
@@ -188,12 +198,12 @@ class TcpTransportServer:
             self._listener.close()
         with self._lock:
             conns = list(self._conns.values())
-        for sock, _ in conns:
+        for sock in conns:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        join_threads([t for _, t in conns], deadline, owner="pool transport server")
+        self._workers.join(deadline)
         shutdown_pool(self._hasher, deadline, owner="pool transport server")
         if self._segment_fd >= 0:
             os.close(self._segment_fd)
@@ -221,14 +231,12 @@ class TcpTransportServer:
                     logger.warning("pool transport: TLS refused %s: %s", peer, e)
                     sock.close()
                     continue
-            t = threading.Thread(target=self._serve, args=(sock, seq, peer), daemon=True,
-                                 name=f"mkv-pool-conn-{seq}")
             dropped = None
             with self._lock:
                 if len(self._handshaking) >= self.max_handshakes:
                     dropped = self._handshaking.pop(next(iter(self._handshaking)))
                 self._handshaking[seq] = sock
-                self._conns[seq] = (sock, t)
+                self._conns[seq] = sock
             if dropped is not None:
                 # Its thread's handshake fails at once (and counts it); a proven peer is never
                 # dropped here: it left _handshaking under the lock before its auth_ok.
@@ -236,7 +244,7 @@ class TcpTransportServer:
                     dropped.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            t.start()
+            self._workers.start(self._serve, sock, seq, peer, name=f"mkv-pool-conn-{seq}")
 
     def _admit(self, seq: int) -> str | None:
         """Called once a peer proved the secret: None lets it in (counted against

@@ -37,7 +37,7 @@ from store_backend.metrics import FailureCounters
 from store_backend.pool.directory import Directory, DirectoryUnavailable, Location
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.transport import FAILURE_KINDS, Transport
-from store_backend.threads import Deadline, shutdown_pool
+from store_backend.threads import Deadline, Workers, shutdown_pool
 from store_backend.tiers.base import TierGauges, TierTraits
 from store_backend.types import Buffer, ReadResult, Status, nbytes_of
 
@@ -94,6 +94,7 @@ class PoolTier:
         self._retrying_keys = 0  # keys of the owed removes the retry thread is trying now
         # Dead node -> monotonic time of its next retry (the retry thread's alone: no lock).
         self._dead_retry_at: dict[str, float] = {}
+        self._workers = Workers("pool tier")  # the remove retry thread
         self._retry_thread: threading.Thread | None = None
         self._retry_wake = threading.Condition(self._lock)
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
@@ -115,14 +116,12 @@ class PoolTier:
             self._closed = True
             pool, self._pool = self._pool, None
             self._directory = self._transport = None
-            retry, self._retry_thread = self._retry_thread, None
+            self._retry_thread = None
             self._remove_retry.clear()
             self._retry_wake.notify_all()
-        shutdown_pool(pool, Deadline(5.0), owner="pool tier")
-        if retry is not None:
-            retry.join(5.0)
-            if retry.is_alive():
-                logger.warning("pool tier: the remove retry thread still runs after 5 s")
+        deadline = Deadline(5.0)
+        shutdown_pool(pool, deadline, owner="pool tier")
+        self._workers.join(deadline)  # the remove retry thread (each one left running is logged)
 
     def forget_cached(self, keys: Sequence[str]) -> None:
         """Drop ``keys`` from the bound directory's location cache (a :class:`CachedDirectory`;
@@ -438,9 +437,7 @@ class PoolTier:
                                "node's copies stay until it re-registers them and the directory refuses them",
                                REMOVE_RETRY_MAX, len(lost_keys), lost)
             if self._retry_thread is None:
-                self._retry_thread = threading.Thread(target=self._run_remove_retry, name="mkv-pool-remove-retry",
-                                                      daemon=True)
-                self._retry_thread.start()
+                self._retry_thread = self._workers.start(self._run_remove_retry, name="mkv-pool-remove-retry")
             self._retry_wake.notify_all()
 
     def _run_remove_retry(self) -> None:
