@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 from mooncake_connector.checkpoint import files_stamp, hub_snapshot
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.keys import ModelFingerprint
-from mooncake_connector.layout import ChunkLayout, PageFormat
+from mooncake_connector.layout import ChunkLayout, PagedLayer, PageFormat
 from store_backend.config import ConfigError
 
 if TYPE_CHECKING:
@@ -339,3 +339,27 @@ def shard_fingerprints(vllm_config: VllmConfig, geometry: KVGeometry, cfg: Conne
     return [fingerprint(vllm_config, geometry, cfg, shard, num_layers=counts[shard // tp], weights=weights,
                         epoch=epoch, draft=draft)
             for shard in range(geometry.shard_count)]
+
+
+def paged_layers(kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int, layout: ChunkLayout,
+                 forward_context: dict[str, object]) -> tuple[list[PagedLayer], int]:
+    """Each KV-owning layer's cache tensor wrapped in the page format of its attention backend, in
+    ``layer_names`` order, and the kernel blocks per engine block. ConfigError names a layer whose
+    tensor is missing, whose block count is not a multiple of ``num_blocks``, or that has no
+    attention backend."""
+    missing = [n for n in layer_names if n not in kv_caches]
+    if missing:
+        raise ConfigError(f"KV cache tensors missing for layers {missing[:3]}")
+    paged: list[PagedLayer] = []
+    ratio = 1
+    for name in layer_names:
+        kv = kv_caches[name]
+        if kv.shape[0] % num_blocks:
+            raise ConfigError(f"layer {name}: {kv.shape[0]} cache blocks is not a multiple of {num_blocks}")
+        ratio = kv.shape[0] // num_blocks
+        layer = forward_context.get(name)
+        if layer is None or not hasattr(layer, "attn_backend"):
+            raise ConfigError(f"layer {name} has no attention backend to read its page format from")
+        page_format = page_format_for(layer.attn_backend.get_name())  # type: ignore[attr-defined]
+        paged.append(PagedLayer(kv, page_format, num_heads=layout.num_heads, head_size=layout.head_size))
+    return paged, ratio

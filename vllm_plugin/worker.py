@@ -71,24 +71,24 @@ from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_paral
 
 from mooncake_connector.client import KVClient
 from mooncake_connector.config import ConnectorConfig
-from mooncake_connector.epoch import EpochFile, EpochSweeper
-from mooncake_connector.keys import ModelFingerprint, object_key
+from mooncake_connector.epoch import EpochFile
+from mooncake_connector.keys import object_key
 from mooncake_connector.layout import PagedLayer, kernel_block_ids
 from mooncake_connector.lookup_service import LookupServer, socket_path
 from mooncake_connector.staging import StagingPool
 from mooncake_connector.stores import acquire_connector_store, engine_stats, epoch_directory, release_store
-from store_backend.config import ConfigError
 from store_backend.store import StoreClosedError
 from store_backend.types import Status
 from vllm_plugin.device import DeviceCopies
 from vllm_plugin.loader import LayerLoader, LoadChunk, LoadJob
 from vllm_plugin.metadata import ChunkLoad, TieredConnectorMetadata, TieredWorkerMetadata
-from vllm_plugin.model_info import KVGeometry, kv_layer_names, page_format_for, shard_fingerprints, weights_identity
+from vllm_plugin.model_info import KVGeometry, kv_layer_names, paged_layers, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
 from vllm_plugin.sizing import staging_bytes, staging_shortfall
 from vllm_plugin.stats import StatsSource, TieredConnectorStats
 from vllm_plugin.worker_io import SaveReports, SlotCalls, StagingInFlight, WorkerCounters
 from vllm_plugin.worker_loads import LoadPipeline, SlotLoads, StagedLoads, log_failed_loads, remove_damaged
+from vllm_plugin.worker_epochs import ShardEpochs
 from vllm_plugin.worker_saves import HeldSaves, SaveJob, SavePipeline, SlotSaves, StagedSaves
 
 if TYPE_CHECKING:
@@ -133,16 +133,16 @@ class WorkerSide:
         self.ratio = 1  # kernel blocks per engine block
         self.digest = ""  # key prefix: this shard's fingerprint at cache epoch ``self.epoch``
         self.epoch = 0
-        self._fingerprint: ModelFingerprint | None = None
-        self._sweeper: EpochSweeper | None = None
+        self.epochs = ShardEpochs(self.store, settle=lambda: self.client.drain(self.cfg.flush_timeout_s),
+                                  on_error=self.store.note_worker_error)
         self.staging: StagingPool | None = None
         self.staging_in_flight = StagingInFlight(self.counters)
         self.lookup_server: LookupServer | None = None
         self.loader: LayerLoader | None = None
         # Step state (reset every step).
         self._meta: TieredConnectorMetadata | None = None
-        self._job: LoadJob | None = None
-        self._load_future: Future | None = None  # staging path: the reads of self._job
+        self.load_job: LoadJob | None = None  # this step's (read only outside this class)
+        self._load_future: Future | None = None  # staging path: the reads of self.load_job
         self._loads_checked = False
         self._loaded_layers: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -202,30 +202,16 @@ class WorkerSide:
         """Wrap each KV-owning layer's tensor (called once, after vLLM allocated its cache)."""
         pp_rank = get_pp_group().rank_in_group
         shard = pp_rank * self.vllm_config.parallel_config.tensor_parallel_size + get_tensor_model_parallel_rank()
-        self._fingerprint = shard_fingerprints(self.vllm_config, self.geometry, self.cfg, stage=pp_rank,
-                                               weights=weights_identity(self.vllm_config, self.cfg))[shard]
+        self.epochs.fingerprint = shard_fingerprints(self.vllm_config, self.geometry, self.cfg, stage=pp_rank,
+                                                     weights=weights_identity(self.vllm_config, self.cfg))[shard]
         self.epoch = EpochFile(epoch_directory(self.cfg, self.store)).read()
-        self.digest = msgspec.structs.replace(self._fingerprint, epoch=self.epoch).digest()
+        self.digest = self.epochs.digest_at(self.epoch)
         if self.epoch > 0:
             # A crash may have cut the last reset's removal short, and objects of older epochs may
             # have landed after their sweep listed the store: remove them all in the background.
-            self._sweep_epochs(0, self.epoch)
-        forward_context = self.vllm_config.compilation_config.static_forward_context
-        missing = [n for n in self.layer_names if n not in kv_caches]
-        if missing:
-            raise ConfigError(f"KV cache tensors missing for layers {missing[:3]}")
-        paged: list[PagedLayer] = []
-        for name in self.layer_names:
-            kv = kv_caches[name]
-            if kv.shape[0] % self.num_blocks:
-                raise ConfigError(f"layer {name}: {kv.shape[0]} cache blocks is not a multiple of {self.num_blocks}")
-            self.ratio = kv.shape[0] // self.num_blocks
-            layer = forward_context.get(name)
-            if layer is None or not hasattr(layer, "attn_backend"):
-                raise ConfigError(f"layer {name} has no attention backend to read its page format from")
-            page_format = page_format_for(layer.attn_backend.get_name())
-            paged.append(PagedLayer(kv, page_format, num_heads=self.layout.num_heads,
-                                    head_size=self.layout.head_size))
+            self.epochs.sweep(0, self.epoch)
+        paged, self.ratio = paged_layers(kv_caches, self.layer_names, self.num_blocks, self.layout,
+                                         self.vllm_config.compilation_config.static_forward_context)
         self.paged = paged
         device = paged[0].device if paged else torch.device("cpu")
         self.staging = StagingPool(staging_bytes(self.vllm_config, self.cfg, self.geometry),
@@ -249,16 +235,14 @@ class WorkerSide:
         """Stop this worker's threads and release the store; blocking, each step bounded. Threads
         still running at their deadline are logged by name and counted in the store's
         ``thread_join_timeouts``."""
-        stuck = 0
-        if self._sweeper is not None:
-            stuck += self._sweeper.close()
+        stuck = self.epochs.close()
         if self.lookup_server is not None:
             stuck += self.lookup_server.close()
         if self.loader is not None:
             stuck += self.loader.close(timeout_s=self.cfg.load_timeout_s)
         # A step left open (wait_for_save never came) gives back its leases and reservations too:
         # the store may outlive this worker (another holder of it in this process).
-        job, self._job = self._job, None
+        job, self.load_job = self.load_job, None
         if job is not None and self.loader is not None:
             self.loader.cancel(job)
             self.loader.retire(job)  # when not resolved yet, its resolver releases it on return
@@ -278,25 +262,13 @@ class WorkerSide:
         """Key this step's loads and saves under cache epoch ``epoch`` (the scheduler's; it moves on
         at a cache reset). Moving to a newer epoch queues the removal of the older epochs' objects
         in the background. Forward thread, once per step; cheap when the epoch is unchanged."""
-        if epoch == self.epoch or self._fingerprint is None:
+        if epoch == self.epoch or self.epochs.fingerprint is None:
             return
         old, self.epoch = self.epoch, epoch
-        self.digest = msgspec.structs.replace(self._fingerprint, epoch=epoch).digest()
+        self.digest = self.epochs.digest_at(epoch)
         logger.info("cache epoch %d -> %d (key prefix %s)", old, epoch, self.digest)
         if epoch > old:
-            self._sweep_epochs(old, epoch)
-
-    def _sweep_epochs(self, first: int, end: int, max_epochs: int = 16) -> None:
-        """Queue removal of this shard's objects of epochs ``[first, end)`` (at most the last
-        ``max_epochs``; older leftovers are unreachable and go by eviction)."""
-        assert self._fingerprint is not None
-        fp = self._fingerprint
-        digests = [msgspec.structs.replace(fp, epoch=e).digest() for e in range(max(first, end - max_epochs, 0), end)]
-        if self._sweeper is None:
-            # Saves still in flight may carry old-epoch keys: let them land before sweeping.
-            self._sweeper = EpochSweeper(self.store, settle=lambda: self.client.drain(self.cfg.flush_timeout_s),
-                                         on_error=self.store.note_worker_error)
-        self._sweeper.sweep(digests)
+            self.epochs.sweep(old, epoch)
 
     # -- loads -------------------------------------------------------------------------------------
     def _begin(self, meta: TieredConnectorMetadata) -> bool:
@@ -333,7 +305,7 @@ class WorkerSide:
         store's slots: the load pipeline's way) and return; the loader writes the layers as the
         reads come in."""
         self._begin(meta)
-        if not meta.has_loads or self.staging is None or self._job is not None or self._loads_checked:
+        if not meta.has_loads or self.staging is None or self.load_job is not None or self._loads_checked:
             return
         chunks: list[LoadChunk] = []
         keys: list[str] = []
@@ -366,7 +338,7 @@ class WorkerSide:
         if not chunks:
             return
         job, self._load_future = loads.job(chunks, keys)
-        self._job = job
+        self.load_job = job
         self._layer_loader().submit(job)
 
     def _fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
@@ -389,7 +361,7 @@ class WorkerSide:
         A copy that read back CORRUPT is removed from this rank's store before anything else
         happens this step: objects are immutable (a put of a present key keeps the stored bytes),
         so only then does the save of the recomputed chunk, planned in a later step, replace it."""
-        job = self._job
+        job = self.load_job
         if self._loads_checked or job is None:
             return
         self._loads_checked = True
@@ -425,7 +397,7 @@ class WorkerSide:
         (its blocks are recomputed)."""
         self._begin(meta)
         layer = self._layer_index.get(layer_name)
-        job = self._job
+        job = self.load_job
         if layer is None or job is None:
             return
         self._check_loads()
@@ -448,7 +420,7 @@ class WorkerSide:
         may be in other use by now: the loader is stopped (it finishes the layer it is writing and
         starts no other), and when some layer's hook did not see its layer written, the chunks are
         reported as failed loads (their KV was computed without it), so vLLM recomputes."""
-        job = self._job
+        job = self.load_job
         if job is None:
             return
         self._check_loads()
@@ -477,7 +449,7 @@ class WorkerSide:
             self.counters.load_s += job.load_s() or 0.0
             self.counters.load_bytes += sum(len(c.block_ids) for c in loaded) * self.paged[0].block_tokens \
                 * self.layout.token_bytes_per_layer * len(self.paged)
-        self._job = None
+        self.load_job = None
 
     # -- saves -------------------------------------------------------------------------------------
     def _prepare_saves(self) -> list[SaveJob]:
@@ -559,7 +531,7 @@ class WorkerSide:
 
     def _reset_step(self) -> None:
         self._meta = None
-        self._job = None
+        self.load_job = None
         self._load_future = None
         self._loads_checked = False
         self._loaded_layers = set()
@@ -582,7 +554,7 @@ class WorkerSide:
         names every failed load. With speculative decoding vLLM builds the output before it calls
         ``wait_for_save`` (after the draft model), and a non-last pipeline rank never calls it; the
         forward is over in both cases, and the draft's layers were written here too."""
-        if self._job is not None and self._meta is not None:
+        if self.load_job is not None and self._meta is not None:
             self._finish_loads(late=False)
 
     def take_load_errors(self) -> set[int]:
