@@ -93,7 +93,7 @@ def _pages(fmt: PageFormat, blocks: int, n: int, h: int, d: int, device: str,
     return nhd.permute(0, 2, 1, 3), h, d
 
 
-def _round_trip(fmt: PageFormat, segment: memoryview, figures: dict[str, Any], device: str = "cuda") -> bool:
+def page_round_trip(fmt: PageFormat, segment: memoryview, figures: dict[str, Any], device: str = "cuda") -> bool:
     """gather_into CUDA pages -> slot bytes in the registered segment -> scatter_from into other
     CUDA pages, against the CPU path's bytes. (``device="cpu"`` runs the same steps without a GPU.)"""
     blocks, n, h, d, layers = 64, 16, 8, 128, 4
@@ -138,7 +138,7 @@ def _round_trip(fmt: PageFormat, segment: memoryview, figures: dict[str, Any], d
     return bool(ok)
 
 
-def _store_round_trip(figures: dict[str, Any], device: str = "cuda") -> bool:
+def store_round_trip(figures: dict[str, Any], device: str = "cuda") -> bool:
     """The worker's one-copy path against a real TieredStore (see the module docstring).
     (``device="cpu"`` runs the same steps without registering anything.)"""
     fmt, blocks, n, h, d, layers = PageFormat.KV_HALVES, 32, 16, 8, 128, 4
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         check("h2d_vs_pinned", h2d_vs_pinned)
         del dev
         for fmt in PageFormat:
-            check(f"round_trip_{fmt.value}", lambda fmt=fmt: _round_trip(fmt, segment, figures))
-    check("store_slot_round_trip", lambda: _store_round_trip(figures))
+            check(f"round_trip_{fmt.value}", lambda fmt=fmt: page_round_trip(fmt, segment, figures))
+    check("store_slot_round_trip", lambda: store_round_trip(figures))
     reg.close()
     check("unregistered", lambda: not host.is_pinned())
     del host

@@ -242,12 +242,17 @@ def test_the_config_names_exactly_the_ssd_backends_and_io_engines_there_are() ->
         make_io_engine("aio")  # the factory refuses what the config refuses
 
 
-def test_a_registered_eviction_policy_is_accepted_by_the_config(monkeypatch) -> None:
+def test_a_registered_eviction_policy_is_accepted_by_the_config() -> None:
     with pytest.raises(ConfigError, match="dram.eviction_policy"):
         load_config({"dram": {"eviction_policy": "lru_again"}}, environ={})
-    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # undone after the test
     registry.register_policy("lru_again", LruPolicy)
-    assert load_config({"dram": {"eviction_policy": "lru_again"}}, environ={}).dram.eviction_policy == "lru_again"
+    try:
+        assert load_config({"dram": {"eviction_policy": "lru_again"}},
+                           environ={}).dram.eviction_policy == "lru_again"
+    finally:
+        registry.unregister_policy("lru_again")
+    with pytest.raises(ConfigError, match="dram.eviction_policy"):
+        load_config({"dram": {"eviction_policy": "lru_again"}}, environ={})
 
 
 @pytest.mark.parametrize("load, data, message", [

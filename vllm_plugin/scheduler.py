@@ -87,8 +87,9 @@ REMOTE_FINGERPRINT = "remote_fingerprint"
 MAX_FINISH_RETRIES = 3
 
 
-class _Tracked:
-    """Scheduler-side state of one live request."""
+class TrackedRequest:
+    """Scheduler-side state of one live request (the scheduler's own: others only read it, from
+    the scheduler's thread)."""
 
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
                  "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
@@ -114,6 +115,20 @@ class _Tracked:
         self.pin_from = 0
         self.pin_tiers: list[str | None] = []
         self.pin_at = 0.0
+
+    def hashes_upto(self, num_chunks: int, chunk_tokens: int, scheme: str) -> list[str]:
+        """Chain hashes of the request's first ``num_chunks`` chunks of ``chunk_tokens`` tokens
+        (extended incrementally; each chunk's hash covers its tokens, the request's extra keys
+        and its own per-chunk keys, chained from its parent's)."""
+        have = len(self.hashes)
+        if num_chunks > have:
+            tokens = self.request.all_token_ids
+            new = tokens[have * chunk_tokens:num_chunks * chunk_tokens]
+            per_chunk = chunk_extra_keys(self.request, have, num_chunks, chunk_tokens)
+            self.hashes.extend(chunk_hashes(new, chunk_tokens, extra_keys=self.extra, scheme=scheme,
+                                            parent=self.hashes[-1] if self.hashes else None,
+                                            chunk_extra_keys=per_chunk))
+        return self.hashes[:num_chunks]
 
 
 # Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
@@ -150,8 +165,8 @@ class SchedulerSide:
         else:
             self.lookups = RankLookups([socket_path(lookup_name(vllm_config), rank, cfg.lookup_socket_dir)
                                         for rank in range(geometry.shard_count)])
-        self._epoch_file = EpochFile(epoch_directory(cfg, self._node_store))
-        self.epoch = self._epoch_file.start()
+        self.epoch_file = EpochFile(epoch_directory(cfg, self._node_store))
+        self.epoch = self.epoch_file.start()
         self._fingerprints = shard_fingerprints(vllm_config, geometry, cfg, stage=0,
                                                 weights=weights_identity(vllm_config, cfg))
         self.shard_digests = self._digests(self.epoch)
@@ -160,13 +175,13 @@ class SchedulerSide:
         # on threads of their own so they never hold up other requests' lookups.
         self._wait_pool = (ThreadPoolExecutor(4, thread_name_prefix="kv-sched-remote")
                            if self.lookups.waits else None)
-        self._reqs: dict[str, _Tracked] = {}
+        self._reqs: dict[str, TrackedRequest] = {}
         self.ledger = SaveLedger(geometry.shard_count)
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
         # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
-        self._finishing: dict[str, _Tracked] = {}
+        self._finishing: dict[str, TrackedRequest] = {}
         self._finish_retries: dict[str, int] = {}
         self._stats_source = StatsSource("scheduler")
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
@@ -197,10 +212,10 @@ class SchedulerSide:
         neither save nor load again (a preempted one starts over as a new request). Returns False,
         changing nothing, when the epoch cannot be persisted. Blocking (a few fsyncs)."""
         try:
-            epoch = self._epoch_file.advance(self.epoch)
+            epoch = self.epoch_file.advance(self.epoch)
         except (OSError, ConfigError) as e:
             logger.error("cache reset failed: cannot persist the new cache epoch in %s: %s",
-                         self._epoch_file.path, e)
+                         self.epoch_file.path, e)
             return False
         self.epoch = epoch
         self.shard_digests = self._digests(epoch)
@@ -215,19 +230,26 @@ class SchedulerSide:
     def _digests(self, epoch: int) -> list[str]:
         return [msgspec.structs.replace(fp, epoch=epoch).digest() for fp in self._fingerprints]
 
-    def _hashes_upto(self, t: _Tracked, num_chunks: int) -> list[str]:
-        """Chain hashes of the request's first ``num_chunks`` chunks (extended incrementally)."""
-        have = len(t.hashes)
-        if num_chunks > have:
-            tokens = t.request.all_token_ids
-            new = tokens[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
-            per_chunk = chunk_extra_keys(t.request, have, num_chunks, self.chunk_tokens)
-            t.hashes.extend(chunk_hashes(new, self.chunk_tokens, extra_keys=t.extra, scheme=self.cfg.hash_scheme,
-                                         parent=t.hashes[-1] if t.hashes else None, chunk_extra_keys=per_chunk))
-        return t.hashes[:num_chunks]
+    def _hashes_upto(self, t: TrackedRequest, num_chunks: int) -> list[str]:
+        return t.hashes_upto(num_chunks, self.chunk_tokens, self.cfg.hash_scheme)
 
-    def _keys(self, hashes: list[str]) -> list[list[str]]:
+    def object_keys(self, hashes: list[str]) -> list[list[str]]:
+        """The store key of each chunk hash, per shard (one list per rank, in rank order), under
+        this engine's current fingerprint and epoch."""
         return [[object_key(d, h) for h in hashes] for d in self.shard_digests]
+
+    def chunk_hashes(self, request: Request, num_chunks: int) -> list[str]:
+        """Chain hashes of ``request``'s first ``num_chunks`` chunks (tracking it from now if new)."""
+        return self._hashes_upto(self.track(request), num_chunks)
+
+    def tracked(self, req_id: str) -> TrackedRequest | None:
+        """The state of live request ``req_id`` (None once finished, or never seen). Read only."""
+        return self._reqs.get(req_id)
+
+    def finishing(self, req_id: str) -> TrackedRequest | None:
+        """The state of finished request ``req_id`` whose saves are still held (disaggregated
+        prefill), else None. Read only."""
+        return self._finishing.get(req_id)
 
     def _lookup(self, key_lists: list[list[str]]) -> int:
         """Lookup thread: leading chunks present in every rank's store."""
@@ -240,20 +262,21 @@ class SchedulerSide:
         return self.lookups.exists_all(key_lists) if head >= wanted and len(key_lists[0]) > wanted else head
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
-    def _track(self, request: Request) -> _Tracked:
+    def track(self, request: Request) -> TrackedRequest:
+        """The state of live ``request``, tracked from now if it is new."""
         t = self._reqs.get(request.request_id)
         if t is None:
-            t = self._reqs[request.request_id] = _Tracked(request)
+            t = self._reqs[request.request_id] = TrackedRequest(request)
             self._note_remote_prefill(t)
         return t
 
-    def _start_lookup(self, t: _Tracked) -> int:
+    def _start_lookup(self, t: TrackedRequest) -> int:
         """Submit (once per prompt length) the lookup of the request's claimable chunks. In node
         mode a disaggregated decode request's lookup waits in the service for the chunks the
         prefill instance promised to be committed (bounded by its deadline)."""
         max_chunks = (t.request.num_tokens - 1) // self.chunk_tokens  # never the last token
         if max_chunks > 0 and (t.lookup is None or t.lookup_chunks != max_chunks):
-            keys = self._keys(self._hashes_upto(t, max_chunks))
+            keys = self.object_keys(self._hashes_upto(t, max_chunks))
             want_remote = min(t.remote_chunks, max_chunks)
             if self._wait_pool is not None and want_remote and time.monotonic() < t.remote_deadline:
                 t.lookup = self._wait_pool.submit(self._wait_remote, keys, want_remote, t.remote_deadline)
@@ -266,12 +289,12 @@ class SchedulerSide:
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived: start its lookup now, so it is answered when the scheduler asks."""
-        t = self._track(request)
+        t = self.track(request)
         if self.can_load:
             self._start_lookup(t)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        t = self._track(request)
+        t = self.track(request)
         if not self.can_load:
             return 0, False
         # Whole chunks only, and never the last token: vLLM must compute at least one token.
@@ -311,7 +334,7 @@ class SchedulerSide:
         t.local_tokens = num_computed_tokens
         return max(0, hit * self.chunk_tokens - num_computed_tokens), False
 
-    def _pin_hit(self, t: _Tracked, local_chunks: int, hit: int) -> int:
+    def _pin_hit(self, t: TrackedRequest, local_chunks: int, hit: int) -> int:
         """Pin chunks [local_chunks, hit) before they are reported to vLLM, and answer the hit cut
         to the leading ones still stored. The lookup answering ``hit`` may be long past (it ran
         when the request arrived, and a request vLLM could not allocate blocks for yet is asked
@@ -327,9 +350,9 @@ class SchedulerSide:
                 and now - t.pin_at < self.cfg.lease_ttl_s / 2):
             tiers = t.pin_tiers[:hit - local_chunks]
         else:
-            tiers = self.lookups.pin_tiers(self._keys(t.hashes[local_chunks:hit]), ttl_s=self.cfg.lease_ttl_s)
+            tiers = self.lookups.pin_tiers(self.object_keys(t.hashes[local_chunks:hit]), ttl_s=self.cfg.lease_ttl_s)
             if None in tiers:
-                fresh = self._lookup(self._keys(t.hashes[:hit]))
+                fresh = self._lookup(self.object_keys(t.hashes[:hit]))
                 # "": no tier yet (a save in flight), filed as unspecified by hit_sources.
                 tiers = [tier if tier is not None else ("" if c < fresh else None)
                          for c, tier in zip(range(local_chunks, hit), tiers)]
@@ -340,7 +363,7 @@ class SchedulerSide:
         t.pin_tiers = list(tiers[:run])
         return local_chunks + run
 
-    def _note_remote_prefill(self, t: _Tracked) -> None:
+    def _note_remote_prefill(self, t: TrackedRequest) -> None:
         params = t.request.kv_transfer_params or {}
         if params.get(DO_REMOTE_PREFILL) and params.get(REMOTE_FINGERPRINT) in (None, self.shard_digests[0]):
             t.remote_chunks = int(params.get(REMOTE_PREFIX_TOKENS, 0)) // self.chunk_tokens
@@ -370,7 +393,7 @@ class SchedulerSide:
         if t.pin_from == first_chunk and len(t.pin_tiers) >= len(loads):
             tiers = t.pin_tiers[:len(loads)]  # pinned when get_num_new_matched_tokens reported them
         else:
-            tiers = self.lookups.pin_tiers(self._keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
+            tiers = self.lookups.pin_tiers(self.object_keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
         t.pin_tiers = []  # the worker's load releases these pins; a later hit pins again
         sources: dict[CacheHitSource, int] = {}
         for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
@@ -386,7 +409,7 @@ class SchedulerSide:
         self._step_load_chunks = 0  # the next step's load budget starts empty
         meta = TieredConnectorMetadata(step=step)
         scheduled = scheduler_output.num_scheduled_tokens
-        planned: list[tuple[_Tracked, str, int]] = []
+        planned: list[tuple[TrackedRequest, str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
             if t is None:
@@ -416,7 +439,7 @@ class SchedulerSide:
         meta.commit_saves, meta.discard_saves = self.ledger.take_decisions()
         return meta
 
-    def _plan(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str, computed_after: int) -> None:
+    def _plan(self, meta: TieredConnectorMetadata, t: TrackedRequest, req_id: str, computed_after: int) -> None:
         plan = RequestPlan(req_id, loads=t.plan_loads)
         t.plan_loads = []
         if self.can_save and not t.stale:
@@ -446,7 +469,7 @@ class SchedulerSide:
         if plan.loads or plan.saves:
             meta.requests.append(plan)
 
-    def _plan_finishing(self, meta: TieredConnectorMetadata, t: _Tracked, req_id: str) -> None:
+    def _plan_finishing(self, meta: TieredConnectorMetadata, t: TrackedRequest, req_id: str) -> None:
         """A finished request whose blocks vLLM keeps for us: plan its saves again where one failed
         (its blocks still hold the KV), and release the blocks once every save landed."""
         self._plan(meta, t, req_id, t.request.num_computed_tokens)
@@ -533,7 +556,7 @@ class SchedulerSide:
             REMOTE_FINGERPRINT: self.shard_digests[0],
         }
 
-    def _final_chunks(self, t: _Tracked, block_ids: list[int]) -> int:
+    def _final_chunks(self, t: TrackedRequest, block_ids: list[int]) -> int:
         """The chunks a request that just finished while decoding with draft KV has computed for
         good (up to ``num_computed_tokens``, known tokens only, on ``block_ids``), as _plan plans
         them once the request is finished; 0 where _plan held nothing back (no draft KV, no decode
@@ -547,7 +570,7 @@ class SchedulerSide:
         upto = min(computed, len(req.all_token_ids)) // self.chunk_tokens
         return min(upto, len(block_ids) // self.blocks_per_chunk)
 
-    def _unsettled(self, t: _Tracked, req_id: str) -> bool:
+    def _unsettled(self, t: TrackedRequest, req_id: str) -> bool:
         """Whether a save this request's promise rests on is still held or in flight: its own, or
         another request's save of one of its chunks (counted as present by a lookup)."""
         return self.ledger.unsettled(req_id) or self.ledger.unsettled_chunks(t.hashes[:t.saved_chunks])

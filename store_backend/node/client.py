@@ -160,6 +160,12 @@ class NodeClient(ClientQueries, ClientSlots):
         self._shut = False  # close() has torn the pool down
 
     @property
+    def open_connections(self) -> int:
+        """Connections to the service that are live now (a gauge)."""
+        with self._cond:
+            return sum(1 for c in self._conns if not c.dead)
+
+    @property
     def verify_reads(self) -> bool:
         """Whether this client verifies what it reads: its own choice, else the service's."""
         return self._reads_verified(None)

@@ -292,6 +292,13 @@ class PrefixReusePolicy:
     def __contains__(self, key: object) -> bool:
         return key in self._nodes
 
+    def bookkeeping(self) -> dict[str, int]:
+        """Entries the policy holds besides its resident objects (what bounds its memory):
+        ``fresh_heap`` and ``reused_heap`` (out-of-order leaves, stale ones included until
+        compacted) and ``ghost`` (remembered evicted keys)."""
+        qf, qr = self._queues
+        return {"fresh_heap": len(qf.heap), "reused_heap": len(qr.heap), "ghost": len(self._ghost)}
+
     # -- internals -------------------------------------------------------------------------------
     @property
     def horizon(self) -> float:

@@ -21,7 +21,13 @@ _FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
+    """Make ``name`` a known policy (a config may name it from now on); replaces one of that name."""
     _FACTORIES[name] = factory
+
+
+def unregister_policy(name: str) -> None:
+    """Forget a policy added by :func:`register_policy` (a no-op for an unknown name)."""
+    _FACTORIES.pop(name, None)
 
 
 def policy_names() -> list[str]:

@@ -96,6 +96,13 @@ class EmbeddedDirectory:
         # count doubled since the last one (amortized O(1); no sweeper thread).
         self._tomb_sweep_at = self._pend_sweep_at = 1024
 
+    def held(self) -> dict[str, int]:
+        """Records held now (what bounds its memory): ``keys`` with a location, ``tombstones`` and
+        ``pending`` marks (expired ones included until they are touched or swept)."""
+        with self._lock:
+            return {"keys": len(self._locs), "tombstones": len(self._tombstones),
+                    "pending": len(self._pending)}
+
     # -- helpers (lock held) ---------------------------------------------------------------------
     def _live_nodes(self, now: float) -> frozenset[str]:
         if now < self._live_until:

@@ -103,7 +103,7 @@ def test_gpu_check_round_trip_passes_on_cpu_and_catches_a_wrong_byte(fmt: PageFo
     script = _script()
     segment = memoryview(bytearray(8 << 20))
     figures: dict = {}
-    assert script._round_trip(fmt, segment, figures, device="cpu")
+    assert script.page_round_trip(fmt, segment, figures, device="cpu")
     # The check can fail: a scatter that drops one byte of the last block is caught.
     real = script.PagedLayer.scatter_from
 
@@ -111,4 +111,4 @@ def test_gpu_check_round_trip_passes_on_cpu_and_catches_a_wrong_byte(fmt: PageFo
         real(self, block_ids, src, **kw)
         self.planes.view(torch.int16)[0, block_ids[-1], 0, 0, 0] ^= 1
     monkeypatch.setattr(script.PagedLayer, "scatter_from", corrupt)
-    assert not script._round_trip(fmt, segment, figures, device="cpu")
+    assert not script.page_round_trip(fmt, segment, figures, device="cpu")

@@ -219,8 +219,9 @@ def test_heap_stays_bounded_under_churn() -> None:
         if len(p) > 400:
             for v in p.victims(1, _always):
                 p.on_remove(v)
-    assert all(len(q.heap) <= 2 * len(p) + 64 for q in p._queues)
-    assert len(p._ghost) <= max(1024, 4 * len(p))
+    held = p.bookkeeping()
+    assert held["fresh_heap"] <= 2 * len(p) + 64 and held["reused_heap"] <= 2 * len(p) + 64
+    assert held["ghost"] <= max(1024, 4 * len(p))
 
 
 def test_horizon_is_learned_from_reuse_distances() -> None:

@@ -10,7 +10,6 @@ the conversation and must find every chunk A computed, that last one included.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 

@@ -33,7 +33,7 @@ def test_hits_are_filed_under_the_tier_that_held_each_chunk(make_scheduler: Any,
     tokens = prompt(2, 4 * CHUNK_TOKENS + 1)
     blocks = list(range(200, 210))
     meta = _first_step(sched, _request("A", tokens), blocks)
-    keys = sched._keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
+    keys = sched.object_keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
     assert len(keys) == 4
     cfg = {"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"},
            "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "file"},

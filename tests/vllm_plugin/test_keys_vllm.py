@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import types
 from pathlib import Path
 
 import msgspec
@@ -39,7 +38,7 @@ from store_backend.config import ConfigError  # noqa: E402
 from tests.vllm_plugin.conftest import prompt  # noqa: E402
 from tests.vllm_plugin.tiny_model import write_tiny_llama  # noqa: E402
 from vllm_plugin.model_info import kv_geometry, shard_fingerprints, weights_identity  # noqa: E402
-from vllm_plugin.scheduler import SchedulerSide, _Tracked  # noqa: E402
+from vllm_plugin.scheduler import SchedulerSide, TrackedRequest  # noqa: E402
 
 CHUNK = 64
 
@@ -53,12 +52,12 @@ def make_request(tokens: list[int] | None, *, req_id: str = "r", lora: LoRAReque
 
 def hashes(request: Request, num_chunks: int | None = None, *, steps: tuple[int, ...] = ()) -> list[str]:
     """The scheduler's chain hashes of ``request`` (extended in ``steps``, then to ``num_chunks``)."""
-    side = types.SimpleNamespace(chunk_tokens=CHUNK, cfg=load_connector_config({"chunk_tokens": CHUNK}))
-    t = _Tracked(request)
+    scheme = load_connector_config({"chunk_tokens": CHUNK}).hash_scheme
+    t = TrackedRequest(request)
     n = request.num_tokens // CHUNK if num_chunks is None else num_chunks
     for s in steps:
-        SchedulerSide._hashes_upto(side, t, s)  # type: ignore[arg-type]
-    return SchedulerSide._hashes_upto(side, t, n)  # type: ignore[arg-type]
+        t.hashes_upto(s, CHUNK, scheme)
+    return t.hashes_upto(n, CHUNK, scheme)
 
 
 # -- LoRA ------------------------------------------------------------------------------------------
@@ -320,10 +319,10 @@ def test_reset_cache_moves_to_a_persisted_epoch_and_forgets_live_requests(model_
     side = scheduler_side(model_dir, extra)
     try:
         before = list(side.shard_digests)
-        side._track(make_request(prompt(7, 2 * CHUNK), req_id="live"))
+        side.track(make_request(prompt(7, 2 * CHUNK), req_id="live"))
         assert side.reset_cache() is True
         assert side.epoch == 1 and side.shard_digests != before
-        assert "live" not in side._reqs  # its KV may predate new weights: no more saves or loads
+        assert side.tracked("live") is None  # its KV may predate new weights: no more saves or loads
         assert (tmp_path / "ssd" / "mooncake-kv-epoch").exists()
     finally:
         side.close()
@@ -369,7 +368,7 @@ def test_reset_cache_answers_false_naming_the_holder_when_the_epoch_lock_stays_h
     holder = os.open(ssd / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # another open file description
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        side._epoch_file.lock_timeout_s = 0.5
+        side.epoch_file.lock_timeout_s = 0.5
         t0 = time.monotonic()
         assert side.reset_cache() is False  # was: blocked in flock for as long as the holder held it
         assert time.monotonic() - t0 < 5

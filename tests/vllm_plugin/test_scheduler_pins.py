@@ -9,7 +9,6 @@ could not be allocated yet) while other requests' saves land.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,7 +44,7 @@ def _fill(client: KVClient, n: int, tag: str) -> None:
 def _loads_leasable(sched: Any, client: KVClient, req: Any, hit: int) -> list[Status]:
     """vLLM allocates ``hit`` external tokens; more saves land; then the worker leases the plan."""
     sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
-    keys = sched._keys([ld.chunk_hash for ld in sched._reqs[req.request_id].plan_loads])[0]
+    keys = sched.object_keys([ld.chunk_hash for ld in sched.tracked(req.request_id).plan_loads])[0]
     _fill(client, 6, "after-alloc")
     leases = client.lease(keys, ttl_s=10, unpin_after=True)
     client.release_quietly([ls for ls in leases if ls.status is Status.OK])
@@ -54,7 +53,7 @@ def _loads_leasable(sched: Any, client: KVClient, req: Any, hit: int) -> list[St
 
 def _stored(sched: Any, client: KVClient, tokens: list[int]) -> list[str]:
     meta = _first_step(sched, _request("A", tokens), list(range(200, 210)))
-    keys = sched._keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
+    keys = sched.object_keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
     assert len(keys) == 3
     for k in keys:
         assert client.save([k], [np.zeros(OBJ, np.uint8)]).result(10)[0].ok
@@ -96,7 +95,7 @@ def test_a_chunk_evicted_after_the_lookup_is_not_reported(make_scheduler: Any) -
         keys = _stored(sched, client, tokens)
         b = _request("B", tokens)
         sched.on_new_request(b)  # the lookup starts on arrival and finds all three chunks
-        t = sched._reqs["B"]
+        t = sched.tracked("B")
         assert t.lookup is not None and t.lookup.result(10) == 3
         _fill(client, 6, "others")  # evicts them before vLLM first asks
         assert not any(store.contains(keys))
@@ -111,7 +110,7 @@ def test_a_partly_evicted_hit_is_cut_to_the_chunks_still_stored(make_scheduler: 
         keys = _stored(sched, client, tokens)
         b = _request("B", tokens)
         sched.on_new_request(b)
-        assert sched._reqs["B"].lookup.result(10) == 3
+        assert sched.tracked("B").lookup.result(10) == 3
         assert store.remove([keys[2]]) == [Status.OK]  # the last chunk goes; the first two stay
         hit = _ask(sched, b, 0)
         assert hit == 2 * CHUNK_TOKENS
@@ -130,4 +129,4 @@ def test_chunks_whose_saves_are_in_flight_still_count(make_scheduler: Any) -> No
         assert _ask(sched, b, 0) == 3 * CHUNK_TOKENS
         sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in range(30, 37)],)),
                                        3 * CHUNK_TOKENS)
-        assert len(sched._reqs["B"].plan_loads) == 3
+        assert len(sched.tracked("B").plan_loads) == 3

@@ -150,7 +150,7 @@ def test_a_step_planned_before_the_load_outcome_holds_its_saves(make_scheduler: 
         try:
             req = _request("r", prompt(4, 400))
             # The store holds the request's first four chunks (keys as the scheduler derives them).
-            keys = sched._keys(sched._hashes_upto(sched._track(req), 4))[0]
+            keys = sched.object_keys(sched.chunk_hashes(req, 4))[0]
             assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
             deadline = time.monotonic() + 10
             while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
@@ -190,7 +190,7 @@ def test_prefill_request_with_held_saves_keeps_stepping_until_they_are_committed
         server = LookupServer(client, sched.lookups[0].path).start()
         try:
             req = _request("p", prompt(5, 400), **{DO_REMOTE_DECODE: True})
-            keys = sched._keys(sched._hashes_upto(sched._track(req), 4))[0]
+            keys = sched.object_keys(sched.chunk_hashes(req, 4))[0]
             assert all(st.ok for st in client.save(keys, [np.zeros(64, np.uint8)] * 4).result(10))
             deadline = time.monotonic() + 10
             while (hit := sched.get_num_new_matched_tokens(req, 0)[0]) is None and time.monotonic() < deadline:
@@ -245,7 +245,7 @@ def _in_flight_prefix(sched: SchedulerSide, client: KVClient, tokens: list[int],
     worker's wait_for_save does, and A finishes (an ordinary request: its blocks are freed)."""
     a = _request("A", tokens)
     meta = _first_step(sched, a, blocks)
-    keys = sched._keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
+    keys = sched.object_keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
     client.save(keys, [np.zeros(64, np.uint8)] * len(keys))
     assert sched.request_finished(a, blocks) == (False, None)
     return a, meta
@@ -295,7 +295,7 @@ def test_a_failed_save_another_request_counted_on_is_planned_again_by_it(make_sc
         _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
         b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
         _ask(sched, b, 192)  # vLLM's local hit: A's first six blocks
-        assert sched._reqs["B"].hit_chunks == 3  # A's three saves in flight count as present
+        assert sched.tracked("B").hit_chunks == 3  # A's three saves in flight count as present
         blocks_b = blocks_a[:6] + [30, 31, 32, 33]
         sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
         _fail_all(sched, meta_a)
@@ -321,7 +321,7 @@ def test_a_prefill_request_keeps_its_blocks_until_saves_it_counted_on_settled(ma
         _a, meta_a = _in_flight_prefix(sched, client, tokens[:200], blocks_a)
         b = _request("B", tokens, **{DO_REMOTE_DECODE: True})
         _ask(sched, b, 192)
-        assert sched._reqs["B"].hit_chunks == 3
+        assert sched.tracked("B").hit_chunks == 3
         blocks_b = blocks_a[:6] + [50, 51, 52]
         sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in blocks_b],)), 0)
         b.num_computed_tokens = 192
@@ -417,7 +417,7 @@ def test_with_draft_kv_the_held_back_chunk_is_saved_when_the_request_finishes(
         saved, finished = decode_and_finish(req, blocks, CHUNK_TOKENS)
         assert saved == [2, 0]  # chunk 2 ends at the last known token: held back
         assert finished == (True, None) and sched.has_pending_work()
-        hashes = sched._finishing["d"].hashes
+        hashes = sched.finishing("d").hashes
         step = _next_step(sched)  # the request is no longer scheduled: its kept blocks are saved
         saves = [s for plan in step.requests for s in plan.saves]
         assert [(s.chunk_hash, s.parent_hash, s.block_ids) for s in saves] == [(hashes[2], hashes[1], [44, 45])]

@@ -191,7 +191,7 @@ def test_layer_0_is_usable_while_layer_1_is_still_loading(make_worker: Any) -> N
     t0 = time.monotonic()
     w.wait_for_layer_load(meta, LAYERS[0])
     assert time.monotonic() - t0 < w.cfg.load_timeout_s  # not a timeout in disguise
-    job = w._job
+    job = w.load_job
     assert job is not None
     assert w.paged[1].entered.wait(5)  # the loader is inside layer 1's copy
     assert job.layer_ready[0].is_set() and not job.layer_ready[1].is_set()

@@ -66,6 +66,11 @@ class StandIn:
         t.start()
         self._threads.append(t)
 
+    def frames_received(self) -> int:
+        """Requests received so far (counted before each is answered, or hangs)."""
+        with self._lock:
+            return sum(self.frames.values())
+
     def _accept(self) -> None:
         while True:
             try:
@@ -250,8 +255,7 @@ def service(tmp_path, sock_path):
 
 def _frames(sv: StandIn) -> int:
     """Requests the stand-in has received (counted before it answers, or hangs)."""
-    with sv._lock:
-        return sum(sv.frames.values())
+    return sv.frames_received()
 
 
 def _client(path: str, **kw) -> NodeClient:

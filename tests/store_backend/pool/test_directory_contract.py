@@ -456,7 +456,8 @@ def test_embedded_expired_tombstones_and_pending_marks_do_not_pile_up() -> None:
         d.remove([f"r{r}-{i}" for i in range(1000)], tombstone_ttl_s=1.0)
         d.put_start("w", [f"p{r}-{i}" for i in range(1000)], [1] * 1000, 1.0)
         now[0] += 2.0
-    assert len(d._tombstones) <= 2000 and len(d._pending) <= 2000
+    held = d.held()
+    assert held["tombstones"] <= 2000 and held["pending"] <= 2000
     assert d.register("w", [("r4-1", loc("w"))], resync=True) == []  # expired: no longer refused
 
 

@@ -63,7 +63,7 @@ def test_put_get_remove_round_trip_is_byte_identical(server):
             assert (b[d.nbytes:] == 0xAB).all()  # nothing written past the object
         # The batch was larger than one stream's share: it went over two connections.
         assert t.stats()["connections"] == 2
-        if srv._segment_fd >= 0:
+        if srv.sendfile:
             assert srv.stats()["sendfile_bytes"] >= sum(SIZES)
         else:
             assert srv.stats()["sendfile_bytes"] == 0
@@ -180,7 +180,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced():
         t = transport(streams=1)
         try:
             assert t.put(srv.address, ["i"], [payload("i", 100)]) == [Status.OK]
-            assert wait_for(lambda: not srv._conns), "the server did not end the idle connection"
+            assert wait_for(lambda: srv.open_connections == 0), "the server did not end the idle connection"
             out = np.zeros(100, np.uint8)
             assert t.get_into(srv.address, ["i"], [out]) == [ReadResult(Status.OK, 100)]
             assert t.stats()["connections"] == 2
