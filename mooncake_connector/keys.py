@@ -20,6 +20,7 @@ placeholder tokens overlap), so a text prefix before the first image keys as pla
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -148,7 +149,7 @@ def chunk_hashes(
     if chunk_extra_keys is not None and len(chunk_extra_keys) < n_chunks:
         raise ValueError(f"chunk_extra_keys has {len(chunk_extra_keys)} entries for {n_chunks} chunks")
     # One int64 conversion for the whole prompt; the xxh3 scheme hashes each chunk's slice bytes.
-    tokens = np.asarray(token_ids, dtype=np.int64) if scheme == "xxh3_128" else token_ids
+    tokens = _int64s(token_ids) if scheme == "xxh3_128" else token_ids
     out: list[str] = []
     for i in range(n_chunks):
         start = i * chunk_tokens
@@ -157,6 +158,18 @@ def chunk_hashes(
         parent = fn(parent, tokens[start:start + chunk_tokens], chunk_extra)
         out.append(parent)
     return out
+
+
+def _int64s(token_ids: Sequence[int]) -> np.ndarray:
+    """The token ids as native int64s (what the xxh3 scheme hashes). A list is packed by struct,
+    about three times faster than numpy's conversion of Python ints for a prompt (the same bytes);
+    an array is converted by numpy."""
+    if isinstance(token_ids, np.ndarray):
+        return np.asarray(token_ids, dtype=np.int64)
+    try:
+        return np.frombuffer(struct.pack(f"={len(token_ids)}q", *token_ids), dtype=np.int64)
+    except struct.error:  # not plain ints (numpy scalars, out of range): numpy's rules, as before
+        return np.asarray(token_ids, dtype=np.int64)
 
 
 def object_key(fingerprint_digest: str, chunk_hash: str) -> str:

@@ -172,22 +172,32 @@ class StoreQueries:
     def keys(self, prefix: str = "") -> list[str]:
         """Every stored key starting with ``prefix`` (in any tier of this node, each once; not what
         other nodes of a pool hold). A snapshot: O(objects)."""
+        out: list[str] = []
+        seen: set[str] = set()
+        for keys in self.residency(prefix).values():
+            out.extend(k for k in keys if k not in seen)
+            seen.update(keys)
+        return out
+
+    def residency(self, prefix: str = "") -> dict[str, list[str]]:
+        """Every stored key starting with ``prefix``, per tier of this node: "dram", then each
+        local tier below in order ("ssd"); a key with copies in two tiers is under both (not what
+        other nodes of a pool hold). A snapshot: O(objects); tiers below are listed outside the
+        lock, and a key a remove ended meanwhile is asked again."""
         with self._call():
             with self._lock:
-                out = [k for k, e in self._dram.entries.items()
-                       if e.state is EntryState.READY and k.startswith(prefix)]
-            seen = set(out)
+                out = {"dram": [k for k, e in self._dram.entries.items()
+                                if e.state is EntryState.READY and k.startswith(prefix)]}
             for tier in self._local_tiers():
                 with self._lock:
                     ticket = self._ticket()
-                below = [k for k in tier.keys() if k.startswith(prefix) and k not in seen]
+                below = [k for k in tier.keys() if k.startswith(prefix)]
                 with self._lock:
                     changed = [k for k in below if ticket.changed(k)]
                     found = [k for k in below if not ticket.removed(k)]
                 if changed:  # seen while a removal of them ended: asked again
                     found.extend(k for k, hit in zip(changed, self._on_below(changed, [tier])) if hit)
-                out.extend(found)
-                seen.update(found)
+                out[tier.name] = found
             return out
 
     def dram_snapshot(self, keys: Sequence[str] | None = None) -> DramSnapshot:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 
 from store_backend.config_loader import ConfigError
+from store_backend.node.node_lock import file_kind
 from store_backend.private import NotPrivateError, ensure_private_dir
 
 logger = logging.getLogger(__name__)
@@ -140,3 +142,39 @@ def check_socket_to_attach(path: str) -> None:
         raise NodeAccessError(f"the node service socket {path} is owned by uid {st.st_uid} (mode "
                               f"{stat.S_IMODE(st.st_mode):o}), not by this process's uid {os.getuid()} or root: "
                               f"another user made it; remove it; refusing to attach")
+
+
+# Connections waiting to be accepted: a burst of engine processes attaching at once.
+_LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
+
+
+def bind_service_socket(path: str) -> socket.socket:
+    """The node service's listening socket at ``path`` (mode 0600, non-blocking), replacing a dead
+    service's socket file (the caller holds node.lock); ConfigError naming the path otherwise."""
+    # We hold node.lock: a socket here is a dead service's. Anything else is not ours to delete.
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError(f"socket: cannot look at {path}: {e.strerror}") from None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError(f"socket: {path} exists and is not a socket ({file_kind(st.st_mode)}); "
+                              f"nothing was deleted: name another path in `socket`, or move that file away")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"socket: cannot remove the stale socket {path}: {e.strerror}") from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(_LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"socket: cannot listen on {path}: {e.strerror}") from None
+    return sock
