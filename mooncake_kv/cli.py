@@ -19,6 +19,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mooncake_kv.node_cli", "run the node service (one store per node) in the foreground"),
     "status": ("mooncake_kv.node_cli", "whether the node service answers; its tiers, usage and clients"),
     "stop": ("mooncake_kv.node_cli", "stop the node service as SIGTERM does"),
+    "index": ("mooncake_kv.index.cli", "what each engine and node service caches, from their KV events, over HTTP"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
     "store": ("mooncake_kv.bench.store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),
@@ -26,6 +27,8 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "sglang": ("mooncake_kv.bench.sglang", "HiCache backend throughput against SGLang's file backend"),
     "node": ("mooncake_kv.bench.node", "node service put/get and lookups against the embedded store and memcpy"),
     "serve": ("mooncake_kv.bench.serve", "TTFT and hit ratio of vllm serve on the conversation trace, with and without the tiers"),
+    "index": ("mooncake_kv.bench.index", "KV events through the publisher into the index; a prompt query through "
+              "the index against the store's own lookup"),
     "pool": ("mooncake_kv.bench.pool", "remote get/put through the pool (two node services, Redis) against the "
              "raw socket and Mooncake Store; directory lookups"),
 }

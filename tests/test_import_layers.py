@@ -107,6 +107,7 @@ def test_an_upward_import_inside_a_function_breaks_the_contracts(tmp_path: Path)
     _write(tmp_path / "store_backend" / "pool" / "tier.py", "\ndef _f():\n    from store_backend.node import text\n")
     _write(tmp_path / "store_backend" / "node" / "client.py", "\ndef _f():\n    from store_backend.pool import tier\n")
     _write(tmp_path / "store_backend" / "core" / "stats.py", "\ndef _f():\n    from store_backend import store\n")
+    _write(tmp_path / "store_backend" / "events" / "translate.py", "\ndef _f():\n    from store_backend.core import reads\n")
     proc = _run(tmp_path, tmp_path / "pyproject.toml")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -122,5 +123,6 @@ def test_an_upward_import_inside_a_function_breaks_the_contracts(tmp_path: Path)
                                ("store_backend.types", "store_backend.pool.tier"),
                                ("store_backend.pool.tier", "store_backend.node.text"),
                                ("store_backend.node.client", "store_backend.pool.tier"),
-                               ("store_backend.core.stats", "store_backend.store")]:
+                               ("store_backend.core.stats", "store_backend.store"),
+                               ("store_backend.events.translate", "store_backend.core.reads")]:
         assert re.search(rf"{re.escape(importer)} -> {re.escape(imported)}\b", out), (importer, imported, out)

@@ -19,6 +19,7 @@ import msgspec
 
 from store_backend.config import StoreConfig
 from store_backend.config_loader import ConfigError, decode, merge, read_file
+from store_backend.events.config import EventsConfig
 from store_backend.pool.config import PoolConfig
 from store_backend.pool.private_file import check_config_file_secrets
 
@@ -113,6 +114,9 @@ class NodeServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # The pool across nodes (section `pool`: transport listener, directory, replicas); null: this
     # node serves its own engines only.
     pool: PoolConfig | None = None
+    # KV events of the store's contents for routers and `mooncake-kv index` (section `events`:
+    # ZMQ PUB and replay endpoints, docs/ROUTING.md); null: none published.
+    events: EventsConfig | None = None
     # Every object carries its writer's checksum (xxh3 of key and bytes) and clients verify what
     # they read against it (a client may say otherwise), so bytes another process wrote into the
     # shared segment are never served as OK. Off by default: it costs more than 1.15 times a get

@@ -67,7 +67,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Awaitable
@@ -78,6 +77,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from store_backend.api import StoreClosedError
 from store_backend.config_loader import ConfigError
+from store_backend.events.publisher import KVEventPublisher, start_publisher
 from store_backend.metrics import LatencyHistogram
 from store_backend.node import protocol as p
 from store_backend.node.batches import INLINE_MAX_KEYS
@@ -86,10 +86,10 @@ from store_backend.node.connections import ServiceConnections, _within
 from store_backend.node.handlers import ServiceHandlers
 from store_backend.node.lanes import Lane
 from store_backend.node.metrics import NodeCollector
-from store_backend.node.node_lock import file_kind, take_node_lock
+from store_backend.node.node_lock import take_node_lock
 from store_backend.node.segment import segment_id, unlink_if_same
 from store_backend.node.service_state import ClientProc, ServiceConn
-from store_backend.node.socket_dir import make_socket_dir
+from store_backend.node.socket_dir import bind_service_socket, make_socket_dir
 from store_backend.ownership import HeldLock
 from store_backend.pool.service import PoolService
 from store_backend.pool.tier import PoolTier
@@ -102,7 +102,6 @@ from store_backend.store import TieredStore
 logger = logging.getLogger(__name__)
 
 # Listen backlog: clients beyond what the loop has accepted yet wait here.
-_LISTEN_BACKLOG = max(socket.SOMAXCONN, 1024)
 _TICK_S = 1.0
 # A lease is ended by the service this long after its TTL (the store has expired it by then).
 _LEASE_GRACE_S = 1.0
@@ -158,6 +157,7 @@ class NodeService(ServiceConnections, ServiceHandlers):
         # The pool across nodes (config section `pool`): its tier is the store's last, the service
         # (directory, transport listener, registrar) starts beside the socket.
         self.pool: PoolService | None = None
+        self.events: KVEventPublisher | None = None  # KV events of the store (section `events`)
         self._pool_tier: PoolTier | None = None
         # Calls naming more keys than this run on the threads; with a pool every lookup may be a
         # network round trip, so none runs on the loop.
@@ -200,45 +200,19 @@ class NodeService(ServiceConnections, ServiceHandlers):
             self._segment_fd = self.store.open_segment_fd()
             self._has_below = cfg.store.ssd is not None or cfg.pool is not None
             self._below_names = ["ssd"] * (cfg.store.ssd is not None) + ["pool"] * (cfg.pool is not None)
-            self._listener = self._bind()
+            self._listener = bind_service_socket(self.socket_path)
             if cfg.pool is not None:
                 self._start_pool()
+            if cfg.events is not None:
+                backend_id = cfg.events.backend_id or (cfg.pool.node_id_for(self.socket_path) if cfg.pool is not None
+                                                       else f"{socket.gethostname()}:{self.socket_path}")
+                self.events = start_publisher(self.store, cfg.events, backend_id)
             if cfg.metrics is not None:
                 self._start_metrics()
         except BaseException:
             self._release()
             raise
         return self
-
-    def _bind(self) -> socket.socket:
-        path = self.socket_path
-        # We hold node.lock: a socket here is a dead service's. Anything else is not ours to delete.
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        except OSError as e:
-            raise ConfigError(f"socket: cannot look at {path}: {e.strerror}") from None
-        if st is not None:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise ConfigError(f"socket: {path} exists and is not a socket ({file_kind(st.st_mode)}); "
-                                  f"nothing was deleted: name another path in `socket`, or move that file away")
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise ConfigError(f"socket: cannot remove the stale socket {path}: {e.strerror}") from None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)
-            os.chmod(path, 0o600)
-            sock.listen(_LISTEN_BACKLOG)
-            sock.setblocking(False)
-        except OSError as e:
-            sock.close()
-            raise ConfigError(f"socket: cannot listen on {path}: {e.strerror}") from None
-        return sock
 
     def _start_pool(self) -> None:
         """The pool beside the socket: directory, transport listener, registrar (blocking: binds,
@@ -282,6 +256,9 @@ class NodeService(ServiceConnections, ServiceHandlers):
 
     def _release(self) -> None:
         """Undo open(), in reverse (idempotent; used on a failed open and at the end of serve)."""
+        events, self.events = self.events, None
+        if events is not None:
+            events.close()
         self._stop_pool()
         if self._httpd is not None:
             try:

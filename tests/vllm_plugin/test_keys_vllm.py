@@ -3,7 +3,7 @@
 No engine runs here: requests are vLLM's ``Request`` (with its ``LoRARequest``,
 ``MultiModalFeatureSpec``/``PlaceholderRange``, ``prompt_embeds``), configs are vLLM's
 ``VllmConfig`` built by ``EngineArgs`` from the tiny checkpoint, caches are vLLM's ``KVCacheConfig``
-and spec classes. Chain hashes go through the scheduler's own ``_hashes_upto``.
+and spec classes. Chain hashes go through the scheduler's own ``TrackedRequest.hashes_upto``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""The index's HTTP API (aiohttp): what a router asks.
+
+- ``GET /health``: ``{"ok": true, "synced": bool}`` (synced: every node service answered its
+  first snapshot).
+- ``GET /sources``: per source, its endpoint, url, subscription counters and blocks per medium.
+- ``POST /query`` with one of
+  ``{"token_ids": [...], "extra_keys": [...]?, "fingerprints": [...]?}`` (a prompt, hashed as the
+  connector hashes it), ``{"keys": [...]}`` (store object keys) or ``{"block_hashes": [...]}``
+  (vLLM block hashes as ints, or strings for bytes): ``{"longest_matched": n, "chunk_tokens": c,
+  "instances": {name: {"matched", "matched_tokens", "by_medium": {"GPU"|"CPU"|"STORAGE": n},
+  "fingerprint"}}}``. A malformed body answers 400 naming what was wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from mooncake_kv.index.service import KVIndex
+
+
+class QueryBody(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[int] | None = None
+    extra_keys: list[str] | None = None
+    fingerprints: list[str] | None = None
+    keys: list[str] | None = None
+    block_hashes: list[int | str] | None = None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def make_app(index: KVIndex) -> web.Application:
+    async def health(_request: web.Request) -> web.Response:
+        return _json({"ok": True, "synced": index.wait_synced(0)})
+
+    async def sources(_request: web.Request) -> web.Response:
+        return _json(index.status())
+
+    async def query(request: web.Request) -> web.Response:
+        try:
+            body = msgspec.json.decode(await request.read(), type=QueryBody)
+        except msgspec.DecodeError as e:
+            return _json({"error": f"bad query: {e}"}, 400)
+        given = [n for n in ("token_ids", "keys", "block_hashes") if getattr(body, n) is not None]
+        if len(given) != 1:
+            return _json({"error": f"a query names exactly one of token_ids, keys, block_hashes (got {given or 'none'})"},
+                         400)
+        if body.token_ids is not None:
+            result = index.query_tokens(body.token_ids, extra_keys=body.extra_keys, fingerprints=body.fingerprints)
+        elif body.keys is not None:
+            result = index.query_keys(body.keys)
+        else:
+            result = index.query_blocks([h.encode() if isinstance(h, str) else h for h in body.block_hashes or []])
+        return _json(result)
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/sources", sources), web.post("/query", query)])
+    return app

@@ -1,0 +1,160 @@
+"""The index as a library: subscriptions to every source, one :class:`IndexState` under one lock,
+and the queries a router asks ("how much of this prompt does each instance hold, and where").
+
+Queries by token ids hash the prompt the way the connector keys it (``chunk_tokens``,
+``hash_scheme`` and extra keys as in the connector's config; ``mooncake_connector.keys``), then
+look up ``<fingerprint digest>/<chunk hash>`` for each fingerprint digest asked for, or for every
+digest the index has seen in a store's events (a model's shards and cache epochs each have their
+own digest; an instance's answer is its best one). Engines' own GPU blocks are keyed by vLLM's
+block hashes, which only the engine can compute: ask for them with ``block_hashes``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from mooncake_connector.keys import chunk_hashes, object_key
+from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch
+from mooncake_kv.index.subscriber import SourceConfig, Subscriber
+from store_backend.events.wire import BlockStored, KVEventBatch
+
+
+class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``mooncake-kv index``'s config file: the ``sources`` to subscribe to, where the HTTP API
+    listens, and how prompts are chunked and hashed (as the connector's config says)."""
+
+    sources: list[SourceConfig] = msgspec.field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8300
+    chunk_tokens: int = 256
+    hash_scheme: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sources: names must be unique, {dup} repeated")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens: must be >= 1, got {self.chunk_tokens}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a TCP port")
+
+
+class InstanceMatch(msgspec.Struct):
+    """One source's answer: ``matched`` leading chunks (``matched_tokens`` tokens), split by the
+    fastest medium holding each (``by_medium``), under ``fingerprint`` (the digest that matched
+    most; empty for a query by block hashes)."""
+
+    matched: int
+    matched_tokens: int
+    by_medium: dict[str, int]
+    fingerprint: str = ""
+
+
+class QueryResult(msgspec.Struct):
+    """``longest_matched``: the most leading chunks any source holds; ``instances``: each source
+    holding at least the first one."""
+
+    longest_matched: int
+    chunk_tokens: int
+    instances: dict[str, InstanceMatch]
+
+
+class KVIndex:
+    """Thread-safe; ``start()`` subscribes, ``close()`` ends every subscription."""
+
+    def __init__(self, config: IndexConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._state = IndexState()
+        self._digests: set[str] = set()
+        self._ctx = zmq.Context()
+        self._subs = {s.name: Subscriber(s, self._apply, self._reset, ctx=self._ctx) for s in config.sources}
+
+    def start(self) -> KVIndex:
+        for s in self._subs.values():
+            s.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> int:
+        stuck = sum(s.close(timeout_s) for s in self._subs.values())
+        if not stuck:
+            self._ctx.destroy(linger=0)
+        return stuck
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Whether every snapshot source answered its first snapshot within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for s in self._subs.values():
+            if s.config.snapshot and not s.synced.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def subscriber(self, name: str) -> Subscriber:
+        return self._subs[name]
+
+    def blocks(self, source: str, medium: str) -> set[BlockHash]:
+        """The blocks ``source`` holds in ``medium`` now (a copy)."""
+        with self._lock:
+            return self._state.blocks_of(source, medium)
+
+    # -- from the subscribers ----------------------------------------------------------------------
+    def _apply(self, source: str, batch: KVEventBatch) -> None:
+        with self._lock:
+            for event in batch.events:
+                for h in event.block_hashes if isinstance(event, BlockStored) else ():
+                    if isinstance(h, bytes):
+                        digest, sep, _ = h.partition(b"/")
+                        if sep:
+                            self._digests.add(digest.decode(errors="replace"))
+                self._state.apply_event(source, event)
+
+    def _reset(self, source: str) -> None:
+        with self._lock:
+            self._state.clear(source)
+
+    # -- queries -----------------------------------------------------------------------------------
+    def query_blocks(self, blocks: Sequence[BlockHash]) -> QueryResult:
+        with self._lock:
+            found = self._state.match(blocks)
+        return self._result({"": found})
+
+    def query_keys(self, keys: Sequence[str]) -> QueryResult:
+        """For store object keys (``<digest>/<chunk hash>``) in prefix order."""
+        return self.query_blocks([k.encode() for k in keys])
+
+    def query_tokens(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] | None = None,
+                     fingerprints: Sequence[str] | None = None) -> QueryResult:
+        """For a prompt: its full chunks hashed as the connector hashes them, looked up under each
+        of ``fingerprints`` (None: every digest the index has seen)."""
+        hashes = chunk_hashes(token_ids, self.config.chunk_tokens, extra_keys=extra_keys,
+                              scheme=self.config.hash_scheme)
+        with self._lock:
+            digests = sorted(self._digests) if fingerprints is None else list(fingerprints)
+            per_digest = {d: self._state.match([object_key(d, h).encode() for h in hashes]) for d in digests}
+        return self._result(per_digest)
+
+    def _result(self, per_digest: dict[str, dict[str, SourceMatch]]) -> QueryResult:
+        best: dict[str, InstanceMatch] = {}
+        ct = self.config.chunk_tokens
+        for digest, found in per_digest.items():
+            for source, m in found.items():
+                if source not in best or m.matched > best[source].matched:
+                    best[source] = InstanceMatch(matched=m.matched, matched_tokens=m.matched * ct,
+                                                 by_medium=dict(m.by_medium), fingerprint=digest)
+        longest = max((m.matched for m in best.values()), default=0)
+        return QueryResult(longest_matched=longest, chunk_tokens=ct, instances=dict(sorted(best.items())))
+
+    def status(self) -> dict[str, object]:
+        """Per source: its config's endpoint and url, the subscription's counters, and the blocks
+        it holds per medium."""
+        with self._lock:
+            counts = self._state.counts()
+        return {name: {"endpoint": s.config.endpoint, "url": s.config.url, **s.stats(),
+                       "synced": s.synced.is_set(), "blocks": counts.get(name, {})}
+                for name, s in self._subs.items()}
