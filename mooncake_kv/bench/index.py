@@ -25,20 +25,18 @@ max (``<name>_min``, ``<name>_max``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import numpy as np
-from aiohttp import web
 
 from mooncake_connector.keys import chunk_hashes, object_key
-from mooncake_kv.index.http import make_app
+from mooncake_kv.bench.node import median_us
+from mooncake_kv.index.http import serve_in_thread
 from mooncake_kv.index.service import IndexConfig, KVIndex
 from mooncake_kv.index.subscriber import SourceConfig
 from store_backend.events.config import EventsConfig
@@ -140,21 +138,10 @@ def _store_events_per_s(n: int) -> float:
         store.close(flush=False)
 
 
-def _median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def _queries(calls: int) -> dict[str, float]:
     store = TieredStore({"dram": {"capacity_bytes": 64 << 20}}).start()
     pub = KVEventPublisher(store, EventsConfig(endpoint=LOCAL, replay_endpoint=LOCAL), "bench").start()
     index = _index_of(pub)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(index))
     try:
         prompt = [int(x) for x in np.random.default_rng(0).integers(0, 32000, PROMPT_TOKENS)]
         keys = [object_key(DIGEST, h) for h in chunk_hashes(prompt, CHUNK_TOKENS)]
@@ -164,24 +151,17 @@ def _queries(calls: int) -> dict[str, float]:
         got = index.query_tokens(prompt, fingerprints=[DIGEST])
         if got.longest_matched != len(keys) or store.exists(keys) != len(keys):
             raise RuntimeError(f"the query does not see the stored prompt: {got}")
-        out = {"query_4096_us": _median_us(lambda: index.query_tokens(prompt, fingerprints=[DIGEST]), calls),
-               "query_keys_4096_us": _median_us(lambda: index.query_keys(keys), calls),
-               "hash_4096_us": _median_us(lambda: chunk_hashes(prompt, CHUNK_TOKENS), calls),
-               "exists_4096_us": _median_us(lambda: store.exists(keys), calls)}
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        port = runner.addresses[0][1]
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
+        out = {"query_4096_us": median_us(lambda: index.query_tokens(prompt, fingerprints=[DIGEST]), calls),
+               "query_keys_4096_us": median_us(lambda: index.query_keys(keys), calls),
+               "hash_4096_us": median_us(lambda: chunk_hashes(prompt, CHUNK_TOKENS), calls),
+               "exists_4096_us": median_us(lambda: store.exists(keys), calls)}
+        port, stop = serve_in_thread(index)
         body = {"token_ids": prompt, "fingerprints": [DIGEST]}
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             if http.post("/query", json=body).json()["longest_matched"] != len(keys):
                 raise RuntimeError("the HTTP query does not see the stored prompt")
-            out["http_query_4096_us"] = _median_us(lambda: http.post("/query", json=body), max(1, calls // 4))
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+            out["http_query_4096_us"] = median_us(lambda: http.post("/query", json=body), max(1, calls // 4))
+        stop()
         return out
     finally:
         index.close()

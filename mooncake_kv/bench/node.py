@@ -109,7 +109,8 @@ def _verify_cost(plain: KVStore, checked: NodeClient, size: int, src: list[np.nd
     return best["checked"] / best["plain"]
 
 
-def _median_us(fn: Callable[[], object], calls: int) -> float:
+def median_us(fn: Callable[[], object], calls: int) -> float:
+    """The median time of ``calls`` calls of ``fn``, in microseconds."""
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -123,7 +124,7 @@ def _lookup_us(store: KVStore, tag: str, calls: int) -> float:
     store.put(keys, [np.zeros(16, np.uint8)] * LOOKUP_KEYS)
     if store.exists(keys) != LOOKUP_KEYS:
         raise RuntimeError(f"{tag}: the lookup keys are not all present")
-    us = _median_us(lambda: store.exists(keys), calls)
+    us = median_us(lambda: store.exists(keys), calls)
     store.remove(keys)
     return us
 
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                               f"  memcpy {row['memcpy_gbps']:6.2f} GB/s")
             lookup_node = _lookup_us(node, "node", args.lookups)
             lookup_embedded = _lookup_us(embedded, "emb", args.lookups)
-            rtt = _median_us(lambda: node.exists(["bench/absent"]), args.lookups)
+            rtt = median_us(lambda: node.exists(["bench/absent"]), args.lookups)
         finally:
             node.close(flush=False)
             plain.close(flush=False)

@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -60,3 +63,23 @@ def make_app(index: KVIndex) -> web.Application:
     app = web.Application()
     app.add_routes([web.get("/health", health), web.get("/sources", sources), web.post("/query", query)])
     return app
+
+
+def serve_in_thread(index: KVIndex, host: str = "127.0.0.1", port: int = 0) -> tuple[int, Callable[[], None]]:
+    """Serve the API on an event loop of its own thread (a router or a test in this process);
+    returns the bound port and the call that stops it (blocking, bounded)."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(index))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, host, port).start())
+    bound = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, name="kv-index-http", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+    return bound, stop

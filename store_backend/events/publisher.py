@@ -74,6 +74,7 @@ class KVEventPublisher:
         self._cond = threading.Condition()
         self._queue: collections.deque[ResidencyEvent | None] = collections.deque()
         self._queued = 0  # residency events in _queue (gap marks not counted)
+        self._busy = False  # the thread took changes off the queue and has not published them yet
         self._stopping = False
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_batches)
         self._next_seq = 0
@@ -135,14 +136,8 @@ class KVEventPublisher:
     def wait_published(self, timeout_s: float) -> bool:
         """Block until every residency change delivered to this publisher so far is published
         (for tests and benches; the store's own bus may still hold some: ``wait_idle`` it first)."""
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue and not self._stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
-        return True
+            return self._cond.wait_for(lambda: (not self._queue and not self._busy) or self._stopping, timeout_s)
 
     # -- from the store's bus (its thread) ---------------------------------------------------------
     def _on_events(self, events: list[ResidencyEvent]) -> None:
@@ -181,6 +176,7 @@ class KVEventPublisher:
                         break
                     taken.append(e)
                 self._queued -= len(taken)
+                self._busy = bool(taken) or gap
             if taken:
                 self._publish(translate(taken, self.backend_id), len(taken))
             if gap:
@@ -189,6 +185,7 @@ class KVEventPublisher:
                     self._stats["gaps"] += 1
                 self._publish([], 0)  # at once, so the skip is seen even if nothing follows
             with self._cond:
+                self._busy = False
                 self._cond.notify_all()  # wait_published
                 idle = not self._queue
             if self._replay is not None:

@@ -5,17 +5,14 @@ over a real socket, and refuses a malformed query naming what was wrong."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 
 import httpx
 import numpy as np
 import pytest
-from aiohttp import web
 
 from mooncake_connector.keys import chunk_hashes, object_key
-from mooncake_kv.index.http import make_app
+from mooncake_kv.index.http import serve_in_thread
 from mooncake_kv.index.service import IndexConfig, KVIndex
 from mooncake_kv.index.subscriber import SourceConfig
 from store_backend.config import ConfigError
@@ -84,14 +81,7 @@ def test_token_queries_through_the_index_match_the_stores_exists(node) -> None: 
 
 def test_the_http_api_answers_queries_and_refuses_malformed_ones(node) -> None:  # noqa: ANN001
     index = _index(node.service)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(index))
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    port, stop = serve_in_thread(index)
     try:
         p = list(range(CHUNK * 2))
         keys = [object_key(DIGEST, h) for h in chunk_hashes(p, CHUNK)]
@@ -110,9 +100,7 @@ def test_the_http_api_answers_queries_and_refuses_malformed_ones(node) -> None: 
             bad = http.post("/query", json={"token_ids": "abc"})
             assert bad.status_code == 400 and "token_ids" in bad.json()["error"]
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        stop()
         index.close()
 
 
