@@ -156,6 +156,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_ttl_s: float = 60.0
     # Save blocks completed during decode as well as the prompt's.
     save_decode: bool = True
+    # vLLM only: announce the chunks this engine saved (BlockStored, medium CPU) and their removal
+    # at a cache reset or a failed load, through vLLM's own KV-event publisher; inert unless vLLM
+    # runs with --kv-events-config (docs/ROUTING.md).
+    kv_events: bool = False
     # Disaggregated prefill: how long a decode instance waits for the prefill instance's chunks.
     remote_prefill_wait_s: float = 30.0
     # On shutdown, wait until saved objects reached the SSD tier (so another process can open them).

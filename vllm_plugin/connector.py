@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -41,6 +41,7 @@ from vllm_plugin.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -186,6 +187,11 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler side: this step's KV events of the store's chunks (vllm_plugin.kv_events),
+        published by vLLM beside its own; none unless ``kv_events`` and --kv-events-config."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def has_pending_push_work(self) -> bool:
         # Held saves' commit/discard decisions reach the workers only with a step's metadata.

@@ -61,6 +61,8 @@ class LedgerEvents:
     replan: list[tuple[str, int]] = field(default_factory=list)
     # (req_id, chunk index) now stored on every rank.
     landed: list[tuple[str, int]] = field(default_factory=list)
+    # The chunk hashes of ``landed`` (where known), in order.
+    landed_hashes: list[str] = field(default_factory=list)
     # (chunk index, chunk hash) of every save in ``replan`` whose hash is known: any request whose
     # chain holds that chunk counted on it and must plan it again.
     failed: list[tuple[int, str]] = field(default_factory=list)
@@ -172,6 +174,8 @@ class SaveLedger:
                 self._settle(report.save_id)
                 self.counters["saves_landed"] += 1
                 events.landed.append((rec.req_id, rec.chunk))
+                if rec.chunk_hash:
+                    events.landed_hashes.append(rec.chunk_hash)
         return events
 
     def _settle(self, save_id: int) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
-from mooncake_connector.keys import chunk_hashes, object_key
+from mooncake_connector.keys import object_key
 from mooncake_connector.lookup_client import NodeLookups, RankLookups, ShardLookups
 from mooncake_connector.lookup_service import socket_path
 from mooncake_connector.stores import acquire_node, epoch_directory, node_connections, release_store
@@ -63,7 +63,8 @@ from store_backend.threads import Deadline, shutdown_pool
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
-from vllm_plugin.request_keys import chunk_extra_keys, request_extra_keys
+from vllm_plugin.kv_events import ConnectorEvents
+from vllm_plugin.tracked import TrackedRequest
 from vllm_plugin.save_ledger import SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
 from vllm_plugin.stats import FAILURES, HIT_TOKENS, StatsSource, TieredConnectorStats
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -85,50 +87,6 @@ REMOTE_FINGERPRINT = "remote_fingerprint"
 # A finished disaggregated-prefill request releases its blocks after this many failed saves while it
 # waited (its decode instance then computes what is missing after remote_prefill_wait_s).
 MAX_FINISH_RETRIES = 3
-
-
-class TrackedRequest:
-    """Scheduler-side state of one live request (the scheduler's own: others only read it, from
-    the scheduler's thread)."""
-
-    __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
-                 "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
-                 "load_sources", "pin_from", "pin_tiers", "pin_at")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.extra = request_extra_keys(request)  # in every chunk's hash; per-chunk keys come on top
-        self.stale = False  # its KV predates a cache reset: never saved again
-        self.hashes: list[str] = []
-        self.lookup: Future | None = None
-        self.lookup_chunks = 0
-        self.hit_chunks = 0  # leading chunks found in the store by the last finished lookup
-        self.local_tokens = 0  # vLLM's own (block-aligned) hit when the hit was computed
-        self.block_ids: list[int] = []
-        self.saved_chunks = 0  # chunks [0, saved_chunks) are in the store or planned for saving
-        self.plan_loads: list[ChunkLoad] = []
-        self.remote_chunks = 0  # chunks a prefill instance promised (disaggregated decode)
-        self.remote_deadline = 0.0
-        self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
-        # The hit last reported to vLLM, pinned in the store when reported: chunks [pin_from,
-        # pin_from + len(pin_tiers)), each one's tier, and when (monotonic) the pins were taken.
-        self.pin_from = 0
-        self.pin_tiers: list[str | None] = []
-        self.pin_at = 0.0
-
-    def hashes_upto(self, num_chunks: int, chunk_tokens: int, scheme: str) -> list[str]:
-        """Chain hashes of the request's first ``num_chunks`` chunks of ``chunk_tokens`` tokens
-        (extended incrementally; each chunk's hash covers its tokens, the request's extra keys
-        and its own per-chunk keys, chained from its parent's)."""
-        have = len(self.hashes)
-        if num_chunks > have:
-            tokens = self.request.all_token_ids
-            new = tokens[have * chunk_tokens:num_chunks * chunk_tokens]
-            per_chunk = chunk_extra_keys(self.request, have, num_chunks, chunk_tokens)
-            self.hashes.extend(chunk_hashes(new, chunk_tokens, extra_keys=self.extra, scheme=scheme,
-                                            parent=self.hashes[-1] if self.hashes else None,
-                                            chunk_extra_keys=per_chunk))
-        return self.hashes[:num_chunks]
 
 
 # Where vLLM's per-tier hit counter (vllm:prompt_tokens_cached_by_source) files a store tier's tokens.
@@ -177,6 +135,10 @@ class SchedulerSide:
                            if self.lookups.waits else None)
         self._reqs: dict[str, TrackedRequest] = {}
         self.ledger = SaveLedger(geometry.shard_count)
+        # KV events (kv_events in the connector config, and vLLM's --kv-events-config): take_events.
+        kv_events = vllm_config.kv_events_config
+        self.events = (ConnectorEvents(geometry.block_size, self.blocks_per_chunk)
+                       if cfg.kv_events and kv_events is not None and kv_events.enable_kv_cache_events else None)
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
@@ -220,6 +182,8 @@ class SchedulerSide:
         self.epoch = epoch
         self.shard_digests = self._digests(epoch)
         self._reqs.clear()
+        if self.events is not None:
+            self.events.reset()
         for t in self._finishing.values():  # still releases its blocks, but saves nothing more
             t.stale = True
         self.counters["resets"] = self.counters.get("resets", 0) + 1
@@ -462,6 +426,8 @@ class SchedulerSide:
                 planned = self.ledger.plan_saves(req_id, t.saved_chunks, upto, t.block_ids, bpc,
                                                  hashes[t.saved_chunks:upto])
                 for c, (save_id, hold) in zip(range(t.saved_chunks, upto), planned):
+                    if self.events is not None:
+                        self.events.planned(t.request, c, hashes[c])
                     plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
                                                 t.block_ids[c * bpc:(c + 1) * bpc], save_id=save_id, hold=hold))
                 self.counters["save_chunks"] += upto - t.saved_chunks
@@ -497,9 +463,11 @@ class SchedulerSide:
             # copy) or was never whole: every request holding one of its blocks saves it again.
             bpc = self.blocks_per_chunk
             for t in (*self._reqs.values(), *self._finishing.values()):
-                first = next((i for i, b in enumerate(t.block_ids[:t.saved_chunks * bpc]) if b in invalid), None)
-                if first is not None:
-                    t.saved_chunks = first // bpc
+                bad = sorted({i // bpc for i, b in enumerate(t.block_ids[:t.saved_chunks * bpc]) if b in invalid})
+                if bad:
+                    t.saved_chunks = bad[0]
+                    if self.events is not None:
+                        self.events.gone([t.hashes[c] for c in bad if c < len(t.hashes)])
         for req_id, chunk in events.replan:
             t = self._reqs.get(req_id) or self._finishing.get(req_id)
             if t is not None:
@@ -518,6 +486,11 @@ class SchedulerSide:
                         if other_id in self._finishing:
                             self._finish_retries[other_id] = self._finish_retries.get(other_id, 0) + 1
         self.counters["save_chunks_landed"] += len(events.landed)
+        if self.events is not None:
+            for _chunk, chunk_hash in events.failed:
+                self.events.failed(chunk_hash)
+            for chunk_hash in events.landed_hashes:
+                self.events.landed(chunk_hash)
         self.counters["save_chunks_replanned"] += len(events.replan)
 
     def has_pending_work(self) -> bool:
@@ -584,6 +557,10 @@ class SchedulerSide:
         if t is None or sum(t.load_sources.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return dict(t.load_sources)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """This step's KV events (vLLM publishes them beside its own); none unless enabled."""
+        return self.events.take() if self.events is not None else []
 
     def take_stats(self) -> TieredConnectorStats | None:
         """Prompt tokens planned for loading and lookups no worker answered, since the last call,

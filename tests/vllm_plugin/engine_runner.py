@@ -7,7 +7,8 @@ empty local cache, as in production. Usage::
 
 SPEC: ``model_dir``; ``connector`` (null for a no-connector baseline, else ``extra`` (the
 kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only),
-``failure_policy``); ``engine`` (extra ``LLM`` arguments); ``rounds``: a list of
+``failure_policy``); ``engine`` (extra ``LLM`` arguments; ``kv_events_config`` as a dict, as
+``--kv-events-config`` takes it); ``rounds``: a list of
 ``{"prompts": [[token ids]...], "max_tokens": n, "flush": bool}`` served one after the other, vLLM's
 local prefix cache cleared before each round so that reuse can only come from the connector
 (``flush``: first wait until the connector's saves so far reached the SSD tier; ``reset_connector``:
@@ -50,6 +51,10 @@ def main(spec_path: str) -> int:
         if not conn.get("by_name"):
             ktc["kv_connector_module_path"] = "vllm_plugin.connector"
         kwargs["kv_transfer_config"] = ktc
+    if isinstance(kwargs.get("kv_events_config"), dict):  # as --kv-events-config parses its JSON
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     t0 = time.monotonic()
     llm = LLM(model=spec["model_dir"], skip_tokenizer_init=True, seed=0,
               enforce_eager=True, **{"block_size": 32, "max_model_len": 4096, "dtype": "float32", **kwargs})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import pytest
 from mooncake_connector.keys import chunk_hashes
 from store_backend.config import load_config
 from store_backend.store import TieredStore
+from tests.ports import free_port
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
 from tests.vllm_plugin.tiny_model import write_tiny_llama
 
@@ -75,6 +77,40 @@ def test_new_weights_find_nothing_of_the_old(weight_runs: dict[str, Any]) -> Non
     assert weight_runs["w2"]["stats"]["worker"]["chunks_loaded"] == 0
 
 
+class EventCollector:
+    """A ZMQ subscriber on ``endpoint`` that keeps every batch (decoded by vLLM's own classes)
+    until the block ends. It connects before the engine binds (ZMQ connects when it can); what it
+    needs is imported here, not on its thread, so it is listening before the engine starts."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.batches: list[Any] = []
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self._sub = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events-collector", daemon=True)
+
+    def __enter__(self) -> EventCollector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sub.close(0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() or self._sub.poll(200):  # after the engine: what is still queued
+            if self._sub.poll(100):
+                _topic, _seq, payload = self._sub.recv_multipart()
+                self.batches.append(self._decode(payload))
+
+
 @pytest.fixture(scope="module")
 def reset_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("reset")
@@ -83,11 +119,17 @@ def reset_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     base_spec = {"model_dir": str(tiny_model), "engine": ENGINE}
     baseline = run_engine({**base_spec, "connector": None, "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]},
                           work, "baseline")
-    a = run_engine({**base_spec, "connector": {"extra": extra}, "rounds": [
-        {"prompts": [P_A, P_B], "max_tokens": 16},
-        {"prompts": [P_A], "max_tokens": 16, "flush": True, "reset_connector": True},
-        {"prompts": [P_A], "max_tokens": 16, "flush": True},
-    ]}, work, "engine-a")
+    # Engine A also publishes KV events (vLLM's publisher, the connector's kv_events): a subscriber
+    # in this process collects them while it runs.
+    port = free_port()
+    with EventCollector(f"tcp://127.0.0.1:{port}") as events:
+        a = run_engine({**base_spec, "engine": {**ENGINE, "kv_events_config": {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}},
+            "connector": {"extra": {**extra, "kv_events": True}}, "rounds": [
+            {"prompts": [P_A, P_B], "max_tokens": 16},
+            {"prompts": [P_A], "max_tokens": 16, "flush": True, "reset_connector": True},
+            {"prompts": [P_A], "max_tokens": 16, "flush": True},
+        ]}, work, "engine-a")
     shutil.copytree(ssd, work / "ssd-after-a")  # the store as engine A left it
     with TieredStore(load_config(store_section(work / "ssd-after-a"))) as store:
         keys = store.keys()
@@ -99,7 +141,8 @@ def reset_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     epoch_after_restart = json.loads(epoch_file.read_text())
     restarted2 = run_engine({**base_spec, "connector": {"extra": extra},
                              "rounds": [{"prompts": [P_A, P_B], "max_tokens": 16}]}, work, "restarted2")
-    return {"baseline": baseline, "a": a, "restarted": restarted, "restarted2": restarted2, "keys": keys,
+    return {"baseline": baseline, "a": a, "events": events.batches, "restarted": restarted, "restarted2": restarted2,
+            "keys": keys,
             "epoch": epoch, "epoch_state": epoch_state, "epoch_after_restart": epoch_after_restart}
 
 
@@ -173,3 +216,35 @@ def test_objects_saved_before_the_reset_are_removed(reset_runs: dict[str, Any]) 
     assert not hashes & set(chunk_hashes(P_B, CHUNK_TOKENS))  # A saved P_B at epoch 0 only
     assert set(chunk_hashes(P_A, CHUNK_TOKENS)) <= hashes  # saved again after the reset
     assert reset_runs["a"]["stats"]["worker"]["chunks_saved"] > len(keys)
+
+
+def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_at_the_reset(
+        reset_runs: dict[str, Any]) -> None:
+    """Engine A with --kv-events-config and kv_events: vLLM publishes the connector's events beside
+    its own. Before the reset, one CPU BlockStored per chunk of round 1 (P_A's 4, P_B's 3), each
+    with the chunk's token ids (which hash to the store's chunk keys) and vLLM's own block hashes
+    (the GPU events of the same engine name the same blocks); at the reset a CPU BlockRemoved for
+    each of them, never an AllBlocksCleared of ours."""
+    events = [e for batch in reset_runs["events"] for e in batch.events]
+    ours = [e for e in events if getattr(e, "medium", None) == "CPU"]
+    first_removal = next(i for i, e in enumerate(ours) if type(e).__name__ == "BlockRemoved")
+    stored = ours[:first_removal]
+    assert stored and all(type(e).__name__ == "BlockStored" for e in stored)
+    want = {tuple(p[c * CHUNK_TOKENS:(c + 1) * CHUNK_TOKENS]) for p in (P_A, P_B)
+            for c in range((len(p) - 1) // CHUNK_TOKENS)}
+    assert {tuple(e.token_ids) for e in stored} == want and len(stored) == len(want)
+    gpu = {h for e in events if type(e).__name__ == "BlockStored" and e.medium == "GPU" for h in e.block_hashes}
+    for e in stored:
+        assert e.block_size == 32 and len(e.block_hashes) == CHUNK_TOKENS // 32
+        assert set(e.block_hashes) <= gpu  # the engine's own hashes of those blocks
+    # Each prompt's chunks chain as the store's keys do (a key hashes its chunk's tokens on top of
+    # its parent's): chunk c names chunk c-1's last block as its parent, chunk 0 none.
+    for p in (P_A, P_B):
+        by_chunk = {c: e for e in stored for c in range(len(p) // CHUNK_TOKENS)
+                    if e.token_ids == p[c * CHUNK_TOKENS:(c + 1) * CHUNK_TOKENS]}
+        assert sorted(by_chunk) == list(range((len(p) - 1) // CHUNK_TOKENS))
+        assert by_chunk[0].parent_block_hash is None
+        for c in range(1, len(by_chunk)):
+            assert by_chunk[c].parent_block_hash == by_chunk[c - 1].block_hashes[-1]
+    removed = [e for e in ours[first_removal:] if type(e).__name__ == "BlockRemoved"]
+    assert {tuple(e.block_hashes) for e in removed} >= {tuple(e.block_hashes) for e in stored}

@@ -38,7 +38,8 @@ from store_backend.config import ConfigError  # noqa: E402
 from tests.vllm_plugin.conftest import prompt  # noqa: E402
 from tests.vllm_plugin.tiny_model import write_tiny_llama  # noqa: E402
 from vllm_plugin.model_info import kv_geometry, shard_fingerprints, weights_identity  # noqa: E402
-from vllm_plugin.scheduler import SchedulerSide, TrackedRequest  # noqa: E402
+from vllm_plugin.scheduler import SchedulerSide  # noqa: E402
+from vllm_plugin.tracked import TrackedRequest  # noqa: E402
 
 CHUNK = 64
 

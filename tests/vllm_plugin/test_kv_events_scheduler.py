@@ -1,0 +1,130 @@
+"""The connector's KV events on the scheduler side, with vLLM's own objects (no engine): a chunk is
+announced once every rank stored it, self-describing (vLLM's block hashes of its blocks, as vLLM
+converts them for its events, the parent, the tokens, LoRA), once; a failed save announces
+nothing; a failed load and a cache reset announce the removal of what was announced; nothing at
+all without ``kv_events`` or without vLLM's --kv-events-config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from mooncake_connector.config import load_connector_config  # noqa: E402
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
+from tests.vllm_plugin.test_scheduler_saves import GEOMETRY, _first_step, _land_all, _saves  # noqa: E402
+from vllm_plugin.metadata import SaveReport, TieredWorkerMetadata  # noqa: E402
+from vllm_plugin.scheduler import SchedulerSide  # noqa: E402
+
+BLOCK = GEOMETRY.block_size
+HASH_FN = get_hash_fn_by_name("sha256")
+init_none_hash(HASH_FN)
+
+
+@pytest.fixture(scope="module")
+def make_scheduler(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    sockets = tmp_path_factory.mktemp("sockets")
+
+    def make(*, kv_events: bool = True, vllm_events: bool = True, shards: int = 1) -> SchedulerSide:
+        extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(sockets), "kv_events": kv_events}
+        ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
+                               kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if vllm_events else None
+        config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
+                            max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc,
+                            kv_events_config=events, tensor_parallel_size=shards).create_engine_config()
+        return SchedulerSide(config, load_connector_config(extra), msgspec.structs.replace(GEOMETRY, shard_count=shards))
+
+    return make
+
+
+def _request(req_id: str, tokens: list[int], lora: LoRARequest | None = None) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, lora_request=lora,
+                   block_hasher=get_request_block_hasher(BLOCK, HASH_FN))
+
+
+def _stored(events) -> list[BlockStored]:  # noqa: ANN001
+    return [e for e in events if isinstance(e, BlockStored)]
+
+
+def test_a_landed_chunk_is_announced_once_and_self_describing(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    lora = LoRARequest("ad", 3, "/nonexistent")
+    tokens = prompt(1, 2 * CHUNK_TOKENS + 5)
+    req = _request("r", tokens, lora)
+    meta = _first_step(sched, req, list(range(10, 20)))
+    assert [b for b, _i, _h in _saves(meta)] == [10, 12]
+    assert sched.take_events() == []  # planned, not stored yet
+    _land_all(sched, meta)
+    got = _stored(sched.take_events())
+    bpc = CHUNK_TOKENS // BLOCK
+    assert len(got) == 2
+    for c, e in enumerate(got):
+        assert e.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[c * bpc:(c + 1) * bpc]]
+        assert e.parent_block_hash == (maybe_convert_block_hash(req.block_hashes[c * bpc - 1]) if c else None)
+        assert e.token_ids == tokens[c * CHUNK_TOKENS:(c + 1) * CHUNK_TOKENS]
+        assert (e.block_size, e.medium, e.lora_name, e.lora_id, e.group_idx, e.locality) == (
+            BLOCK, "CPU", "ad", 3, 0, "LOCAL")
+        assert e.extra_keys == [("ad",)] * bpc  # vLLM's untagged per-block keys: the LoRA name
+    # The same chunks saved again (another request of the same prompt) are not announced again.
+    meta2 = _first_step(sched, _request("r2", tokens, lora), list(range(30, 40)))
+    _land_all(sched, meta2)
+    assert sched.take_events() == []
+
+
+def test_tp2_announces_only_what_both_ranks_stored_and_a_failed_save_nothing(make_scheduler: Any) -> None:
+    sched = make_scheduler(shards=2)
+    req = _request("t", prompt(2, 2 * CHUNK_TOKENS + 1))
+    meta = _first_step(sched, req, list(range(10, 20)))
+    (_, s0, _), (_, s1, _) = _saves(meta)
+
+    def report(*saves: SaveReport) -> None:
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+            steps=[meta.step], saves=list(saves))))
+
+    report(SaveReport(s0, 0, True), SaveReport(s1, 0, True))
+    assert sched.take_events() == []  # rank 1 has not stored them yet
+    report(SaveReport(s0, 1, True), SaveReport(s1, 1, False))  # chunk 1 failed on rank 1
+    got = _stored(sched.take_events())
+    assert len(got) == 1 and got[0].token_ids == req.all_token_ids[:CHUNK_TOKENS]
+
+
+def test_a_failed_load_and_a_reset_announce_removals(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    req = _request("x", prompt(3, 3 * CHUNK_TOKENS + 1))
+    blocks = list(range(50, 60))
+    meta = _first_step(sched, req, blocks)
+    _land_all(sched, meta)
+    announced = _stored(sched.take_events())
+    assert len(announced) == 3
+    # A later load into chunk 1's blocks failed: that chunk is announced gone.
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={blocks[2]}))
+    removed = [e for e in sched.take_events() if isinstance(e, BlockRemoved)]
+    assert [(e.block_hashes, e.medium) for e in removed] == [(announced[1].block_hashes, "CPU")]
+    assert sched.reset_cache() is True
+    removed = [e for e in sched.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted(map(tuple, (e.block_hashes for e in removed))) == sorted(
+        tuple(announced[i].block_hashes) for i in (0, 2))
+    assert all(type(e).__name__ != "AllBlocksCleared" for e in removed)
+
+
+@pytest.mark.parametrize("kv_events, vllm_events", [(False, True), (True, False)])
+def test_nothing_without_both_switches(make_scheduler: Any, kv_events: bool, vllm_events: bool) -> None:
+    sched = make_scheduler(kv_events=kv_events, vllm_events=vllm_events)
+    meta = _first_step(sched, _request("n", prompt(4, CHUNK_TOKENS + 1)), list(range(10, 20)))
+    _land_all(sched, meta)
+    assert sched.events is None and sched.take_events() == []
