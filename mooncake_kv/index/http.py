@@ -53,6 +53,8 @@ def make_app(index: KVIndex) -> web.Application:
             return _json({"error": f"a query names exactly one of token_ids, keys, block_hashes (got {given or 'none'})"},
                          400)
         if body.token_ids is not None:
+            if any(not -2**63 <= t < 2**63 for t in body.token_ids):
+                return _json({"error": "bad query: token_ids must be 64-bit integers"}, 400)
             result = index.query_tokens(body.token_ids, extra_keys=body.extra_keys, fingerprints=body.fingerprints)
         elif body.keys is not None:
             result = index.query_keys(body.keys)

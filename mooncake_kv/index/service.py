@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from mooncake_connector.keys import chunk_hashes, object_key
+from mooncake_connector.keys import chunk_hashes, hash_scheme_names, object_key
 from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch
 from mooncake_kv.index.subscriber import SourceConfig, Subscriber
 from store_backend.events.wire import BlockStored, KVEventBatch
@@ -41,6 +41,8 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"sources: names must be unique, {dup} repeated")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens: must be >= 1, got {self.chunk_tokens}")
+        if self.hash_scheme not in hash_scheme_names():
+            raise ValueError(f"hash_scheme: {self.hash_scheme!r} is not one of {hash_scheme_names()}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
 
@@ -74,7 +76,7 @@ class KVIndex:
         self._state = IndexState()
         self._digests: set[str] = set()
         self._ctx = zmq.Context()
-        self._subs = {s.name: Subscriber(s, self._apply, self._reset, ctx=self._ctx) for s in config.sources}
+        self._subs = {s.name: Subscriber(s, self._apply, self._replace, ctx=self._ctx) for s in config.sources}
 
     def start(self) -> KVIndex:
         for s in self._subs.values():
@@ -106,17 +108,23 @@ class KVIndex:
     # -- from the subscribers ----------------------------------------------------------------------
     def _apply(self, source: str, batch: KVEventBatch) -> None:
         with self._lock:
-            for event in batch.events:
-                for h in event.block_hashes if isinstance(event, BlockStored) else ():
-                    if isinstance(h, bytes):
-                        digest, sep, _ = h.partition(b"/")
-                        if sep:
-                            self._digests.add(digest.decode(errors="replace"))
-                self._state.apply_event(source, event)
+            self._apply_locked(source, batch)
 
-    def _reset(self, source: str) -> None:
+    def _apply_locked(self, source: str, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            for h in event.block_hashes if isinstance(event, BlockStored) else ():
+                if isinstance(h, bytes):
+                    digest, sep, _ = h.partition(b"/")
+                    if sep:
+                        self._digests.add(digest.decode(errors="replace"))
+            self._state.apply_event(source, event)
+
+    def _replace(self, source: str, batches: list[KVEventBatch]) -> None:
+        """The source's entries become what ``batches`` say (a snapshot), in one lock hold."""
         with self._lock:
             self._state.clear(source)
+            for batch in batches:
+                self._apply_locked(source, batch)
 
     # -- queries -----------------------------------------------------------------------------------
     def query_blocks(self, blocks: Sequence[BlockHash]) -> QueryResult:

@@ -95,10 +95,19 @@ class StoreRemoval:
         return out
 
     def _publish_removed(self, keys: Sequence[str], out: list[Status], sizes: list[int]) -> None:
-        """(lock held) ``removed`` for each key this remove answers OK for, unless a put that raced
-        it has stored the key again meanwhile (its ``stored`` came first and still holds)."""
-        self._bus.publish([ResidencyEvent("removed", k, ALL_TIERS, sizes[i]) for i, k in enumerate(keys)
-                           if out[i] is Status.OK and self._dram.ready(k) is None])
+        """(lock held) ``removed`` for each key this remove answers OK for; for one a put that raced
+        it has stored again meanwhile (its ``stored`` came first and still holds), ``evicted``
+        from each local tier below instead: the copies there were deleted, the new DRAM copy
+        stays."""
+        events: list[ResidencyEvent] = []
+        for i, k in enumerate(keys):
+            if out[i] is not Status.OK:
+                continue
+            if self._dram.ready(k) is None:
+                events.append(ResidencyEvent("removed", k, ALL_TIERS, sizes[i]))
+            else:
+                events.extend(ResidencyEvent("evicted", k, t.name, sizes[i]) for t in self._local_tiers())
+        self._bus.publish(events)
 
     def _wait_deleted(self, keys: Sequence[str], below: list[int], out: list[Status]) -> None:
         """(lock held) Wait, up to ``_REMOVE_LANDED_S``, until no deletion of these keys' SSD

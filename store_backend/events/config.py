@@ -5,13 +5,14 @@ from __future__ import annotations
 import msgspec
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_MAX = 2**31 - 1  # ZMQ's socket options are C ints
 
 
 class EventsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """KV events of a node service (``store_backend.events.publisher``).
 
     ``endpoint``: the PUB socket subscribers connect to (bound; ``tcp://host:*`` takes a free
-    port, which ``mooncake-kv status`` and the log show). ``replay_endpoint``: the ROUTER socket
+    port, which the log shows). ``replay_endpoint``: the ROUTER socket
     that answers replay and snapshot requests; null: none (a subscriber that misses a batch then
     cannot catch up). ``topic``: the first frame of every message (vLLM's default is empty).
     ``backend_id``: names this node in every event (``ownership``); null: the pool's node id, else
@@ -37,7 +38,7 @@ class EventsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"replay_endpoint: must differ from endpoint ({self.endpoint!r})")
         for name, value in (("buffer_batches", self.buffer_batches), ("queue_max", self.queue_max),
                             ("batch_max", self.batch_max), ("hwm", self.hwm)):
-            if value < 1:
-                raise ValueError(f"{name}: must be >= 1, got {value}")
+            if not 1 <= value <= _MAX:
+                raise ValueError(f"{name}: must be in [1, {_MAX}], got {value}")
         if self.backend_id is not None and not self.backend_id:
             raise ValueError("backend_id: must not be empty (null: the default)")

@@ -100,6 +100,9 @@ class KVEventPublisher:
             if self.config.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
+                # No send limit: a reply (up to buffer_batches batches, or a snapshot) is never cut
+                # short for a reader slower than this thread (a ROUTER drops what passes its HWM).
+                replay.setsockopt(zmq.SNDHWM, 0)
                 self.replay_endpoint = _bind(replay, self.config.replay_endpoint, "replay_endpoint")
         except BaseException:
             ctx.destroy(linger=0)
@@ -149,7 +152,8 @@ class KVEventPublisher:
                 self._stats["dropped"] += len(events) - max(room, 0)
                 events = events[:max(room, 0)]
                 self._queue.extend(events)
-                self._queue.append(_GAP)
+                if not self._queue or self._queue[-1] is not _GAP:  # one mark for a run of drops
+                    self._queue.append(_GAP)
             else:
                 self._queue.extend(events)
             self._queued += len(events)
@@ -157,7 +161,8 @@ class KVEventPublisher:
 
     def _on_gap(self) -> None:
         with self._cond:
-            self._queue.append(_GAP)
+            if not self._queue or self._queue[-1] is not _GAP:
+                self._queue.append(_GAP)
             self._cond.notify_all()
 
     # -- the thread --------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ def test_bench_index_reports_every_figure(capsys) -> None:  # noqa: ANN001
     ("sources: [{name: a, endpoint: 'tcp://h:1'}, {name: a, endpoint: 'tcp://h:2'}]", "names must be unique"),
     ("sources: [{name: a, endpoint: 'tcp://h:1', snapshot: true}]", "snapshot needs a replay_endpoint"),
     ("port: 70000", "port: 70000 is not a TCP port"),
+    ("sources: [{name: a, endpoint: '127.0.0.1:5567'}]", "endpoint '127.0.0.1:5567' is not a ZMQ endpoint"),
+    ("hash_scheme: sha9000", "hash_scheme: 'sha9000' is not one of"),
     ("sourcez: []", "sourcez"),
 ])
 def test_a_bad_index_config_names_the_field_and_the_file(tmp_path, text: str, message: str) -> None:  # noqa: ANN001

@@ -202,9 +202,99 @@ def test_a_missed_batch_is_replayed_and_a_restart_drops_the_old_entries() -> Non
         hp.serve_one()
         wait_until(lambda: sub.stats()["next_seq"] == 3, 10, "the replayed batch")
         assert index.blocks("e", "CPU") == {b"a", b"b", b"c"} and sub.stats()["replayed"] >= 1
+        # A replay with a hole (batch 4 never kept): batch 3 and 5 apply, only the hole is lost.
+        hp.kept[3], hp.kept[5] = hp.batch("d"), hp.batch("f")
+        hp.send(6, hp.batch("g"))
+        hp.serve_one()
+        wait_until(lambda: sub.stats()["next_seq"] == 7, 10, "the partly replayed batches")
+        assert index.blocks("e", "CPU") == {b"a", b"b", b"c", b"d", b"f", b"g"} and sub.stats()["lost"] == 1
         hp.send(0, hp.batch("x"), keep=False)  # numbers go back: a new publisher
         wait_until(lambda: sub.stats()["restarts"] == 1, 10, "the restart")
         wait_until(lambda: index.blocks("e", "CPU") == {b"x"}, 10, "the restarted source's entries")
     finally:
         index.close()
         hp.close()
+
+
+def _same(store: TieredStore, pub: KVEventPublisher, index: KVIndex) -> None:
+    assert store.wait_idle(10) and pub.wait_published(10)
+    sub = index.subscriber("node-t")
+    wait_until(lambda: sub.synced.is_set() and sub.stats()["next_seq"] == pub.stats()["next_seq"], 10,
+               "the index at the last batch")
+    listing = store.residency()
+    assert index.blocks("node-t", "CPU") == {k.encode() for k in listing["dram"]}
+    assert index.blocks("node-t", "STORAGE") == {k.encode() for k in listing.get("ssd", [])}
+
+
+def test_a_node_that_restarts_on_the_same_endpoints_is_rebuilt(tmp_path) -> None:  # noqa: ANN001
+    """The new service's first batches are published before the SUB socket reconnects, so its
+    numbers never go back: the reconnect itself makes the index take a snapshot."""
+    from tests.ports import free_port
+
+    config = EventsConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    a = TieredStore({"dram": {"capacity_bytes": 4 * MiB}}).start()
+    pub_a = KVEventPublisher(a, config, "node-t").start()
+    index = _index(pub_a)
+    try:
+        for k in ("old/0", "old/1"):
+            assert a.put([k], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+        _same(a, pub_a, index)
+        pub_a.close()
+        a.close(flush=False)
+        b = TieredStore({"dram": {"capacity_bytes": 4 * MiB}}).start()
+        pub_b = KVEventPublisher(b, config, "node-t").start()
+        try:
+            for k in ("new/0", "new/1", "new/2"):
+                assert b.put([k], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+            wait_until(lambda: index.subscriber("node-t").stats()["reconnects"] >= 1, 10, "the reconnect")
+            _same(b, pub_b, index)
+            assert index.blocks("node-t", "CPU") == {b"new/0", b"new/1", b"new/2"}
+        finally:
+            pub_b.close()
+            b.close(flush=False)
+    finally:
+        index.close()
+
+
+class SlowRemoves:
+    """A real SSD backend whose removes wait first (to widen a race's window)."""
+
+    def __init__(self, inner, wait_s: float) -> None:  # noqa: ANN001
+        self.inner, self.wait_s = inner, wait_s
+
+    def remove(self, keys):  # noqa: ANN001, ANN201
+        time.sleep(self.wait_s)  # the window in which the racing put lands
+        return self.inner.remove(keys)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_a_remove_racing_a_put_withdraws_the_deleted_ssd_copy(tmp_path) -> None:  # noqa: ANN001
+    import threading
+
+    from store_backend.config import load_config
+    from store_backend.ssd.factory import open_ssd_backend
+
+    config = load_config({"dram": {"capacity_bytes": 4 * MiB},
+                          "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 16 * MiB, "backend": "file"},
+                          "offload": {"policy": "watermark"}})
+    store = TieredStore(config, ssd=SlowRemoves(open_ssd_backend(config.ssd), 0.3)).start()
+    pub = _publisher(store)
+    index = _index(pub)
+    try:
+        assert store.put(["d/K"], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+        assert store.flush(10)  # in DRAM and on SSD
+        _same(store, pub, index)
+        assert index.blocks("node-t", "STORAGE") == {b"d/K"}
+        remover = threading.Thread(target=lambda: store.remove(["d/K"]))
+        remover.start()
+        wait_until(lambda: store.tier_of(["d/K"]) == [None], 5, "the remove under way")
+        assert store.put(["d/K"], [np.ones(OBJ, np.uint8)]) == [Status.OK]  # lands while SSD deletes
+        remover.join(10)
+        _same(store, pub, index)
+        assert index.blocks("node-t", "STORAGE") == set()  # the deleted SSD copy is withdrawn
+    finally:
+        index.close()
+        pub.close()
+        store.close(flush=False)

@@ -47,7 +47,8 @@ def test_listing_events_batch_each_tier_and_skip_unknown_tiers() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"endpoint": "localhost:5557"}, "endpoint: 'localhost:5557' is not a ZMQ endpoint"),
     ({"endpoint": "tcp://*:1", "replay_endpoint": "tcp://*:1"}, "replay_endpoint: must differ"),
-    ({"buffer_batches": 0}, "buffer_batches: must be >= 1"),
+    ({"buffer_batches": 0}, r"buffer_batches: must be in \[1, 2147483647\]"),
+    ({"hwm": 2**31}, r"hwm: must be in \[1, 2147483647\], got 2147483648"),
     ({"backend_id": ""}, "backend_id: must not be empty"),
 ])
 def test_bad_events_config_is_refused_naming_the_field(fields, message) -> None:  # noqa: ANN001

@@ -99,6 +99,8 @@ def test_the_http_api_answers_queries_and_refuses_malformed_ones(node) -> None: 
             assert bad.status_code == 400 and "exactly one of" in bad.json()["error"]
             bad = http.post("/query", json={"token_ids": "abc"})
             assert bad.status_code == 400 and "token_ids" in bad.json()["error"]
+            bad = http.post("/query", json={"token_ids": [1, 2**63]})
+            assert bad.status_code == 400 and "64-bit" in bad.json()["error"]
     finally:
         stop()
         index.close()
