@@ -11,47 +11,73 @@ different steps): a chunk is announced once the save ledger says every rank stor
   chunk's token ids, the block size, the LoRA name and id, the per-block extra keys, group 0;
   ``locality`` ``LOCAL``. So a consumer that keys on vLLM's hashes and one that keys on tokens
   both join them with the GPU events.
-- ``BlockRemoved`` (``CPU``) for every announced chunk at a cache reset (``reset_cache``: a new
+- ``BlockStored`` in ``STORAGE`` once every rank's store has the chunk on SSD too, and in ``CPU``
+  again once every rank's DRAM holds it after an eviction (a promotion); ``BlockRemoved`` of a
+  medium as soon as one rank's store drops it there, and of every medium when one rank's store
+  no longer holds the chunk at all (removed, evicted from its last tier). The ranks' embedded
+  stores report these changes with each step (``vllm_plugin.worker_residency``); a rank whose
+  store could not tell all of them (its event queue overflowed) makes the scheduler withdraw
+  everything it announced.
+- ``BlockRemoved`` for every announced chunk and medium at a cache reset (``reset_cache``: a new
   epoch, the old chunks unreachable), and for a chunk whose load failed (the worker removed a
   damaged copy, or the copy is not loadable now). Never ``AllBlocksCleared`` (it has no medium
   and would wipe the engine's GPU entries in a router).
 
 The payload of a chunk is taken from the live request when its save is planned (``planned``) and
-kept until the save settles; announced chunks keep their block hashes only (for the removal).
-Bounded: at most ``max_announced`` chunks are announced at once; past it the oldest is removed
-(``BlockRemoved``) before a new one is announced, so a router never holds more than the store
-might.
+kept while it is announced, to announce it in another medium. Bounded: at most ``max_announced``
+chunks are announced at once; past it the oldest is withdrawn before a new one is announced, so a
+router never holds more than the store might.
 
-Not announced (yet): chunks the store holds that this engine did not save (another engine, an
-earlier run), the tier changes inside the store (DRAM to SSD) and the store's own evictions and
-removals: the store does not report them to the scheduler. docs/ROUTING.md states these limits.
+Not announced: chunks the store holds that this engine did not save (another engine, an earlier
+run); with a node service, what the store does after a save (a node client has no residency events
+to offer: the node service's own event stream says it, docs/ROUTING.md).
 Scheduler thread only.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from dataclasses import dataclass, field
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+import msgspec
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 from vllm.v1.request import Request
 
+from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, SSD_OUT
+
 LOCAL = "LOCAL"
-DEFAULT_MAX_ANNOUNCED = 1 << 20
+# Each announced chunk keeps its event (token ids included) to announce it in another medium.
+DEFAULT_MAX_ANNOUNCED = 1 << 17
+
+
+@dataclass
+class _Chunk:
+    """One chunk the connector planned a save of, or announced: its event (kept for announcing it
+    in another medium), the media announced now, and what the ranks' stores did to it."""
+
+    event: BlockStored
+    media: set[str] = field(default_factory=set)
+    ssd_ranks: set[int] = field(default_factory=set)  # ranks whose store has its SSD copy
+    dram_out: set[int] = field(default_factory=set)  # ranks whose store dropped its DRAM copy
+    landed: bool = False
 
 
 class ConnectorEvents:
-    """The scheduler's KV events (see the module docstring)."""
+    """The scheduler's KV events (see the module docstring). ``num_ranks``: the shards a chunk is
+    saved on (every one must hold it before it is announced in a medium)."""
 
-    def __init__(self, block_size: int, blocks_per_chunk: int, *, max_announced: int = DEFAULT_MAX_ANNOUNCED) -> None:
+    def __init__(self, block_size: int, blocks_per_chunk: int, num_ranks: int = 1, *,
+                 max_announced: int = DEFAULT_MAX_ANNOUNCED) -> None:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
+        self.num_ranks = num_ranks
         self.max_announced = max_announced
-        self._pending: dict[str, BlockStored] = {}  # chunk hash -> the event to send once it lands
-        self._announced: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()  # -> block hashes
+        self._pending: dict[str, _Chunk] = {}  # planned, not landed on every rank yet
+        self._announced: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()
         self._out: list[KVCacheEvent] = []
         self.skipped = 0  # chunks whose request had no block hashes for them (not announced)
+        self.gaps = 0  # reports of ranks whose store could not tell all it did
 
     def planned(self, request: Request, chunk: int, chunk_hash: str) -> None:
         """A save of ``request``'s chunk ``chunk`` was planned: keep what its event will say."""
@@ -68,35 +94,77 @@ class ConnectorEvents:
             keys, mm_idx = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        self._pending[chunk_hash] = BlockStored(
+        self._pending[chunk_hash] = _Chunk(BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + bpc]],
             parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
             token_ids=list(request.all_token_ids[first * bs:(first + bpc) * bs]),
             block_size=bs, lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
             lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra), group_idx=0,
-            locality=LOCAL)
+            locality=LOCAL))
 
     def landed(self, chunk_hash: str) -> None:
-        """Every rank stored the chunk: announce it (once)."""
-        event = self._pending.pop(chunk_hash, None)
-        if event is None or chunk_hash in self._announced:
+        """Every rank stored the chunk: announce it (once) in DRAM, and on SSD if every rank's
+        copy is there already."""
+        c = self._pending.pop(chunk_hash, None)
+        if c is None or chunk_hash in self._announced:
             return
         while len(self._announced) >= self.max_announced:
-            _old, hashes = self._announced.popitem(last=False)
-            self._out.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=0, locality=LOCAL))
-        self._announced[chunk_hash] = list(event.block_hashes)
-        self._out.append(event)
+            _old, oldest = self._announced.popitem(last=False)
+            self._withdraw(oldest, set(oldest.media))
+        self._announced[chunk_hash] = c
+        c.landed = True
+        if not c.dram_out:
+            self._announce(c, MEDIUM_CPU)
+        if len(c.ssd_ranks) >= self.num_ranks:
+            self._announce(c, MEDIUM_STORAGE)
 
     def failed(self, chunk_hash: str) -> None:
         """The chunk's save did not land (or was discarded): forget what was kept for it."""
         self._pending.pop(chunk_hash, None)
 
+    def changed(self, rank: int, chunk_hash: str, change: str) -> None:
+        """Rank ``rank``'s store changed the chunk (vllm_plugin.worker_residency): a medium is
+        announced once every rank holds the chunk there, and withdrawn as soon as one does not."""
+        c = self._announced.get(chunk_hash) or self._pending.get(chunk_hash)
+        if c is None:
+            return
+        if change == GONE:
+            c.dram_out.add(rank)
+            c.ssd_ranks.discard(rank)
+            self._withdraw(c, set(c.media))
+            if c.landed:
+                del self._announced[chunk_hash]
+            return
+        if change == DRAM_OUT:
+            c.dram_out.add(rank)
+            self._withdraw(c, {MEDIUM_CPU})
+        elif change == DRAM_IN:
+            c.dram_out.discard(rank)
+            if c.landed and not c.dram_out:
+                self._announce(c, MEDIUM_CPU)
+        elif change == SSD_IN:
+            c.ssd_ranks.add(rank)
+            if c.landed and len(c.ssd_ranks) >= self.num_ranks:
+                self._announce(c, MEDIUM_STORAGE)
+        elif change == SSD_OUT:
+            c.ssd_ranks.discard(rank)
+            self._withdraw(c, {MEDIUM_STORAGE})
+
+    def gap(self) -> None:
+        """A rank's store could not tell all it did: what it holds is unknown, so everything
+        announced is withdrawn (announced again only by new saves)."""
+        self.gaps += 1
+        for c in self._announced.values():
+            self._withdraw(c, set(c.media))
+        self._announced.clear()
+        self._pending.clear()
+
     def gone(self, chunk_hashes: list[str]) -> None:
         """The store may no longer hold these chunks (a failed load): announce their removal."""
         for h in chunk_hashes:
-            hashes = self._announced.pop(h, None)
-            if hashes is not None:
-                self._out.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=0, locality=LOCAL))
+            c = self._announced.pop(h, None)
+            if c is not None:
+                self._withdraw(c, set(c.media))
 
     def reset(self) -> None:
         """A cache reset: every announced chunk is unreachable from now on."""
@@ -111,3 +179,14 @@ class ConnectorEvents:
     @property
     def announced(self) -> int:
         return len(self._announced)
+
+    def _announce(self, c: _Chunk, medium: str) -> None:
+        if medium not in c.media:
+            c.media.add(medium)
+            self._out.append(msgspec.structs.replace(c.event, medium=medium))
+
+    def _withdraw(self, c: _Chunk, media: set[str]) -> None:
+        for medium in sorted(media & c.media):
+            c.media.discard(medium)
+            self._out.append(BlockRemoved(block_hashes=list(c.event.block_hashes), medium=medium, group_idx=0,
+                                          locality=LOCAL))

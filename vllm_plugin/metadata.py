@@ -75,6 +75,17 @@ class SaveReport:
 
 
 @dataclass
+class ResidencyReport:
+    """A change one rank's store made to one of its shard's chunks after it was saved (with
+    ``kv_events``): ``change`` is ``"ssd+"``, ``"ssd-"``, ``"dram+"``, ``"dram-"`` or ``"gone"``
+    (vllm_plugin.worker_residency)."""
+
+    rank: int
+    chunk_hash: str
+    change: str
+
+
+@dataclass
 class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after each step (worker -> scheduler).
 
@@ -82,13 +93,18 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     objects of one step with :meth:`aggregate` and hands the result, with the union of the workers'
     failed load blocks (``invalid_block_ids``), to the scheduler's ``update_connector_output``.
     ``steps``: the step this report closes (its loads' outcomes are in that output's
-    ``invalid_block_ids``); ``saves``: saves that finished on a rank since its last report.
+    ``invalid_block_ids``); ``saves``: saves that finished on a rank since its last report;
+    ``residency``: what the ranks' stores did to saved chunks since (with ``kv_events``), and
+    ``residency_gaps`` the ranks that could not tell all of it.
     """
 
     steps: list[int] = field(default_factory=list)
     saves: list[SaveReport] = field(default_factory=list)
+    residency: list[ResidencyReport] = field(default_factory=list)
+    residency_gaps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TieredWorkerMetadata:
         assert isinstance(other, TieredWorkerMetadata)
         return TieredWorkerMetadata(steps=sorted(set(self.steps) | set(other.steps)),
-                                    saves=self.saves + other.saves)
+                                    saves=self.saves + other.saves, residency=self.residency + other.residency,
+                                    residency_gaps=self.residency_gaps + other.residency_gaps)

@@ -137,7 +137,7 @@ class SchedulerSide:
         self.ledger = SaveLedger(geometry.shard_count)
         # KV events (kv_events in the connector config, and vLLM's --kv-events-config): take_events.
         kv_events = vllm_config.kv_events_config
-        self.events = (ConnectorEvents(geometry.block_size, self.blocks_per_chunk)
+        self.events = (ConnectorEvents(geometry.block_size, self.blocks_per_chunk, geometry.shard_count)
                        if cfg.kv_events and kv_events is not None and kv_events.enable_kv_cache_events else None)
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
@@ -491,6 +491,11 @@ class SchedulerSide:
                 self.events.failed(chunk_hash)
             for chunk_hash in events.landed_hashes:
                 self.events.landed(chunk_hash)
+            if isinstance(worker_meta, TieredWorkerMetadata):
+                for r in worker_meta.residency:
+                    self.events.changed(r.rank, r.chunk_hash, r.change)
+                if worker_meta.residency_gaps:
+                    self.events.gap()
         self.counters["save_chunks_replanned"] += len(events.replan)
 
     def has_pending_work(self) -> bool:

@@ -89,6 +89,7 @@ from vllm_plugin.stats import StatsSource, TieredConnectorStats
 from vllm_plugin.worker_io import SaveReports, SlotCalls, StagingInFlight, WorkerCounters
 from vllm_plugin.worker_loads import LoadPipeline, SlotLoads, StagedLoads, log_failed_loads, remove_damaged
 from vllm_plugin.worker_epochs import ShardEpochs
+from vllm_plugin.worker_residency import ResidencyWatch
 from vllm_plugin.worker_saves import HeldSaves, SaveJob, SavePipeline, SlotSaves, StagedSaves
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ class WorkerSide:
         # every rank attaches to the one node service (keys differ by shard).
         self.position = rank_position(vllm_config)
         self.store = acquire_connector_store(cfg, self.position, name=f"vllm-worker-{self.position.suffix}")
+        self.residency = ResidencyWatch.for_worker(self.store, cfg, vllm_config)  # kv_events only
         # Setting the client chooses the load and save pipelines for its store (self.loads, self.saves).
         self.client = KVClient(self.store, io_workers=cfg.io_workers, lease_ttl_s=cfg.lease_ttl_s,
                                name="kv-worker-io").start()
@@ -206,6 +208,7 @@ class WorkerSide:
                                                      weights=weights_identity(self.vllm_config, self.cfg))[shard]
         self.epoch = EpochFile(epoch_directory(self.cfg, self.store)).read()
         self.digest = self.epochs.digest_at(self.epoch)
+        self.residency.set_prefix(self.digest)
         if self.epoch > 0:
             # A crash may have cut the last reset's removal short, and objects of older epochs may
             # have landed after their sweep listed the store: remove them all in the background.
@@ -236,6 +239,7 @@ class WorkerSide:
         still running at their deadline are logged by name and counted in the store's
         ``thread_join_timeouts``."""
         stuck = self.epochs.close()
+        self.residency.close()
         if self.lookup_server is not None:
             stuck += self.lookup_server.close()
         if self.loader is not None:
@@ -266,6 +270,7 @@ class WorkerSide:
             return
         old, self.epoch = self.epoch, epoch
         self.digest = self.epochs.digest_at(epoch)
+        self.residency.set_prefix(self.digest)
         logger.info("cache epoch %d -> %d (key prefix %s)", old, epoch, self.digest)
         if epoch > old:
             self.epochs.sweep(old, epoch)
@@ -568,7 +573,7 @@ class WorkerSide:
         reports = self.reports.take()
         steps = [] if self._report_step is None else [self._report_step]
         self._report_step = None
-        return TieredWorkerMetadata(steps=steps, saves=reports)
+        return TieredWorkerMetadata(steps=steps, saves=reports, **self.residency.report(self.rank))
 
     def take_released(self) -> set[str]:
         released, self._released = self._released, set()

@@ -223,8 +223,9 @@ def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_a
     """Engine A with --kv-events-config and kv_events: vLLM publishes the connector's events beside
     its own. Before the reset, one CPU BlockStored per chunk of round 1 (P_A's 4, P_B's 3), each
     with the chunk's token ids (which hash to the store's chunk keys) and vLLM's own block hashes
-    (the GPU events of the same engine name the same blocks); at the reset a CPU BlockRemoved for
-    each of them, never an AllBlocksCleared of ours."""
+    (the GPU events of the same engine name the same blocks); at the reset a BlockRemoved for
+    each of them, never an AllBlocksCleared of ours; after it, the chunks saved again are announced
+    in STORAGE once the store has written them to SSD."""
     events = [e for batch in reset_runs["events"] for e in batch.events]
     ours = [e for e in events if getattr(e, "medium", None) == "CPU"]
     first_removal = next(i for i, e in enumerate(ours) if type(e).__name__ == "BlockRemoved")
@@ -248,3 +249,11 @@ def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_a
             assert by_chunk[c].parent_block_hash == by_chunk[c - 1].block_hashes[-1]
     removed = [e for e in ours[first_removal:] if type(e).__name__ == "BlockRemoved"]
     assert {tuple(e.block_hashes) for e in removed} >= {tuple(e.block_hashes) for e in stored}
+    # The store's own changes after a save: once round 3's flush put round 2's chunks (P_A, saved
+    # again after the reset) on SSD, they are announced in STORAGE too, with the same description.
+    media = [e for e in events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    last_removal = max(i for i, e in enumerate(media) if type(e).__name__ == "BlockRemoved")
+    after = [e for e in media[last_removal + 1:] if type(e).__name__ == "BlockStored"]
+    by_medium = {m: {tuple(e.block_hashes) for e in after if e.medium == m} for m in ("CPU", "STORAGE")}
+    assert len(by_medium["CPU"]) == (len(P_A) - 1) // CHUNK_TOKENS and by_medium["STORAGE"] == by_medium["CPU"]
+    assert all(e.token_ids for e in after)

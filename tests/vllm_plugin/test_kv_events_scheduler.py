@@ -27,7 +27,7 @@ from vllm.v1.request import Request  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
 from tests.vllm_plugin.test_scheduler_saves import GEOMETRY, _first_step, _land_all, _saves  # noqa: E402
-from vllm_plugin.metadata import SaveReport, TieredWorkerMetadata  # noqa: E402
+from vllm_plugin.metadata import ResidencyReport, SaveReport, TieredWorkerMetadata  # noqa: E402
 from vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 
 BLOCK = GEOMETRY.block_size
@@ -128,3 +128,37 @@ def test_nothing_without_both_switches(make_scheduler: Any, kv_events: bool, vll
     meta = _first_step(sched, _request("n", prompt(4, CHUNK_TOKENS + 1)), list(range(10, 20)))
     _land_all(sched, meta)
     assert sched.events is None and sched.take_events() == []
+
+
+def _residency(sched: SchedulerSide, *reports: ResidencyReport, gaps: tuple[int, ...] = ()) -> list[tuple[str, str]]:
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        residency=list(reports), residency_gaps=list(gaps))))
+    return [(type(e).__name__, e.medium) for e in sched.take_events()]
+
+
+def test_tier_changes_announce_a_medium_once_every_rank_holds_it(make_scheduler: Any) -> None:
+    sched = make_scheduler(shards=2)
+    req = _request("m", prompt(5, CHUNK_TOKENS + 1))
+    meta = _first_step(sched, req, list(range(10, 20)))
+    [(_, sid, _)] = _saves(meta)
+    h = sched.chunk_hashes(req, 1)[0]
+    # Rank 0 offloads to SSD before rank 1 has even confirmed the save.
+    assert _residency(sched, ResidencyReport(0, h, "ssd+")) == []
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=[meta.step], saves=[SaveReport(sid, 0, True), SaveReport(sid, 1, True)])))
+    assert [(type(e).__name__, e.medium) for e in sched.take_events()] == [("BlockStored", "CPU")]
+    assert _residency(sched, ResidencyReport(1, h, "ssd+")) == [("BlockStored", "STORAGE")]
+    assert _residency(sched, ResidencyReport(1, h, "dram-")) == [("BlockRemoved", "CPU")]  # one rank is enough
+    assert _residency(sched, ResidencyReport(0, h, "dram-"), ResidencyReport(1, h, "dram+")) == []
+    assert _residency(sched, ResidencyReport(0, h, "dram+")) == [("BlockStored", "CPU")]
+    assert _residency(sched, ResidencyReport(0, h, "gone")) == [("BlockRemoved", "CPU"), ("BlockRemoved", "STORAGE")]
+    assert _residency(sched, ResidencyReport(1, h, "ssd-")) == []  # no longer announced
+
+
+def test_a_ranks_gap_withdraws_everything_announced(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    meta = _first_step(sched, _request("g", prompt(6, 2 * CHUNK_TOKENS + 1)), list(range(10, 20)))
+    _land_all(sched, meta)
+    assert len(_stored(sched.take_events())) == 2
+    assert _residency(sched, gaps=(0,)) == [("BlockRemoved", "CPU")] * 2
+    assert sched.events.announced == 0

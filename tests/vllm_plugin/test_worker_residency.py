@@ -1,0 +1,78 @@
+"""What a rank's embedded store does to its shard's saved chunks, as the worker reports it for the
+connector's KV events: offload (ssd+), eviction from DRAM (dram-), promotion (dram+), removal
+(gone); other prefixes ignored; a full list or a store gap reported as a gap. A real store with an
+SSD tier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
+
+from store_backend.store import TieredStore  # noqa: E402
+from store_backend.types import Status  # noqa: E402
+from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, ResidencyWatch  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MiB = 1 << 20
+OBJ = 256 << 10
+
+
+def _store(tmp_path) -> TieredStore:  # noqa: ANN001
+    return TieredStore({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"},
+                        "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "file",
+                                "admission_policy": "all"},
+                        "offload": {"policy": "eager"},
+                        "promotion": {"enabled": True, "admission_hits": 1}}).start()
+
+
+def test_the_stores_changes_to_this_shards_chunks(tmp_path) -> None:  # noqa: ANN001
+    store = _store(tmp_path)
+    watch = ResidencyWatch(store)
+    watch.set_prefix("fp1")
+    try:
+        assert store.put(["fp1/a", "other/x"], [np.zeros(OBJ, np.uint8)] * 2) == [Status.OK] * 2
+        assert store.wait_idle(10)
+        changes, gap = watch.take()
+        assert changes == [("a", SSD_IN)] and not gap  # the put itself is the save ledger's to report
+        for i in range(6):  # push "a" out of the 1 MiB arena (its SSD copy stays)
+            assert store.put([f"fp1/f{i}"], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+            assert store.wait_idle(10)
+        changes, _ = watch.take()
+        assert ("a", DRAM_OUT) in changes
+        buf = np.empty(OBJ, np.uint8)
+        assert store.get_into(["fp1/a"], [buf])[0].status is Status.OK  # an SSD hit: promoted
+        assert store.wait_idle(10)
+        changes, _ = watch.take()
+        assert ("a", DRAM_IN) in changes
+        assert store.remove(["fp1/a"]) == [Status.OK]
+        assert store.wait_idle(10)
+        changes, _ = watch.take()
+        assert changes[-1] == ("a", GONE) and all(h != "x" for h, _c in changes)
+        watch.set_prefix("fp2")  # a new epoch: the old prefix is not watched
+        assert store.remove(["fp1/f0"]) == [Status.OK] and store.wait_idle(10)
+        assert watch.take() == ([], False)
+    finally:
+        watch.close()
+        store.close(flush=False)
+
+
+def test_a_full_list_is_a_gap_and_a_disabled_watch_reports_nothing(tmp_path) -> None:  # noqa: ANN001
+    store = _store(tmp_path)
+    watch = ResidencyWatch(store, max_changes=2)
+    watch.set_prefix("fp")
+    try:
+        for i in range(4):
+            assert store.put([f"fp/{i}"], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+        assert store.wait_idle(10)
+        changes, gap = watch.take()
+        assert len(changes) == 2 and gap
+        assert watch.take() == ([], False)
+        off = ResidencyWatch(None)
+        off.set_prefix("fp")
+        assert not off.watching and off.report(3) == {"residency": [], "residency_gaps": []}
+    finally:
+        watch.close()
+        store.close(flush=False)
