@@ -12,7 +12,7 @@ class EventsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """KV events of a node service (``store_backend.events.publisher``).
 
     ``endpoint``: the PUB socket subscribers connect to (bound; ``tcp://host:*`` takes a free
-    port, which the log shows). ``replay_endpoint``: the ROUTER socket
+    port, which the log and ``mooncake-kv status`` show). ``replay_endpoint``: the ROUTER socket
     that answers replay and snapshot requests; null: none (a subscriber that misses a batch then
     cannot catch up). ``topic``: the first frame of every message (vLLM's default is empty).
     ``backend_id``: names this node in every event (``ownership``); null: the pool's node id, else

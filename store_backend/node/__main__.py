@@ -181,6 +181,8 @@ def status_document(got: Probe) -> dict[str, Any]:
         "auto_started": n.auto_started, "started_by": n.started_by, "draining": n.draining,
         "segment": {"path": n.segment_path, "id": n.segment_id, "bytes": n.segment_bytes},
         "metrics": n.metrics_address, "metrics_off": n.metrics_off, "ssd_path": got.welcome.ssd_path,
+        "events": {"endpoint": n.events_endpoint, "replay_endpoint": n.events_replay_endpoint,
+                   "backend_id": n.events_backend_id} if n.events_endpoint else None,
         "tiers": {name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "objects": t.objects,
                          "hits": t.hits, "misses": t.misses, "hit_rate": _rate(t.hits, t.misses),
                          "evictions": t.evictions}
@@ -211,6 +213,9 @@ def print_status(doc: dict[str, Any]) -> None:
     head.add_row("auto-started", started)
     off = f"off ({doc['metrics_off']})" if doc.get("metrics_off") else "off"
     head.add_row("metrics", f"http://{doc['metrics']}/metrics" if doc["metrics"] else off)
+    ev = doc.get("events")
+    head.add_row("KV events", f"{ev['endpoint']} (replay {ev['replay_endpoint'] or 'off'}, backend {ev['backend_id']})"
+                 if ev else "off")
     head.add_row("state", "draining" if doc["draining"] else "ready")
     head.add_row("queues", ", ".join(f"{k} {v}" for k, v in doc["queues"].items()))
     console.print(head)

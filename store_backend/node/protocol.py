@@ -337,6 +337,10 @@ class NodeStats(msgspec.Struct, forbid_unknown_fields=True):
     # Bytes held for clients' frames (incomplete, queued, being answered) and replies being sent,
     # all connections (besides the stats request asking).
     buffered_bytes: int = 0
+    # KV events (section `events`): the bound PUB and replay endpoints and the backend id, "" when off.
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
+    events_backend_id: str = ""
 
 
 class StatsReply(_Frame, tag="stats_reply"):

@@ -420,7 +420,7 @@ class NodeService(ServiceConnections, ServiceHandlers):
         for c in conns:
             r, le, h = per_conn.get(c.conn_id, (0, 0, 0))
             clients.append(p.ClientInfo(c.conn_id, c.pid, c.uid, c.name, r, le, h, round(now - c.since, 3)))
-        seg = self.segment
+        seg, ev = self.segment, self.events
         return p.NodeStats(
             connections=len(conns), reservations=reservations, leases=leases, held_bytes=held,
             zombie_bytes=zombie, bad_frames=self.bad_frames, frames=dict(self.frames), pid=os.getpid(),
@@ -429,7 +429,9 @@ class NodeService(ServiceConnections, ServiceHandlers):
             segment_bytes=seg.nbytes if seg else 0, auto_started=self.auto_started, started_by=self.started_by,
             draining=self._draining, loop_lag_s=self._loop_lag_s, metrics_address=self.metrics_address,
             metrics_off=self.metrics_error, clients=clients, processes=len(self._procs), orphaned=orphaned,
-            leases_expired=self.leases_expired, buffered_bytes=self._buffered)
+            leases_expired=self.leases_expired, buffered_bytes=self._buffered,
+            events_endpoint=ev.endpoint if ev else "", events_replay_endpoint=(ev.replay_endpoint or "") if ev else "",
+            events_backend_id=ev.backend_id if ev else "")
 
     @property
     def open_tokens(self) -> int:

@@ -111,3 +111,13 @@ def test_an_events_endpoint_that_cannot_be_bound_is_a_config_error(tmp_path) -> 
         NodeService({"store": {"dram": {"capacity_bytes": 1 << 20, "shm_name": "mkv-ev-bad"}},
                      "socket": str(tmp_path / "n.sock"), "metrics": None,
                      "events": {"endpoint": "tcp://256.0.0.1:1"}}).open()
+
+
+def test_status_names_the_event_endpoints(node, capsys) -> None:  # noqa: ANN001
+    from store_backend.node.__main__ import print_status, probe, status_document
+
+    doc = status_document(probe(node.service.socket_path))
+    pub = node.service.events
+    assert doc["events"] == {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "backend_id": "node-x"}
+    print_status(doc)
+    assert pub.endpoint in capsys.readouterr().out
