@@ -28,8 +28,9 @@ kept while it is announced, to announce it in another medium. Bounded: at most `
 chunks are announced at once; past it the oldest is withdrawn before a new one is announced, so a
 router never holds more than the store might.
 
-Not announced: chunks the store holds that this engine did not save (another engine, an earlier
-run); with a node service, what the store does after a save (a node client has no residency events
+A chunk this engine did not save (another engine's, an earlier run's) is announced when this
+engine plans to load it (``found``), described from its own request. Not announced: chunks only
+another node of the pool holds; with a node service, what the store does after a save (a node client has no residency events
 to offer: the node service's own event stream says it, docs/ROUTING.md).
 Scheduler thread only.
 """
@@ -83,18 +84,42 @@ class ConnectorEvents:
         """A save of ``request``'s chunk ``chunk`` was planned: keep what its event will say."""
         if chunk_hash in self._pending or chunk_hash in self._announced:
             return
+        c = self._describe(request, chunk)
+        if c is not None:
+            self._pending[chunk_hash] = c
+
+    def found(self, request: Request, chunk: int, chunk_hash: str, tier: str | None) -> None:
+        """A load of ``request``'s chunk ``chunk`` was planned, ``tier`` the slowest tier holding it
+        over the ranks (a chunk another engine or an earlier run stored): announce it, described
+        from this request, unless it is announced already: ``CPU`` when every rank has it in DRAM,
+        ``STORAGE`` when some rank has it on SSD only (it loads at SSD speed at worst). A chunk
+        only another node holds (``"pool"``) or of no known tier is not announced."""
+        medium = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}.get(tier or "")
+        if medium is None or chunk_hash in self._announced or chunk_hash in self._pending:
+            return
+        c = self._describe(request, chunk)
+        if c is None:
+            return
+        if medium == MEDIUM_STORAGE:  # some rank has no DRAM copy: CPU waits for every rank's promotion
+            c.ssd_ranks = set(range(self.num_ranks))
+            c.dram_out = set(range(self.num_ranks))
+        self._pending[chunk_hash] = c
+        self.landed(chunk_hash)
+
+    def _describe(self, request: Request, chunk: int) -> _Chunk | None:
+        """The chunk's event, from the live request (None when it has no block hashes for it)."""
         bpc, bs = self.blocks_per_chunk, self.block_size
         first = chunk * bpc
         hashes = request.block_hashes
         if len(hashes) < first + bpc:
             self.skipped += 1
-            return
+            return None
         extra, mm_idx = [], 0
         for b in range(first, first + bpc):
             keys, mm_idx = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        self._pending[chunk_hash] = _Chunk(BlockStored(
+        return _Chunk(BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + bpc]],
             parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
             token_ids=list(request.all_token_ids[first * bs:(first + bpc) * bs]),

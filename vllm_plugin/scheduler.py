@@ -361,6 +361,8 @@ class SchedulerSide:
         t.pin_tiers = []  # the worker's load releases these pins; a later hit pins again
         sources: dict[CacheHitSource, int] = {}
         for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
+            if self.events is not None:
+                self.events.found(request, c, t.hashes[c], tier)
             n = min(end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
             src = _HIT_SOURCE.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
             sources[src] = sources.get(src, 0) + n

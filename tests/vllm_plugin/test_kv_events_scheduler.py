@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
@@ -20,13 +21,18 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher, init_none_hash,  # noqa: E402
+                                         maybe_convert_block_hash)
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
+from mooncake_connector.lookup_service import LookupServer  # noqa: E402
+from store_backend.store import TieredStore  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
-from tests.vllm_plugin.test_scheduler_saves import GEOMETRY, _first_step, _land_all, _saves  # noqa: E402
+from tests.vllm_plugin.test_scheduler_saves import GEOMETRY, _ask, _first_step, _land_all, _saves  # noqa: E402
 from vllm_plugin.metadata import ResidencyReport, SaveReport, TieredWorkerMetadata  # noqa: E402
 from vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 
@@ -162,3 +168,37 @@ def test_a_ranks_gap_withdraws_everything_announced(make_scheduler: Any) -> None
     assert len(_stored(sched.take_events())) == 2
     assert _residency(sched, gaps=(0,)) == [("BlockRemoved", "CPU")] * 2
     assert sched.events.announced == 0
+
+
+def test_chunks_found_in_the_store_are_announced_in_their_tier(make_scheduler: Any, tmp_path: Path) -> None:
+    """Another engine saved the prompt's chunks (the store holds two on SSD only, two in DRAM):
+    this engine's planned load announces each, described from its own request, in its tier."""
+    sched = make_scheduler()
+    tokens = prompt(7, 4 * CHUNK_TOKENS + 1)
+    keys = sched.object_keys(sched.chunk_hashes(_request("probe", tokens), 4))[0]
+    cfg = {"dram": {"capacity_bytes": 1 << 20, "eviction_policy": "lru"},
+           "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "backend": "file"},
+           "offload": {"policy": "eager"}, "promotion": {"enabled": False}}
+    with TieredStore(cfg) as store:
+        client = KVClient(store).start()
+        for k in [*keys, "other-1", "other-2"]:  # 1.5 MiB through 1 MiB of DRAM: chunks 0-1 to SSD only
+            assert client.save([k], [np.zeros(256 << 10, np.uint8)]).result(10)[0].ok
+            assert store.flush(timeout_s=30)
+        assert store.tier_of(keys) == ["ssd", "ssd", "dram", "dram"]
+        server = LookupServer(client, sched.lookups[0].path).start()
+        try:
+            req = _request("B", tokens)
+            hit = _ask(sched, req, 0)
+            assert hit == 4 * CHUNK_TOKENS
+            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
+            got = _stored(sched.take_events())
+            bpc = CHUNK_TOKENS // BLOCK
+            assert [(e.medium, e.token_ids) for e in got] == [
+                ("STORAGE", tokens[0:CHUNK_TOKENS]), ("STORAGE", tokens[CHUNK_TOKENS:2 * CHUNK_TOKENS]),
+                ("CPU", tokens[2 * CHUNK_TOKENS:3 * CHUNK_TOKENS]), ("CPU", tokens[3 * CHUNK_TOKENS:4 * CHUNK_TOKENS])]
+            assert got[2].block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[2 * bpc:3 * bpc]]
+            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
+            assert sched.take_events() == []  # announced once
+        finally:
+            server.close()
+            client.close()
