@@ -5,8 +5,9 @@ Built from what the scheduler already knows, not from the workers (vLLM's worker
 an event only when every rank sent it in the same step, which loses saves ranks confirm in
 different steps): a chunk is announced once the save ledger says every rank stored it.
 
-- ``BlockStored`` (medium ``CPU``) when a chunk's save landed on every rank, once per chunk while
-  it is announced. Self-describing: the engine's own block hashes of every vLLM block the chunk
+- ``BlockStored`` (medium ``CPU``) when a chunk's save landed on every rank as a new DRAM copy
+  (a save that found the chunk stored already does not count that rank's DRAM: its tier is not
+  known), once per chunk while it is announced. Self-describing: the engine's own block hashes of every vLLM block the chunk
   covers (converted as vLLM converts them for its events), the hash of the block before it, the
   chunk's token ids, the block size, the LoRA name and id, the per-block extra keys, group 0;
   ``locality`` ``LOCAL``. So a consumer that keys on vLLM's hashes and one that keys on tokens
@@ -48,20 +49,28 @@ from vllm.v1.request import Request
 from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, SSD_OUT
 
 LOCAL = "LOCAL"
-# Each announced chunk keeps its event (token ids included) to announce it in another medium.
-DEFAULT_MAX_ANNOUNCED = 1 << 17
+# Each chunk keeps its event, encoded (token ids included), to announce it in another medium: about
+# 3.4 KiB per chunk of 256 tokens in 16-token blocks (measured), about 220 MiB at this bound.
+DEFAULT_MAX_ANNOUNCED = 1 << 16
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(BlockStored).decode
 
 
 @dataclass
 class _Chunk:
-    """One chunk the connector planned a save of, or announced: its event (kept for announcing it
-    in another medium), the media announced now, and what the ranks' stores did to it."""
+    """One chunk the connector planned a save of, found in the store, or announced: its event
+    (encoded: token ids are most of it), its block hashes, the media announced now, what the ranks'
+    stores did to it, and the saves of it not settled yet."""
 
-    event: BlockStored
+    event: bytes
+    hashes: list
     media: set[str] = field(default_factory=set)
     ssd_ranks: set[int] = field(default_factory=set)  # ranks whose store has its SSD copy
-    dram_out: set[int] = field(default_factory=set)  # ranks whose store dropped its DRAM copy
-    landed: bool = False
+    dram_out: set[int] = field(default_factory=set)  # ranks whose store has no DRAM copy known
+    saves: set[int] = field(default_factory=set)  # save ids planned and not settled
+    landed: bool = False  # stored on every rank once (announced, or announceable)
 
 
 class ConnectorEvents:
@@ -74,38 +83,128 @@ class ConnectorEvents:
         self.blocks_per_chunk = blocks_per_chunk
         self.num_ranks = num_ranks
         self.max_announced = max_announced
-        self._pending: dict[str, _Chunk] = {}  # planned, not landed on every rank yet
-        self._announced: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()
+        self._chunks: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()  # by chunk hash
+        self._by_save: dict[int, str] = {}  # save id -> chunk hash, until the save settles
         self._out: list[KVCacheEvent] = []
         self.skipped = 0  # chunks whose request had no block hashes for them (not announced)
         self.gaps = 0  # reports of ranks whose store could not tell all it did
 
-    def planned(self, request: Request, chunk: int, chunk_hash: str) -> None:
-        """A save of ``request``'s chunk ``chunk`` was planned: keep what its event will say."""
-        if chunk_hash in self._pending or chunk_hash in self._announced:
-            return
-        c = self._describe(request, chunk)
-        if c is not None:
-            self._pending[chunk_hash] = c
+    # -- saves ---------------------------------------------------------------------------------------
+    def planned(self, request: Request, chunk: int, chunk_hash: str, save_id: int) -> None:
+        """Save ``save_id`` of ``request``'s chunk ``chunk`` was planned: keep what its event will
+        say (once per chunk), and which save to wait for."""
+        c = self._chunks.get(chunk_hash)
+        if c is None:
+            c = self._describe(request, chunk)
+            if c is None:
+                return
+            self._chunks[chunk_hash] = c
+            self._bound()
+        c.saves.add(save_id)
+        self._by_save[save_id] = chunk_hash
 
+    def reported(self, save_id: int, rank: int, exists: bool) -> None:
+        """A rank stored a save (before the ledger's verdict). ``exists``: the key was held
+        already, in a tier not known, so that rank's DRAM copy is not counted on. A new put's DRAM
+        copy is counted by the store's own ``stored`` event (ordered with its removals), not here."""
+        c = self._chunks.get(self._by_save.get(save_id, ""))
+        if c is not None and exists:
+            c.dram_out.add(rank)
+
+    def landed(self, save_id: int) -> None:
+        """The save is stored on every rank: announce the chunk where every rank holds it."""
+        h = self._by_save.pop(save_id, None)
+        c = self._chunks.get(h) if h is not None else None
+        if c is None:
+            return
+        c.saves.discard(save_id)
+        c.landed = True
+        self._refresh(c)
+
+    def failed(self, save_id: int) -> None:
+        """The save did not land (or was discarded): forget it; the chunk, if nothing else keeps it."""
+        h = self._by_save.pop(save_id, None)
+        c = self._chunks.get(h) if h is not None else None
+        if c is None:
+            return
+        c.saves.discard(save_id)
+        if not c.saves and not c.landed:
+            del self._chunks[h]
+
+    # -- loads ---------------------------------------------------------------------------------------
     def found(self, request: Request, chunk: int, chunk_hash: str, tier: str | None) -> None:
         """A load of ``request``'s chunk ``chunk`` was planned, ``tier`` the slowest tier holding it
         over the ranks (a chunk another engine or an earlier run stored): announce it, described
-        from this request, unless it is announced already: ``CPU`` when every rank has it in DRAM,
+        from this request, unless it is known already: ``CPU`` when every rank has it in DRAM,
         ``STORAGE`` when some rank has it on SSD only (it loads at SSD speed at worst). A chunk
         only another node holds (``"pool"``) or of no known tier is not announced."""
-        medium = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}.get(tier or "")
-        if medium is None or chunk_hash in self._announced or chunk_hash in self._pending:
+        if tier not in ("dram", "ssd") or chunk_hash in self._chunks:
             return
         c = self._describe(request, chunk)
         if c is None:
             return
-        if medium == MEDIUM_STORAGE:  # some rank has no DRAM copy: CPU waits for every rank's promotion
+        if tier == "ssd":  # some rank has no DRAM copy: CPU waits for every rank's promotion
             c.ssd_ranks = set(range(self.num_ranks))
             c.dram_out = set(range(self.num_ranks))
-        self._pending[chunk_hash] = c
-        self.landed(chunk_hash)
+        c.landed = True
+        self._chunks[chunk_hash] = c
+        self._bound()
+        self._refresh(c)
 
+    def gone(self, chunk_hashes: list[str]) -> None:
+        """The store may no longer hold these chunks (a failed load): withdraw them (a later save
+        or load of them announces them again)."""
+        for h in chunk_hashes:
+            c = self._chunks.get(h)
+            if c is not None:
+                self._withdraw(c, set(c.media))
+                c.landed = False
+                c.dram_out = set(range(self.num_ranks))
+                c.ssd_ranks.clear()
+                if not c.saves:
+                    del self._chunks[h]
+
+    # -- the stores' own changes -----------------------------------------------------------------------
+    def changed(self, rank: int, chunk_hash: str, change: str) -> None:
+        """Rank ``rank``'s store changed the chunk (vllm_plugin.worker_residency): a medium is
+        announced once every rank holds the chunk there, and withdrawn as soon as one does not."""
+        c = self._chunks.get(chunk_hash)
+        if c is None:
+            return
+        if change == GONE:
+            c.dram_out.add(rank)
+            c.ssd_ranks.discard(rank)
+        elif change == DRAM_OUT:
+            c.dram_out.add(rank)
+        elif change == DRAM_IN:
+            c.dram_out.discard(rank)
+        elif change == SSD_IN:
+            c.ssd_ranks.add(rank)
+        elif change == SSD_OUT:
+            c.ssd_ranks.discard(rank)
+        self._refresh(c)
+
+    def gap(self) -> None:
+        """A rank's store could not tell all it did: what it holds is unknown, so everything
+        announced is withdrawn (announced again only by new saves and loads)."""
+        self.gaps += 1
+        self._drop_all()
+
+    def reset(self) -> None:
+        """A cache reset: every announced chunk is unreachable from now on, and saves planned
+        before it (under the old epoch) announce nothing when they settle."""
+        self._drop_all()
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call, in order."""
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def announced(self) -> int:
+        return sum(1 for c in self._chunks.values() if c.media)
+
+    # -- internals -----------------------------------------------------------------------------------
     def _describe(self, request: Request, chunk: int) -> _Chunk | None:
         """The chunk's event, from the live request (None when it has no block hashes for it)."""
         bpc, bs = self.blocks_per_chunk, self.block_size
@@ -119,99 +218,43 @@ class ConnectorEvents:
             keys, mm_idx = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        return _Chunk(BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + bpc]],
+        block_hashes = [maybe_convert_block_hash(h) for h in hashes[first:first + bpc]]
+        event = BlockStored(
+            block_hashes=block_hashes,
             parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
             token_ids=list(request.all_token_ids[first * bs:(first + bpc) * bs]),
             block_size=bs, lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
             lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra), group_idx=0,
-            locality=LOCAL))
+            locality=LOCAL)
+        return _Chunk(_encode(event), block_hashes)
 
-    def landed(self, chunk_hash: str) -> None:
-        """Every rank stored the chunk: announce it (once) in DRAM, and on SSD if every rank's
-        copy is there already."""
-        c = self._pending.pop(chunk_hash, None)
-        if c is None or chunk_hash in self._announced:
-            return
-        while len(self._announced) >= self.max_announced:
-            _old, oldest = self._announced.popitem(last=False)
-            self._withdraw(oldest, set(oldest.media))
-        self._announced[chunk_hash] = c
-        c.landed = True
-        if not c.dram_out:
-            self._announce(c, MEDIUM_CPU)
-        if len(c.ssd_ranks) >= self.num_ranks:
-            self._announce(c, MEDIUM_STORAGE)
-
-    def failed(self, chunk_hash: str) -> None:
-        """The chunk's save did not land (or was discarded): forget what was kept for it."""
-        self._pending.pop(chunk_hash, None)
-
-    def changed(self, rank: int, chunk_hash: str, change: str) -> None:
-        """Rank ``rank``'s store changed the chunk (vllm_plugin.worker_residency): a medium is
-        announced once every rank holds the chunk there, and withdrawn as soon as one does not."""
-        c = self._announced.get(chunk_hash) or self._pending.get(chunk_hash)
-        if c is None:
-            return
-        if change == GONE:
-            c.dram_out.add(rank)
-            c.ssd_ranks.discard(rank)
-            self._withdraw(c, set(c.media))
-            if c.landed:
-                del self._announced[chunk_hash]
-            return
-        if change == DRAM_OUT:
-            c.dram_out.add(rank)
-            self._withdraw(c, {MEDIUM_CPU})
-        elif change == DRAM_IN:
-            c.dram_out.discard(rank)
-            if c.landed and not c.dram_out:
-                self._announce(c, MEDIUM_CPU)
-        elif change == SSD_IN:
-            c.ssd_ranks.add(rank)
-            if c.landed and len(c.ssd_ranks) >= self.num_ranks:
-                self._announce(c, MEDIUM_STORAGE)
-        elif change == SSD_OUT:
-            c.ssd_ranks.discard(rank)
-            self._withdraw(c, {MEDIUM_STORAGE})
-
-    def gap(self) -> None:
-        """A rank's store could not tell all it did: what it holds is unknown, so everything
-        announced is withdrawn (announced again only by new saves)."""
-        self.gaps += 1
-        for c in self._announced.values():
-            self._withdraw(c, set(c.media))
-        self._announced.clear()
-        self._pending.clear()
-
-    def gone(self, chunk_hashes: list[str]) -> None:
-        """The store may no longer hold these chunks (a failed load): announce their removal."""
-        for h in chunk_hashes:
-            c = self._announced.pop(h, None)
-            if c is not None:
-                self._withdraw(c, set(c.media))
-
-    def reset(self) -> None:
-        """A cache reset: every announced chunk is unreachable from now on."""
-        self.gone(list(self._announced))
-        self._pending.clear()
-
-    def take(self) -> list[KVCacheEvent]:
-        """The events since the last call, in order."""
-        out, self._out = self._out, []
-        return out
-
-    @property
-    def announced(self) -> int:
-        return len(self._announced)
-
-    def _announce(self, c: _Chunk, medium: str) -> None:
-        if medium not in c.media:
+    def _refresh(self, c: _Chunk) -> None:
+        """Announce or withdraw each medium as the ranks' state says (only for a landed chunk)."""
+        want = set()
+        if c.landed and not c.dram_out:
+            want.add(MEDIUM_CPU)
+        if c.landed and len(c.ssd_ranks) >= self.num_ranks:
+            want.add(MEDIUM_STORAGE)
+        self._withdraw(c, c.media - want)
+        for medium in sorted(want - c.media):
             c.media.add(medium)
-            self._out.append(msgspec.structs.replace(c.event, medium=medium))
+            self._out.append(msgspec.structs.replace(_decode(c.event), medium=medium))
 
     def _withdraw(self, c: _Chunk, media: set[str]) -> None:
         for medium in sorted(media & c.media):
             c.media.discard(medium)
-            self._out.append(BlockRemoved(block_hashes=list(c.event.block_hashes), medium=medium, group_idx=0,
-                                          locality=LOCAL))
+            self._out.append(BlockRemoved(block_hashes=list(c.hashes), medium=medium, group_idx=0, locality=LOCAL))
+
+    def _drop_all(self) -> None:
+        for c in self._chunks.values():
+            self._withdraw(c, set(c.media))
+        self._chunks.clear()
+        self._by_save.clear()
+
+    def _bound(self) -> None:
+        """At most ``max_announced`` chunks are kept: the oldest goes first (withdrawn)."""
+        while len(self._chunks) > self.max_announced:
+            h, oldest = self._chunks.popitem(last=False)
+            self._withdraw(oldest, set(oldest.media))
+            for sid in oldest.saves:
+                self._by_save.pop(sid, None)

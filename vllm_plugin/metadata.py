@@ -72,6 +72,8 @@ class SaveReport:
     save_id: int
     rank: int
     ok: bool
+    # ok because the store held the key already (EXISTS): which of its tiers holds it is not known.
+    exists: bool = False
 
 
 @dataclass
@@ -83,6 +85,7 @@ class ResidencyReport:
     rank: int
     chunk_hash: str
     change: str
+    epoch: int = 0  # the cache epoch of the key prefix the change was seen under
 
 
 @dataclass

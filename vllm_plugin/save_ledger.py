@@ -63,6 +63,9 @@ class LedgerEvents:
     landed: list[tuple[str, int]] = field(default_factory=list)
     # The chunk hashes of ``landed`` (where known), in order.
     landed_hashes: list[str] = field(default_factory=list)
+    # The save ids that landed on every rank, and that did not land (failed or discarded), in order.
+    landed_ids: list[int] = field(default_factory=list)
+    failed_ids: list[int] = field(default_factory=list)
     # (chunk index, chunk hash) of every save in ``replan`` whose hash is known: any request whose
     # chain holds that chunk counted on it and must plan it again.
     failed: list[tuple[int, str]] = field(default_factory=list)
@@ -157,6 +160,7 @@ class SaveLedger:
                     self._discard.append(save_id)
                     self.counters["saves_discarded"] += 1
                     self._failed(events, rec)
+                    events.failed_ids.append(save_id)
                 elif not rec.waits:
                     self._commit.append(save_id)
                     self.counters["saves_committed"] += 1
@@ -168,12 +172,14 @@ class SaveLedger:
                 self._settle(report.save_id)
                 self.counters["saves_failed"] += 1
                 self._failed(events, rec)
+                events.failed_ids.append(report.save_id)
                 continue
             rec.ok_ranks.add(report.rank)
             if len(rec.ok_ranks) >= self.num_ranks:
                 self._settle(report.save_id)
                 self.counters["saves_landed"] += 1
                 events.landed.append((rec.req_id, rec.chunk))
+                events.landed_ids.append(report.save_id)
                 if rec.chunk_hash:
                     events.landed_hashes.append(rec.chunk_hash)
         return events

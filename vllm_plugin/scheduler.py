@@ -60,12 +60,13 @@ from mooncake_connector.stores import acquire_node, epoch_directory, node_connec
 from store_backend.node.client import NodeClient
 from store_backend.config import ConfigError
 from store_backend.threads import Deadline, shutdown_pool
-from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
+from vllm_plugin.metadata import (ChunkLoad, ChunkSave, RequestPlan, SaveReport, TieredConnectorMetadata,
+                                  TieredWorkerMetadata)
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
 from vllm_plugin.kv_events import ConnectorEvents
 from vllm_plugin.tracked import TrackedRequest
-from vllm_plugin.save_ledger import SaveLedger
+from vllm_plugin.save_ledger import LedgerEvents, SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
 from vllm_plugin.stats import FAILURES, HIT_TOKENS, StatsSource, TieredConnectorStats
 
@@ -429,7 +430,7 @@ class SchedulerSide:
                                                  hashes[t.saved_chunks:upto])
                 for c, (save_id, hold) in zip(range(t.saved_chunks, upto), planned):
                     if self.events is not None:
-                        self.events.planned(t.request, c, hashes[c])
+                        self.events.planned(t.request, c, hashes[c], save_id)
                     plan.saves.append(ChunkSave(hashes[c], hashes[c - 1] if c else None,
                                                 t.block_ids[c * bpc:(c + 1) * bpc], save_id=save_id, hold=hold))
                 self.counters["save_chunks"] += upto - t.saved_chunks
@@ -489,16 +490,27 @@ class SchedulerSide:
                             self._finish_retries[other_id] = self._finish_retries.get(other_id, 0) + 1
         self.counters["save_chunks_landed"] += len(events.landed)
         if self.events is not None:
-            for _chunk, chunk_hash in events.failed:
-                self.events.failed(chunk_hash)
-            for chunk_hash in events.landed_hashes:
-                self.events.landed(chunk_hash)
-            if isinstance(worker_meta, TieredWorkerMetadata):
-                for r in worker_meta.residency:
-                    self.events.changed(r.rank, r.chunk_hash, r.change)
-                if worker_meta.residency_gaps:
-                    self.events.gap()
+            self._note_events(reports, events, worker_meta)
         self.counters["save_chunks_replanned"] += len(events.replan)
+
+    def _note_events(self, reports: list[SaveReport], events: LedgerEvents, worker_meta: object) -> None:
+        """What this output tells the KV events: each rank's save outcome, the saves the ledger
+        settled, and what the ranks' stores did since (changes seen under another epoch's keys
+        are dropped: they are about another epoch's objects)."""
+        assert self.events is not None
+        for report in reports:
+            if report.ok:
+                self.events.reported(report.save_id, report.rank, report.exists)
+        for save_id in events.failed_ids:
+            self.events.failed(save_id)
+        for save_id in events.landed_ids:
+            self.events.landed(save_id)
+        if isinstance(worker_meta, TieredWorkerMetadata):
+            for r in worker_meta.residency:
+                if r.epoch == self.epoch:
+                    self.events.changed(r.rank, r.chunk_hash, r.change)
+            if worker_meta.residency_gaps:
+                self.events.gap()
 
     def has_pending_work(self) -> bool:
         """Decisions the workers have not received yet, or finished requests whose blocks we keep:

@@ -208,7 +208,7 @@ class WorkerSide:
                                                      weights=weights_identity(self.vllm_config, self.cfg))[shard]
         self.epoch = EpochFile(epoch_directory(self.cfg, self.store)).read()
         self.digest = self.epochs.digest_at(self.epoch)
-        self.residency.set_prefix(self.digest)
+        self.residency.set_prefix(self.digest, self.epoch)
         if self.epoch > 0:
             # A crash may have cut the last reset's removal short, and objects of older epochs may
             # have landed after their sweep listed the store: remove them all in the background.
@@ -270,7 +270,7 @@ class WorkerSide:
             return
         old, self.epoch = self.epoch, epoch
         self.digest = self.epochs.digest_at(epoch)
-        self.residency.set_prefix(self.digest)
+        self.residency.set_prefix(self.digest, self.epoch)
         logger.info("cache epoch %d -> %d (key prefix %s)", old, epoch, self.digest)
         if epoch > old:
             self.epochs.sweep(old, epoch)

@@ -155,12 +155,13 @@ class SaveReports:
         self._lock = threading.Lock()  # guards _reports (the I/O threads' callbacks write it)
         self._reports: list[SaveReport] = []
 
-    def add(self, save_id: int, ok: bool) -> None:
-        """Record a save's outcome for the next report (negative ids are not reported)."""
+    def add(self, save_id: int, ok: bool, *, exists: bool = False) -> None:
+        """Record a save's outcome for the next report (negative ids are not reported); ``exists``:
+        ok because the store held the key already."""
         if save_id < 0:
             return
         with self._lock:
-            self._reports.append(SaveReport(save_id, self.rank, ok))
+            self._reports.append(SaveReport(save_id, self.rank, ok, exists))
         if not ok:
             self._counters.saves_not_stored += 1
 

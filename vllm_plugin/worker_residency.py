@@ -32,8 +32,8 @@ SSD_IN, SSD_OUT, DRAM_IN, DRAM_OUT, GONE = "ssd+", "ssd-", "dram+", "dram-", "go
 
 
 def change_of(event: ResidencyEvent) -> str | None:
-    """The change a residency event means for an announced chunk (None: nothing to say: a put,
-    which the save ledger reports, or a tier without a medium)."""
+    """The change a residency event means for an announced chunk (None: nothing to say: a tier
+    without a medium)."""
     if event.kind == "removed" and event.tier == ALL_TIERS:
         return GONE
     if event.kind == "evicted":
@@ -42,6 +42,8 @@ def change_of(event: ResidencyEvent) -> str | None:
         return {"dram": DRAM_OUT, "ssd": SSD_OUT}.get(event.tier)
     if event.kind == "moved":
         return {"ssd": SSD_IN, "dram": DRAM_IN}.get(event.tier)
+    if event.kind == "stored" and event.tier == "dram":
+        return DRAM_IN  # a put (a save, or another engine's) made a DRAM copy visible
     return None
 
 
@@ -61,6 +63,7 @@ class ResidencyWatch:
         self._prefix = ""
         self._changes: list[tuple[str, str]] = []
         self._gap = False
+        self._epoch = 0
         self._max = max_changes
         subscribe = getattr(store, "subscribe", None)
         self._unsubscribe: Callable[[], None] | None = (
@@ -71,12 +74,14 @@ class ResidencyWatch:
         """Whether the store reports its changes (an embedded store does; a node client does not)."""
         return self._unsubscribe is not None
 
-    def set_prefix(self, digest: str) -> None:
+    def set_prefix(self, digest: str, epoch: int = 0) -> None:
         """Watch the keys under ``digest`` (this shard's fingerprint at the current epoch) from now
         on; changes to keys of an older prefix are dropped."""
         with self._lock:
             self._prefix = f"{digest}/" if digest else ""
             self._changes.clear()
+            self._gap = False  # a gap under the old prefix says nothing of the new one
+            self._epoch = epoch
 
     def take(self) -> tuple[list[tuple[str, str]], bool]:
         """(chunk hash, change) pairs in the order the store made them, and whether some were lost."""
@@ -87,8 +92,11 @@ class ResidencyWatch:
 
     def report(self, rank: int) -> dict[str, Any]:
         """The worker metadata's ``residency`` and ``residency_gaps`` for what :meth:`take` takes."""
+        with self._lock:
+            epoch = self._epoch
         changes, gap = self.take()
-        return {"residency": [ResidencyReport(rank, h, c) for h, c in changes], "residency_gaps": [rank] if gap else []}
+        return {"residency": [ResidencyReport(rank, h, c, epoch) for h, c in changes],
+                "residency_gaps": [rank] if gap else []}
 
     def close(self) -> None:
         if self._unsubscribe is not None:

@@ -211,7 +211,7 @@ class _SaveCopies:
                 logger.exception("save of %d chunks failed", len(save_ids))
                 statuses = [Status.IO_ERROR] * len(save_ids)
             for save_id, st in zip(save_ids, statuses):
-                reports.add(save_id, st in (Status.OK, Status.EXISTS))
+                reports.add(save_id, st in (Status.OK, Status.EXISTS), exists=st is Status.EXISTS)
 
         fut.add_done_callback(report)
 
@@ -246,7 +246,7 @@ class SlotSaves(_SaveCopies):
                 jobs.append(SaveJob(req_id, chunk, None, key, parent, res=res))
             elif res.status is Status.EXISTS:
                 w.counters.saves_exists += 1
-                w.reports.add(chunk.save_id, True)
+                w.reports.add(chunk.save_id, True, exists=True)
             else:
                 w.counters.saves_not_reserved += 1
                 w.reports.add(chunk.save_id, False)

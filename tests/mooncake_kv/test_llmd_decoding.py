@@ -355,9 +355,9 @@ def connector_events(req: Request, *, max_announced: int = 1 << 20) -> list[Any]
     then the first removed (a failed load), then a cache reset (the second removed)."""
     ev = ConnectorEvents(BLOCK, BPC, max_announced=max_announced)
     for c in (0, 1):
-        ev.planned(req, c, f"c{c}")
+        ev.planned(req, c, f"c{c}", save_id=c)
     for c in (0, 1):
-        ev.landed(f"c{c}")
+        ev.landed(c)
     ev.gone(["c0"])
     ev.reset()
     return ev.take()
@@ -462,8 +462,8 @@ def test_an_llmd_index_takes_the_connectors_events_and_nothing_from_the_node_ser
     index = DualKeyIndex(block_size=BLOCK)
     ev = ConnectorEvents(BLOCK, BPC)
     for c in (0, 1):
-        ev.planned(req, c, f"c{c}")
-        ev.landed(f"c{c}")
+        ev.planned(req, c, f"c{c}", save_id=c)
+        ev.landed(c)
     pod, model, events = decode_message([b"kv@engine-a@m", seq_bytes(0), vllm_payload(ev.take())])
     index.apply(pod, model, events)
     # Token keys: both chunks (the second through its parent) are indexed, in the CPU tier.

@@ -22,6 +22,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher, init_none_hash,  # noqa: E402
                                          maybe_convert_block_hash)
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
@@ -202,3 +203,65 @@ def test_chunks_found_in_the_store_are_announced_in_their_tier(make_scheduler: A
         finally:
             server.close()
             client.close()
+
+
+def _out(sched: SchedulerSide, saves=(), residency=(), steps=()) -> list[tuple[str, str]]:  # noqa: ANN001
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+        steps=list(steps), saves=list(saves), residency=list(residency))))
+    return [(type(e).__name__, e.medium) for e in sched.take_events()]
+
+
+def test_a_save_that_found_the_chunk_stored_does_not_announce_dram(make_scheduler: Any) -> None:
+    """EXISTS: the rank's copy may be on SSD only; CPU waits until its DRAM holds it again."""
+    sched = make_scheduler()
+    req = _request("e", prompt(8, CHUNK_TOKENS + 1))
+    meta = _first_step(sched, req, list(range(10, 20)))
+    [(_, sid, _)] = _saves(meta)
+    h = sched.chunk_hashes(req, 1)[0]
+    assert _out(sched, saves=[SaveReport(sid, 0, True, exists=True)], steps=[meta.step]) == []
+    assert _out(sched, residency=[ResidencyReport(0, h, "ssd+")]) == [("BlockStored", "STORAGE")]
+    assert _out(sched, residency=[ResidencyReport(0, h, "dram+")]) == [("BlockStored", "CPU")]
+
+
+def test_saves_planned_before_a_reset_announce_nothing_after_it(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    tokens = prompt(9, CHUNK_TOKENS + 1)
+    m1 = _first_step(sched, _request("old", tokens), list(range(10, 20)))
+    [(_, s_old, _)] = _saves(m1)
+    assert sched.reset_cache()
+    m2 = _first_step(sched, _request("new", tokens), list(range(30, 40)))  # the same chunk hash, epoch 1
+    [(_, s_new, _)] = _saves(m2)
+    h = sched.chunk_hashes(_request("probe", tokens), 1)[0]
+    assert _out(sched, saves=[SaveReport(s_old, 0, True)], steps=[m1.step]) == []  # epoch 0's save
+    assert _out(sched, saves=[SaveReport(s_old, 0, False)]) == []  # (a late failure changes nothing)
+    assert _out(sched, residency=[ResidencyReport(0, h, "ssd+", epoch=0)]) == []  # epoch 0's key
+    assert _out(sched, saves=[SaveReport(s_new, 0, True)], steps=[m2.step]) == [("BlockStored", "CPU")]
+
+
+def test_one_of_two_saves_of_a_chunk_failing_keeps_the_other(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    tokens = prompt(10, CHUNK_TOKENS + 1)
+    a, b = _request("A", tokens), _request("B", tokens)
+    for r in (a, b):
+        sched.get_num_new_matched_tokens(r, 0)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(a, (list(range(10, 20)),)),
+                              NewRequestData.from_request(b, (list(range(30, 40)),))]
+    out.num_scheduled_tokens = {"A": a.num_tokens, "B": b.num_tokens}
+    a.num_computed_tokens, b.num_computed_tokens = a.num_tokens, b.num_tokens
+    meta = sched.build_connector_meta(out)
+    (_, sa, _), (_, sb, _) = _saves(meta)
+    assert _out(sched, saves=[SaveReport(sa, 0, False), SaveReport(sb, 0, True)], steps=[meta.step]) == [
+        ("BlockStored", "CPU")]
+
+
+def test_a_chunk_removed_before_its_save_landed_is_announced_when_put_again(make_scheduler: Any) -> None:
+    sched = make_scheduler()
+    tokens = prompt(11, CHUNK_TOKENS + 1)
+    req = _request("g", tokens)
+    meta = _first_step(sched, req, list(range(10, 20)))
+    [(_, sid, _)] = _saves(meta)
+    h = sched.chunk_hashes(req, 1)[0]
+    assert _out(sched, residency=[ResidencyReport(0, h, "gone")]) == []
+    assert _out(sched, saves=[SaveReport(sid, 0, True)], steps=[meta.step]) == []  # gone on rank 0
+    assert _out(sched, residency=[ResidencyReport(0, h, "dram+")]) == [("BlockStored", "CPU")]  # put again

@@ -36,7 +36,7 @@ def test_the_stores_changes_to_this_shards_chunks(tmp_path) -> None:  # noqa: AN
         assert store.put(["fp1/a", "other/x"], [np.zeros(OBJ, np.uint8)] * 2) == [Status.OK] * 2
         assert store.wait_idle(10)
         changes, gap = watch.take()
-        assert changes == [("a", SSD_IN)] and not gap  # the put itself is the save ledger's to report
+        assert changes == [("a", DRAM_IN), ("a", SSD_IN)] and not gap  # the put's DRAM copy, then the offload
         for i in range(6):  # push "a" out of the 1 MiB arena (its SSD copy stays)
             assert store.put([f"fp1/f{i}"], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
             assert store.wait_idle(10)
@@ -73,6 +73,23 @@ def test_a_full_list_is_a_gap_and_a_disabled_watch_reports_nothing(tmp_path) -> 
         off = ResidencyWatch(None)
         off.set_prefix("fp")
         assert not off.watching and off.report(3) == {"residency": [], "residency_gaps": []}
+    finally:
+        watch.close()
+        store.close(flush=False)
+
+
+def test_a_new_prefix_forgets_the_old_ones_gap(tmp_path) -> None:  # noqa: ANN001
+    store = _store(tmp_path)
+    watch = ResidencyWatch(store, max_changes=1)
+    watch.set_prefix("fp1", 0)
+    try:
+        assert store.put(["fp1/a", "fp1/b"], [np.zeros(OBJ, np.uint8)] * 2) == [Status.OK] * 2
+        assert store.wait_idle(10)
+        watch.set_prefix("fp2", 1)  # a cache reset: what the old keys lost says nothing of the new
+        assert watch.report(0) == {"residency": [], "residency_gaps": []}
+        assert store.put(["fp2/c"], [np.zeros(OBJ, np.uint8)]) == [Status.OK] and store.wait_idle(10)
+        report = watch.report(0)
+        assert [(r.chunk_hash, r.change, r.epoch) for r in report["residency"]] == [("c", DRAM_IN, 1)]
     finally:
         watch.close()
         store.close(flush=False)
