@@ -39,8 +39,10 @@ import pytest
 from mooncake_connector.config import NodeAttachConfig
 from mooncake_connector.stores import acquire_node, release_store
 from tests.node_service import node_service
+from tests.ports import free_port
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
 from tests.vllm_plugin.damage import damage_chunk
+from tests.vllm_plugin.event_collector import EventCollector
 from tests.vllm_plugin.test_e2e_repair import DAMAGED_CHUNK, P_LONG, P_SHORT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -66,13 +68,18 @@ def runs(tiny_model: Path, baseline: dict[str, Any], tmp_path_factory: pytest.Te
     ssd = work / "ssd"
     base = {"model_dir": str(tiny_model), "engine": TP_ENGINE, "rank_stats": True,
             "connector": {"extra": {"chunk_tokens": CHUNK_TOKENS, "store": store_section(ssd)}}}
-    a = run_engine({**base, "rounds": [ROUNDS[0], {"prompts": [P_SHORT], "max_tokens": 4}]},
-                   work, "engine-a", env=TP_ENV)
+    # Engine A also publishes KV events (the connector's kv_events, vLLM's publisher).
+    port = free_port()
+    with EventCollector(f"tcp://127.0.0.1:{port}") as events:
+        a = run_engine({**base, "engine": {**TP_ENGINE, "kv_events_config": {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}},
+            "connector": {"extra": {**base["connector"]["extra"], "kv_events": True}},
+            "rounds": [ROUNDS[0], {"prompts": [P_SHORT], "max_tokens": 4}]}, work, "engine-a", env=TP_ENV)
     dirs = sorted(p.name for p in ssd.iterdir())
     damage_chunk(ssd / "dp0-tp1-pp0", P_SHORT, DAMAGED_CHUNK)  # rank 1's copy only
     b = run_engine({**base, "rounds": [ROUNDS[1]]}, work, "repair-b", env=TP_ENV)
     c = run_engine({**base, "rounds": ROUNDS}, work, "fresh-c", env=TP_ENV)
-    return {"baseline": baseline, "a": a, "b": b, "c": c, "dirs": dirs}
+    return {"baseline": baseline, "a": a, "b": b, "c": c, "dirs": dirs, "events": events.batches}
 
 
 def _tokens(result: dict[str, Any], round_: int = 0) -> list[list[int]]:
@@ -90,6 +97,20 @@ def test_tp2_engine_a_tokens_equal_baseline(runs: dict[str, Any]) -> None:
     # Both ranks saved their shard of every whole prompt chunk.
     want = sum(len(p) // CHUNK_TOKENS for p in PROMPTS + [P_SHORT])
     assert [r["client"]["saved_objects"] >= want for r in ranks] == [True, True], ranks
+
+
+def test_tp2_kv_events_announce_each_chunk_once_for_both_ranks(runs: dict[str, Any]) -> None:
+    """Both ranks save every chunk; the scheduler announces each one once (CPU), only when both
+    ranks' reports are in, and in STORAGE at most once (when both ranks' stores have offloaded it);
+    nothing is withdrawn (nothing was evicted or removed)."""
+    events = [e for b in runs["events"] for e in b.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    cpu = [tuple(e.token_ids) for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+    want = {tuple(p[c * CHUNK_TOKENS:(c + 1) * CHUNK_TOKENS]) for p in PROMPTS
+            for c in range((len(p) - 1) // CHUNK_TOKENS)}
+    assert want <= set(cpu) and len(cpu) == len(set(cpu))
+    storage = [tuple(e.block_hashes) for e in events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE"]
+    assert len(storage) == len(set(storage))
+    assert not [e for e in events if type(e).__name__ == "BlockRemoved"]
 
 
 def test_tp2_load_failed_on_one_rank_is_stored_by_no_rank(runs: dict[str, Any]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from mooncake_connector.keys import chunk_hashes
 from store_backend.config import load_config
 from store_backend.store import TieredStore
 from tests.ports import free_port
+from tests.vllm_plugin.event_collector import EventCollector
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt, run_engine, store_section
 from tests.vllm_plugin.tiny_model import write_tiny_llama
 
@@ -75,40 +75,6 @@ def test_new_weights_find_nothing_of_the_old(weight_runs: dict[str, Any]) -> Non
     assert outputs(weight_runs["w2"], 0, "num_cached_tokens") == [0, 0]
     assert weight_runs["w2"]["stats"]["scheduler"]["hit_tokens"] == 0
     assert weight_runs["w2"]["stats"]["worker"]["chunks_loaded"] == 0
-
-
-class EventCollector:
-    """A ZMQ subscriber on ``endpoint`` that keeps every batch (decoded by vLLM's own classes)
-    until the block ends. It connects before the engine binds (ZMQ connects when it can); what it
-    needs is imported here, not on its thread, so it is listening before the engine starts."""
-
-    def __init__(self, endpoint: str) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.batches: list[Any] = []
-        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
-        self._sub = zmq.Context.instance().socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-events-collector", daemon=True)
-
-    def __enter__(self) -> EventCollector:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self._sub.close(0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set() or self._sub.poll(200):  # after the engine: what is still queued
-            if self._sub.poll(100):
-                _topic, _seq, payload = self._sub.recv_multipart()
-                self.batches.append(self._decode(payload))
 
 
 @pytest.fixture(scope="module")
