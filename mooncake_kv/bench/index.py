@@ -13,7 +13,8 @@ Each of ``--runs`` runs, in this process, over real ZMQ sockets on loopback TCP:
   ``--store-events`` changes: ``store_events_per_s`` (bounded by the store's puts).
 - **Query**: a 4,096-token prompt (16 chunks of 256 tokens) stored whole; the median over
   ``--queries`` calls of ``KVIndex.query_tokens`` (it hashes the prompt, as a router's call does),
-  of ``KVIndex.query_keys`` (the keys given), of hashing the prompt alone (``hash_4096_us``), and of
+  of ``KVIndex.query_keys`` (the keys given), of ``query_tokens`` given the prompt as a numpy array
+  (``query_array_4096_us``: no list to convert), of hashing the prompt alone (``hash_4096_us``), and of
   the store's own in-process ``exists`` of the same keys: ``query_vs_exists`` = query_tokens /
   exists (target: at most 2), ``query_keys_vs_exists`` = query_keys / exists; and the round trip of
   ``POST /query`` over HTTP (aiohttp server, httpx client), beside it.
@@ -145,6 +146,7 @@ def _queries(calls: int) -> dict[str, float]:
     try:
         prompt = [int(x) for x in np.random.default_rng(0).integers(0, 32000, PROMPT_TOKENS)]
         keys = [object_key(DIGEST, h) for h in chunk_hashes(prompt, CHUNK_TOKENS)]
+        array = np.asarray(prompt, dtype=np.int64)
         store.put(keys, [np.zeros(4096, np.uint8)] * len(keys))
         store.wait_idle(30)
         _absorbed(pub, index)
@@ -154,6 +156,8 @@ def _queries(calls: int) -> dict[str, float]:
         out = {"query_4096_us": median_us(lambda: index.query_tokens(prompt, fingerprints=[DIGEST]), calls),
                "query_keys_4096_us": median_us(lambda: index.query_keys(keys), calls),
                "hash_4096_us": median_us(lambda: chunk_hashes(prompt, CHUNK_TOKENS), calls),
+               # The same prompt as a numpy array (a router holding its tokenizer's array output).
+               "query_array_4096_us": median_us(lambda: index.query_tokens(array, fingerprints=[DIGEST]), calls),
                "exists_4096_us": median_us(lambda: store.exists(keys), calls)}
         port, stop = serve_in_thread(index)
         body = {"token_ids": prompt, "fingerprints": [DIGEST]}
