@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +26,11 @@ from tests.vllm_plugin.test_scheduler_saves import _ask, _first_step, _request, 
 
 pytestmark = pytest.mark.vllm
 
-MiB = 1 << 20
-OBJ = 256 * 1024
 
-
-def test_hits_are_filed_under_the_tier_that_held_each_chunk(make_scheduler: Any, tmp_path: Path) -> None:
-    sched = make_scheduler("kv_both")
-    tokens = prompt(2, 4 * CHUNK_TOKENS + 1)
-    blocks = list(range(200, 210))
-    meta = _first_step(sched, _request("A", tokens), blocks)
-    keys = sched.object_keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
-    assert len(keys) == 4
+@contextlib.contextmanager
+def served_on_two_tiers(sched: Any, keys: list[str], tmp_path: Path) -> Iterator[TieredStore]:
+    """A real store holding ``keys`` (four chunks), the first two on SSD only and the last two in
+    DRAM, served to ``sched`` on rank 0's lookup socket."""
     cfg = {"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"},
            "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "file"},
            "offload": {"policy": "eager"}, "promotion": {"enabled": False}}
@@ -47,18 +43,32 @@ def test_hits_are_filed_under_the_tier_that_held_each_chunk(make_scheduler: Any,
         assert store.tier_of(keys) == ["ssd", "ssd", "dram", "dram"]
         server = LookupServer(client, sched.lookups[0].path).start()
         try:
-            b = _request("B", tokens)
-            hit = _ask(sched, b, 0)
-            assert hit == 4 * CHUNK_TOKENS
-            sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
-            assert sched.hit_sources(b, hit) == {CacheHitSource.DISK: 2 * CHUNK_TOKENS,
-                                                 CacheHitSource.HOST: 2 * CHUNK_TOKENS}
-            # A count that does not match the plan (vLLM asking about something else) is not guessed at.
-            assert sched.hit_sources(b, hit - 1) == {CacheHitSource.EXTERNAL_UNSPECIFIED: hit - 1}
-            assert sched.hit_sources(b, 0) == {}
+            yield store
         finally:
             server.close()
             client.close()
+
+MiB = 1 << 20
+OBJ = 256 * 1024
+
+
+def test_hits_are_filed_under_the_tier_that_held_each_chunk(make_scheduler: Any, tmp_path: Path) -> None:
+    sched = make_scheduler("kv_both")
+    tokens = prompt(2, 4 * CHUNK_TOKENS + 1)
+    blocks = list(range(200, 210))
+    meta = _first_step(sched, _request("A", tokens), blocks)
+    keys = sched.object_keys([s.chunk_hash for plan in meta.requests for s in plan.saves])[0]
+    assert len(keys) == 4
+    with served_on_two_tiers(sched, keys, tmp_path):
+        b = _request("B", tokens)
+        hit = _ask(sched, b, 0)
+        assert hit == 4 * CHUNK_TOKENS
+        sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
+        assert sched.hit_sources(b, hit) == {CacheHitSource.DISK: 2 * CHUNK_TOKENS,
+                                             CacheHitSource.HOST: 2 * CHUNK_TOKENS}
+        # A count that does not match the plan (vLLM asking about something else) is not guessed at.
+        assert sched.hit_sources(b, hit - 1) == {CacheHitSource.EXTERNAL_UNSPECIFIED: hit - 1}
+        assert sched.hit_sources(b, 0) == {}
 
 
 def test_lookups_no_worker_answered_are_reported_as_peer_gone(make_scheduler: Any) -> None:

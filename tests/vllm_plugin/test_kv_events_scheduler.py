@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
@@ -28,11 +27,9 @@ from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher,
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
-from mooncake_connector.lookup_service import LookupServer  # noqa: E402
-from store_backend.store import TieredStore  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
+from tests.vllm_plugin.test_hit_sources import served_on_two_tiers  # noqa: E402
 from tests.vllm_plugin.test_scheduler_saves import GEOMETRY, _ask, _first_step, _land_all, _saves  # noqa: E402
 from vllm_plugin.metadata import ResidencyReport, SaveReport, TieredWorkerMetadata  # noqa: E402
 from vllm_plugin.scheduler import SchedulerSide  # noqa: E402
@@ -177,32 +174,19 @@ def test_chunks_found_in_the_store_are_announced_in_their_tier(make_scheduler: A
     sched = make_scheduler()
     tokens = prompt(7, 4 * CHUNK_TOKENS + 1)
     keys = sched.object_keys(sched.chunk_hashes(_request("probe", tokens), 4))[0]
-    cfg = {"dram": {"capacity_bytes": 1 << 20, "eviction_policy": "lru"},
-           "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 << 20, "backend": "file"},
-           "offload": {"policy": "eager"}, "promotion": {"enabled": False}}
-    with TieredStore(cfg) as store:
-        client = KVClient(store).start()
-        for k in [*keys, "other-1", "other-2"]:  # 1.5 MiB through 1 MiB of DRAM: chunks 0-1 to SSD only
-            assert client.save([k], [np.zeros(256 << 10, np.uint8)]).result(10)[0].ok
-            assert store.flush(timeout_s=30)
-        assert store.tier_of(keys) == ["ssd", "ssd", "dram", "dram"]
-        server = LookupServer(client, sched.lookups[0].path).start()
-        try:
-            req = _request("B", tokens)
-            hit = _ask(sched, req, 0)
-            assert hit == 4 * CHUNK_TOKENS
-            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
-            got = _stored(sched.take_events())
-            bpc = CHUNK_TOKENS // BLOCK
-            assert [(e.medium, e.token_ids) for e in got] == [
-                ("STORAGE", tokens[0:CHUNK_TOKENS]), ("STORAGE", tokens[CHUNK_TOKENS:2 * CHUNK_TOKENS]),
-                ("CPU", tokens[2 * CHUNK_TOKENS:3 * CHUNK_TOKENS]), ("CPU", tokens[3 * CHUNK_TOKENS:4 * CHUNK_TOKENS])]
-            assert got[2].block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[2 * bpc:3 * bpc]]
-            sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
-            assert sched.take_events() == []  # announced once
-        finally:
-            server.close()
-            client.close()
+    with served_on_two_tiers(sched, keys, tmp_path):
+        req = _request("B", tokens)
+        hit = _ask(sched, req, 0)
+        assert hit == 4 * CHUNK_TOKENS
+        sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
+        got = _stored(sched.take_events())
+        bpc = CHUNK_TOKENS // BLOCK
+        assert [(e.medium, e.token_ids) for e in got] == [
+            ("STORAGE", tokens[0:CHUNK_TOKENS]), ("STORAGE", tokens[CHUNK_TOKENS:2 * CHUNK_TOKENS]),
+            ("CPU", tokens[2 * CHUNK_TOKENS:3 * CHUNK_TOKENS]), ("CPU", tokens[3 * CHUNK_TOKENS:4 * CHUNK_TOKENS])]
+        assert got[2].block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[2 * bpc:3 * bpc]]
+        sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(x) for x in range(300, 310)],)), hit)
+        assert sched.take_events() == []  # announced once
 
 
 def _out(sched: SchedulerSide, saves=(), residency=(), steps=()) -> list[tuple[str, str]]:  # noqa: ANN001
