@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import msgspec
 from aiohttp import web
 
 from mooncake_kv.index.service import KVIndex
+from store_backend.threads import Deadline, Workers
 
 
 class QueryBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -75,13 +75,13 @@ def serve_in_thread(index: KVIndex, host: str = "127.0.0.1", port: int = 0) -> t
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, host, port).start())
     bound = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, name="kv-index-http", daemon=True)
-    thread.start()
+    workers = Workers("index http")
+    workers.start(loop.run_forever, name="kv-index-http")
 
     def stop() -> None:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+        if workers.join(Deadline(30)) == 0:
+            loop.close()
 
     return bound, stop
