@@ -19,6 +19,7 @@ placeholder tokens overlap), so a text prefix before the first image keys as pla
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -148,9 +149,23 @@ def chunk_hashes(
     n_chunks = max(0, len(token_ids) // chunk_tokens)
     if chunk_extra_keys is not None and len(chunk_extra_keys) < n_chunks:
         raise ValueError(f"chunk_extra_keys has {len(chunk_extra_keys)} entries for {n_chunks} chunks")
-    # One int64 conversion for the whole prompt; the xxh3 scheme hashes each chunk's slice bytes.
-    tokens = _int64s(token_ids) if scheme == "xxh3_128" else token_ids
     out: list[str] = []
+    if fn is _xxh3_chain and chunk_extra_keys is None:
+        # The default scheme's fast path (the same bytes as _xxh3_chain): one int64 conversion of
+        # the whole prompt, each chunk hashed from a view of it.
+        used = n_chunks * chunk_tokens
+        raw = memoryview(np.ascontiguousarray(_int64s(token_ids if len(token_ids) == used else token_ids[:used]))).cast("B")
+        step = chunk_tokens * 8
+        prev = b"\x00" if parent is None else parent.encode("ascii")
+        for start in range(0, n_chunks * step, step):
+            h = xxhash.xxh3_128(prev)
+            h.update(raw[start:start + step])
+            h.update(extra)
+            text = h.hexdigest()
+            out.append(text)
+            prev = text.encode("ascii")
+        return out
+    tokens = _int64s(token_ids) if scheme == "xxh3_128" else token_ids
     for i in range(n_chunks):
         start = i * chunk_tokens
         own = list(chunk_extra_keys[i] or ()) if chunk_extra_keys is not None else []
@@ -160,6 +175,11 @@ def chunk_hashes(
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _int64_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"={n}q")
+
+
 def _int64s(token_ids: Sequence[int]) -> np.ndarray:
     """The token ids as native int64s (what the xxh3 scheme hashes). A list is packed by struct,
     about three times faster than numpy's conversion of Python ints for a prompt (the same bytes);
@@ -167,7 +187,7 @@ def _int64s(token_ids: Sequence[int]) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
         return np.asarray(token_ids, dtype=np.int64)
     try:
-        return np.frombuffer(struct.pack(f"={len(token_ids)}q", *token_ids), dtype=np.int64)
+        return np.frombuffer(_int64_struct(len(token_ids)).pack(*token_ids), dtype=np.int64)
     except struct.error:  # not plain ints (numpy scalars, out of range): numpy's rules, as before
         return np.asarray(token_ids, dtype=np.int64)
 

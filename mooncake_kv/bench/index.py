@@ -16,7 +16,8 @@ Each of ``--runs`` runs, in this process, over real ZMQ sockets on loopback TCP:
   of ``KVIndex.query_keys`` (the keys given), of ``query_tokens`` given the prompt as a numpy array
   (``query_array_4096_us``: no list to convert), of hashing the prompt alone (``hash_4096_us``), and of
   the store's own in-process ``exists`` of the same keys: ``query_vs_exists`` = query_tokens /
-  exists (target: at most 2), ``query_keys_vs_exists`` = query_keys / exists; and the round trip of
+  exists (target: at most 2), ``query_keys_vs_exists`` = query_keys / exists, ``query_array_vs_exists``
+  = the array query / exists; and the round trip of
   ``POST /query`` over HTTP (aiohttp server, httpx client), beside it.
 
 The last line with ``--json`` is one JSON object: the medians over the runs, each with its min and
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         one.update(_queries(args.queries))
         one["query_vs_exists"] = one["query_4096_us"] / one["exists_4096_us"]
         one["query_keys_vs_exists"] = one["query_keys_4096_us"] / one["exists_4096_us"]
+        one["query_array_vs_exists"] = one["query_array_4096_us"] / one["exists_4096_us"]
         runs.append(one)
         print(f"run {r + 1}: " + ", ".join(f"{k} {v:,.1f}" for k, v in one.items()))
     summary: dict[str, Any] = {}
@@ -195,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"4,096-token query: index {summary['query_4096_us']:.1f} us (keys given {summary['query_keys_4096_us']:.1f}"
           f" us), store exists {summary['exists_4096_us']:.1f} us: x{summary['query_vs_exists']:.2f} (target <= 2); "
           f"over HTTP {summary['http_query_4096_us']:.0f} us; hashing the prompt alone {summary['hash_4096_us']:.1f} us, "
-          f"keys given x{summary['query_keys_vs_exists']:.2f}")
+          f"keys given x{summary['query_keys_vs_exists']:.2f}, "
+          f"prompt as an int64 array x{summary['query_array_vs_exists']:.2f}")
     if args.json:
         print(json.dumps(summary))
     return 0

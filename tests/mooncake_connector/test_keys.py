@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake_connector.keys import ModelFingerprint, chunk_hashes
 
@@ -68,3 +70,19 @@ def test_sglang_scheme_plain_pages_are_sglangs_hashes() -> None:
     second = hashlib.sha256(bytes.fromhex(first) + np.asarray(tokens[16:], dtype="<u4").tobytes()).hexdigest()
     assert chunk_hashes(tokens, 16, scheme="sglang") == [first, second]
     assert chunk_hashes(tokens, 16, scheme="sglang", chunk_extra_keys=[[], []]) == [first, second]
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**40), max_size=700), chunk_tokens=st.integers(1, 64),
+       extra=st.none() | st.lists(st.text(max_size=4), max_size=2), parent=st.none() | st.text("0123456789abcdef", max_size=32),
+       as_array=st.booleans())
+def test_default_scheme_fast_path_hashes_what_the_per_chunk_chain_hashes(
+        tokens: list[int], chunk_tokens: int, extra: list[str] | None, parent: str | None, as_array: bool) -> None:
+    """The default scheme hashes a whole prompt from one conversion; a call with per-chunk keys (all
+    None) goes chunk by chunk through the registered chain function. Both give the same hashes, for a
+    list or an int64 array, a trailing partial chunk, extra keys and a parent."""
+    given_tokens = np.asarray(tokens, dtype=np.int64) if as_array else tokens
+    n = len(tokens) // chunk_tokens
+    fast = chunk_hashes(given_tokens, chunk_tokens, extra_keys=extra, parent=parent)
+    chained = chunk_hashes(given_tokens, chunk_tokens, extra_keys=extra, parent=parent, chunk_extra_keys=[None] * n)
+    assert fast == chained and len(fast) == n
