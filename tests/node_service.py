@@ -40,13 +40,15 @@ def short_socket_dir() -> str:
 class ServiceRun:
     """One node service config, run (and re-run) as a subprocess."""
 
-    def __init__(self, work: Path, store: dict[str, Any], *, name: str = "node") -> None:
+    def __init__(self, work: Path, store: dict[str, Any], *, name: str = "node",
+                 sections: dict[str, Any] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.socket_dir = short_socket_dir()
         self.socket = os.path.join(self.socket_dir, "node.sock")
         store = json.loads(json.dumps(store))
         store.setdefault("dram", {}).setdefault("shm_name", f"mkv-test-{uuid.uuid4().hex[:12]}")
-        self.config = {"store": store, "socket": self.socket, "metrics": None}
+        # ``sections``: more of the node config (e.g. ``events``).
+        self.config = {"store": store, "socket": self.socket, "metrics": None, **(sections or {})}
         self.config_path = work / f"{name}.json"
         self.config_path.write_text(json.dumps(self.config))
         self.log_path = work / f"{name}.log"
@@ -113,9 +115,11 @@ class ServiceRun:
 
 
 @contextmanager
-def node_service(work: Path, store: dict[str, Any], *, name: str = "node") -> Iterator[ServiceRun]:
-    """A started node service with ``store`` (a StoreConfig mapping), stopped on exit."""
-    run = ServiceRun(work, store, name=name)
+def node_service(work: Path, store: dict[str, Any], *, name: str = "node",
+                 sections: dict[str, Any] | None = None) -> Iterator[ServiceRun]:
+    """A started node service with ``store`` (a StoreConfig mapping) and ``sections`` (more of its
+    config), stopped on exit."""
+    run = ServiceRun(work, store, name=name, sections=sections)
     try:
         yield run.start()
     finally:

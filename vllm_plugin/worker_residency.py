@@ -1,9 +1,9 @@
 """What this rank's store did to this shard's chunks after they were saved, for the connector's KV
 events: offloaded to SSD, promoted back, evicted from a tier, removed.
 
-Subscribes to the store's residency events (an embedded :class:`~store_backend.store.TieredStore`;
-a node service's client has none to offer: there the node service's own events stream tells
-routers, docs/ROUTING.md) and keeps, for this shard's current key prefix, one change per event in a
+Subscribes to the store's residency events (an embedded :class:`~store_backend.store.TieredStore`'s
+``subscribe``; for a node service, its published KV events, ``store_backend.events.follow``, when
+its config has an ``events`` section) and keeps, for this shard's current key prefix, one change per event in a
 bounded list that each step's report to the scheduler takes. The scheduler decides what to
 announce (``vllm_plugin.kv_events``). When the store dropped events, or this list was full, the
 report says so (a gap): the scheduler then withdraws what it announced, since it can no longer
@@ -14,16 +14,20 @@ The subscription callback runs on the store's event thread and only appends unde
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mooncake_connector.config import ConnectorConfig
+from store_backend.events.follow import NodeResidency
 from store_backend.residency import ALL_TIERS, ResidencyEvent
 from vllm_plugin.metadata import ResidencyReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
 
 MAX_CHANGES = 1 << 16
 
@@ -47,6 +51,21 @@ def change_of(event: ResidencyEvent) -> str | None:
     return None
 
 
+def _node_feed(store: object) -> NodeResidency | None:
+    """A node service's residency over its event stream (None: ``store`` is not a node client, or
+    the service publishes no events: nothing after a save is followed, which the log says)."""
+    service_stats = getattr(store, "service_stats", None)
+    got = service_stats() if callable(service_stats) else None
+    if got is None:
+        return None
+    node = got[1]
+    if not node.events_endpoint:
+        logger.warning("kv_events: the node service publishes no KV events (no events section in its config): "
+                       "what it does to a chunk after the save (SSD, eviction) is not announced")
+        return None
+    return NodeResidency(node.events_endpoint, node.events_replay_endpoint or None, name="node-residency")
+
+
 class ResidencyWatch:
     """Changes to this shard's chunks since the last :meth:`take` (see the module docstring)."""
 
@@ -55,8 +74,11 @@ class ResidencyWatch:
         """The worker's watch: of ``store`` with ``kv_events`` and vLLM's --kv-events-config, else
         one that watches nothing (its calls do nothing, its reports are empty)."""
         events = vllm_config.kv_events_config
-        on = cfg.kv_events and events is not None and events.enable_kv_cache_events
-        return cls(store if on else None)
+        if not (cfg.kv_events and events is not None and events.enable_kv_cache_events):
+            return cls(None)
+        if callable(getattr(store, "subscribe", None)):
+            return cls(store)
+        return cls(_node_feed(store))
 
     def __init__(self, store: object, *, max_changes: int = MAX_CHANGES) -> None:
         self._lock = threading.Lock()
@@ -71,7 +93,8 @@ class ResidencyWatch:
 
     @property
     def watching(self) -> bool:
-        """Whether the store reports its changes (an embedded store does; a node client does not)."""
+        """Whether the store reports its changes (an embedded store does; a node service when it
+        publishes events)."""
         return self._unsubscribe is not None
 
     def set_prefix(self, digest: str, epoch: int = 0) -> None:

@@ -40,7 +40,7 @@ from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_kv.bench.node import median_us
 from mooncake_kv.index.http import serve_in_thread
 from mooncake_kv.index.service import IndexConfig, KVIndex
-from mooncake_kv.index.subscriber import SourceConfig
+from store_backend.events.subscriber import SourceConfig
 from store_backend.events.config import EventsConfig
 from store_backend.events.publisher import KVEventPublisher
 from store_backend.residency import ResidencyEvent

@@ -20,7 +20,7 @@ import zmq
 
 from mooncake_connector.keys import chunk_hashes, hash_scheme_names, object_key
 from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch
-from mooncake_kv.index.subscriber import SourceConfig, Subscriber
+from store_backend.events.subscriber import SourceConfig, Subscriber
 from store_backend.events.wire import BlockStored, KVEventBatch
 
 

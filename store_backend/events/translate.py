@@ -89,3 +89,31 @@ def listing_events(residency: dict[str, list[str]], backend_id: str, *, batch_ke
         for i in range(0, len(keys), batch_keys):
             out.append(stored(keys[i:i + batch_keys], medium, backend_id))
     return out
+
+
+TIERS = {medium: tier for tier, medium in MEDIA.items()}
+
+
+def residency_of(events: Iterable[Event]) -> list[ResidencyEvent]:
+    """The residency changes a node service's events stand for (what :func:`translate` made of
+    them, as far as the stream tells), for a client that follows the node over its stream:
+    ``BlockStored`` in ``CPU`` is ``stored`` in ``dram``, in ``STORAGE`` ``moved`` to ``ssd``;
+    ``BlockRemoved`` in a medium is ``evicted`` from that tier (a removal from every tier arrives
+    as one per medium; the stream does not say which was the last copy, so ``lost`` is False).
+    Sizes are 0 (not in the stream). Media without a tier, block hashes that are not keys (an
+    engine's ints) and ``AllBlocksCleared`` (a node never sends it) are left out."""
+    out: list[ResidencyEvent] = []
+    for event in events:
+        tier = TIERS.get(getattr(event, "medium", None) or "")
+        if tier is None:
+            continue
+        if isinstance(event, BlockStored):
+            kind = "stored" if tier == "dram" else "moved"
+        elif isinstance(event, BlockRemoved):
+            kind = "evicted"
+        else:
+            continue
+        for h in event.block_hashes:
+            if isinstance(h, bytes):
+                out.append(ResidencyEvent(kind, h.decode(errors="replace"), tier, 0))
+    return out

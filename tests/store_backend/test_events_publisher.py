@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from mooncake_kv.index.service import IndexConfig, KVIndex
-from mooncake_kv.index.subscriber import SourceConfig
+from store_backend.events.subscriber import SourceConfig
 from store_backend.events.config import EventsConfig
 from store_backend.events.publisher import SNAPSHOT, KVEventPublisher
 from store_backend.events.translate import stored

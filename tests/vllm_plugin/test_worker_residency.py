@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/i
 
 from store_backend.store import TieredStore  # noqa: E402
 from store_backend.types import Status  # noqa: E402
-from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, ResidencyWatch  # noqa: E402
+from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, SSD_OUT, ResidencyWatch  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -93,3 +93,52 @@ def test_a_new_prefix_forgets_the_old_ones_gap(tmp_path) -> None:  # noqa: ANN00
     finally:
         watch.close()
         store.close(flush=False)
+
+
+def test_a_node_clients_watch_follows_the_service_over_its_events(tmp_path) -> None:  # noqa: ANN001
+    """With a node service, the watch follows the service's published events (its ``events``
+    section): the put's DRAM copy, the offload, the eviction from DRAM and a remove (one removal
+    per tier); its first snapshot is a gap. A service without events publishes no endpoint (the
+    worker's watch then watches nothing, and says so in its log)."""
+    from store_backend.events.follow import NodeResidency, connectable
+    from tests.store_backend.conftest import serve_node
+    from tests.store_backend.node.server_harness import wait_until
+
+    node = serve_node({"dram": {"capacity_bytes": 1 * MiB, "eviction_policy": "lru"},
+                       "ssd": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * MiB, "backend": "file",
+                               "admission_policy": "all"}, "offload": {"policy": "eager"}},
+                      events={"endpoint": "tcp://*:*", "replay_endpoint": "tcp://127.0.0.1:*"})
+    stats = node.service_stats()
+    assert stats is not None and stats[1].events_endpoint.startswith("tcp://0.0.0.0:")
+    assert connectable(stats[1].events_endpoint).startswith("tcp://127.0.0.1:")
+    watch = ResidencyWatch(NodeResidency(stats[1].events_endpoint, stats[1].events_replay_endpoint))
+    seen: list[tuple[str, str]] = []
+    gaps = [0]
+
+    def took(want: tuple[str, str]) -> bool:
+        changes, gap = watch.take()
+        seen.extend(changes)
+        gaps[0] += gap
+        return want in seen
+
+    try:
+        assert watch.watching
+        wait_until(lambda: took(("", "")) or gaps[0] > 0, 10, "the first snapshot (a gap)")
+        watch.set_prefix("fp1")
+        assert node.put(["fp1/a", "other/x"], [np.zeros(OBJ, np.uint8)] * 2) == [Status.OK] * 2
+        wait_until(lambda: took(("a", SSD_IN)), 10, f"the offload of a, seen {seen}")
+        assert seen[:2] == [("a", DRAM_IN), ("a", SSD_IN)] and all(h != "x" for h, _ in seen)
+        for i in range(6):  # push "a" out of the 1 MiB arena (its SSD copy stays)
+            assert node.put([f"fp1/f{i}"], [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+        wait_until(lambda: took(("a", DRAM_OUT)), 10, f"the eviction of a from DRAM, seen {seen}")
+        assert node.remove(["fp1/a"]) == [Status.OK]
+        wait_until(lambda: took(("a", SSD_OUT)), 10, f"the removal of a, seen {seen}")
+        assert GONE not in {c for _h, c in seen}  # the stream names tiers; the scheduler needs no more
+    finally:
+        watch.close()
+        node.close(flush=False, timeout_s=10)
+    quiet = serve_node({"dram": {"capacity_bytes": 1 * MiB}})
+    try:
+        assert quiet.service_stats()[1].events_endpoint == ""
+    finally:
+        quiet.close(flush=False, timeout_s=10)

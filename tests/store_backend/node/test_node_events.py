@@ -14,7 +14,7 @@ import pytest
 from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_kv.index.http import serve_in_thread
 from mooncake_kv.index.service import IndexConfig, KVIndex
-from mooncake_kv.index.subscriber import SourceConfig
+from store_backend.events.subscriber import SourceConfig
 from store_backend.config import ConfigError
 from store_backend.node.server import NodeService
 from store_backend.types import Status
