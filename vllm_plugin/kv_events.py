@@ -30,9 +30,10 @@ chunks are announced at once; past it the oldest is withdrawn before a new one i
 router never holds more than the store might.
 
 A chunk this engine did not save (another engine's, an earlier run's) is announced when this
-engine plans to load it (``found``), described from its own request. Not announced: chunks only
-another node of the pool holds; with a node service, what the store does after a save (a node client has no residency events
-to offer: the node service's own event stream says it, docs/ROUTING.md).
+engine plans to load it (``found``), described from its own request. With a node service, the
+workers follow what the service does after a save through its own event stream (when its config
+has an ``events`` section; ``store_backend.events.follow``). Not announced: chunks only another
+node of the pool holds.
 Scheduler thread only.
 """
 

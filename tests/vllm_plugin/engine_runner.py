@@ -72,6 +72,8 @@ def main(spec_path: str) -> int:
             llm.reset_prefix_cache()
         if rnd.get("flush") and has_kv_transfer_group():
             assert get_kv_transfer_group().flush(timeout_s=120)
+        elif rnd.get("flush") and conn is not None:  # workers in their own processes: each flushes
+            assert all(llm.collective_rpc(_rank_flush))
         params = SamplingParams(max_tokens=rnd.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                 detokenize=False)
         inputs = [{"prompt_token_ids": p} for p in rnd["prompts"]]
@@ -121,6 +123,13 @@ def _perturb_weights(worker: object, seed: int) -> bool:
         for _, p in worker.model_runner.model.named_parameters():  # type: ignore[attr-defined]
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
     return True
+
+
+def _rank_flush(worker: object) -> bool:
+    """Runs in a worker process (``collective_rpc``): its connector's saves so far reach the SSD tier."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().flush(timeout_s=120)
 
 
 def _rank_stats(worker: object) -> dict:

@@ -148,10 +148,20 @@ def node_runs(tiny_model: Path, baseline: dict[str, Any],
              "ssd": {"path": str(work / "ssd"), "capacity_bytes": "1GiB", "backend": "bucket"},
              "offload": {"policy": "eager"}}
     base = {"model_dir": str(tiny_model), "engine": TP_ENGINE, "rounds": ROUNDS[:1]}
-    with node_service(work, store) as svc:
+    # The service publishes its KV events; engine A's connector follows them (kv_events) and
+    # announces through vLLM's publisher. Its second round waits for the saves to reach the
+    # service's SSD tier first, so that its steps carry the offload's changes.
+    events_section = {"events": {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}}
+    with node_service(work, store, sections=events_section) as svc:
         connector = {"extra": {"chunk_tokens": CHUNK_TOKENS, "store": svc.attach(),
                                "lookup_socket_dir": str(lookup_dir)}}
-        a = run_engine({**base, "connector": connector, "rank_stats": True}, work, "engine-a", env=TP_ENV)
+        port = free_port()
+        with EventCollector(f"tcp://127.0.0.1:{port}") as events:
+            a = run_engine({**base, "connector": {"extra": {**connector["extra"], "kv_events": True}},
+                            "engine": {**TP_ENGINE, "kv_events_config": {
+                                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}},
+                            "rounds": [ROUNDS[0], {"prompts": [PROMPTS[1]], "max_tokens": MAX_TOKENS, "flush": True}],
+                            "rank_stats": True}, work, "engine-a", env=TP_ENV)
         b = run_engine({**base, "connector": connector, "rank_stats": True}, work, "engine-b", env=TP_ENV)
         client = acquire_node(NodeAttachConfig(socket=svc.socket), name="test")
         try:
@@ -159,7 +169,7 @@ def node_runs(tiny_model: Path, baseline: dict[str, Any],
         finally:
             release_store(client, flush=False)
         yield {"baseline": baseline, "a": a, "b": b, "keys": keys, "lookup_dir": lookup_dir,
-               "ssd": work / "ssd", "status": svc.status()}
+               "ssd": work / "ssd", "status": svc.status(), "events": events.batches}
 
 
 def test_node_both_ranks_shards_are_in_the_one_service(node_runs: dict[str, Any]) -> None:
@@ -193,3 +203,17 @@ def test_node_tp2_fresh_engine_gets_full_hit_from_the_service(node_runs: dict[st
         assert r["chunks_load_failed"] == 0
     sched = node_runs["b"]["stats"]["scheduler"]
     assert sched["lookup_failures"] == 0 and sched["hit_tokens"] == sum(want_hits), sched
+
+
+def test_node_tp2_kv_events_follow_the_service_after_the_save(node_runs: dict[str, Any]) -> None:
+    """With the node service, each chunk is announced once in CPU when both ranks' saves landed,
+    and once in STORAGE when the service's own events say both shards reached its SSD tier (the
+    workers follow the service's stream); nothing is withdrawn."""
+    events = [e for b in node_runs["events"] for e in b.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    want = {tuple(p[c * CHUNK_TOKENS:(c + 1) * CHUNK_TOKENS]) for p in PROMPTS
+            for c in range((len(p) - 1) // CHUNK_TOKENS)}
+    for medium in ("CPU", "STORAGE"):
+        got = [tuple(e.token_ids) for e in stored if e.medium == medium]
+        assert want <= set(got) and len(got) == len(set(got)), (medium, len(got))
+    assert not [e for e in events if type(e).__name__ == "BlockRemoved"]
