@@ -4,11 +4,13 @@
   first snapshot).
 - ``GET /sources``: per source, its endpoint, url, subscription counters and blocks per medium.
 - ``POST /query`` with one of
-  ``{"token_ids": [...], "extra_keys": [...]?, "fingerprints": [...]?}`` (a prompt, hashed as the
-  connector hashes it), ``{"keys": [...]}`` (store object keys) or ``{"block_hashes": [...]}``
-  (vLLM block hashes as ints, or strings for bytes): ``{"longest_matched": n, "chunk_tokens": c,
-  "instances": {name: {"matched", "matched_tokens", "by_medium": {"GPU"|"CPU"|"STORAGE": n},
-  "fingerprint"}}}``. A malformed body answers 400 naming what was wrong.
+  ``{"token_ids": [...], "extra_keys": [...]?, "fingerprints": [...]?, "lora_name": s?}`` (a
+  prompt, hashed as the connector hashes it and keyed by tokens as the engines' events are),
+  ``{"keys": [...]}`` (store object keys) or ``{"block_hashes": [...]}`` (vLLM block hashes as
+  ints, or strings for bytes): ``{"longest_matched": n, "longest_matched_tokens": t,
+  "chunk_tokens": c, "instances": {name: {"matched", "matched_tokens", "unit_tokens", "by_medium":
+  {"GPU"|"CPU"|"STORAGE": n}, "tokens_by_medium", "fingerprint"}}}``. A malformed body answers 400
+  naming what was wrong.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class QueryBody(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: list[int] | None = None
     extra_keys: list[str] | None = None
     fingerprints: list[str] | None = None
+    lora_name: str | None = None
     keys: list[str] | None = None
     block_hashes: list[int | str] | None = None
 
@@ -55,7 +58,8 @@ def make_app(index: KVIndex) -> web.Application:
         if body.token_ids is not None:
             if any(not -2**63 <= t < 2**63 for t in body.token_ids):
                 return _json({"error": "bad query: token_ids must be 64-bit integers"}, 400)
-            result = index.query_tokens(body.token_ids, extra_keys=body.extra_keys, fingerprints=body.fingerprints)
+            result = index.query_tokens(body.token_ids, extra_keys=body.extra_keys, fingerprints=body.fingerprints,
+                                        lora_name=body.lora_name)
         elif body.keys is not None:
             result = index.query_keys(body.keys)
         else:

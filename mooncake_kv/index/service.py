@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from mooncake_connector.keys import chunk_hashes, hash_scheme_names, object_key
+from mooncake_connector.keys import as_int64, chunk_hashes, hash_scheme_names, object_key
 from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch
+from mooncake_kv.index.tokens import TokenKeys, prompt_keys
 from store_backend.events.subscriber import SourceConfig, Subscriber
-from store_backend.events.wire import BlockStored, KVEventBatch
+from store_backend.events.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -48,23 +49,29 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class InstanceMatch(msgspec.Struct):
-    """One source's answer: ``matched`` leading chunks (``matched_tokens`` tokens), split by the
-    fastest medium holding each (``by_medium``), under ``fingerprint`` (the digest that matched
-    most; empty for a query by block hashes)."""
+    """One source's answer: ``matched`` leading units of ``unit_tokens`` tokens each
+    (``matched_tokens`` tokens: store chunks for a node service, the engine's blocks for an engine
+    whose events carry token ids), split by the fastest medium holding each (``by_medium`` in
+    units, ``tokens_by_medium`` in tokens), under ``fingerprint`` (the digest that matched most;
+    empty for a match by token keys or block hashes)."""
 
     matched: int
     matched_tokens: int
     by_medium: dict[str, int]
     fingerprint: str = ""
+    unit_tokens: int = 0
+    tokens_by_medium: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class QueryResult(msgspec.Struct):
-    """``longest_matched``: the most leading chunks any source holds; ``instances``: each source
-    holding at least the first one."""
+    """``longest_matched``: the most leading chunks (of ``chunk_tokens``) any source holds
+    (``longest_matched_tokens`` in tokens); ``instances``: each source holding at least its first
+    unit."""
 
     longest_matched: int
     chunk_tokens: int
     instances: dict[str, InstanceMatch]
+    longest_matched_tokens: int = 0
 
 
 class KVIndex:
@@ -75,6 +82,7 @@ class KVIndex:
         self._lock = threading.Lock()
         self._state = IndexState()
         self._digests: set[str] = set()
+        self._tokens = TokenKeys()
         self._ctx = zmq.Context()
         self._subs = {s.name: Subscriber(s, self._apply, self._replace, ctx=self._ctx) for s in config.sources}
 
@@ -105,58 +113,95 @@ class KVIndex:
         with self._lock:
             return self._state.blocks_of(source, medium)
 
-    # -- from the subscribers ----------------------------------------------------------------------
-    def _apply(self, source: str, batch: KVEventBatch) -> None:
+    def apply(self, source: str, batch: KVEventBatch) -> None:
+        """Apply one batch of ``source``'s events, as a subscription does (for a caller that
+        receives the events itself)."""
         with self._lock:
             self._apply_locked(source, batch)
 
+    # -- from the subscribers ----------------------------------------------------------------------
+    def _apply(self, source: str, batch: KVEventBatch) -> None:
+        self.apply(source, batch)
+
     def _apply_locked(self, source: str, batch: KVEventBatch) -> None:
+        state, tokens = self._state, self._tokens
+
+        def held(key: bytes) -> bool:
+            return state.holds(source, key)
+
         for event in batch.events:
-            for h in event.block_hashes if isinstance(event, BlockStored) else ():
-                if isinstance(h, bytes):
-                    digest, sep, _ = h.partition(b"/")
-                    if sep:
-                        self._digests.add(digest.decode(errors="replace"))
-            self._state.apply_event(source, event)
+            state.apply_event(source, event)
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    if isinstance(h, bytes):
+                        digest, sep, _ = h.partition(b"/")
+                        if sep:
+                            self._digests.add(digest.decode(errors="replace"))
+                keys = tokens.stored(source, event)
+                if keys:
+                    state.add(source, event.medium or MEDIUM_GPU, keys)
+            elif isinstance(event, BlockRemoved):
+                keys = tokens.lookup(source, event.block_hashes)
+                if keys:
+                    state.remove(source, event.medium or MEDIUM_GPU, keys)
+                    tokens.forget_hashes(source, event.block_hashes, held)
+            elif isinstance(event, AllBlocksCleared):
+                tokens.forget(source, held)
 
     def _replace(self, source: str, batches: list[KVEventBatch]) -> None:
         """The source's entries become what ``batches`` say (a snapshot), in one lock hold."""
         with self._lock:
             self._state.clear(source)
+            self._tokens.clear(source)
             for batch in batches:
                 self._apply_locked(source, batch)
 
     # -- queries -----------------------------------------------------------------------------------
     def query_blocks(self, blocks: Sequence[BlockHash]) -> QueryResult:
+        """For block hashes as the events name them (an engine's, or store keys as bytes), in
+        prefix order; each counts as one chunk of ``chunk_tokens``."""
         with self._lock:
             found = self._state.match(blocks)
-        return self._result({"": found})
+        return self._result([("", self.config.chunk_tokens, found)])
 
     def query_keys(self, keys: Sequence[str]) -> QueryResult:
         """For store object keys (``<digest>/<chunk hash>``) in prefix order."""
         return self.query_blocks([k.encode() for k in keys])
 
     def query_tokens(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] | None = None,
-                     fingerprints: Sequence[str] | None = None) -> QueryResult:
+                     fingerprints: Sequence[str] | None = None, lora_name: str | None = None) -> QueryResult:
         """For a prompt: its full chunks hashed as the connector hashes them, looked up under each
-        of ``fingerprints`` (None: every digest the index has seen)."""
-        hashes = chunk_hashes(token_ids, self.config.chunk_tokens, extra_keys=extra_keys,
+        of ``fingerprints`` (None: every digest the index has seen), and its whole blocks keyed by
+        tokens (``mooncake_kv.index.tokens``, with ``lora_name``) for every block size the engines'
+        events use. Each source's answer is its longest."""
+        tokens = as_int64(token_ids)
+        hashes = chunk_hashes(tokens, self.config.chunk_tokens, extra_keys=extra_keys,
                               scheme=self.config.hash_scheme)
+        ct = self.config.chunk_tokens
         with self._lock:
             digests = sorted(self._digests) if fingerprints is None else list(fingerprints)
-            per_digest = {d: self._state.match([object_key(d, h).encode() for h in hashes]) for d in digests}
-        return self._result(per_digest)
+            found = [(d, ct, self._state.match([object_key(d, h).encode() for h in hashes])) for d in digests]
+            sizes = list(self._tokens.block_sizes)
+        by_tokens = [(bs, prompt_keys(tokens, bs, lora_name)) for bs in sizes]
+        if by_tokens:
+            with self._lock:
+                found += [("", bs, self._state.match(keys)) for bs, keys in by_tokens]
+        return self._result(found)
 
-    def _result(self, per_digest: dict[str, dict[str, SourceMatch]]) -> QueryResult:
+    def _result(self, found: list[tuple[str, int, dict[str, SourceMatch]]]) -> QueryResult:
+        """Each source's longest answer (in tokens) of ``found``: (fingerprint, tokens per unit, matches)."""
         best: dict[str, InstanceMatch] = {}
+        for digest, unit, matches in found:
+            for source, m in matches.items():
+                if source in best and m.matched * unit <= best[source].matched_tokens:
+                    continue
+                best[source] = InstanceMatch(matched=m.matched, matched_tokens=m.matched * unit,
+                                             by_medium=dict(m.by_medium), fingerprint=digest, unit_tokens=unit,
+                                             tokens_by_medium={k: v * unit for k, v in m.by_medium.items()})
+        longest = max((m.matched_tokens for m in best.values()), default=0)
         ct = self.config.chunk_tokens
-        for digest, found in per_digest.items():
-            for source, m in found.items():
-                if source not in best or m.matched > best[source].matched:
-                    best[source] = InstanceMatch(matched=m.matched, matched_tokens=m.matched * ct,
-                                                 by_medium=dict(m.by_medium), fingerprint=digest)
-        longest = max((m.matched for m in best.values()), default=0)
-        return QueryResult(longest_matched=longest, chunk_tokens=ct, instances=dict(sorted(best.items())))
+        return QueryResult(longest_matched=longest // ct, chunk_tokens=ct, instances=dict(sorted(best.items())),
+                           longest_matched_tokens=longest)
 
     def status(self) -> dict[str, object]:
         """Per source: its config's endpoint and url, the subscription's counters, and the blocks
@@ -166,3 +211,11 @@ class KVIndex:
         return {name: {"endpoint": s.config.endpoint, "url": s.config.url, **s.stats(),
                        "synced": s.synced.is_set(), "blocks": counts.get(name, {})}
                 for name, s in self._subs.items()}
+
+    def token_key_stats(self) -> dict[str, object]:
+        """How the engines' events are keyed by tokens: block sizes seen, engine hashes mapped,
+        events that could not be chained (parent unknown) or described (token ids missing)."""
+        with self._lock:
+            t = self._tokens
+            return {"block_sizes": sorted(t.block_sizes), "mapped": t.size(), "unchained": t.unchained,
+                    "undescribed": t.undescribed}

@@ -75,6 +75,18 @@ class IndexState:
         for m in ([medium] if medium is not None else list(media)):
             self._remove(source, m, list(media.get(m, ())))
 
+    def add(self, source: str, medium: str, hashes: Iterable[BlockHash]) -> None:
+        """``source`` holds ``hashes`` in ``medium`` (not counted as an applied event)."""
+        self._add(source, medium, hashes)
+
+    def remove(self, source: str, medium: str, hashes: Iterable[BlockHash]) -> None:
+        """``source`` no longer holds ``hashes`` in ``medium``."""
+        self._remove(source, medium, hashes)
+
+    def holds(self, source: str, block: BlockHash) -> bool:
+        """Whether ``source`` holds ``block`` in some medium."""
+        return source in self._blocks.get(block, ())
+
     def _add(self, source: str, medium: str, hashes: Iterable[BlockHash]) -> None:
         mine = self._sources.setdefault(source, {}).setdefault(medium, set())
         for h in hashes:

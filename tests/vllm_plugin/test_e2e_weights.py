@@ -25,9 +25,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from mooncake_connector.keys import chunk_hashes
+from mooncake_kv.index.service import IndexConfig, KVIndex
+from mooncake_kv.index.tokens import prompt_keys
+from store_backend.events.wire import decode_batch
 from store_backend.config import load_config
 from store_backend.store import TieredStore
 from tests.ports import free_port
@@ -223,3 +227,23 @@ def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_a
     by_medium = {m: {tuple(e.block_hashes) for e in after if e.medium == m} for m in ("CPU", "STORAGE")}
     assert len(by_medium["CPU"]) == (len(P_A) - 1) // CHUNK_TOKENS and by_medium["STORAGE"] == by_medium["CPU"]
     assert all(e.token_ids for e in after)
+
+
+def test_the_index_keys_the_engines_events_by_tokens(reset_runs: dict[str, Any]) -> None:
+    """Engine A's events (vLLM's GPU blocks and the connector's chunks, all named by vLLM's own
+    hashes) applied to an index: a query by P_A's token ids finds its whole blocks (on the GPU after
+    round 3) and the connector's chunks of P_A saved after the reset in CPU and STORAGE, keyed by
+    tokens; P_B, cleared from the GPU and withdrawn at the reset, matches nothing."""
+    index = KVIndex(IndexConfig(chunk_tokens=CHUNK_TOKENS))
+    try:
+        for batch in reset_runs["events"]:  # vLLM's objects, through the wire as the index receives them
+            index.apply("a", decode_batch(msgspec.msgpack.encode(batch)))
+        got = index.query_tokens(P_A).instances["a"]
+        assert got.unit_tokens == 32 and got.matched_tokens == len(P_A) // 32 * 32, got
+        assert got.tokens_by_medium == {"GPU": got.matched_tokens}
+        chunk_blocks = prompt_keys(P_A, 32)[:(len(P_A) - 1) // CHUNK_TOKENS * (CHUNK_TOKENS // 32)]
+        assert set(chunk_blocks) <= index.blocks("a", "CPU") and set(chunk_blocks) <= index.blocks("a", "STORAGE")
+        assert "a" not in index.query_tokens(P_B).instances
+        assert index.token_key_stats()["unchained"] == 0
+    finally:
+        index.close()

@@ -1,0 +1,103 @@
+"""The index keys an engine's self-describing events by their token ids (pure, no sockets): a
+prompt's query matches the engine's GPU blocks and the connector's chunks whatever hashes the
+engine used; removals, vLLM's AllBlocksCleared, LoRA names and unknown parents behave as stated in
+``mooncake_kv.index.tokens``."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake_kv.index.service import IndexConfig, KVIndex
+from mooncake_kv.index.tokens import prompt_keys
+from store_backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 16
+
+
+def _blocks(prompt: list[int], first: int, n: int, hashes: list[int], medium: str = "GPU",
+            lora: str | None = None) -> BlockStored:
+    """Blocks ``first``..``first+n-1`` of ``prompt``, as vLLM describes them (its own hashes)."""
+    return BlockStored(block_hashes=hashes[first:first + n], parent_block_hash=hashes[first - 1] if first else None,
+                       token_ids=prompt[first * BS:(first + n) * BS], block_size=BS, lora_id=None, medium=medium,
+                       lora_name=lora)
+
+
+def _batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=list(events))
+
+
+def _index() -> KVIndex:
+    return KVIndex(IndexConfig(chunk_tokens=4 * BS))
+
+
+def test_an_engines_blocks_match_a_prompt_by_its_tokens_split_by_medium() -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(50_000) for _ in range(10 * BS + 5)]
+    hashes = [rng.getrandbits(63) for _ in range(10)]  # the engine's hashes: the index cannot compute them
+    index = _index()
+    try:
+        # Blocks 0-5 on the GPU in two events (the second chained on the first's last block), and
+        # the connector's chunk of blocks 4-7 in CPU (the same engine hashes, token ids, parent).
+        index.apply("e1", _batch(_blocks(prompt, 0, 3, hashes), _blocks(prompt, 3, 3, hashes),
+                                 _blocks(prompt, 4, 4, hashes, "CPU")))
+        got = index.query_tokens(prompt).instances["e1"]
+        assert (got.matched, got.unit_tokens, got.matched_tokens) == (8, BS, 8 * BS)
+        assert got.tokens_by_medium == {"GPU": 6 * BS, "CPU": 2 * BS}
+        assert index.query_tokens(prompt).longest_matched_tokens == 8 * BS
+        # Another prompt sharing the first 2 blocks only.
+        other = prompt[:2 * BS] + [t + 1 for t in prompt[2 * BS:]]
+        assert index.query_tokens(other).instances["e1"].matched_tokens == 2 * BS
+        # A LoRA adapter's blocks are other blocks.
+        assert index.query_tokens(prompt, lora_name="adapter").instances == {}
+        # GPU eviction of block 2 ends the match there (blocks 4-7 stay in CPU, after a hole).
+        index.apply("e1", _batch(BlockRemoved(block_hashes=[hashes[2]], medium="GPU")))
+        assert index.query_tokens(prompt).instances["e1"].matched_tokens == 2 * BS
+        # vLLM's prefix-cache reset empties the GPU only: the CPU chunk is held, but its first
+        # block (4) is not the prompt's first, so the prompt matches nothing.
+        index.apply("e1", _batch(AllBlocksCleared()))
+        assert index.query_tokens(prompt).instances == {}
+        assert index.query_blocks(hashes[4:8]).instances["e1"].by_medium == {"CPU": 4}
+        stats = index.token_key_stats()
+        assert stats["block_sizes"] == [BS] and stats["mapped"] == 4  # blocks 0-3 forgotten with their GPU copy
+    finally:
+        index.close()
+
+
+def test_an_event_whose_parent_is_unknown_or_undescribed_is_not_keyed() -> None:
+    prompt = list(range(4 * BS))
+    hashes = [11, 12, 13, 14]
+    index = _index()
+    try:
+        index.apply("e1", _batch(_blocks(prompt, 2, 2, hashes)))  # parent 12 never seen
+        bad = BlockStored(block_hashes=[99], parent_block_hash=None, token_ids=[1, 2], block_size=BS, lora_id=None,
+                          medium="GPU", lora_name=None)  # 2 token ids for a block of 16
+        index.apply("e1", _batch(bad))
+        assert index.query_tokens(prompt).instances == {}
+        assert index.token_key_stats()["unchained"] == 1 and index.token_key_stats()["undescribed"] == 1
+        index.apply("e1", _batch(_blocks(prompt, 0, 2, hashes)))
+        assert index.query_tokens(prompt).instances["e1"].matched_tokens == 2 * BS
+    finally:
+        index.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.lists(st.integers(0, 2**31), min_size=BS, max_size=6 * BS), cut=st.integers(1, 6),
+       lora=st.none() | st.text(min_size=1, max_size=5))
+def test_events_cut_anywhere_key_the_blocks_as_the_prompt_does(prompt: list[int], cut: int, lora: str | None) -> None:
+    """However an engine splits a prompt's blocks into events, the chained keys are the prompt's."""
+    n = len(prompt) // BS
+    hashes = list(range(100, 100 + n))
+    index = _index()
+    try:
+        first = min(cut, n)
+        index.apply("e", _batch(_blocks(prompt, 0, first, hashes, lora=lora)))
+        if first < n:
+            index.apply("e", _batch(_blocks(prompt, first, n - first, hashes, lora=lora)))
+        got = index.query_tokens(prompt, lora_name=lora).instances["e"]
+        assert got.matched_tokens == n * BS and got.tokens_by_medium == {"GPU": n * BS}
+        assert len(prompt_keys(prompt, BS, lora)) == n
+    finally:
+        index.close()
