@@ -20,6 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("mooncake_kv.node_cli", "whether the node service answers; its tiers, usage and clients"),
     "stop": ("mooncake_kv.node_cli", "stop the node service as SIGTERM does"),
     "index": ("mooncake_kv.index.cli", "what each engine and node service caches, from their KV events, over HTTP"),
+    "simulate": ("mooncake_kv.route.simulate_cli", "the router's decisions at cluster scale (simulate route)"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
     "store": ("mooncake_kv.bench.store", "DRAM and SSD tier throughput against memcpy and raw O_DIRECT"),

@@ -1,0 +1,1 @@
+"""The Conductor: a cache-aware router in front of vLLM (and SGLang) instances."""
