@@ -20,6 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("mooncake_kv.node_cli", "whether the node service answers; its tiers, usage and clients"),
     "stop": ("mooncake_kv.node_cli", "stop the node service as SIGTERM does"),
     "index": ("mooncake_kv.index.cli", "what each engine and node service caches, from their KV events, over HTTP"),
+    "route": ("mooncake_kv.route.cli", "the Conductor: a cache-aware router in front of vLLM instances"),
     "simulate": ("mooncake_kv.route.simulate_cli", "the router's decisions at cluster scale (simulate route)"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {

@@ -15,6 +15,7 @@ import sys
 
 from store_backend.node import __main__ as node_main
 from mooncake_kv import pool_status
+from mooncake_kv.route import status_cli as route_status
 
 _RUNNERS = {
     "serve": (node_main.add_serve_arguments, node_main.run_serve),
@@ -27,14 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     command = parser.prog.split()[-1]
     add, run = _RUNNERS[command]
     add(parser)
-    if command == "status":  # --pool: every node of the pool's directory instead of this service
+    if command == "status":  # --pool: every node of the pool's directory; --router: a router
         pool_status.add_pool_status_arguments(parser)
+        route_status.add_arguments(parser)
     parser.set_defaults(_node_run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "status" and getattr(args, "pool", False):
         return pool_status.run_pool_status(args)
+    if args.command == "status" and getattr(args, "router", None):
+        return route_status.run(args)
     if args.command != "serve":
         return int(args._node_run(args))
     if not args.verbose:

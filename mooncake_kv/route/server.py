@@ -1,0 +1,335 @@
+"""The router's HTTP side (aiohttp server, aiohttp client to the engines).
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: the prompt is tokenized as the engines
+  do it (token ids given: as they are; text or chat messages: the engine's own ``/tokenize``, on a
+  healthy instance), the index is asked what each instance holds of it, the policy decides
+  (``mooncake_kv.route.decide``), and the body goes unchanged to the chosen instance; a streamed
+  answer is passed through chunk by chunk. Under ``slo_ttft_s``, a request no instance can serve
+  in time gets 429 with ``Retry-After`` at once. An instance that cannot be reached before anything
+  was sent is taken out of the rotation and the request decided again (``retries``); a client
+  that goes away closes the upstream request (vLLM aborts it).
+- ``GET /v1/models``: the first healthy instance's answer. ``GET /health``: 200 while some
+  instance is healthy, else 503.
+- ``GET /metrics``: Prometheus text (decisions by policy and reason, rejections, first-token
+  times and the estimate's error, instance health and load, index errors).
+- ``GET /router/status``: instances, health, fitted models; ``GET /router/decisions?since=ID``:
+  the decisions kept, each with its estimates, what every instance held and what happened.
+
+The index is this process's :class:`~mooncake_kv.index.service.KVIndex` (the config's
+``sources``). If a query fails, the request is routed ``least_loaded`` with a warning, never an
+error to the user. A first token is the first chunk of a streamed answer; a request that is not
+streamed teaches the cost model nothing (its first token is not seen) and counts as pending until
+it completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mooncake_kv.index.service import KVIndex, QueryResult
+from mooncake_kv.route.config import RouterConfig
+from mooncake_kv.route.decide import decide
+from mooncake_kv.route.state import Record, RouterState
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+_DEC = msgspec.json.Decoder()
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("mooncake_router_decisions", "Requests decided, by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        self.rejections = Counter("mooncake_router_rejections", "Requests answered 429 or 503, by reason",
+                                  ["reason"], registry=r)
+        self.ttft = Histogram("mooncake_router_ttft_seconds", "Observed time to first token (streamed requests)",
+                              ["instance"], registry=r, buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
+        self.estimate_ratio = Histogram("mooncake_router_estimate_ratio", "Estimated TTFT / observed TTFT",
+                                        registry=r, buckets=(.25, .5, .67, .8, .9, 1.1, 1.25, 1.5, 2, 4))
+        self.healthy = Gauge("mooncake_router_instance_healthy", "1 while the instance is in rotation", ["instance"],
+                             registry=r)
+        self.in_flight = Gauge("mooncake_router_instance_in_flight", "Requests sent and not finished", ["instance"],
+                               registry=r)
+        self.index_errors = Counter("mooncake_router_index_errors", "Index queries that failed (least_loaded used)",
+                                    registry=r)
+        self.retries = Counter("mooncake_router_retries", "Requests decided again after an unreachable instance",
+                               registry=r)
+        self.aborted = Counter("mooncake_router_client_aborts", "Requests whose client went away", registry=r)
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode({"error": {"message": message, "code": status}}),
+                        content_type=JSON, headers=headers)
+
+
+class Router:
+    """One router: its state, its index, its upstream session and health task. ``app()`` builds the
+    aiohttp application; the session and the health task live from its startup to its cleanup."""
+
+    def __init__(self, config: RouterConfig, index: KVIndex | None) -> None:
+        self.config = config
+        self.index = index
+        self.state = RouterState(config)
+        self.metrics = _Metrics()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self._warned_index = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 << 20)
+        app.add_routes([web.post("/v1/completions", self._completions),
+                        web.post("/v1/chat/completions", self._chat),
+                        web.get("/v1/models", self._models), web.get("/health", self._health),
+                        web.get("/metrics", self._metrics), web.get("/router/status", self._status),
+                        web.get("/router/decisions", self._decisions)])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s))
+        await self.check_health()
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 (the loop must go on; logged)
+                logger.exception("health check round failed")
+
+    async def check_health(self) -> None:
+        async def one(name: str, url: str) -> tuple[str, bool]:
+            assert self._session is not None
+            try:
+                async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(
+                        total=self.config.health_timeout_s)) as r:
+                    return name, r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return name, False
+
+        results = await asyncio.gather(*(one(n, s.config.url) for n, s in self.state.instances.items()))
+        for name, ok in results:
+            if self.state.health(name, ok):
+                logger.warning("instance %s is %s", name, "back in rotation" if ok else "out of rotation")
+            self.metrics.healthy.labels(name).set(1 if self.state.instances[name].healthy else 0)
+
+    # -- simple endpoints -----------------------------------------------------------------------------
+    async def _health(self, _request: web.Request) -> web.Response:
+        healthy = [n for n, s in self.state.instances.items() if s.healthy]
+        return web.json_response({"ok": bool(healthy), "healthy": healthy}, status=200 if healthy else 503)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        for n, s in self.state.instances.items():
+            self.metrics.in_flight.labels(n).set(s.in_flight)
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    async def _status(self, _request: web.Request) -> web.Response:
+        body = self.state.status()
+        if self.index is not None:
+            body["index"] = {"sources": self.index.status(), "tokens": self.index.token_key_stats()}
+        return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+    async def _decisions(self, request: web.Request) -> web.Response:
+        since = int(request.query.get("since", "0"))
+        return web.Response(body=msgspec.json.encode([r.as_dict() for r in self.state.decisions if r.id > since]),
+                            content_type=JSON)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        for s in self.state.instances.values():
+            if s.healthy:
+                assert self._session is not None
+                try:
+                    async with self._session.get(s.config.url + "/v1/models") as r:
+                        return web.Response(body=await r.read(), status=r.status, content_type=JSON)
+                except (aiohttp.ClientError, OSError):
+                    continue
+        return _error(503, "no instance is healthy")
+
+    # -- routing ------------------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/chat/completions")
+
+    async def _tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will see them (None: not known)."""
+        prompt = body.get("prompt")
+        if path == "/v1/completions":
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]  # a batch: routed by its first prompt
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            ask: dict[str, Any] = {"model": body.get("model"), "prompt": prompt}
+        else:
+            ask = {"model": body.get("model"), "messages": body.get("messages"),
+                   "add_generation_prompt": body.get("add_generation_prompt", True)}
+            for key in ("chat_template", "chat_template_kwargs", "continue_final_message", "tools"):
+                if key in body:
+                    ask[key] = body[key]
+        if "add_special_tokens" in body:
+            ask["add_special_tokens"] = body["add_special_tokens"]
+        assert self._session is not None
+        for s in self.state.instances.values():
+            if not s.healthy:
+                continue
+            try:
+                async with self._session.post(s.config.url + "/tokenize", json=ask) as r:
+                    if r.status == 200:
+                        got = await r.json()
+                        tokens = got.get("tokens")
+                        return tokens if isinstance(tokens, list) else None
+                    return None  # the engine refused the request: it will refuse it again, say so there
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                continue
+        return None
+
+    def _query(self, tokens: list[int] | None, body: dict[str, Any]) -> tuple[QueryResult | None, bool]:
+        """The index's answer (None: no index or no tokens) and whether the index failed."""
+        if self.index is None or not tokens:
+            return None, False
+        try:
+            return self.index.query_tokens(tokens, fingerprints=self.config.fingerprints), False
+        except Exception:  # noqa: BLE001 (routing goes on without the index)
+            self.metrics.index_errors.inc()
+            if not self._warned_index:
+                logger.warning("the index failed a query: routing least_loaded until it answers", exc_info=True)
+                self._warned_index = True
+            return None, True
+
+    async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = _DEC.decode(raw)
+        except msgspec.DecodeError as e:
+            return _error(400, f"the body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        tokens = await self._tokens(path, body)
+        result, index_failed = self._query(tokens, body)
+        cached = self.state.cached_by_instance(result)
+        policy = "least_loaded" if index_failed else self.config.policy
+        if not index_failed and result is not None and self._warned_index:
+            logger.warning("the index answers again")
+            self._warned_index = False
+        exclude: set[str] = set()
+        prompt_tokens = len(tokens) if tokens else 0
+        for attempt in range(self.config.retries + 1):
+            loop_now = time.monotonic()
+            decision = decide(policy, self.state.facts(loop_now, cached, exclude), prompt_tokens,
+                              turn=self.state.turn, slo_ttft_s=self.config.slo_ttft_s)
+            self.state.turn += 1
+            rec = self.state.record(self.state.next_id(), loop_now, prompt_tokens, decision, cached, policy)
+            self.metrics.decisions.labels(policy, decision.reason).inc()
+            if decision.choice is None:
+                self.metrics.rejections.labels(decision.reason).inc()
+                if decision.rejected:
+                    best = min(e.ttft_s for e in decision.estimates.values())
+                    retry = max(1, math.ceil(best - (self.config.slo_ttft_s or 0.0)))
+                    return _error(429, f"no instance can serve this request within the TTFT SLO of "
+                                       f"{self.config.slo_ttft_s} s (best estimate {best:.2f} s)",
+                                  **{"Retry-After": str(retry)})
+                return _error(503, "no instance is healthy")
+            try:
+                return await self._forward(request, path, raw, rec, bool(body.get("stream")))
+            except _Unreachable:
+                self.metrics.retries.inc()
+                exclude.add(rec.choice)  # type: ignore[arg-type]
+                rec.status = "retried"
+                continue
+        return _error(503, "no instance could be reached")
+
+    async def _forward(self, request: web.Request, path: str, raw: bytes, rec: Record,
+                       stream: bool) -> web.StreamResponse:
+        assert rec.choice is not None and self._session is not None
+        inst = self.state.instances[rec.choice]
+        self.state.sent(rec, time.monotonic())
+        status = "failed"
+        try:
+            try:
+                up = await self._session.post(inst.config.url + path, data=raw, headers={"Content-Type": JSON})
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+                logger.warning("instance %s unreachable (%s): out of rotation", rec.choice, e)
+                self.state.failed_instance(rec.choice)
+                self.metrics.healthy.labels(rec.choice).set(0)
+                status = "retried"
+                raise _Unreachable() from e
+            try:
+                rec.upstream_status = up.status
+                if not stream or up.status != 200:
+                    data = await up.read()
+                    status = "done"
+                    return web.Response(body=data, status=up.status, content_type=up.content_type or JSON)
+                resp = web.StreamResponse(status=200, headers={
+                    "Content-Type": up.headers.get("Content-Type", "text/event-stream")})
+                await resp.prepare(request)
+                first = True
+                async for chunk in up.content.iter_any():
+                    if first and chunk:
+                        first = False
+                        self._first_token(rec)
+                    await resp.write(chunk)
+                await resp.write_eof()
+                status = "done"
+                return resp
+            finally:
+                if status == "done":
+                    up.release()
+                else:
+                    up.close()  # drops the connection: the engine aborts the request
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = "aborted"
+            self.metrics.aborted.inc()
+            raise
+        finally:
+            self.state.finished(rec, status)
+
+    def _first_token(self, rec: Record) -> None:
+        ttft = self.state.first_token(rec, time.monotonic())
+        if ttft is not None and rec.choice is not None:
+            self.metrics.ttft.labels(rec.choice).observe(ttft)
+            est = rec.estimates[rec.choice]["ttft_s"]
+            if ttft > 0:
+                self.metrics.estimate_ratio.observe(est / ttft)
+
+
+class _Unreachable(Exception):
+    """The chosen instance could not be reached before anything was sent."""
+
+
+def make_router(config: RouterConfig) -> Router:
+    """A router with its own index over the config's sources (none: cache-blind estimates)."""
+    from mooncake_kv.index.service import IndexConfig
+
+    index = None
+    if config.sources:
+        index = KVIndex(IndexConfig(sources=list(config.sources), chunk_tokens=config.chunk_tokens,
+                                    hash_scheme=config.hash_scheme)).start()
+    return Router(config, index)

@@ -1,0 +1,162 @@
+"""What the router knows of its instances between requests: health, what it sent and has not yet
+seen a first token of, the cost model it learns from those first tokens, and the decisions it
+made (kept for ``/router/decisions`` and the tests). Owned by the router's event loop: no lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_kv.index.service import QueryResult
+from mooncake_kv.route.config import InstanceConfig, RouterConfig
+from mooncake_kv.route.costs import CostModel, Pending, queue_s, service_observed
+from mooncake_kv.route.decide import Decision, Instance
+
+_SLOWEST_FIRST = ("STORAGE", "CPU")
+
+
+@dataclass
+class InstanceState:
+    config: InstanceConfig
+    model: CostModel
+    healthy: bool = False  # until its first health check passes
+    failures: int = 0
+    in_flight: int = 0
+    pending: dict[int, Pending] = field(default_factory=dict)
+    last_first_token_s: float = 0.0
+    checked: int = 0
+
+
+@dataclass
+class Record:
+    """One decision: the request's id, what was known, what was chosen and why, what happened."""
+
+    id: int
+    at_s: float
+    policy: str
+    prompt_tokens: int
+    choice: str | None
+    reason: str
+    estimates: dict[str, dict[str, Any]]
+    cached: dict[str, dict[str, Any]]
+    status: str = "sent"  # sent, done, failed, rejected, no_instance, aborted, retried
+    ttft_s: float | None = None
+    upstream_status: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.instances = {i.name: InstanceState(i, CostModel(config.prior.prior())) for i in config.instances}
+        self.turn = 0
+        self._ids = itertools.count(1)
+        self.decisions: collections.deque[Record] = collections.deque(maxlen=config.decisions_kept)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # -- facts --------------------------------------------------------------------------------------
+    def cached_by_instance(self, result: QueryResult | None) -> dict[str, tuple[dict[str, int], int]]:
+        """Per instance: the prompt tokens it holds by medium (its engine's events, then its node
+        service's for what its engine's do not cover) and the longest prefix another instance's
+        node holds (reachable over the pool when ``pool``)."""
+        found = result.instances if result is not None else {}
+        node_tokens = {i.name: found[i.node_source].matched_tokens
+                       for i in self.config.instances if i.node_source and i.node_source in found}
+        out: dict[str, tuple[dict[str, int], int]] = {}
+        for inst in self.config.instances:
+            cached: dict[str, int] = {}
+            covered = 0
+            eng = found.get(inst.source) if inst.source else None
+            if eng is not None:
+                cached = dict(eng.tokens_by_medium)
+                covered = eng.matched_tokens
+            node = found.get(inst.node_source) if inst.node_source else None
+            if node is not None and node.matched_tokens > covered:
+                medium = next((m for m in _SLOWEST_FIRST if node.tokens_by_medium.get(m)), "CPU")
+                cached[medium] = cached.get(medium, 0) + node.matched_tokens - covered
+            remote = 0
+            if self.config.pool:
+                remote = max((n for name, n in node_tokens.items() if name != inst.name), default=0)
+            out[inst.name] = (cached, remote)
+        return out
+
+    def facts(self, now_s: float, cached: Mapping[str, tuple[dict[str, int], int]],
+              exclude: set[str] = frozenset()) -> list[Instance]:  # type: ignore[assignment]
+        return [Instance(name, s.healthy and name not in exclude, queue_s(list(s.pending.values()), now_s), s.model,
+                         cached.get(name, ({}, 0))[0], cached.get(name, ({}, 0))[1], s.in_flight)
+                for name, s in self.instances.items()]
+
+    # -- a request's life ---------------------------------------------------------------------------
+    def record(self, rid: int, now_s: float, prompt_tokens: int, decision: Decision,
+               cached: Mapping[str, tuple[dict[str, int], int]], policy: str) -> Record:
+        rec = Record(rid, now_s, policy, prompt_tokens, decision.choice, decision.reason,
+                     {n: {"ttft_s": e.ttft_s, "queue_s": e.queue_s, "service_s": e.service_s,
+                          "new_tokens": e.new_tokens, "loaded": dict(e.loaded)} for n, e in decision.estimates.items()},
+                     {n: {"cached": c, "remote_tokens": r} for n, (c, r) in cached.items()},
+                     status="sent" if decision.choice else ("rejected" if decision.rejected else "no_instance"))
+        self.decisions.append(rec)
+        return rec
+
+    def sent(self, rec: Record, now_s: float) -> None:
+        assert rec.choice is not None
+        s = self.instances[rec.choice]
+        s.in_flight += 1
+        s.pending[rec.id] = Pending(now_s, rec.estimates[rec.choice]["service_s"])
+
+    def first_token(self, rec: Record, now_s: float) -> float | None:
+        """The first token of ``rec`` came at ``now_s``: the pending entry ends and the instance's
+        model learns the service time. Returns the TTFT."""
+        assert rec.choice is not None
+        s = self.instances[rec.choice]
+        p = s.pending.pop(rec.id, None)
+        if p is None:
+            return None
+        est = rec.estimates[rec.choice]
+        s.model.observe(est["new_tokens"], est["loaded"], service_observed(p.sent_s, now_s, s.last_first_token_s))
+        s.last_first_token_s = now_s
+        rec.ttft_s = now_s - p.sent_s
+        return rec.ttft_s
+
+    def finished(self, rec: Record, status: str) -> None:
+        assert rec.choice is not None
+        s = self.instances[rec.choice]
+        s.pending.pop(rec.id, None)
+        s.in_flight = max(0, s.in_flight - 1)
+        rec.status = status
+
+    def failed_instance(self, name: str) -> None:
+        """A forward could not reach ``name``: out of the rotation until a health check passes."""
+        s = self.instances[name]
+        s.healthy = False
+        s.failures = max(s.failures, self.config.unhealthy_after)
+
+    def health(self, name: str, ok: bool) -> bool:
+        """One health check's outcome; returns whether the instance's health changed."""
+        s = self.instances[name]
+        s.checked += 1
+        before = s.healthy
+        if ok:
+            s.failures = 0
+            s.healthy = True
+        else:
+            s.failures += 1
+            if s.failures >= self.config.unhealthy_after:
+                s.healthy = False
+        return before != s.healthy
+
+    def status(self) -> dict[str, Any]:
+        return {"policy": self.config.policy, "slo_ttft_s": self.config.slo_ttft_s,
+                "leaves_rotation_within_s": self.config.leaves_rotation_within_s,
+                "instances": {n: {"url": s.config.url, "healthy": s.healthy, "failures": s.failures,
+                                  "in_flight": s.in_flight, "pending": len(s.pending), "checks": s.checked,
+                                  "model": s.model.coefficients(), "observations": s.model.observations}
+                              for n, s in self.instances.items()},
+                "decisions": len(self.decisions)}
