@@ -86,3 +86,21 @@ def test_default_scheme_fast_path_hashes_what_the_per_chunk_chain_hashes(
     fast = chunk_hashes(given_tokens, chunk_tokens, extra_keys=extra, parent=parent)
     chained = chunk_hashes(given_tokens, chunk_tokens, extra_keys=extra, parent=parent, chunk_extra_keys=[None] * n)
     assert fast == chained and len(fast) == n
+
+
+def test_chunk_hashes_are_the_documented_chain_and_do_not_change() -> None:
+    """Each chunk's hash is xxh3-128 over its parent's hash text (a zero byte for the first), the
+    chunk's token ids as little-endian int64 and the extra-key bytes: computed here independently,
+    and pinned, since every store written so far is keyed by it."""
+    import xxhash
+
+    tokens = list(range(1000, 1048))
+    want, prev = [], b"\x00"
+    for i in range(3):
+        h = xxhash.xxh3_128(prev)
+        h.update(np.asarray(tokens[i * 16:(i + 1) * 16], dtype="<i8").tobytes())
+        want.append(h.hexdigest())
+        prev = want[-1].encode()
+    got = chunk_hashes(tokens, 16)
+    assert got == want == chunk_hashes(np.asarray(tokens, dtype=np.int32), 16)
+    assert got[0] == "5d33867ff132488e33e7e043f9b2270e"
