@@ -160,6 +160,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # at a cache reset or a failed load, through vLLM's own KV-event publisher; inert unless vLLM
     # runs with --kv-events-config (docs/ROUTING.md).
     kv_events: bool = False
+    # vLLM only: which leading chunks of a hit are loaded. "cost": those whose tier loads a token
+    # faster than the engine computes one, both measured (vllm_plugin.load_costs; every chunk
+    # until measured); "always": every chunk found.
+    load_policy: str = "cost"
     # Disaggregated prefill: how long a decode instance waits for the prefill instance's chunks.
     remote_prefill_wait_s: float = 30.0
     # On shutdown, wait until saved objects reached the SSD tier (so another process can open them).
@@ -176,6 +180,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"io_workers: must be > 0, got {self.io_workers}")
         if self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes: must be > 0, got {self.staging_bytes}")
+        one_of("load_policy", self.load_policy, ("cost", "always"))
         for name in ("lookup_wait_s", "lease_ttl_s", "load_timeout_s", "remote_prefill_wait_s", "flush_timeout_s"):
             if not math.isfinite(getattr(self, name)):  # the loader refuses these too; a Struct built directly
                 raise ValueError(f"{name}: must be a finite number of seconds, got {getattr(self, name)}")

@@ -19,6 +19,7 @@ class ChunkLoad:
     chunk_hash: str
     block_ids: list[int]
     first_block: int = 0  # leading blocks of the chunk the engine already holds are not written
+    tier: str = ""  # the store tier it was pinned in (for the load timings); "": not known
 
 
 @dataclass
@@ -89,6 +90,15 @@ class ResidencyReport:
 
 
 @dataclass
+class LoadTiming:
+    """One load job of a rank: the tokens it read per store tier, and how long until they were
+    ready (for ``load_policy: cost``, vllm_plugin.load_costs)."""
+
+    tokens_by_tier: dict[str, int]
+    seconds: float
+
+
+@dataclass
 class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after each step (worker -> scheduler).
 
@@ -98,16 +108,19 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     ``steps``: the step this report closes (its loads' outcomes are in that output's
     ``invalid_block_ids``); ``saves``: saves that finished on a rank since its last report;
     ``residency``: what the ranks' stores did to saved chunks since (with ``kv_events``), and
-    ``residency_gaps`` the ranks that could not tell all of it.
+    ``residency_gaps`` the ranks that could not tell all of it; ``load_timings``: the ranks' load
+    jobs that became ready since.
     """
 
     steps: list[int] = field(default_factory=list)
     saves: list[SaveReport] = field(default_factory=list)
     residency: list[ResidencyReport] = field(default_factory=list)
     residency_gaps: list[int] = field(default_factory=list)
+    load_timings: list[LoadTiming] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TieredWorkerMetadata:
         assert isinstance(other, TieredWorkerMetadata)
         return TieredWorkerMetadata(steps=sorted(set(self.steps) | set(other.steps)),
                                     saves=self.saves + other.saves, residency=self.residency + other.residency,
-                                    residency_gaps=self.residency_gaps + other.residency_gaps)
+                                    residency_gaps=self.residency_gaps + other.residency_gaps,
+                                    load_timings=self.load_timings + other.load_timings)

@@ -65,6 +65,7 @@ from vllm_plugin.metadata import (ChunkLoad, ChunkSave, RequestPlan, SaveReport,
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
 from vllm_plugin.kv_events import ConnectorEvents
+from vllm_plugin.load_costs import LoadCosts
 from vllm_plugin.tracked import TrackedRequest
 from vllm_plugin.save_ledger import LedgerEvents, SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
@@ -149,7 +150,11 @@ class SchedulerSide:
         self._stats_source = StatsSource("scheduler")
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
-                         "hits_capped_staging": 0, "save_chunks_replanned_shared": 0}
+                         "hits_capped_staging": 0, "save_chunks_replanned_shared": 0, "hits_cut_cost": 0,
+                         "chunks_recomputed_cost": 0}
+        # load_policy "cost": the measured speeds that decide load or recompute; step -> (start, tokens).
+        self.load_costs = LoadCosts()
+        self._step_started: dict[int, tuple[float, int]] = {}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the lookup thread (bounded: a lookup still running past ``timeout_s`` is logged by
@@ -295,6 +300,14 @@ class SchedulerSide:
                 hit = local_chunks + self.staging_chunks
                 self.counters["hits_capped_staging"] += 1
         hit = self._pin_hit(t, local_chunks, hit)
+        if self.cfg.load_policy == "cost" and hit > local_chunks:
+            keep = self.load_costs.loadable(t.pin_tiers[:hit - local_chunks])
+            if local_chunks + keep < hit:
+                # The rest is recomputed: loading it is measured slower (its pins expire by their lease).
+                self.counters["hits_cut_cost"] += 1
+                self.counters["chunks_recomputed_cost"] += hit - local_chunks - keep
+                hit = local_chunks + keep
+                t.pin_tiers = t.pin_tiers[:keep]
         t.hit_chunks = hit
         t.local_tokens = num_computed_tokens
         return max(0, hit * self.chunk_tokens - num_computed_tokens), False
@@ -360,6 +373,8 @@ class SchedulerSide:
         else:
             tiers = self.lookups.pin_tiers(self.object_keys([ld.chunk_hash for ld in loads]), ttl_s=self.cfg.lease_ttl_s)
         t.pin_tiers = []  # the worker's load releases these pins; a later hit pins again
+        for ld, tier in zip(loads, tiers):
+            ld.tier = tier or ""
         sources: dict[CacheHitSource, int] = {}
         for c, tier in zip(range(start // self.chunk_tokens, end // self.chunk_tokens), tiers):
             if self.events is not None:
@@ -376,6 +391,9 @@ class SchedulerSide:
         self._step_load_chunks = 0  # the next step's load budget starts empty
         meta = TieredConnectorMetadata(step=step)
         scheduled = scheduler_output.num_scheduled_tokens
+        # A step that loads waits for its loads: it says nothing of the compute speed (tokens 0).
+        loading = any(t.plan_loads for t in self._reqs.values())
+        self._step_started[step] = (time.monotonic(), 0 if loading else sum(scheduled.values()))
         planned: list[tuple[TrackedRequest, str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
@@ -460,6 +478,16 @@ class SchedulerSide:
         steps = worker_meta.steps if isinstance(worker_meta, TieredWorkerMetadata) else []
         reports = worker_meta.saves if isinstance(worker_meta, TieredWorkerMetadata) else []
         invalid = set(output.invalid_block_ids or ())
+        now = time.monotonic()
+        for s in steps:  # the engine's compute speed, and its ranks' load speeds (load_policy)
+            started = self._step_started.pop(s, None)
+            if started is not None:
+                self.load_costs.observe_step(started[1], now - started[0])
+        if len(self._step_started) > 1024:  # steps whose output never named them (none expected)
+            for s in sorted(self._step_started)[:-1024]:
+                del self._step_started[s]
+        for timing in worker_meta.load_timings if isinstance(worker_meta, TieredWorkerMetadata) else ():
+            self.load_costs.observe_load(timing.tokens_by_tier, timing.seconds)
         events = self.ledger.on_output(steps, invalid, reports)
         if invalid:
             # A chunk that failed to load is gone from the store (the worker removed a damaged
@@ -591,4 +619,4 @@ class SchedulerSide:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),
                 "saves_unsettled": self.ledger.unsettled_count, "finishing_requests": len(self._finishing),
-                "lookup_failures": self.lookups.failures}
+                "lookup_failures": self.lookups.failures, "load_costs": self.load_costs.stats()}

@@ -81,7 +81,7 @@ from store_backend.store import StoreClosedError
 from store_backend.types import Status
 from vllm_plugin.device import DeviceCopies
 from vllm_plugin.loader import LayerLoader, LoadChunk, LoadJob
-from vllm_plugin.metadata import ChunkLoad, TieredConnectorMetadata, TieredWorkerMetadata
+from vllm_plugin.metadata import ChunkLoad, LoadTiming, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, kv_layer_names, paged_layers, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
 from vllm_plugin.sizing import staging_bytes, staging_shortfall
@@ -98,6 +98,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+# Load jobs kept for one report to the scheduler (load_policy); more in one step are not timed.
+MAX_LOAD_TIMINGS = 64
 
 class WorkerSide:
     loads: LoadPipeline  # chosen by _choose_pipelines (the store is known, or a GPU is attached)
@@ -151,6 +154,7 @@ class WorkerSide:
         self._saves: list[SaveJob] | None = None
         self._saved_layers: set[int] = set()
         self._load_errors: set[int] = set()
+        self._load_timings: list[LoadTiming] = []  # load jobs ready since the last report
         # Across steps: saves held in staging for the scheduler's decision, outcomes not yet
         # reported, the step the next report closes, requests released to vLLM.
         self.rank = self.position.pp_rank * self.position.tp_size + self.position.tp_rank
@@ -383,6 +387,7 @@ class WorkerSide:
                 c.ok = False
                 self._fail_load(c.req_id, c.plan)
             return
+        self._note_load_timing(job)
         damaged: list[str] = []
         failed: Counter[str] = Counter()
         for c in job.chunks:
@@ -395,6 +400,17 @@ class WorkerSide:
         log_failed_loads(failed, len(job.chunks))
         if damaged:
             remove_damaged(self, damaged)
+
+    def _note_load_timing(self, job: LoadJob) -> None:
+        """The job's read time and tokens per tier, for the scheduler's load_policy (bounded)."""
+        if job.t_ready is None or len(self._load_timings) >= MAX_LOAD_TIMINGS:
+            return
+        by_tier: Counter[str] = Counter()
+        for c in job.chunks:
+            if c.ok and c.plan.tier:
+                by_tier[c.plan.tier] += self.cfg.chunk_tokens
+        if by_tier:
+            self._load_timings.append(LoadTiming(dict(by_tier), job.t_ready - job.t_submit))
 
     def wait_for_layer_load(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: wait until that layer (only) of every usable
@@ -573,7 +589,9 @@ class WorkerSide:
         reports = self.reports.take()
         steps = [] if self._report_step is None else [self._report_step]
         self._report_step = None
-        return TieredWorkerMetadata(steps=steps, saves=reports, **self.residency.report(self.rank))
+        timings, self._load_timings = self._load_timings, []
+        return TieredWorkerMetadata(steps=steps, saves=reports, load_timings=timings,
+                                    **self.residency.report(self.rank))
 
     def take_released(self) -> set[str]:
         released, self._released = self._released, set()

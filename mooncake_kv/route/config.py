@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from mooncake_kv.route.costs import Prior
+from mooncake_connector.costs import Prior
 from mooncake_kv.route.decide import POLICIES
 from store_backend.config import ConfigError, config_from_dict
 from store_backend.config_loader import read_file

@@ -2,7 +2,7 @@
 
 Per instance the router gathers :class:`Instance` facts for one request (its health, the queue
 time of what it has in flight, how much of the prompt it holds by medium, how much another node of
-the pool holds, its :class:`~mooncake_kv.route.costs.CostModel`); :func:`decide` applies a
+the pool holds, its :class:`~mooncake_connector.costs.CostModel`); :func:`decide` applies a
 policy:
 
 - ``round_robin``: the healthy instances in turn (``turn`` counts the requests routed so far);
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mooncake_kv.route.costs import CostModel
+from mooncake_connector.costs import CostModel
 
 POLICIES = ("round_robin", "least_loaded", "cache_local", "conductor")
 MEDIA_ORDER = ("GPU", "CPU", "STORAGE")  # fastest first

@@ -41,7 +41,7 @@ from importlib import resources
 from pathlib import Path
 
 from mooncake_kv.replay.trace import Request
-from mooncake_kv.route.costs import CostModel, Pending, Prior, queue_s, service_observed
+from mooncake_connector.costs import CostModel, Pending, Prior, queue_s, service_observed
 from mooncake_kv.route.decide import Decision, Instance, decide
 
 SIM_POLICIES = ("random", "round_robin", "least_loaded", "cache_local", "conductor")

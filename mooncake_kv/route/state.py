@@ -13,7 +13,7 @@ from typing import Any
 
 from mooncake_kv.index.service import QueryResult
 from mooncake_kv.route.config import InstanceConfig, RouterConfig
-from mooncake_kv.route.costs import CostModel, Pending, queue_s, service_observed
+from mooncake_connector.costs import CostModel, Pending, queue_s, service_observed
 from mooncake_kv.route.decide import Decision, Instance
 
 _SLOWEST_FIRST = ("STORAGE", "CPU")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mooncake_kv.route.costs import CostModel, Pending, Prior, queue_s
+from mooncake_connector.costs import CostModel, Pending, Prior, queue_s
 from mooncake_kv.route.decide import Instance, decide, estimate, loaded_tokens
 
 # A prior where computing a token costs 1 ms and loading one from CPU 0.1 ms, from remote 0.5 ms.

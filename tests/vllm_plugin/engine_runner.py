@@ -5,7 +5,8 @@ empty local cache, as in production. Usage::
 
     python tests/vllm_plugin/engine_runner.py SPEC.json
 
-SPEC: ``model_dir``; ``connector`` (null for a no-connector baseline, else ``extra`` (the
+SPEC: ``model_dir``; ``slow_ssd_s`` (fault injection: each read of the SSD tier sleeps first);
+``connector`` (null for a no-connector baseline, else ``extra`` (the
 kv_connector_extra_config), ``role``, ``by_name`` (load by registered name only),
 ``failure_policy``); ``engine`` (extra ``LLM`` arguments; ``kv_events_config`` as a dict, as
 ``--kv-events-config`` takes it); ``rounds``: a list of
@@ -55,6 +56,17 @@ def main(spec_path: str) -> int:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+    if spec.get("slow_ssd_s"):  # fault injection: every read from the SSD tier takes this much longer
+        from store_backend.tiers.ssd import SsdTier
+
+        slow = float(spec["slow_ssd_s"])
+        real_get_into = SsdTier.get_into
+
+        def get_into(self, keys, buffers):  # noqa: ANN001, ANN202
+            time.sleep(slow)
+            return real_get_into(self, keys, buffers)
+
+        SsdTier.get_into = get_into
     t0 = time.monotonic()
     llm = LLM(model=spec["model_dir"], skip_tokenizer_init=True, seed=0,
               enforce_eager=True, **{"block_size": 32, "max_model_len": 4096, "dtype": "float32", **kwargs})

@@ -3,7 +3,9 @@ connector (its own embedded store, ``kv_events``) and vLLM's KV event publisher,
 index subscribes to. Checked through the router's recorded decisions and reasons, not timings:
 
 1. a prompt whose prefix one instance holds goes there (``local_hit``), and its tokens equal a
-   no-connector engine's;
+   no-connector engine's; chat messages and text are tokenized by the engine's ``/tokenize`` (the
+   model has a small real tokenizer and chat template), counted as the engine counts them, and a
+   repeated conversation goes to its holder;
 2. under a burst of such prompts, the holder's queue grows until the other instance is cheaper:
    some go there (``load``), with the holder's queue estimate recorded above zero;
 3. a client that goes away mid-stream aborts its upstream request (the engine stops running it);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +37,7 @@ import pytest
 from tests.ports import free_ports
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
 from tests.vllm_plugin.disagg_cluster import stop, wait_healthy
+from tests.vllm_plugin.tiny_model import write_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,6 +46,10 @@ FOLLOW = P1 + prompt(52, 100)
 BURST = [P1 + prompt(60 + i, 40) for i in range(8)]
 MAX_TOKENS = 8
 WAIT_S = 60.0
+WORDS = " ".join(f"w{6 + t}" for t in prompt(90, 500))  # words of the test tokenizer (tiny_model.write_tokenizer)
+CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "w6 w7 w8"}, {"role": "user", "content": WORDS}],
+        "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+TEXT = " ".join(f"w{6 + t}" for t in prompt(91, 120))
 
 
 def _server(model: Path, port: int, events: int, replay: int, ssd: Path, log: Path) -> subprocess.Popen:
@@ -51,7 +59,7 @@ def _server(model: Path, port: int, events: int, replay: int, ssd: Path, log: Pa
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",  # *: vLLM binds
           "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
+           "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
            "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", json.dumps(ktc),
            "--kv-events-config", json.dumps(ev)]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT,
@@ -112,9 +120,12 @@ def _running(port: int) -> float:
 @pytest.fixture(scope="module")
 def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("route")
+    # The tiny model with a small real tokenizer and chat template, so text and chat go through
+    # the engines' own /tokenize.
+    model = write_tokenizer(Path(shutil.copytree(tiny_model, work / "model")))
     ports = free_ports("a", "b", "a_events", "b_events", "a_replay", "b_replay", "router", "strict")
     logs = {n: work / f"{n}.log" for n in ("a", "b", "router", "strict")}
-    servers = {n: _server(tiny_model, ports[n], ports[f"{n}_events"], ports[f"{n}_replay"], work / f"ssd-{n}", logs[n])
+    servers = {n: _server(model, ports[n], ports[f"{n}_events"], ports[f"{n}_replay"], work / f"ssd-{n}", logs[n])
                for n in ("a", "b")}
     procs = list(servers.values())
     out: dict[str, Any] = {"ports": ports}
@@ -136,8 +147,22 @@ def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         out["follow"] = _complete(rp, FOLLOW)
         out["follow_decision"] = _get(rp, "/router/decisions")[-1]
 
+        # 1b. Chat messages and text, tokenized by the engine's /tokenize as the engine will: the
+        # decision counts the engine's prompt tokens, and the same conversation again goes where
+        # the first one left its blocks.
+        gpu_before = {n: v["blocks"].get("GPU", 0) for n, v in _get(rp, "/router/status")["index"]["sources"].items()}
+        out["chat"] = [_post(rp, CHAT, "/v1/chat/completions")]
+        out["chat_decisions"] = [_get(rp, "/router/decisions")[-1]]
+        chat_holder = out["chat_decisions"][0]["choice"]
+        _wait(lambda: _get(rp, "/router/status")["index"]["sources"][chat_holder]["blocks"].get("GPU", 0)
+              > gpu_before[chat_holder], "the index to hold the chat's blocks", all_logs)
+        out["chat"].append(_post(rp, CHAT, "/v1/chat/completions"))
+        out["chat_decisions"].append(_get(rp, "/router/decisions")[-1])
+        out["text"] = _post(rp, {"model": "tiny", "prompt": TEXT, "max_tokens": 4, "temperature": 0.0})
+        out["text_decision"] = _get(rp, "/router/decisions")[-1]
+
         # 2. A burst of prompts with the same prefix, all at once.
-        seen = out["follow_decision"]["id"]
+        seen = _get(rp, "/router/decisions")[-1]["id"]
         with ThreadPoolExecutor(len(BURST)) as pool:
             out["burst"] = list(pool.map(lambda p: _complete(rp, p, 32), BURST))
         out["burst_decisions"] = _get(rp, f"/router/decisions?since={seen}")
@@ -254,3 +279,15 @@ def test_status_names_the_instance_out_of_rotation(scenario: dict[str, Any]) -> 
     status = json.loads(got.stdout.splitlines()[-1])
     assert status["instances"][scenario["victim"]]["healthy"] is False
     assert status["decisions_by_reason"]["conductor/local_hit"] >= 2
+
+
+def test_chat_and_text_are_tokenized_as_the_engine_does_and_a_repeated_chat_finds_its_holder(
+        scenario: dict[str, Any]) -> None:
+    (s1, chat1, _h1), (s2, chat2, _h2) = scenario["chat"]
+    d1, d2 = scenario["chat_decisions"]
+    assert (s1, s2) == (200, 200)
+    assert d1["prompt_tokens"] == chat1["usage"]["prompt_tokens"] == 3 + 500 + 3 + 2  # words, role markers, </s>s
+    assert (d2["choice"], d2["reason"]) == (d1["choice"], "local_hit"), d2
+    assert chat2["choices"][0]["message"]["content"] == chat1["choices"][0]["message"]["content"]
+    status, text, _h = scenario["text"]
+    assert status == 200 and scenario["text_decision"]["prompt_tokens"] == text["usage"]["prompt_tokens"] == 121

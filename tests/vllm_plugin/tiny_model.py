@@ -52,3 +52,30 @@ def write_tiny_llama(path: Path, *, num_layers: int = 2, hidden: int = 256, head
         }
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def write_tokenizer(path: Path, vocab: int = 1024) -> Path:
+    """A small real tokenizer beside a tiny model in ``path``: a ``tokenizers`` word-level model
+    over the words ``w3``..``w<vocab-1>`` (id = the number), ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, the
+    role markers ``<|user|>``, ``<|assistant|>``, ``<|system|>`` (ids 3-5, in place of w3-w5), split
+    on whitespace, a BOS prepended; and a chat template in ``tokenizer_config.json``. vLLM and
+    transformers load it as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|user|>": 3, "<|assistant|>": 4, "<|system|>": 5}
+    words.update({f"w{i}": i for i in range(6, vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "model_max_length": 4096, "chat_template": CHAT_TEMPLATE,
+              "added_tokens_decoder": {str(i): {"content": w, "special": True, "lstrip": False, "rstrip": False,
+                                                "normalized": False, "single_word": False}
+                                       for w, i in words.items() if i < 6}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -1,4 +1,6 @@
-"""What a request costs on an instance, learned from what the router observes. Pure.
+"""What a request costs on an instance, learned from what is observed. Pure. The router fits one per
+instance (``mooncake_kv.route``); the vLLM connector fits its own loads and steps with it
+(``vllm_plugin.load_costs``).
 
 One :class:`CostModel` per instance predicts the time from sending a request to its first token
 when nothing is queued ahead of it (the instance's *service time*):
