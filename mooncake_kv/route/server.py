@@ -123,10 +123,18 @@ class Router:
     async def check_health(self) -> None:
         async def one(name: str, url: str) -> tuple[str, bool]:
             assert self._session is not None
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
             try:
-                async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(
-                        total=self.config.health_timeout_s)) as r:
-                    return name, r.status == 200
+                async with self._session.get(url + "/health", timeout=timeout) as r:
+                    if r.status != 200:
+                        return name, False
+                # The engine's own count of waiting requests (its queue, other clients' included).
+                async with self._session.get(url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        waiting = _waiting(await r.text())
+                        if waiting is not None:
+                            self.state.engine_load(name, waiting)
+                return name, True
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 return name, False
 
@@ -318,6 +326,19 @@ class Router:
             est = rec.estimates[rec.choice]["ttft_s"]
             if ttft > 0:
                 self.metrics.estimate_ratio.observe(est / ttft)
+
+
+def _waiting(metrics: str) -> int | None:
+    """The sum of ``vllm:num_requests_waiting`` in a Prometheus text page (None: not there)."""
+    total, seen = 0.0, False
+    for line in metrics.splitlines():
+        if line.startswith("vllm:num_requests_waiting"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return int(total) if seen else None
 
 
 class _Unreachable(Exception):

@@ -29,6 +29,8 @@ class InstanceState:
     pending: dict[int, Pending] = field(default_factory=dict)
     last_first_token_s: float = 0.0
     checked: int = 0
+    engine_waiting: int = 0  # requests waiting in the engine, from its /metrics (other clients' too)
+    mean_service_s: float = 0.0  # of the requests sent there (decayed), for waiting ones not ours
 
 
 @dataclass
@@ -90,9 +92,18 @@ class RouterState:
 
     def facts(self, now_s: float, cached: Mapping[str, tuple[dict[str, int], int]],
               exclude: set[str] = frozenset()) -> list[Instance]:  # type: ignore[assignment]
-        return [Instance(name, s.healthy and name not in exclude, queue_s(list(s.pending.values()), now_s), s.model,
+        return [Instance(name, s.healthy and name not in exclude, self.queue_of(s, now_s), s.model,
                          cached.get(name, ({}, 0))[0], cached.get(name, ({}, 0))[1], s.in_flight)
                 for name, s in self.instances.items()]
+
+    @staticmethod
+    def queue_of(s: InstanceState, now_s: float) -> float:
+        """The queue time of what the router sent there and has no first token of, checked against
+        the engine's own count of waiting requests: those beyond the router's (another client's)
+        count at the mean service time of the router's requests there."""
+        ours = queue_s(list(s.pending.values()), now_s)
+        foreign = max(0, s.engine_waiting - len(s.pending))
+        return ours + foreign * s.mean_service_s
 
     # -- a request's life ---------------------------------------------------------------------------
     def record(self, rid: int, now_s: float, prompt_tokens: int, decision: Decision,
@@ -109,7 +120,9 @@ class RouterState:
         assert rec.choice is not None
         s = self.instances[rec.choice]
         s.in_flight += 1
-        s.pending[rec.id] = Pending(now_s, rec.estimates[rec.choice]["service_s"])
+        service = rec.estimates[rec.choice]["service_s"]
+        s.pending[rec.id] = Pending(now_s, service)
+        s.mean_service_s = service if s.mean_service_s == 0 else 0.9 * s.mean_service_s + 0.1 * service
 
     def first_token(self, rec: Record, now_s: float) -> float | None:
         """The first token of ``rec`` came at ``now_s``: the pending entry ends and the instance's
@@ -152,11 +165,16 @@ class RouterState:
                 s.healthy = False
         return before != s.healthy
 
+    def engine_load(self, name: str, waiting: int) -> None:
+        """The engine's ``vllm:num_requests_waiting`` (from its /metrics)."""
+        self.instances[name].engine_waiting = waiting
+
     def status(self) -> dict[str, Any]:
         return {"policy": self.config.policy, "slo_ttft_s": self.config.slo_ttft_s,
                 "leaves_rotation_within_s": self.config.leaves_rotation_within_s,
                 "instances": {n: {"url": s.config.url, "healthy": s.healthy, "failures": s.failures,
                                   "in_flight": s.in_flight, "pending": len(s.pending), "checks": s.checked,
+                                  "engine_waiting": s.engine_waiting,
                                   "model": s.model.coefficients(), "observations": s.model.observations}
                               for n, s in self.instances.items()},
                 "decisions": len(self.decisions)}
