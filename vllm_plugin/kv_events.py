@@ -32,8 +32,10 @@ router never holds more than the store might.
 A chunk this engine did not save (another engine's, an earlier run's) is announced when this
 engine plans to load it (``found``), described from its own request. With a node service, the
 workers follow what the service does after a save through its own event stream (when its config
-has an ``events`` section; ``store_backend.events.follow``). Not announced: chunks only another
-node of the pool holds.
+has an ``events`` section; ``store_backend.events.follow``). A chunk this engine loads from
+another node of the pool is announced in ``CPU`` with ``locality`` ``REMOTE`` until its ranks keep
+a local copy (then ``CPU`` ``LOCAL``, and the remote one withdrawn); whether that node still holds
+it later is that node's own stream's to say (this engine is not told when it drops it).
 Scheduler thread only.
 """
 
@@ -50,6 +52,10 @@ from vllm.v1.request import Request
 from vllm_plugin.worker_residency import DRAM_IN, DRAM_OUT, GONE, SSD_IN, SSD_OUT
 
 LOCAL = "LOCAL"
+REMOTE = "REMOTE"
+# A chunk this engine reaches only over the pool is announced in CPU with locality REMOTE; kept in
+# a chunk's media under this name.
+REMOTE_CPU = "CPU@REMOTE"
 # Each chunk keeps its event, encoded (token ids included), to announce it in another medium: about
 # 3.4 KiB per chunk of 256 tokens in 16-token blocks (measured), about 220 MiB at this bound.
 DEFAULT_MAX_ANNOUNCED = 1 << 16
@@ -72,6 +78,7 @@ class _Chunk:
     dram_out: set[int] = field(default_factory=set)  # ranks whose store has no DRAM copy known
     saves: set[int] = field(default_factory=set)  # save ids planned and not settled
     landed: bool = False  # stored on every rank once (announced, or announceable)
+    remote: bool = False  # found on another node of the pool (reachable over it)
 
 
 class ConnectorEvents:
@@ -137,16 +144,20 @@ class ConnectorEvents:
         """A load of ``request``'s chunk ``chunk`` was planned, ``tier`` the slowest tier holding it
         over the ranks (a chunk another engine or an earlier run stored): announce it, described
         from this request, unless it is known already: ``CPU`` when every rank has it in DRAM,
-        ``STORAGE`` when some rank has it on SSD only (it loads at SSD speed at worst). A chunk
-        only another node holds (``"pool"``) or of no known tier is not announced."""
-        if tier not in ("dram", "ssd") or chunk_hash in self._chunks:
+        ``STORAGE`` when some rank has it on SSD only (it loads at SSD speed at worst), ``CPU``
+        with locality ``REMOTE`` when another node of the pool holds it (``"pool"``), until every
+        rank keeps a local copy (the store keeps what the pool served: then ``CPU``, and the
+        remote one is withdrawn). A chunk of no known tier is not announced."""
+        if tier not in ("dram", "ssd", "pool") or chunk_hash in self._chunks:
             return
         c = self._describe(request, chunk)
         if c is None:
             return
-        if tier == "ssd":  # some rank has no DRAM copy: CPU waits for every rank's promotion
-            c.ssd_ranks = set(range(self.num_ranks))
+        if tier in ("ssd", "pool"):  # some rank has no DRAM copy: CPU waits for every rank's
             c.dram_out = set(range(self.num_ranks))
+        if tier == "ssd":
+            c.ssd_ranks = set(range(self.num_ranks))
+        c.remote = tier == "pool"
         c.landed = True
         self._chunks[chunk_hash] = c
         self._bound()
@@ -160,6 +171,7 @@ class ConnectorEvents:
             if c is not None:
                 self._withdraw(c, set(c.media))
                 c.landed = False
+                c.remote = False
                 c.dram_out = set(range(self.num_ranks))
                 c.ssd_ranks.clear()
                 if not c.saves:
@@ -236,15 +248,25 @@ class ConnectorEvents:
             want.add(MEDIUM_CPU)
         if c.landed and len(c.ssd_ranks) >= self.num_ranks:
             want.add(MEDIUM_STORAGE)
+        if c.landed and c.remote and not want:
+            want.add(REMOTE_CPU)
         self._withdraw(c, c.media - want)
         for medium in sorted(want - c.media):
             c.media.add(medium)
-            self._out.append(msgspec.structs.replace(_decode(c.event), medium=medium))
+            if medium == REMOTE_CPU:
+                self._out.append(msgspec.structs.replace(_decode(c.event), medium=MEDIUM_CPU, locality=REMOTE))
+            else:
+                self._out.append(msgspec.structs.replace(_decode(c.event), medium=medium))
 
     def _withdraw(self, c: _Chunk, media: set[str]) -> None:
         for medium in sorted(media & c.media):
             c.media.discard(medium)
-            self._out.append(BlockRemoved(block_hashes=list(c.hashes), medium=medium, group_idx=0, locality=LOCAL))
+            if medium == REMOTE_CPU:
+                self._out.append(BlockRemoved(block_hashes=list(c.hashes), medium=MEDIUM_CPU, group_idx=0,
+                                              locality=REMOTE))
+            else:
+                self._out.append(BlockRemoved(block_hashes=list(c.hashes), medium=medium, group_idx=0,
+                                              locality=LOCAL))
 
     def _drop_all(self) -> None:
         for c in self._chunks.values():

@@ -19,10 +19,10 @@ import msgspec
 import zmq
 
 from mooncake_connector.keys import as_int64, chunk_hashes, hash_scheme_names, object_key
-from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch
+from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch, medium_of
 from mooncake_kv.index.tokens import TokenKeys, prompt_keys
 from store_backend.events.subscriber import SourceConfig, Subscriber
-from store_backend.events.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from store_backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -139,11 +139,11 @@ class KVIndex:
                             self._digests.add(digest.decode(errors="replace"))
                 keys = tokens.stored(source, event)
                 if keys:
-                    state.add(source, event.medium or MEDIUM_GPU, keys)
+                    state.add(source, medium_of(event), keys)
             elif isinstance(event, BlockRemoved):
                 keys = tokens.lookup(source, event.block_hashes)
                 if keys:
-                    state.remove(source, event.medium or MEDIUM_GPU, keys)
+                    state.remove(source, medium_of(event), keys)
                     tokens.forget_hashes(source, event.block_hashes, held)
             elif isinstance(event, AllBlocksCleared):
                 tokens.forget(source, held)

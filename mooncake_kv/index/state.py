@@ -5,7 +5,7 @@ service's ``events`` endpoint), named by whoever subscribes to it. A block is na
 the events carry it: vLLM's block hashes (64-bit ints by default) for the GPU, and for the store's
 tiers the object key as bytes (``<fingerprint digest>/<chunk hash>``, see
 ``store_backend.events.translate``). Each (source, block) is held in a set of media (``GPU``,
-``CPU``, ``STORAGE``); ``BlockStored`` adds one, ``BlockRemoved`` takes one away,
+``CPU``, ``STORAGE``, and ``REMOTE`` for an event of locality ``REMOTE``); ``BlockStored`` adds one, ``BlockRemoved`` takes one away,
 ``AllBlocksCleared`` empties the source's ``GPU`` medium (what vLLM means by it: its prefix cache
 was reset).
 
@@ -23,8 +23,19 @@ from store_backend.events.wire import (MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, A
 
 BlockHash = bytes | int
 
+# An event with locality REMOTE (a block its source reaches only over the pool) is held under this
+# medium, whatever its own.
+MEDIUM_REMOTE = "REMOTE"
 # The order a router prefers a medium in: the fastest first. A medium not named here ranks last.
-MEDIUM_RANK = {MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
+MEDIUM_RANK = {MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, MEDIUM_REMOTE: 3}
+
+
+def medium_of(event: BlockStored | BlockRemoved) -> str:
+    """The medium the index holds ``event``'s blocks in: ``REMOTE`` for locality REMOTE, else
+    its medium (``GPU`` when it names none)."""
+    if getattr(event, "locality", None) == "REMOTE":
+        return MEDIUM_REMOTE
+    return event.medium or MEDIUM_GPU
 
 
 def _fastest(media: set[str]) -> str:
@@ -61,9 +72,9 @@ class IndexState:
     def apply_event(self, source: str, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         self.events_applied += 1
         if isinstance(event, BlockStored):
-            self._add(source, event.medium or MEDIUM_GPU, event.block_hashes)
+            self._add(source, medium_of(event), event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            self._remove(source, event.medium or MEDIUM_GPU, event.block_hashes)
+            self._remove(source, medium_of(event), event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             self.clear(source, MEDIUM_GPU)
 

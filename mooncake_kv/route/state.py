@@ -77,16 +77,20 @@ class RouterState:
             cached: dict[str, int] = {}
             covered = 0
             eng = found.get(inst.source) if inst.source else None
+            remote_own = 0
             if eng is not None:
                 cached = dict(eng.tokens_by_medium)
                 covered = eng.matched_tokens
+                if cached.pop("REMOTE", 0):  # what it reaches only over the pool counts as remote
+                    remote_own = covered
+                    covered = sum(cached.values())
             node = found.get(inst.node_source) if inst.node_source else None
             if node is not None and node.matched_tokens > covered:
                 medium = next((m for m in _SLOWEST_FIRST if node.tokens_by_medium.get(m)), "CPU")
                 cached[medium] = cached.get(medium, 0) + node.matched_tokens - covered
-            remote = 0
+            remote = remote_own
             if self.config.pool:
-                remote = max((n for name, n in node_tokens.items() if name != inst.name), default=0)
+                remote = max([remote, *(n for name, n in node_tokens.items() if name != inst.name)])
             out[inst.name] = (cached, remote)
         return out
 

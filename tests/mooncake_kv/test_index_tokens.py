@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,5 +100,22 @@ def test_events_cut_anywhere_key_the_blocks_as_the_prompt_does(prompt: list[int]
         got = index.query_tokens(prompt, lora_name=lora).instances["e"]
         assert got.matched_tokens == n * BS and got.tokens_by_medium == {"GPU": n * BS}
         assert len(prompt_keys(prompt, BS, lora)) == n
+    finally:
+        index.close()
+
+
+def test_blocks_of_locality_remote_are_held_as_remote() -> None:
+    """A connector's chunk reachable only over the pool (locality REMOTE) is held under REMOTE,
+    ranked after the local media; its removal of the same locality takes it away."""
+    prompt = list(range(100, 100 + 4 * BS))
+    hashes = [1, 2, 3, 4]
+    index = _index()
+    try:
+        remote = msgspec.structs.replace(_blocks(prompt, 2, 2, hashes, "CPU"), locality="REMOTE")
+        index.apply("e", _batch(_blocks(prompt, 0, 2, hashes), remote))
+        got = index.query_tokens(prompt).instances["e"]
+        assert got.tokens_by_medium == {"GPU": 2 * BS, "REMOTE": 2 * BS}
+        index.apply("e", _batch(BlockRemoved(block_hashes=hashes[2:], medium="CPU", locality="REMOTE")))
+        assert index.query_tokens(prompt).instances["e"].tokens_by_medium == {"GPU": 2 * BS}
     finally:
         index.close()

@@ -48,3 +48,9 @@ def test_queue_counts_the_engines_waiting_requests_beyond_the_routers() -> None:
     assert state.first_token(rec, 12.5) == pytest.approx(2.5) and a.model.observations == 1
     state.finished(rec, "done")
     assert (a.in_flight, len(a.pending), rec.status) == (0, 0, "done")
+
+
+def test_an_engines_remote_blocks_count_as_remote() -> None:
+    state = RouterState(config_from_dict({**CONFIG, "pool": False}, RouterConfig))
+    result = QueryResult(longest_matched=0, chunk_tokens=256, instances={"ea": _match({"GPU": 256, "REMOTE": 512})})
+    assert state.cached_by_instance(result)["a"] == ({"GPU": 256}, 768)

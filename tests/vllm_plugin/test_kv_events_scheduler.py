@@ -249,3 +249,28 @@ def test_a_chunk_removed_before_its_save_landed_is_announced_when_put_again(make
     assert _out(sched, residency=[ResidencyReport(0, h, "gone")]) == []
     assert _out(sched, saves=[SaveReport(sid, 0, True)], steps=[meta.step]) == []  # gone on rank 0
     assert _out(sched, residency=[ResidencyReport(0, h, "dram+")]) == [("BlockStored", "CPU")]  # put again
+
+
+def test_a_chunk_found_on_another_node_is_remote_until_every_rank_keeps_it() -> None:
+    """A load planned from the pool announces the chunk in CPU with locality REMOTE; once every
+    rank's store keeps its local copy, CPU LOCAL is announced and the remote one withdrawn; a
+    failed load withdraws whatever is announced."""
+    from vllm_plugin.kv_events import ConnectorEvents
+
+    req = _request("p", prompt(8, 2 * CHUNK_TOKENS + 1))
+    ev = ConnectorEvents(BLOCK, CHUNK_TOKENS // BLOCK, num_ranks=2)
+    h = "chunk-0"
+    ev.found(req, 0, h, "pool")
+
+    def said() -> list[tuple[str, str, str]]:
+        return [(type(e).__name__, e.medium, e.locality) for e in ev.take()]
+
+    assert said() == [("BlockStored", "CPU", "REMOTE")]
+    ev.changed(0, h, "dram+")
+    assert said() == []  # rank 1 has no local copy yet
+    ev.changed(1, h, "dram+")
+    assert said() == [("BlockRemoved", "CPU", "REMOTE"), ("BlockStored", "CPU", "LOCAL")]
+    ev.changed(1, h, "dram-")  # evicted locally: reachable over the pool again, as far as this engine knows
+    assert said() == [("BlockRemoved", "CPU", "LOCAL"), ("BlockStored", "CPU", "REMOTE")]
+    ev.gone([h])
+    assert said() == [("BlockRemoved", "CPU", "REMOTE")]
