@@ -72,6 +72,10 @@ _REFUSED_VARIABLES = {
                            f"({ENV_PREFIX}DRAM__CAPACITY_BYTES, ...) or by a file ({CONFIG_FILE_ENV})"),
 }
 _STORE_PREFIX = ENV_PREFIX + "STORE__"
+# First-level settings of the engines' configs (the connector's, SGLang's) whose names are close to
+# a store setting's: a process that reads only the store's (a node service) does not take them for
+# a misspelt store setting. tests/test_config_loader.py holds every engine setting to being quiet.
+OTHER_CONFIGS_SETTINGS = frozenset({"load_policy"})
 
 
 class ConfigError(ValueError):
@@ -219,7 +223,7 @@ def check_variables(
             raise ConfigError(f"{name}: store fields are named by their path in the store config, without STORE__: "
                               f"set {ENV_PREFIX}{name[len(_STORE_PREFIX):]} instead")
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
-        if parts and parts[0] in top:
+        if parts and (parts[0] in top or (not warn_any and len(parts) == 1 and parts[0] in OTHER_CONFIGS_SETTINGS)):
             continue
         if known is None:
             known = [v[len(ENV_PREFIX):] for cls, exclude in configs for v in _variable_names(cls, exclude)]
