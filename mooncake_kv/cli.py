@@ -31,6 +31,8 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("mooncake_kv.bench.serve", "TTFT and hit ratio of vllm serve on the conversation trace, with and without the tiers"),
     "index": ("mooncake_kv.bench.index", "KV events through the publisher into the index; a prompt query through "
               "the index against the store's own lookup"),
+    "route": ("mooncake_kv.bench.route", "the router's policies on two vLLM instances whose nodes share a "
+              "rate-limited link (root: a network namespace and tc)"),
     "pool": ("mooncake_kv.bench.pool", "remote get/put through the pool (two node services, Redis) against the "
              "raw socket and Mooncake Store; directory lookups"),
 }
