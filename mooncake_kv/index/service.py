@@ -82,6 +82,7 @@ class KVIndex:
         self._lock = threading.Lock()
         self._state = IndexState()
         self._digests: set[str] = set()
+        self._source_digests: dict[str, set[str]] = {}  # the fingerprint digests seen in each source's events
         self._tokens = TokenKeys()
         self._ctx = zmq.Context()
         self._subs = {s.name: Subscriber(s, self._apply, self._replace, ctx=self._ctx) for s in config.sources}
@@ -136,7 +137,9 @@ class KVIndex:
                     if isinstance(h, bytes):
                         digest, sep, _ = h.partition(b"/")
                         if sep:
-                            self._digests.add(digest.decode(errors="replace"))
+                            text = digest.decode(errors="replace")
+                            self._digests.add(text)
+                            self._source_digests.setdefault(source, set()).add(text)
                 keys = tokens.stored(source, event)
                 if keys:
                     state.add(source, medium_of(event), keys)
@@ -208,8 +211,10 @@ class KVIndex:
         it holds per medium."""
         with self._lock:
             counts = self._state.counts()
+            digests = {k: set(v) for k, v in self._source_digests.items()}
         return {name: {"endpoint": s.config.endpoint, "url": s.config.url, **s.stats(),
-                       "synced": s.synced.is_set(), "blocks": counts.get(name, {})}
+                       "synced": s.synced.is_set(), "blocks": counts.get(name, {}), "about": dict(s.about),
+                       "fingerprints": sorted(digests.get(name, ()))}
                 for name, s in self._subs.items()}
 
     def token_key_stats(self) -> dict[str, object]:

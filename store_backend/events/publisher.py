@@ -17,6 +17,10 @@ per batch from 0; ``payload`` a :class:`~store_backend.events.wire.KVEventBatch`
   (each event sets a key's presence in one medium, so a change made while the listing was taken
   and published at ``N`` or later converges to the same state).
 
+- ``body`` ``b"about"``: who publishes, one reply ``(identity, b"", topic, seq, payload)`` with
+  the next live batch's number and a msgpack map (``backend_id``, and what the owner adds: a node
+  service names the engine processes attached to it, ``clients``), then the end marker.
+
 A gap: when the store's residency bus dropped events (its queue was full) or this publisher's own
 queue was, a sequence number is skipped and an empty batch is sent at once with the next one, so
 every subscriber notices and resyncs.
@@ -34,8 +38,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+import msgspec
 import zmq
 
 from store_backend.config_loader import ConfigError
@@ -48,8 +53,10 @@ from store_backend.threads import Deadline, Workers
 logger = logging.getLogger(__name__)
 
 SNAPSHOT = b"snapshot"
+ABOUT = b"about"
 _IDLE_POLL_MS = 10  # how long the thread waits on the replay socket when nothing is queued
 _GAP = None  # in the queue: events were dropped here
+msgpack_encode = msgspec.msgpack.Encoder().encode
 
 
 class EventSource(Protocol):
@@ -66,9 +73,11 @@ class KVEventPublisher:
     the sockets (ZMQError naming the endpoint when one cannot be bound) and subscribes;
     ``close()`` ends it. Thread-safe."""
 
-    def __init__(self, store: EventSource, config: EventsConfig, backend_id: str) -> None:
+    def __init__(self, store: EventSource, config: EventsConfig, backend_id: str, *,
+                 about: Callable[[], dict[str, Any]] | None = None) -> None:
         self.config = config
         self.backend_id = backend_id
+        self._about = about  # more of the answer to an "about" request (called on this thread)
         self._store = store
         self._topic = config.topic.encode()
         self._cond = threading.Condition()
@@ -237,6 +246,8 @@ class KVEventPublisher:
         ident, _, body = frames
         if body == SNAPSHOT:
             self._send_snapshot(ident)
+        elif body == ABOUT:
+            self._send_about(ident)
         elif len(body) == 8:
             start = int.from_bytes(body, "big")
             for seq, payload in list(self._buffer):
@@ -250,6 +261,19 @@ class KVEventPublisher:
             logger.warning("KV events: a replay request of %d bytes refused (want an 8-byte sequence "
                            "number or %r)", len(body), SNAPSHOT)
         self._replay.send_multipart((ident, b"", b"", END_SEQ, b""))
+
+    def _send_about(self, ident: bytes) -> None:
+        assert self._replay is not None
+        about: dict[str, Any] = {}
+        if self._about is not None:
+            try:
+                about = dict(self._about())
+            except Exception as e:  # noqa: BLE001 - the owner could not say more: the id alone
+                logger.warning("KV events: the about answer's details failed: %s", e)
+        with self._cond:
+            next_seq = self._next_seq
+        payload = msgpack_encode({**about, "backend_id": self.backend_id})
+        self._replay.send_multipart((ident, b"", self._topic, seq_bytes(next_seq), payload))
 
     def _send_snapshot(self, ident: bytes) -> None:
         assert self._replay is not None
@@ -278,9 +302,10 @@ def _bind(sock: zmq.Socket, endpoint: str, name: str) -> str:
     return last.decode() if isinstance(last, bytes) else str(last)
 
 
-def start_publisher(store: EventSource, config: EventsConfig, backend_id: str) -> KVEventPublisher:
+def start_publisher(store: EventSource, config: EventsConfig, backend_id: str, *,
+                    about: Callable[[], dict[str, Any]] | None = None) -> KVEventPublisher:
     """A started publisher; ConfigError naming the endpoint that cannot be bound."""
     try:
-        return KVEventPublisher(store, config, backend_id).start()
+        return KVEventPublisher(store, config, backend_id, about=about).start()
     except zmq.ZMQError as e:
         raise ConfigError(str(e)) from None

@@ -33,7 +33,7 @@ import zmq
 import zmq.utils.monitor
 
 from store_backend.events.config import ENDPOINT_SCHEMES
-from store_backend.events.publisher import SNAPSHOT
+from store_backend.events.publisher import ABOUT, SNAPSHOT
 from store_backend.events.wire import END_SEQ, KVEventBatch, decode_batch, seq_bytes, seq_of
 from store_backend.threads import Deadline, Workers
 
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _RETRY_S = 1.0  # between snapshot attempts of a source whose state is not whole
+ABOUT_EVERY_S = 10.0  # how often a snapshot source is asked who it is and who is attached
 
 
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -93,6 +94,7 @@ class Subscriber:
         self._last_live: int | None = None  # the number of the last batch the SUB socket received
         self._need_snapshot = config.snapshot  # a snapshot source whose state is not known whole
         self.synced = threading.Event()  # its state is whole (a snapshot applied; an engine's first batch)
+        self.about: dict[str, object] = {}  # a snapshot source's last "about" answer (backend id, clients)
         self._stats = dict.fromkeys(("batches", "gaps", "replayed", "snapshots", "lost", "restarts",
                                      "reconnects", "bad_messages", "replay_failures"), 0)
 
@@ -130,11 +132,15 @@ class Subscriber:
         poller.register(monitor, zmq.POLLIN)
         connected_before = False
         next_try = 0.0
+        next_about = 0.0
         try:
             while not self._stop.is_set():
                 if self._need_snapshot and time.monotonic() >= next_try:
                     if not self._snapshot():
                         next_try = time.monotonic() + _RETRY_S  # not up yet, or unreachable: again
+                if cfg.snapshot and not self._need_snapshot and time.monotonic() >= next_about:
+                    self._ask_about()
+                    next_about = time.monotonic() + ABOUT_EVERY_S
                 ready = dict(poller.poll(_POLL_MS))
                 if monitor in ready:
                     event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
@@ -272,6 +278,20 @@ class Subscriber:
             want = seq + 1
         if self.config.snapshot and not replies:
             self._resync_needed()  # the replay failed or had nothing: the hole cannot be proven empty
+
+    def _ask_about(self) -> None:
+        """Ask who publishes and who is attached (a node service answers; kept in ``about``)."""
+        replies = self._request(ABOUT)
+        if not replies:
+            return
+        try:
+            about = msgspec.msgpack.decode(replies[0][1])
+        except msgspec.DecodeError:
+            self._count("bad_messages")
+            return
+        if isinstance(about, dict):
+            with self._lock:
+                self.about = about
 
     def _snapshot(self) -> bool:
         """Rebuild this source's entries from a snapshot; False when none could be had."""

@@ -206,7 +206,7 @@ class NodeService(ServiceConnections, ServiceHandlers):
             if cfg.events is not None:
                 backend_id = cfg.events.backend_id or (cfg.pool.node_id_for(self.socket_path) if cfg.pool is not None
                                                        else f"{socket.gethostname()}:{self.socket_path}")
-                self.events = start_publisher(self.store, cfg.events, backend_id)
+                self.events = start_publisher(self.store, cfg.events, backend_id, about=self._about)
             if cfg.metrics is not None:
                 self._start_metrics()
         except BaseException:
@@ -432,6 +432,13 @@ class NodeService(ServiceConnections, ServiceHandlers):
             leases_expired=self.leases_expired, buffered_bytes=self._buffered,
             events_endpoint=ev.endpoint if ev else "", events_replay_endpoint=(ev.replay_endpoint or "") if ev else "",
             events_backend_id=ev.backend_id if ev else "")
+
+    def _about(self) -> dict[str, Any]:
+        """The engine processes attached now, for the KV events' "about" answer (the publisher's
+        thread: a copy of the connections, read without the loop)."""
+        now = time.monotonic()
+        return {"clients": [{"name": c.name, "pid": c.pid, "connected_s": round(now - c.since, 3)}
+                            for c in self._conn_list()]}
 
     @property
     def open_tokens(self) -> int:

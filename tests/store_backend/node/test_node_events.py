@@ -5,6 +5,7 @@ over a real socket, and refuses a malformed query naming what was wrong."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import httpx
@@ -121,3 +122,20 @@ def test_status_names_the_event_endpoints(node, capsys) -> None:  # noqa: ANN001
     assert doc["events"] == {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "backend_id": "node-x"}
     print_status(doc)
     assert pub.endpoint in capsys.readouterr().out
+
+
+def test_the_index_names_the_node_its_attached_engines_and_fingerprints(node) -> None:  # noqa: ANN001
+    """A node service answers "about" on its replay socket (its backend id, the processes attached
+    now); the index keeps it per source beside the fingerprint digests its events named."""
+    index = _index(node.service)
+    try:
+        keys = [object_key(DIGEST, h) for h in chunk_hashes(list(range(CHUNK)), CHUNK)]
+        assert node.put(keys, [np.zeros(OBJ, np.uint8)]) == [Status.OK]
+        _absorbed(node.service, index)
+        wait_until(lambda: index.status()["node-x"]["about"], 10, "the about answer")
+        about = index.status()["node-x"]["about"]
+        assert about["backend_id"] == "node-x"
+        assert os.getpid() in {c["pid"] for c in about["clients"]}  # this process's client is attached
+        assert index.status()["node-x"]["fingerprints"] == [DIGEST]
+    finally:
+        index.close()
