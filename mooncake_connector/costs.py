@@ -77,14 +77,35 @@ class CostModel:
         self._xty = np.zeros(len(self._theta0))
         self._n = 0.0  # observations, decayed as they are
         self._theta = self._theta0.copy()
+        self._fixed: dict[int, float] = {}  # feature index -> coefficient measured elsewhere (scaled)
         self.observations = 0
 
+    def set_load_costs(self, s_per_token: Mapping[str, float]) -> None:
+        """Load costs per token measured elsewhere (the connector's own, by medium): they replace
+        the fitted ones for those media, in predictions and in what the fit attributes to the rest."""
+        for m, v in s_per_token.items():
+            if m in MEDIA_LOADED and v >= 0:
+                i = 3 + MEDIA_LOADED.index(m)
+                self._fixed[i] = v / _SCALE[i]
+
+    def _theta_now(self) -> np.ndarray:
+        if not self._fixed:
+            return self._theta
+        theta = self._theta.copy()
+        for i, v in self._fixed.items():
+            theta[i] = v
+        return theta
+
     def predict(self, new: int, cached: Mapping[str, int]) -> float:
-        return max(0.0, float(features(new, cached) @ self._theta))
+        return max(0.0, float(features(new, cached) @ self._theta_now()))
 
     def observe(self, new: int, cached: Mapping[str, int], service_s: float) -> None:
         """One observed service time (first token minus send, minus the queue time predicted then)."""
         x = features(new, cached)
+        for i, v in self._fixed.items():  # the measured loads' share is not the fit's to explain
+            service_s -= x[i] * v
+            x[i] = 0.0
+        service_s = max(service_s, 1e-4)
         # Relative errors count: each observation weighs 1/y^2 (a 5% miss on a short prompt matters
         # as much as on a long one).
         w = 1.0 / max(service_s, 1e-3) ** 2
@@ -98,7 +119,7 @@ class CostModel:
 
     def coefficients(self) -> dict[str, float]:
         """The fitted coefficients in seconds (per token, per token of context, per token loaded)."""
-        t = self._theta * _SCALE
+        t = self._theta_now() * _SCALE
         return {"fixed_s": float(t[0]), "per_token_s": float(t[1]), "per_token2_s": float(t[2]),
                 **{f"load_s_per_token_{m}": float(v) for m, v in zip(MEDIA_LOADED, t[3:])}}
 

@@ -15,6 +15,7 @@ import msgspec
 from store_backend.metrics import LatencyHistogram
 from store_backend.prometheus import (
     COUNTER,
+    GAUGE,
     PREFIX,
     Family,
     histogram_families,
@@ -74,6 +75,7 @@ def copy_stats(counters: ConnectorCounters, latency: ConnectorLatency) -> Connec
 
 
 _P = f"{PREFIX}_connector"
+COST_PER_TOKEN = f"{_P}_cost_seconds_per_token"
 
 DESCRIPTIONS: dict[str, str] = {
     f"{_P}_lookups": "Prefix lookups the connector asked the store.",
@@ -94,6 +96,9 @@ DESCRIPTIONS: dict[str, str] = {
     f"{_P}_lookup_seconds": "Time a prefix lookup took.",
     f"{_P}_load_seconds": "Time a load batch took, from submission to the store's answer.",
     f"{_P}_save_seconds": "Time a save batch took, from submission to the store's answer.",
+    f"{_P}_cost_seconds_per_token": "What the connector's scheduler measured (load_policy): seconds to load a "
+                                    "token's KV from each tier, and to compute one (tier compute); a tier appears "
+                                    "once measured.",
 }
 
 # Meanings of the failure kinds only the connector sees (checksum, io_error and capacity: as in the
@@ -116,4 +121,6 @@ def connector_families() -> list[Family]:
     out.append(Family(f"{_P}_failures", COUNTER, ("kind",), DESCRIPTIONS.get(f"{_P}_failures", ""),
                       lambda s: [((k,), getattr(s.counters.failures, k)) for k in ConnectorFailures.__struct_fields__]))
     out += histogram_families(ConnectorLatency, _P, lambda s: s.latency, DESCRIPTIONS)
+    # The scheduler fills this one itself (vllm_plugin.scheduler.take_stats); a worker's stats have none.
+    out.append(Family(COST_PER_TOKEN, GAUGE, ("tier",), DESCRIPTIONS[COST_PER_TOKEN], lambda _s: []))
     return out

@@ -92,6 +92,15 @@ class LoadCosts:
                 return i
         return len(tiers)
 
+    def measured(self) -> dict[str, float]:
+        """Seconds per token measured so far, by tier name and ``compute`` (only those measured):
+        the connector's gauge ``mooncake_kv_connector_cost_seconds_per_token``, which a router reads."""
+        out = {t: v for t in TIER_MEDIUM if (v := self.load_s_per_token(t)) is not None}
+        compute = self.compute_s_per_token()
+        if compute is not None:
+            out["compute"] = compute
+        return out
+
     def stats(self) -> dict[str, float | int | None]:
         return {"compute_s_per_token": self.compute_s_per_token(), "steps": self.steps,
                 **{f"load_s_per_token_{t}": self.load_s_per_token(t) for t in TIER_MEDIUM},

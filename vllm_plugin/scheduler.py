@@ -56,6 +56,7 @@ from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import object_key
 from mooncake_connector.lookup_client import NodeLookups, RankLookups, ShardLookups
 from mooncake_connector.lookup_service import socket_path
+from mooncake_connector.metrics import COST_PER_TOKEN
 from mooncake_connector.stores import acquire_node, epoch_directory, node_connections, release_store
 from store_backend.node.client import NodeClient
 from store_backend.config import ConfigError
@@ -611,10 +612,11 @@ class SchedulerSide:
 
     def take_stats(self) -> TieredConnectorStats | None:
         """Prompt tokens planned for loading and lookups no worker answered, since the last call,
-        for vLLM's stats hooks (the workers report the rest); None when nothing moved. Scheduler
-        thread."""
+        and the measured costs per token (gauges, once measured), for vLLM's stats hooks (the
+        workers report the rest); None when nothing moved. Scheduler thread."""
         return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]},
-                                        FAILURES: {"peer_gone": self.lookups.failures}})
+                                        FAILURES: {"peer_gone": self.lookups.failures},
+                                        COST_PER_TOKEN: self.load_costs.measured()})
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from typing import Any
 
@@ -131,9 +132,11 @@ class Router:
                 # The engine's own count of waiting requests (its queue, other clients' included).
                 async with self._session.get(url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
-                        waiting = _waiting(await r.text())
+                        text = await r.text()
+                        waiting = _waiting(text)
                         if waiting is not None:
                             self.state.engine_load(name, waiting)
+                        self.state.engine_costs(name, load_costs(text))
                 return name, True
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 return name, False
@@ -339,6 +342,22 @@ def _waiting(metrics: str) -> int | None:
             except (IndexError, ValueError):
                 continue
     return int(total) if seen else None
+
+
+def load_costs(metrics: str) -> dict[str, float]:
+    """The connector's measured load seconds per token by store tier, from an engine's /metrics
+    (``mooncake_kv_connector_cost_seconds_per_token``; ``compute`` left out): the largest over the
+    engine's series of a tier (one per engine process)."""
+    out: dict[str, float] = {}
+    for m in _COST_LINE.finditer(metrics):
+        tier, value = m.group(1), float(m.group(2))
+        if tier != "compute":
+            out[tier] = max(value, out.get(tier, 0.0))
+    return out
+
+
+_COST_LINE = re.compile(r'^mooncake_kv_connector_cost_seconds_per_token\{[^}]*tier="([^"]+)"[^}]*\} '
+                        r"([0-9.eE+-]+)$", re.MULTILINE)
 
 
 class _Unreachable(Exception):

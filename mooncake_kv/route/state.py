@@ -17,6 +17,7 @@ from mooncake_connector.costs import CostModel, Pending, queue_s, service_observ
 from mooncake_kv.route.decide import Decision, Instance
 
 _SLOWEST_FIRST = ("STORAGE", "CPU")
+_TIER_MEDIUM = {"dram": "CPU", "ssd": "STORAGE", "pool": "REMOTE"}  # the connector's tiers, as media
 
 
 @dataclass
@@ -31,6 +32,7 @@ class InstanceState:
     checked: int = 0
     engine_waiting: int = 0  # requests waiting in the engine, from its /metrics (other clients' too)
     mean_service_s: float = 0.0  # of the requests sent there (decayed), for waiting ones not ours
+    measured_load: dict[str, float] = field(default_factory=dict)  # the connector's, by medium
 
 
 @dataclass
@@ -169,6 +171,14 @@ class RouterState:
                 s.healthy = False
         return before != s.healthy
 
+    def engine_costs(self, name: str, s_per_token: dict[str, float]) -> None:
+        """The connector's own measured load cost per token by store tier (from the engine's
+        /metrics): the instance's model uses them for those media instead of fitting them."""
+        media = {_TIER_MEDIUM[t]: v for t, v in s_per_token.items() if t in _TIER_MEDIUM}
+        if media:
+            self.instances[name].model.set_load_costs(media)
+            self.instances[name].measured_load = media
+
     def engine_load(self, name: str, waiting: int) -> None:
         """The engine's ``vllm:num_requests_waiting`` (from its /metrics)."""
         self.instances[name].engine_waiting = waiting
@@ -178,7 +188,7 @@ class RouterState:
                 "leaves_rotation_within_s": self.config.leaves_rotation_within_s,
                 "instances": {n: {"url": s.config.url, "healthy": s.healthy, "failures": s.failures,
                                   "in_flight": s.in_flight, "pending": len(s.pending), "checks": s.checked,
-                                  "engine_waiting": s.engine_waiting,
+                                  "engine_waiting": s.engine_waiting, "measured_load_s_per_token": s.measured_load,
                                   "model": s.model.coefficients(), "observations": s.model.observations}
                               for n, s in self.instances.items()},
                 "decisions": len(self.decisions)}

@@ -104,3 +104,17 @@ def test_the_cost_model_learns_an_instances_timings() -> None:
     assert model.observations == 400
     with pytest.raises(ValueError, match="prior_weight"):
         CostModel(PRIOR, prior_weight=0)
+
+
+def test_load_costs_measured_elsewhere_replace_the_fitted_ones() -> None:
+    """The connector's own per-token load costs (from the engine's /metrics) are used as they are;
+    the fit explains the rest of each observation (compute) and learns it."""
+    model = CostModel(PRIOR)
+    model.set_load_costs({"STORAGE": 4e-4, "GPU": 1.0})  # GPU costs nothing to reuse: ignored
+    assert model.predict(0, {"STORAGE": 1000}) == pytest.approx(0.4)
+    for i in range(300):  # truth: 2 ms a computed token, STORAGE 0.4 ms a token
+        new = 100 + (i * 37) % 2000
+        model.observe(new, {"STORAGE": 500}, 2e-3 * new + 0.2)
+    assert model.predict(1000, {}) == pytest.approx(2.0, rel=0.1)
+    assert model.coefficients()["load_s_per_token_STORAGE"] == pytest.approx(4e-4)
+    assert model.predict(1000, {"STORAGE": 1000}) == pytest.approx(2.0 + 0.4, rel=0.1)

@@ -54,3 +54,20 @@ def test_an_engines_remote_blocks_count_as_remote() -> None:
     state = RouterState(config_from_dict({**CONFIG, "pool": False}, RouterConfig))
     result = QueryResult(longest_matched=0, chunk_tokens=256, instances={"ea": _match({"GPU": 256, "REMOTE": 512})})
     assert state.cached_by_instance(result)["a"] == ({"GPU": 256}, 768)
+
+
+def test_the_connectors_measured_costs_are_read_from_the_engines_metrics() -> None:
+    from mooncake_kv.route.server import load_costs
+
+    text = ('# HELP mooncake_kv_connector_cost_seconds_per_token ...\n'
+            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="ssd"} 0.0004\n'
+            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="compute"} 0.0002\n'
+            'mooncake_kv_connector_cost_seconds_per_token{engine="1",model_name="m",tier="ssd"} 0.0005\n'
+            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="pool"} 3e-05\n')
+    assert load_costs(text) == {"ssd": 0.0005, "pool": 3e-05}
+    state = RouterState(config_from_dict(CONFIG, RouterConfig))
+    state.engine_costs("a", load_costs(text))
+    a = state.instances["a"]
+    assert a.measured_load == {"STORAGE": 0.0005, "REMOTE": 3e-05}
+    assert a.model.predict(0, {"STORAGE": 1000}) == pytest.approx(0.02 + 0.5)  # the prior's fixed cost, the load
+    assert state.status()["instances"]["a"]["measured_load_s_per_token"] == {"STORAGE": 0.0005, "REMOTE": 3e-05}

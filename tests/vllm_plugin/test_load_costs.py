@@ -49,3 +49,11 @@ def test_a_mixed_job_is_split_by_what_each_tier_costs() -> None:
         c.observe_load({"dram": 256, "ssd": 256}, 256 * 1e-6 + 256 * 1e-3)
     assert c.load_s_per_token("dram") < 1e-5 and c.load_s_per_token("ssd") == pytest.approx(1e-3, rel=0.05)
     assert c.stats()["load_jobs_ssd"] == MIN_LOADS + 20
+
+
+def test_what_is_measured_is_what_the_gauge_says() -> None:
+    c = _costs(1e-4, ssd=1e-3)
+    got = c.measured()
+    assert set(got) == {"ssd", "compute"}
+    assert got["ssd"] == pytest.approx(1e-3, rel=0.01) and got["compute"] == pytest.approx(1e-4, rel=0.05)
+    assert LoadCosts().measured() == {}
