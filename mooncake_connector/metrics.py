@@ -75,7 +75,7 @@ def copy_stats(counters: ConnectorCounters, latency: ConnectorLatency) -> Connec
 
 
 _P = f"{PREFIX}_connector"
-COST_PER_TOKEN = f"{_P}_cost_seconds_per_token"
+COST_PER_TOKEN = f"{_P}_cost_per_token_seconds"
 
 DESCRIPTIONS: dict[str, str] = {
     f"{_P}_lookups": "Prefix lookups the connector asked the store.",
@@ -96,7 +96,7 @@ DESCRIPTIONS: dict[str, str] = {
     f"{_P}_lookup_seconds": "Time a prefix lookup took.",
     f"{_P}_load_seconds": "Time a load batch took, from submission to the store's answer.",
     f"{_P}_save_seconds": "Time a save batch took, from submission to the store's answer.",
-    f"{_P}_cost_seconds_per_token": "What the connector's scheduler measured (load_policy): seconds to load a "
+    f"{_P}_cost_per_token_seconds": "What the connector's scheduler measured (load_policy): seconds to load a "
                                     "token's KV from each tier, and to compute one (tier compute); a tier appears "
                                     "once measured.",
 }

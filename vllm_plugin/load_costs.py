@@ -94,7 +94,7 @@ class LoadCosts:
 
     def measured(self) -> dict[str, float]:
         """Seconds per token measured so far, by tier name and ``compute`` (only those measured):
-        the connector's gauge ``mooncake_kv_connector_cost_seconds_per_token``, which a router reads."""
+        the connector's gauge ``mooncake_kv_connector_cost_per_token_seconds``, which a router reads."""
         out = {t: v for t in TIER_MEDIUM if (v := self.load_s_per_token(t)) is not None}
         compute = self.compute_s_per_token()
         if compute is not None:

@@ -346,7 +346,7 @@ def _waiting(metrics: str) -> int | None:
 
 def load_costs(metrics: str) -> dict[str, float]:
     """The connector's measured load seconds per token by store tier, from an engine's /metrics
-    (``mooncake_kv_connector_cost_seconds_per_token``; ``compute`` left out): the largest over the
+    (``mooncake_kv_connector_cost_per_token_seconds``; ``compute`` left out): the largest over the
     engine's series of a tier (one per engine process)."""
     out: dict[str, float] = {}
     for m in _COST_LINE.finditer(metrics):
@@ -356,7 +356,7 @@ def load_costs(metrics: str) -> dict[str, float]:
     return out
 
 
-_COST_LINE = re.compile(r'^mooncake_kv_connector_cost_seconds_per_token\{[^}]*tier="([^"]+)"[^}]*\} '
+_COST_LINE = re.compile(r'^mooncake_kv_connector_cost_per_token_seconds\{[^}]*tier="([^"]+)"[^}]*\} '
                         r"([0-9.eE+-]+)$", re.MULTILINE)
 
 

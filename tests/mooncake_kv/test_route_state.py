@@ -59,11 +59,11 @@ def test_an_engines_remote_blocks_count_as_remote() -> None:
 def test_the_connectors_measured_costs_are_read_from_the_engines_metrics() -> None:
     from mooncake_kv.route.server import load_costs
 
-    text = ('# HELP mooncake_kv_connector_cost_seconds_per_token ...\n'
-            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="ssd"} 0.0004\n'
-            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="compute"} 0.0002\n'
-            'mooncake_kv_connector_cost_seconds_per_token{engine="1",model_name="m",tier="ssd"} 0.0005\n'
-            'mooncake_kv_connector_cost_seconds_per_token{engine="0",model_name="m",tier="pool"} 3e-05\n')
+    text = ('# HELP mooncake_kv_connector_cost_per_token_seconds ...\n'
+            'mooncake_kv_connector_cost_per_token_seconds{engine="0",model_name="m",tier="ssd"} 0.0004\n'
+            'mooncake_kv_connector_cost_per_token_seconds{engine="0",model_name="m",tier="compute"} 0.0002\n'
+            'mooncake_kv_connector_cost_per_token_seconds{engine="1",model_name="m",tier="ssd"} 0.0005\n'
+            'mooncake_kv_connector_cost_per_token_seconds{engine="0",model_name="m",tier="pool"} 3e-05\n')
     assert load_costs(text) == {"ssd": 0.0005, "pool": 3e-05}
     state = RouterState(config_from_dict(CONFIG, RouterConfig))
     state.engine_costs("a", load_costs(text))
