@@ -129,23 +129,38 @@ class Router:
                 async with self._session.get(url + "/health", timeout=timeout) as r:
                     if r.status != 200:
                         return name, False
-                # The engine's own count of waiting requests (its queue, other clients' included).
-                async with self._session.get(url + "/metrics", timeout=timeout) as r:
-                    if r.status == 200:
-                        text = await r.text()
-                        waiting = _waiting(text)
-                        if waiting is not None:
-                            self.state.engine_load(name, waiting)
-                        self.state.engine_costs(name, load_costs(text))
-                return name, True
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 return name, False
+            try:  # what more it says; a failure here says nothing of its health
+                await self._engine_facts(name, url, timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError) as e:
+                logger.debug("instance %s: /metrics or /v1/models not read: %s", name, e)
+            return name, True
 
         results = await asyncio.gather(*(one(n, s.config.url) for n, s in self.state.instances.items()))
         for name, ok in results:
             if self.state.health(name, ok):
                 logger.warning("instance %s is %s", name, "back in rotation" if ok else "out of rotation")
             self.metrics.healthy.labels(name).set(1 if self.state.instances[name].healthy else 0)
+
+    async def _engine_facts(self, name: str, url: str, timeout: aiohttp.ClientTimeout) -> None:
+        """From an instance's /metrics: its count of waiting requests (its queue, other clients'
+        included) and the connector's measured load costs; from its /v1/models: the LoRA adapters
+        it serves (their cards name a parent model: a request naming one is looked up under the
+        adapter's name, as the engine's events key its blocks)."""
+        assert self._session is not None
+        async with self._session.get(url + "/metrics", timeout=timeout) as r:
+            if r.status == 200:
+                text = await r.text()
+                waiting = _waiting(text)
+                if waiting is not None:
+                    self.state.engine_load(name, waiting)
+                self.state.engine_costs(name, load_costs(text))
+        async with self._session.get(url + "/v1/models", timeout=timeout) as r:
+            if r.status == 200:
+                cards = (await r.json(content_type=None)).get("data") or []
+                self.state.adapters.update(c["id"] for c in cards
+                                           if isinstance(c, dict) and c.get("parent") and c.get("id"))
 
     # -- simple endpoints -----------------------------------------------------------------------------
     async def _health(self, _request: web.Request) -> web.Response:
@@ -223,11 +238,14 @@ class Router:
         return None
 
     def _query(self, tokens: list[int] | None, body: dict[str, Any]) -> tuple[QueryResult | None, bool]:
-        """The index's answer (None: no index or no tokens) and whether the index failed."""
+        """The index's answer (None: no index or no tokens) and whether the index failed. A request
+        naming a LoRA adapter an instance serves is looked up under the adapter's name."""
         if self.index is None or not tokens:
             return None, False
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.state.adapters else None
         try:
-            return self.index.query_tokens(tokens, fingerprints=self.config.fingerprints), False
+            return self.index.query_tokens(tokens, fingerprints=self.config.fingerprints, lora_name=lora), False
         except Exception:  # noqa: BLE001 (routing goes on without the index)
             self.metrics.index_errors.inc()
             if not self._warned_index:

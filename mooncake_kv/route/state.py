@@ -60,6 +60,7 @@ class RouterState:
         self.config = config
         self.instances = {i.name: InstanceState(i, CostModel(config.prior.prior())) for i in config.instances}
         self.turn = 0
+        self.adapters: set[str] = set()  # LoRA adapter names the instances serve (from /v1/models)
         self._ids = itertools.count(1)
         self.decisions: collections.deque[Record] = collections.deque(maxlen=config.decisions_kept)
 

@@ -71,3 +71,51 @@ def test_a_failing_index_routes_least_loaded_and_answers(caplog) -> None:  # noq
     assert "mooncake_router_index_errors_total 3.0" in metrics
     assert sum("the index failed a query" in r.message for r in caplog.records) == 1
     assert bad == 400
+
+
+def _upstream_with_adapter() -> web.Application:
+    app = _upstream()
+
+    async def models(_r: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "base", "parent": None}, {"id": "ad1", "parent": "base"}]})
+
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def _lora_scenario() -> list[dict]:
+    from mooncake_kv.index.service import IndexConfig, KVIndex
+    from store_backend.events.wire import BlockStored, KVEventBatch
+
+    upstream = TestServer(_upstream_with_adapter())
+    await upstream.start_server()
+    url = f"http://127.0.0.1:{upstream.port}"
+    config = config_from_dict({"instances": [{"name": "a", "url": url, "source": "ea"}, {"name": "b", "url": url}],
+                               "sources": [{"name": "ea", "endpoint": "tcp://127.0.0.1:1"}],
+                               "health_interval_s": 60}, RouterConfig)
+    index = KVIndex(IndexConfig(chunk_tokens=16))  # not started: fed here as a subscription would
+    prompt = list(range(100, 164))
+    index.apply("ea", KVEventBatch(ts=0.0, events=[BlockStored(
+        block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=prompt, block_size=16, lora_id=1,
+        medium="GPU", lora_name="ad1")]))
+    router = Router(config, index)
+    client = TestClient(TestServer(router.app()))
+    await client.start_server()
+    try:
+        for model in ("ad1", "base"):
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt + [1], "max_tokens": 1})
+            assert r.status == 200
+        return await (await client.get("/router/decisions")).json()
+    finally:
+        await client.close()
+        await upstream.close()
+        index.close()
+
+
+def test_a_request_naming_a_lora_adapter_is_looked_up_under_it() -> None:
+    """The adapters come from the instances' /v1/models (cards with a parent); a request naming one
+    finds the blocks the engine's events stored under that LoRA name; the base model's does not."""
+    with_adapter, base = asyncio.run(_lora_scenario())
+    assert with_adapter["cached"]["a"]["cached"] == {"GPU": 64} and with_adapter["choice"] == "a"
+    assert with_adapter["reason"] == "local_hit"
+    assert base["cached"]["a"]["cached"] == {}
