@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from typing import Any
 
@@ -35,7 +34,9 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_connector.metrics import COST_PER_TOKEN
 from mooncake_kv.index.service import KVIndex, QueryResult
 from mooncake_kv.route.config import RouterConfig
 from mooncake_kv.route.decide import decide
@@ -349,17 +350,20 @@ class Router:
                 self.metrics.estimate_ratio.observe(est / ttft)
 
 
+def _samples(metrics: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of family ``name`` in a Prometheus text page (prometheus_client's parser; a page
+    it cannot parse has none)."""
+    try:
+        return [(dict(s.labels), s.value) for fam in text_string_to_metric_families(metrics)
+                for s in fam.samples if s.name == name]
+    except ValueError:
+        return []
+
+
 def _waiting(metrics: str) -> int | None:
-    """The sum of ``vllm:num_requests_waiting`` in a Prometheus text page (None: not there)."""
-    total, seen = 0.0, False
-    for line in metrics.splitlines():
-        if line.startswith("vllm:num_requests_waiting"):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-            except (IndexError, ValueError):
-                continue
-    return int(total) if seen else None
+    """The sum of ``vllm:num_requests_waiting`` over an engine's series (None: not there)."""
+    got = _samples(metrics, "vllm:num_requests_waiting")
+    return int(sum(v for _labels, v in got)) if got else None
 
 
 def load_costs(metrics: str) -> dict[str, float]:
@@ -367,15 +371,11 @@ def load_costs(metrics: str) -> dict[str, float]:
     (``mooncake_kv_connector_cost_per_token_seconds``; ``compute`` left out): the largest over the
     engine's series of a tier (one per engine process)."""
     out: dict[str, float] = {}
-    for m in _COST_LINE.finditer(metrics):
-        tier, value = m.group(1), float(m.group(2))
-        if tier != "compute":
+    for labels, value in _samples(metrics, COST_PER_TOKEN):
+        tier = labels.get("tier", "")
+        if tier and tier != "compute":
             out[tier] = max(value, out.get(tier, 0.0))
     return out
-
-
-_COST_LINE = re.compile(r'^mooncake_kv_connector_cost_per_token_seconds\{[^}]*tier="([^"]+)"[^}]*\} '
-                        r"([0-9.eE+-]+)$", re.MULTILINE)
 
 
 class _Unreachable(Exception):

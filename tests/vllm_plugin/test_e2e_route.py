@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from tests.ports import free_ports
+from tests.store_backend.node.server_harness import wait_until
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine, store_section
 from tests.vllm_plugin.disagg_cluster import stop, wait_healthy
 from tests.vllm_plugin.tiny_model import write_tokenizer
@@ -100,16 +101,6 @@ def _complete(port: int, tokens: list[int], max_tokens: int = MAX_TOKENS) -> tup
                         "ignore_eos": True, "return_token_ids": True})
 
 
-def _wait(cond: Any, what: str, logs: list[Path]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)  # poll interval; the loop has a deadline
-    tails = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
 def _running(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -134,16 +125,15 @@ def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             wait_healthy(f"http://127.0.0.1:{ports[n]}", procs, [logs["a"], logs["b"]])
         procs.append(_router(work, "router", ports["router"], ports))
         rp = ports["router"]
-        _wait(lambda: _ok(rp, "/health"), "the router's /health", list(logs.values()))
-        all_logs = list(logs.values())
+        wait_until(lambda: _ok(rp, "/health"), WAIT_S, "the router's /health")
 
         # 1. The first prompt, then its continuation: to the instance that holds the prefix.
         out["first"] = _complete(rp, P1)
         holder = _get(rp, "/router/decisions")[-1]["choice"]
         out["holder"] = holder
         src = _get(rp, "/router/status")["index"]["sources"]
-        _wait(lambda: _get(rp, "/router/status")["index"]["sources"][holder]["blocks"].get("GPU", 0) > 0,
-              f"the index to hold {holder}'s GPU blocks (sources {src})", all_logs)
+        wait_until(lambda: _get(rp, "/router/status")["index"]["sources"][holder]["blocks"].get("GPU", 0) > 0,
+                   WAIT_S, f"the index to hold {holder}'s GPU blocks (sources {src})")
         out["follow"] = _complete(rp, FOLLOW)
         out["follow_decision"] = _get(rp, "/router/decisions")[-1]
 
@@ -154,8 +144,8 @@ def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         out["chat"] = [_post(rp, CHAT, "/v1/chat/completions")]
         out["chat_decisions"] = [_get(rp, "/router/decisions")[-1]]
         chat_holder = out["chat_decisions"][0]["choice"]
-        _wait(lambda: _get(rp, "/router/status")["index"]["sources"][chat_holder]["blocks"].get("GPU", 0)
-              > gpu_before[chat_holder], "the index to hold the chat's blocks", all_logs)
+        wait_until(lambda: _get(rp, "/router/status")["index"]["sources"][chat_holder]["blocks"].get("GPU", 0)
+                   > gpu_before[chat_holder], WAIT_S, "the index to hold the chat's blocks")
         out["chat"].append(_post(rp, CHAT, "/v1/chat/completions"))
         out["chat_decisions"].append(_get(rp, "/router/decisions")[-1])
         out["text"] = _post(rp, {"model": "tiny", "prompt": TEXT, "max_tokens": 4, "temperature": 0.0})
@@ -178,13 +168,13 @@ def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         out["stream_running"] = _running(ports[stream_choice])
         resp.close()
         t0 = time.monotonic()
-        _wait(lambda: _running(ports[stream_choice]) == 0, "the engine to drop the abandoned request", all_logs)
+        wait_until(lambda: _running(ports[stream_choice]) == 0, WAIT_S, "the engine to drop the abandoned request")
         out["abort_s"] = time.monotonic() - t0
         out["abandoned"] = _get(rp, "/router/decisions")[-1]
 
         # 4. A router whose SLO no instance can meet.
         procs.append(_router(work, "strict", ports["strict"], ports, slo_ttft_s=1e-6))
-        _wait(lambda: _ok(ports["strict"], "/health"), "the strict router's /health", all_logs)
+        wait_until(lambda: _ok(ports["strict"], "/health"), WAIT_S, "the strict router's /health")
         out["strict"] = _complete(ports["strict"], P1)
         out["strict_decision"] = _get(ports["strict"], "/router/decisions")[-1]
 
@@ -197,8 +187,8 @@ def scenario(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         seen = _get(rp, "/router/decisions")[-1]["id"]
         out["after_kill"] = [_complete(rp, prompt(80 + i, 300)) for i in range(4)]
         out["after_kill_decisions"] = _get(rp, f"/router/decisions?since={seen}")
-        _wait(lambda: not _get(rp, "/router/status")["instances"][victim]["healthy"], "the victim out of rotation",
-              all_logs)
+        wait_until(lambda: not _get(rp, "/router/status")["instances"][victim]["healthy"], WAIT_S,
+                   "the victim out of rotation")
         out["out_of_rotation_s"] = time.monotonic() - killed_at
         out["status"] = _get(rp, "/router/status")
         out["status_cli"] = subprocess.run(
