@@ -117,6 +117,12 @@ def chain_hash(name: str) -> ChainHash:
         raise ValueError(f"unknown hash scheme {name!r}; known: {sorted(_CHAIN_HASHES)}") from None
 
 
+def salt_extra_key(cache_salt: str) -> str:
+    """The extra key a request's ``cache_salt`` adds to every chunk's hash (the vLLM connector's
+    and a router's query alike)."""
+    return f"salt:{cache_salt}"
+
+
 def encode_extra_keys(extra_keys: Iterable[object] | None) -> bytes:
     """Canonical bytes of a chunk's extra keys (LoRA adapter, multimodal hashes, cache salt)."""
     if not extra_keys:

@@ -43,6 +43,9 @@ _PROCS_NAMES = re.compile(r"\b(subprocess|Popen|multiprocessing|get_context|os\.
                           r"sentinel|rank_writer|node_rank|fork|BenchNodeService|spawn_service)\b")
 # Short tool runs a test (or a library under it) may make in any tier: probes and mounts, no servers.
 _TOOLS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "mount", "umount", "ldconfig", "nvidia-smi", "uname"})
+# Python modules a library runs once as a probe: vLLM inspects a model architecture in a child process
+# the first time a machine sees it (cached under ~/.cache/vllm after).
+_TOOL_MODULES = frozenset({"vllm.model_executor.models.registry"})
 # Fixtures that start processes, wherever they are used.
 _PROCS_FIXTURES = frozenset({"redis_server", "pool", "service", "redis_pool", "sentinels"})
 # Parameters that make a parametrised fixture start one (a directory contract case against Redis).
@@ -218,6 +221,8 @@ def _no_process_outside_its_tier(request: pytest.FixtureRequest) -> Iterator[Non
     def guarded_popen(self, args, *a, **kw):  # type: ignore[no-untyped-def]
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
         if argv and os.path.basename(os.fsdecode(argv[0]).split()[0]) in _TOOLS:
+            return popen_init(self, args, *a, **kw)
+        if len(argv) > 2 and os.fsdecode(argv[1]) == "-m" and os.fsdecode(argv[2]) in _TOOL_MODULES:
             return popen_init(self, args, *a, **kw)
         refuse(f"subprocess {args!r:.80}")
 

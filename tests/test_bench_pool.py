@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 
 from mooncake_kv.bench import mooncake_peer
 from mooncake_kv.cli import main

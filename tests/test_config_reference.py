@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.generated_docs import ROOT, assert_current, generator
+from tests.generated_docs import assert_current, generator
 
 
 def _generator():

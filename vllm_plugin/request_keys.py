@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from mooncake_connector.checkpoint import STAMPED_SUFFIXES, files_stamp, hub_snapshot
+from mooncake_connector.keys import salt_extra_key
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -97,7 +98,7 @@ def request_extra_keys(request: Request) -> list[str]:
         extra.append(f"lora:{lora.lora_name}:{path}:{stamp}")
     salt = getattr(request, "cache_salt", None)
     if salt:
-        extra.append(f"salt:{salt}")
+        extra.append(salt_extra_key(salt))
     return extra
 
 

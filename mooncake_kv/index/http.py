@@ -4,8 +4,9 @@
   first snapshot).
 - ``GET /sources``: per source, its endpoint, url, subscription counters and blocks per medium.
 - ``POST /query`` with one of
-  ``{"token_ids": [...], "extra_keys": [...]?, "fingerprints": [...]?, "lora_name": s?}`` (a
-  prompt, hashed as the connector hashes it and keyed by tokens as the engines' events are),
+  ``{"token_ids": [...], "extra_keys": [...]?, "fingerprints": [...]?, "lora_name": s?,
+  "cache_salt": s?}`` (a prompt, hashed as the connector hashes it and keyed by tokens as the
+  engines' events are; see ``KVIndex.query_tokens``),
   ``{"keys": [...]}`` (store object keys) or ``{"block_hashes": [...]}`` (vLLM block hashes as
   ints, or strings for bytes): ``{"longest_matched": n, "longest_matched_tokens": t,
   "chunk_tokens": c, "instances": {name: {"matched", "matched_tokens", "unit_tokens", "by_medium":
@@ -31,6 +32,7 @@ class QueryBody(msgspec.Struct, forbid_unknown_fields=True):
     extra_keys: list[str] | None = None
     fingerprints: list[str] | None = None
     lora_name: str | None = None
+    cache_salt: str | None = None
     keys: list[str] | None = None
     block_hashes: list[int | str] | None = None
 
@@ -59,7 +61,7 @@ def make_app(index: KVIndex) -> web.Application:
             if any(not -2**63 <= t < 2**63 for t in body.token_ids):
                 return _json({"error": "bad query: token_ids must be 64-bit integers"}, 400)
             result = index.query_tokens(body.token_ids, extra_keys=body.extra_keys, fingerprints=body.fingerprints,
-                                        lora_name=body.lora_name)
+                                        lora_name=body.lora_name, cache_salt=body.cache_salt)
         elif body.keys is not None:
             result = index.query_keys(body.keys)
         else:

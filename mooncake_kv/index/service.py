@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from mooncake_connector.keys import as_int64, chunk_hashes, hash_scheme_names, object_key
+from mooncake_connector.keys import as_int64, chunk_hashes, hash_scheme_names, object_key, salt_extra_key
 from mooncake_kv.index.state import BlockHash, IndexState, SourceMatch, medium_of
 from mooncake_kv.index.tokens import TokenKeys, prompt_keys
 from store_backend.events.subscriber import SourceConfig, Subscriber
@@ -172,20 +172,31 @@ class KVIndex:
         return self.query_blocks([k.encode() for k in keys])
 
     def query_tokens(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] | None = None,
-                     fingerprints: Sequence[str] | None = None, lora_name: str | None = None) -> QueryResult:
+                     fingerprints: Sequence[str] | None = None, lora_name: str | None = None,
+                     cache_salt: str | None = None) -> QueryResult:
         """For a prompt: its full chunks hashed as the connector hashes them, looked up under each
         of ``fingerprints`` (None: every digest the index has seen), and its whole blocks keyed by
-        tokens (``mooncake_kv.index.tokens``, with ``lora_name``) for every block size the engines'
-        events use. Each source's answer is its longest."""
+        tokens (``mooncake_kv.index.tokens``, with ``lora_name`` and ``cache_salt`` as vLLM's events
+        carry them) for every block size the engines' events use. Each source's answer is its
+        longest.
+
+        ``extra_keys``: the chunks' extra keys as the connector hashes them, given whole. Without
+        them the chunk hashes carry ``cache_salt``; a request with ``lora_name`` is then matched by
+        tokens only, because the connector's keys for an adapter carry its path and a stamp of its
+        files, which a query cannot know (its chunks' events name them by tokens too)."""
         tokens = as_int64(token_ids)
+        if extra_keys is None and cache_salt:
+            extra_keys = [salt_extra_key(cache_salt)]
+        by_chunks = extra_keys is not None or not lora_name
         hashes = chunk_hashes(tokens, self.config.chunk_tokens, extra_keys=extra_keys,
-                              scheme=self.config.hash_scheme)
+                              scheme=self.config.hash_scheme) if by_chunks else []
         ct = self.config.chunk_tokens
         with self._lock:
             digests = sorted(self._digests) if fingerprints is None else list(fingerprints)
-            found = [(d, ct, self._state.match([object_key(d, h).encode() for h in hashes])) for d in digests]
+            found = [(d, ct, self._state.match([object_key(d, h).encode() for h in hashes]))
+                     for d in digests] if hashes else []
             sizes = list(self._tokens.block_sizes)
-        by_tokens = [(bs, prompt_keys(tokens, bs, lora_name)) for bs in sizes]
+        by_tokens = [(bs, prompt_keys(tokens, bs, lora_name, cache_salt)) for bs in sizes]
         if by_tokens:
             with self._lock:
                 found += [("", bs, self._state.match(keys)) for bs, keys in by_tokens]

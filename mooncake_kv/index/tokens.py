@@ -60,10 +60,28 @@ def chain(parent: bytes | None, tokens: np.ndarray, block_size: int, lora_name: 
     return out
 
 
-def prompt_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None) -> list[bytes]:
-    """The token keys of a prompt's whole blocks of ``block_size`` tokens (no extra keys)."""
+def event_extra_keys(n_blocks: int, lora_name: str | None = None,
+                     cache_salt: str | None = None) -> list[tuple[str, ...] | None] | None:
+    """The per-block extra keys vLLM's events carry for a text prompt of ``n_blocks`` blocks
+    (``generate_block_hash_extra_keys`` then ``to_event_extra_keys``, vLLM 0.32): every block names
+    the LoRA adapter; the first also the cache salt, after it. None when there are none.
+    Multimodal items and prompt embeddings also enter them; a router cannot know those from token
+    ids, so such prompts are not matched by tokens."""
+    lora = (lora_name,) if lora_name else ()
+    first = lora + ((cache_salt,) if cache_salt else ())
+    if not first or n_blocks <= 0:
+        return None
+    return [first] + [lora or None] * (n_blocks - 1)
+
+
+def prompt_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None,
+                cache_salt: str | None = None) -> list[bytes]:
+    """The token keys of a prompt's whole blocks of ``block_size`` tokens, as a vLLM engine's events
+    key them for a request with ``lora_name`` (the adapter's name as the engine serves it) and
+    ``cache_salt`` (:func:`event_extra_keys`)."""
     tokens = np.asarray(token_ids, dtype=np.int64)
-    return chain(None, tokens, block_size, lora_name)
+    return chain(None, tokens, block_size, lora_name,
+                 event_extra_keys(len(tokens) // block_size, lora_name, cache_salt))
 
 
 class TokenKeys:

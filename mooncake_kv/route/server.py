@@ -240,13 +240,17 @@ class Router:
 
     def _query(self, tokens: list[int] | None, body: dict[str, Any]) -> tuple[QueryResult | None, bool]:
         """The index's answer (None: no index or no tokens) and whether the index failed. A request
-        naming a LoRA adapter an instance serves is looked up under the adapter's name."""
+        naming a LoRA adapter an instance serves is looked up under the adapter's name, one with a
+        ``cache_salt`` under its salt (as vLLM keys its blocks)."""
         if self.index is None or not tokens:
             return None, False
         model = body.get("model")
         lora = model if isinstance(model, str) and model in self.state.adapters else None
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         try:
-            return self.index.query_tokens(tokens, fingerprints=self.config.fingerprints, lora_name=lora), False
+            return self.index.query_tokens(tokens, fingerprints=self.config.fingerprints, lora_name=lora,
+                                           cache_salt=salt), False
         except Exception:  # noqa: BLE001 (routing goes on without the index)
             self.metrics.index_errors.inc()
             if not self._warned_index:

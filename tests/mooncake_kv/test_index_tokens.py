@@ -18,12 +18,21 @@ from store_backend.events.wire import AllBlocksCleared, BlockRemoved, BlockStore
 BS = 16
 
 
+def _vllm_extra(block: int, lora: str | None, salt: str | None) -> list[str] | None:
+    """vLLM 0.32's event extra keys of a text block (written out here from its
+    ``generate_block_hash_extra_keys`` and ``to_event_extra_keys``; the connector's test pins them
+    to vLLM's own functions): every block the LoRA name, the first block then the cache salt."""
+    keys = ([lora] if lora else []) + ([salt] if salt and block == 0 else [])
+    return keys or None
+
+
 def _blocks(prompt: list[int], first: int, n: int, hashes: list[int], medium: str = "GPU",
-            lora: str | None = None) -> BlockStored:
+            lora: str | None = None, salt: str | None = None) -> BlockStored:
     """Blocks ``first``..``first+n-1`` of ``prompt``, as vLLM describes them (its own hashes)."""
+    extra = [_vllm_extra(b, lora, salt) for b in range(first, first + n)]
     return BlockStored(block_hashes=hashes[first:first + n], parent_block_hash=hashes[first - 1] if first else None,
                        token_ids=prompt[first * BS:(first + n) * BS], block_size=BS, lora_id=None, medium=medium,
-                       lora_name=lora)
+                       lora_name=lora, extra_keys=extra if any(extra) else None)
 
 
 def _batch(*events: object) -> KVEventBatch:
@@ -86,20 +95,26 @@ def test_an_event_whose_parent_is_unknown_or_undescribed_is_not_keyed() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(prompt=st.lists(st.integers(0, 2**31), min_size=BS, max_size=6 * BS), cut=st.integers(1, 6),
-       lora=st.none() | st.text(min_size=1, max_size=5))
-def test_events_cut_anywhere_key_the_blocks_as_the_prompt_does(prompt: list[int], cut: int, lora: str | None) -> None:
-    """However an engine splits a prompt's blocks into events, the chained keys are the prompt's."""
+       lora=st.none() | st.text(min_size=1, max_size=5), salt=st.none() | st.text(min_size=1, max_size=5))
+def test_events_cut_anywhere_key_the_blocks_as_the_prompt_does(prompt: list[int], cut: int, lora: str | None,
+                                                              salt: str | None) -> None:
+    """However an engine splits a prompt's blocks into events, the chained keys are the prompt's,
+    under its LoRA name and cache salt only."""
     n = len(prompt) // BS
     hashes = list(range(100, 100 + n))
     index = _index()
     try:
         first = min(cut, n)
-        index.apply("e", _batch(_blocks(prompt, 0, first, hashes, lora=lora)))
+        index.apply("e", _batch(_blocks(prompt, 0, first, hashes, lora=lora, salt=salt)))
         if first < n:
-            index.apply("e", _batch(_blocks(prompt, first, n - first, hashes, lora=lora)))
-        got = index.query_tokens(prompt, lora_name=lora).instances["e"]
+            index.apply("e", _batch(_blocks(prompt, first, n - first, hashes, lora=lora, salt=salt)))
+        got = index.query_tokens(prompt, lora_name=lora, cache_salt=salt).instances["e"]
         assert got.matched_tokens == n * BS and got.tokens_by_medium == {"GPU": n * BS}
-        assert len(prompt_keys(prompt, BS, lora)) == n
+        assert len(prompt_keys(prompt, BS, lora, salt)) == n
+        # Another salt (or none where there was one, or one where there was none) matches nothing.
+        assert index.query_tokens(prompt, lora_name=lora, cache_salt=(salt or "") + "x").instances == {}
+        if salt:
+            assert index.query_tokens(prompt, lora_name=lora).instances == {}
     finally:
         index.close()
 
@@ -117,5 +132,32 @@ def test_blocks_of_locality_remote_are_held_as_remote() -> None:
         assert got.tokens_by_medium == {"GPU": 2 * BS, "REMOTE": 2 * BS}
         index.apply("e", _batch(BlockRemoved(block_hashes=hashes[2:], medium="CPU", locality="REMOTE")))
         assert index.query_tokens(prompt).instances["e"].tokens_by_medium == {"GPU": 2 * BS}
+    finally:
+        index.close()
+
+
+def test_store_chunks_of_a_salted_prompt_match_its_salt_only() -> None:
+    """A node service's events name store objects (``<digest>/<chunk hash>``), hashed by the
+    connector with the request's cache salt among the extra keys: a query with the same salt finds
+    them, without it or with another it does not. A query naming a LoRA adapter does not look the
+    chunk keys up (an adapter's keys carry its files' stamp), so the base model's chunks are not
+    credited to it."""
+    from mooncake_connector.keys import chunk_hashes, object_key, salt_extra_key
+
+    digest, ct = "d" * 16, 4 * BS
+    prompt = list(range(1000, 1000 + 3 * ct))
+    index = _index()
+    try:
+        for extra in ([salt_extra_key("s1")], None):
+            keys = [object_key(digest, h).encode() for h in chunk_hashes(prompt[:2 * ct] if extra else prompt, ct,
+                                                                           extra_keys=extra)]
+            index.apply("node", _batch(BlockStored(block_hashes=keys, parent_block_hash=None, token_ids=[],
+                                                   block_size=0, lora_id=None, medium="CPU", lora_name=None)))
+        assert index.query_tokens(prompt, cache_salt="s1").instances["node"].matched_tokens == 2 * ct
+        assert index.query_tokens(prompt).instances["node"].matched_tokens == 3 * ct
+        assert index.query_tokens(prompt, cache_salt="s2").instances == {}
+        assert index.query_tokens(prompt, lora_name="ad").instances == {}
+        # Extra keys given whole are used as given.
+        assert index.query_tokens(prompt, extra_keys=[salt_extra_key("s1")]).instances["node"].matched == 2
     finally:
         index.close()

@@ -95,15 +95,23 @@ async def _lora_scenario() -> list[dict]:
                                "health_interval_s": 60}, RouterConfig)
     index = KVIndex(IndexConfig(chunk_tokens=16))  # not started: fed here as a subscription would
     prompt = list(range(100, 164))
-    index.apply("ea", KVEventBatch(ts=0.0, events=[BlockStored(
-        block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=prompt, block_size=16, lora_id=1,
-        medium="GPU", lora_name="ad1")]))
+    salted = list(range(200, 264))
+    # As vLLM 0.32 describes them: an adapter's blocks each name it in their extra keys; a salted
+    # prompt's first block names the salt.
+    index.apply("ea", KVEventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=prompt, block_size=16, lora_id=1,
+                    medium="GPU", lora_name="ad1", extra_keys=[["ad1"]] * 4),
+        BlockStored(block_hashes=[5, 6, 7, 8], parent_block_hash=None, token_ids=salted, block_size=16, lora_id=None,
+                    medium="GPU", lora_name=None, extra_keys=[["s1"], None, None, None])]))
     router = Router(config, index)
     client = TestClient(TestServer(router.app()))
     await client.start_server()
     try:
-        for model in ("ad1", "base"):
-            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt + [1], "max_tokens": 1})
+        asks = [{"model": "ad1", "prompt": prompt + [1]}, {"model": "base", "prompt": prompt + [1]},
+                {"model": "base", "prompt": salted + [1], "cache_salt": "s1"},
+                {"model": "base", "prompt": salted + [1]}, {"model": "base", "prompt": salted + [1], "cache_salt": "s2"}]
+        for ask in asks:
+            r = await client.post("/v1/completions", json={**ask, "max_tokens": 1})
             assert r.status == 200
         return await (await client.get("/router/decisions")).json()
     finally:
@@ -112,10 +120,13 @@ async def _lora_scenario() -> list[dict]:
         index.close()
 
 
-def test_a_request_naming_a_lora_adapter_is_looked_up_under_it() -> None:
+def test_a_request_is_looked_up_under_its_lora_adapter_and_cache_salt() -> None:
     """The adapters come from the instances' /v1/models (cards with a parent); a request naming one
-    finds the blocks the engine's events stored under that LoRA name; the base model's does not."""
-    with_adapter, base = asyncio.run(_lora_scenario())
+    finds the blocks the engine's events stored under that LoRA name; the base model's does not. A
+    request's ``cache_salt`` finds the blocks stored under it, and only those."""
+    with_adapter, base, salt, no_salt, other_salt = asyncio.run(_lora_scenario())
     assert with_adapter["cached"]["a"]["cached"] == {"GPU": 64} and with_adapter["choice"] == "a"
     assert with_adapter["reason"] == "local_hit"
     assert base["cached"]["a"]["cached"] == {}
+    assert salt["cached"]["a"]["cached"] == {"GPU": 64} and salt["choice"] == "a"
+    assert no_salt["cached"]["a"]["cached"] == {} and other_salt["cached"]["a"]["cached"] == {}

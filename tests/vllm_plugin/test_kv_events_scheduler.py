@@ -274,3 +274,41 @@ def test_a_chunk_found_on_another_node_is_remote_until_every_rank_keeps_it() -> 
     assert said() == [("BlockRemoved", "CPU", "LOCAL"), ("BlockStored", "CPU", "REMOTE")]
     ev.gone([h])
     assert said() == [("BlockRemoved", "CPU", "REMOTE")]
+
+
+def test_a_routers_query_finds_vllms_own_events_by_lora_and_cache_salt(make_scheduler: Any) -> None:
+    """vLLM's own block pool (GPU) and the connector (CPU) describe a request with a LoRA adapter
+    and a cache salt; the index keys both through vLLM's wire format, and a query naming the same
+    adapter and salt (``prompt_keys``, as the router asks) matches every block of the prompt, in
+    both media. Another salt, no salt, or no adapter match nothing."""
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+    from vllm.v1.core.block_pool import BlockPool
+
+    from mooncake_kv.index.service import IndexConfig, KVIndex
+    from store_backend.events.wire import AllBlocksCleared, KVEventBatch, decode_batch
+
+    lora = LoRARequest("ad", 3, "/nonexistent")
+    tokens = prompt(11, 2 * CHUNK_TOKENS + 5)
+    req = Request("s", tokens, SamplingParams(max_tokens=4), None, lora_request=lora, cache_salt="tenant-1",
+                  block_hasher=get_request_block_hasher(BLOCK, HASH_FN))
+    n_blocks = len(tokens) // BLOCK
+    pool = BlockPool(n_blocks + 4, enable_caching=True, hash_block_size=BLOCK, enable_kv_cache_events=True)
+    pool.cache_full_blocks(req, pool.get_new_blocks(n_blocks), 0, n_blocks, BLOCK, 0)
+    sched = make_scheduler()
+    _land_all(sched, _first_step(sched, req, list(range(10, 10 + n_blocks))))
+    wire = msgspec.msgpack.Encoder()
+    index = KVIndex(IndexConfig(chunk_tokens=CHUNK_TOKENS))
+    try:
+        for events in (pool.take_events(), sched.take_events()):
+            assert events
+            index.apply("engine", decode_batch(wire.encode(VllmBatch(ts=0.0, events=events))))
+        got = index.query_tokens(tokens, lora_name="ad", cache_salt="tenant-1").instances["engine"]
+        assert got.matched_tokens == n_blocks * BLOCK
+        assert got.tokens_by_medium == {"GPU": n_blocks * BLOCK}  # each block counted in its fastest medium
+        index.apply("engine", KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))  # the GPU's gone: the chunks stay
+        got = index.query_tokens(tokens, lora_name="ad", cache_salt="tenant-1").instances["engine"]
+        assert got.tokens_by_medium == {"CPU": 2 * CHUNK_TOKENS}
+        for lora_name, salt in (("ad", "tenant-2"), ("ad", None), (None, "tenant-1"), (None, None)):
+            assert index.query_tokens(tokens, lora_name=lora_name, cache_salt=salt).instances == {}, (lora_name, salt)
+    finally:
+        index.close()
