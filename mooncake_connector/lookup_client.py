@@ -195,6 +195,13 @@ class ShardLookups(Protocol):
         """:meth:`exists_all` once every key is stored (committed) or ``timeout_s`` passed."""
         ...
 
+    def wait_remote(self, key_lists: Sequence[Sequence[str]], node: str, timeout_s: float, *,
+                    address: str = "", transfer_id: str = "") -> int:
+        """:meth:`exists_all` once pool node ``node`` (a prefill node) has committed every key, or
+        ``timeout_s`` passed: the readiness signal of a transfer across nodes (a long-poll on
+        that node, woken by its commits). Where there is no pool: :meth:`wait_stored`."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -230,6 +237,10 @@ class RankLookups:
         # A worker's lookup server cannot wait for another process's saves: look once.
         return self.exists_all(key_lists)
 
+    def wait_remote(self, key_lists: Sequence[Sequence[str]], node: str, timeout_s: float, *,
+                    address: str = "", transfer_id: str = "") -> int:
+        return self.wait_stored(key_lists, timeout_s)  # embedded mode has no pool
+
     def close(self) -> None:
         for c in self.clients:
             c.close()
@@ -245,6 +256,9 @@ class NodeIndex(Protocol):
     def pin(self, keys: Sequence[str], ttl_s: float = 30.0) -> list[bool]: ...
 
     def tier_of(self, keys: Sequence[str]) -> list[str | None]: ...
+
+    def wait_peer(self, node: str, keys: Sequence[str], wait_s: float, *, address: str = "",
+                  transfer_id: str = "") -> int: ...
 
 
 class NodeLookups:
@@ -307,6 +321,19 @@ class NodeLookups:
             except (OSError, RuntimeError) as e:
                 self._failed("exists", e)
                 return 0
+        return self.exists_all(key_lists)
+
+    def wait_remote(self, key_lists: Sequence[Sequence[str]], node: str, timeout_s: float, *,
+                    address: str = "", transfer_id: str = "") -> int:
+        flat = [k for keys in key_lists for k in keys]
+        if flat and timeout_s > 0:
+            try:
+                self.store.wait_peer(node, flat, timeout_s, address=address, transfer_id=transfer_id)
+            except (OSError, RuntimeError, ValueError) as e:  # gone, or a service without a pool
+                self._failed("wait_peer", e)
+                logger.warning("transfer %s: waiting on pool node %s failed (%s: %s); waiting in this node's "
+                               "service instead", transfer_id or "-", node, type(e).__name__, e)
+                return self.wait_stored(key_lists, timeout_s)
         return self.exists_all(key_lists)
 
     def close(self) -> None:

@@ -87,6 +87,11 @@ DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 REMOTE_PREFIX_TOKENS = "remote_prefix_tokens"
 REMOTE_FINGERPRINT = "remote_fingerprint"
+# Across nodes (both instances attached to node services of one pool): the prefill node's pool id
+# and transport address, and an id naming the transfer; decode waits on that node for the chunks.
+REMOTE_NODE = "remote_node"
+REMOTE_POOL_ADDRESS = "remote_pool_address"
+TRANSFER_ID = "transfer_id"
 # A finished disaggregated-prefill request releases its blocks after this many failed saves while it
 # waited (its decode instance then computes what is missing after remote_prefill_wait_s).
 MAX_FINISH_RETRIES = 3
@@ -232,6 +237,19 @@ class SchedulerSide:
         head = self.lookups.wait_stored([keys[:wanted] for keys in key_lists], deadline - time.monotonic())
         return self.lookups.exists_all(key_lists) if head >= wanted and len(key_lists[0]) > wanted else head
 
+    def _wait_remote_node(self, key_lists: list[list[str]], wanted: int, deadline: float, node: str,
+                          address: str, transfer_id: str) -> int:
+        """Remote-wait thread (node mode, across nodes): the leading chunks present once the
+        prefill node ``node`` has committed the first ``wanted`` chunks of every shard (a long-poll
+        on that node, answered by its commits), or at ``deadline`` (monotonic)."""
+        return self.lookups.wait_remote([keys[:wanted] for keys in key_lists], node, deadline - time.monotonic(),
+                                        address=address, transfer_id=transfer_id) if wanted else 0
+
+    def _pool_node(self) -> str:
+        """This instance's node service's pool node id ("" : embedded mode, or no pool)."""
+        welcome = self._node_store.welcome if self._node_store is not None else None
+        return welcome.pool_node if welcome is not None else ""
+
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
     def track(self, request: Request) -> TrackedRequest:
         """The state of live ``request``, tracked from now if it is new."""
@@ -249,7 +267,14 @@ class SchedulerSide:
         if max_chunks > 0 and (t.lookup is None or t.lookup_chunks != max_chunks):
             keys = self.object_keys(self._hashes_upto(t, max_chunks))
             want_remote = min(t.remote_chunks, max_chunks)
-            if self._wait_pool is not None and want_remote and time.monotonic() < t.remote_deadline:
+            mine = self._pool_node()
+            if (self._wait_pool is not None and want_remote and time.monotonic() < t.remote_deadline
+                    and t.remote_node and mine and t.remote_node != mine):
+                t.lookup = self._wait_pool.submit(self._wait_remote_node, keys, want_remote, t.remote_deadline,
+                                                  t.remote_node, t.remote_address, t.transfer_id)
+                t.remote_waited = True
+                self.counters["remote_node_waits"] = self.counters.get("remote_node_waits", 0) + 1
+            elif self._wait_pool is not None and want_remote and time.monotonic() < t.remote_deadline:
                 t.lookup = self._wait_pool.submit(self._wait_remote, keys, want_remote, t.remote_deadline)
                 self.counters["remote_waits"] = self.counters.get("remote_waits", 0) + 1
             else:
@@ -280,7 +305,15 @@ class SchedulerSide:
             self.counters["ask_later"] += 1
             return None, False
         want_remote = min(t.remote_chunks, max_chunks)
-        if hit < want_remote and time.monotonic() < t.remote_deadline:
+        if hit < want_remote and t.remote_waited:
+            # The prefill node answered (at its commits, its deadline, or failing to be asked): what
+            # it has not committed is not coming; the rest is computed here.
+            self.counters["remote_waits_short"] = self.counters.get("remote_waits_short", 0) + 1
+            logger.warning("transfer %s: %d of %d chunks came from pool node %s; computing the rest",
+                           t.transfer_id or request.request_id, hit, want_remote, t.remote_node)
+            t.remote_deadline = 0.0
+            t.remote_waited = False
+        elif hit < want_remote and time.monotonic() < t.remote_deadline:
             # The prefill instance's saves may still be on their way: look again (node mode: a
             # lookup that waits in the service until they are committed, or the deadline; it
             # answers early only when the service bounds its waits).
@@ -347,6 +380,10 @@ class SchedulerSide:
         if params.get(DO_REMOTE_PREFILL) and params.get(REMOTE_FINGERPRINT) in (None, self.shard_digests[0]):
             t.remote_chunks = int(params.get(REMOTE_PREFIX_TOKENS, 0)) // self.chunk_tokens
             t.remote_deadline = time.monotonic() + self.cfg.remote_prefill_wait_s
+            node, address, transfer = params.get(REMOTE_NODE), params.get(REMOTE_POOL_ADDRESS), params.get(TRANSFER_ID)
+            t.remote_node = node if isinstance(node, str) else ""
+            t.remote_address = address if isinstance(address, str) else ""
+            t.transfer_id = transfer if isinstance(transfer, str) else ""
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         t = self._reqs.get(request.request_id)
@@ -570,12 +607,18 @@ class SchedulerSide:
         if delay:
             t.block_ids = list(block_ids)
             self._finishing[request.request_id] = t
-        return delay, {
+        params_out: dict[str, Any] = {
             DO_REMOTE_PREFILL: True,
             DO_REMOTE_DECODE: False,
             REMOTE_PREFIX_TOKENS: max(t.saved_chunks, final_chunks) * self.chunk_tokens,
             REMOTE_FINGERPRINT: self.shard_digests[0],
         }
+        node = self._pool_node()
+        if node:
+            welcome = self._node_store.welcome if self._node_store is not None else None
+            params_out.update({REMOTE_NODE: node, TRANSFER_ID: request.request_id,
+                               REMOTE_POOL_ADDRESS: welcome.pool_address if welcome is not None else ""})
+        return delay, params_out
 
     def _final_chunks(self, t: TrackedRequest, block_ids: list[int]) -> int:
         """The chunks a request that just finished while decoding with draft KV has computed for

@@ -21,7 +21,8 @@ class TrackedRequest:
 
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
                  "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
-                 "load_sources", "pin_from", "pin_tiers", "pin_at")
+                 "load_sources", "pin_from", "pin_tiers", "pin_at", "remote_node", "remote_address",
+                 "transfer_id", "remote_waited")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -37,6 +38,12 @@ class TrackedRequest:
         self.plan_loads: list[ChunkLoad] = []
         self.remote_chunks = 0  # chunks a prefill instance promised (disaggregated decode)
         self.remote_deadline = 0.0
+        # Across nodes: the prefill node's pool id and address, and the transfer's id (its params);
+        # remote_waited: a wait on that node was started (it answers once: no asking again).
+        self.remote_node = ""
+        self.remote_address = ""
+        self.transfer_id = ""
+        self.remote_waited = False
         self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
         # The hit last reported to vLLM, pinned in the store when reported: chunks [pin_from,
         # pin_from + len(pin_tiers)), each one's tier, and when (monotonic) the pins were taken.

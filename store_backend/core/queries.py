@@ -76,9 +76,11 @@ class StoreQueries:
         with self._call():
             return self._present(keys, count_reserved=False)[0]
 
-    def _present(self, keys: Sequence[str], *, count_reserved: bool) -> tuple[list[bool], int]:
-        """(call held, lock not held) Presence per key in any tier, and the store's commit count
-        read before DRAM was looked at. ``count_reserved``: an entry being written counts."""
+    def _present(self, keys: Sequence[str], *, count_reserved: bool,
+                 local_only: bool = False) -> tuple[list[bool], int]:
+        """(call held, lock not held) Presence per key in any tier (``local_only``: this node's),
+        and the store's commit count read before DRAM was looked at. ``count_reserved``: an entry
+        being written counts."""
         with self._lock:
             if count_reserved:
                 self._expire_slots()  # an expired reservation is a save that will not land
@@ -88,7 +90,8 @@ class StoreQueries:
                    and (count_reserved or e.state is EntryState.READY) for k in keys]
         rest = [i for i, hit in enumerate(out) if not hit and check_key(keys[i]) is None]
         if rest and self._below:
-            for i, hit in zip(rest, self._on_below([keys[i] for i in rest])):
+            tiers = self._local_tiers() if local_only else None
+            for i, hit in zip(rest, self._on_below([keys[i] for i in rest], tiers)):
                 out[i] = hit
         return out, commits
 
@@ -101,19 +104,21 @@ class StoreQueries:
             n += 1
         return n
 
-    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0) -> int:
+    def exists(self, keys: Sequence[str], *, count_reserved: bool = False, wait_s: float = 0.0,
+               local_only: bool = False) -> int:
         """Number of leading keys present (for prefix-chained keys: the reusable prefix length).
 
         ``count_reserved``: a key reserved and not yet committed (a save in flight) counts as
         present. ``wait_s`` > 0: when not all keys are present, wait (blocking, up to ``wait_s``)
         for commits until they are, then answer what is present at that moment (fewer at the
-        deadline). ``wait_s`` outside [0, ``MAX_PIN_TTL_S``]: ValueError naming it."""
+        deadline). ``wait_s`` outside [0, ``MAX_PIN_TTL_S``]: ValueError naming it.
+        ``local_only``: this node's tiers only (not what the pool's other nodes hold)."""
         check_batch(keys)
         check_wait_s("wait_s", wait_s)
         until = time.monotonic() + wait_s
         while True:
             with self._call():
-                hits, commits = self._present(keys, count_reserved=count_reserved)
+                hits, commits = self._present(keys, count_reserved=count_reserved, local_only=local_only)
             n = self._leading(hits)
             if n == len(keys) or wait_s <= 0:
                 return n
@@ -214,8 +219,9 @@ class StoreQueries:
                 return DramSnapshot(self._dram.used_bytes, self._dram.capacity_bytes,
                                     {e.key: self._dram.facts(e) for e in picked})
 
-    def size_of(self, keys: Sequence[str]) -> list[int | None]:
-        """Each object's size in bytes, or None when it is stored nowhere."""
+    def size_of(self, keys: Sequence[str], *, local_only: bool = False) -> list[int | None]:
+        """Each object's size in bytes, or None when it is stored nowhere (``local_only``: on no
+        tier of this node)."""
         check_batch(keys)
         with self._call():
             with self._lock:
@@ -225,6 +231,7 @@ class StoreQueries:
                     out.append(None if e is None else e.size)
             rest = [i for i, s in enumerate(out) if s is None and check_key(keys[i]) is None]
             if rest and self._below:
-                for i, (size, _tier) in zip(rest, self._ask_below("size_of", [keys[i] for i in rest], None)):
+                tiers = self._local_tiers() if local_only else None
+                for i, (size, _tier) in zip(rest, self._ask_below("size_of", [keys[i] for i in rest], None, tiers)):
                     out[i] = size
             return out

@@ -105,6 +105,29 @@ class ClientQueries:
             return 0
         return self._call(body, self._failed_lookup(0))
 
+    def wait_peer(self, node: str, keys: Sequence[str], wait_s: float, *, address: str = "",
+                  transfer_id: str = "") -> int:
+        """Wait (up to ``wait_s``) until pool node ``node`` has committed every key, and answer the
+        leading keys it holds then (read from it first from now on): see
+        :class:`store_backend.node.protocol.WaitPeer`. 0 when the service cannot be asked;
+        :class:`NodeError` (``bad_request``) when it has no pool."""
+        ok = _check_keys(keys)
+        check_wait_s("wait_s", wait_s)
+        keys = list(keys)[:_leading(ok)]
+        if not keys:
+            return 0
+
+        def body(conn: Connection) -> int:
+            conn.waiting = True
+            try:
+                reply = self._ask(conn, lambda rid: p.WaitPeer(rid, node, keys, wait_s, address, transfer_id),
+                                  p.Count, self.op_timeout_s + wait_s)
+            finally:
+                conn.waiting = False
+            return max(0, min(reply.n, len(keys)))
+
+        return self._call(body, self._failed_lookup(0))
+
     def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
         """The shortest leading run stored over several key lists (every TP rank's keys of one
         prompt) in one round trip; 0 when the service cannot be asked."""

@@ -54,7 +54,8 @@ class ServiceHandlers:
             m.id, p.PROTOCOL_VERSION, os.getpid(), c.conn_id, self._segment_id, self.segment.nbytes,
             self.segment.alignment_bytes, MAX_FRAME_BYTES, MAX_PIN_TTL_S,
             ["dram", *(["ssd"] if ssd else []), *(["pool"] if self.config.pool is not None else [])],
-            ssd.path if ssd else None, self.config.verify_reads, self.config.store.offload.put_wait_s)
+            ssd.path if ssd else None, self.config.verify_reads, self.config.store.offload.put_wait_s,
+            self.pool.node_id if self.pool is not None else "", self.pool.address if self.pool is not None else "")
         if not m.want_segment:
             if not self._draining:
                 return welcome
@@ -464,6 +465,17 @@ class ServiceHandlers:
         lost = report.lost_untracked + len(report.unpersisted) - len(first)
         return p.FlushResult(m.id, report.ok, first, report.declined, lost)
 
+    async def _on_wait_peer(self, c: ServiceConn, m: p.WaitPeer) -> p.Frame:
+        tier = self._pool_tier
+        if tier is None or self.pool is None:
+            raise ValueError("this node service has no pool (config section `pool`): it cannot wait on a peer")
+        check_wait_s("wait_s", m.wait_s)
+        if not m.node:
+            raise ValueError("node: empty (name the pool node that holds the keys)")
+        n = await self._blocking(c, tier.wait_at, m.node, m.keys, m.wait_s, address=m.address)
+        logger.debug("transfer %s: %d of %d keys committed on %s", m.transfer_id or "-", n, len(m.keys), m.node)
+        return p.Count(m.id, n)
+
     async def _on_stats(self, c: ServiceConn, m: p.Stats) -> p.Frame:
         assert self.store is not None
         whole = self.store.stats()
@@ -486,4 +498,5 @@ class ServiceHandlers:
         p.Reserve: _on_reserve, p.Commit: _on_commit, p.Abort: _on_abort, p.Lease: _on_lease,
         p.Release: _on_release, p.Remove: _on_remove, p.Keys: _on_keys, p.Flush: _on_flush,
         p.Stats: _on_stats, p.Shutdown: _on_shutdown, p.Goodbye: _on_goodbye, p.Forget: _on_forget,
+        p.WaitPeer: _on_wait_peer,
     }

@@ -178,6 +178,21 @@ class Flush(_Frame, tag="flush"):
     timeout_s: float | None = None
 
 
+class WaitPeer(_Frame, tag="wait_peer"):
+    """Wait (up to ``wait_s``) until the pool node ``node`` has committed every key (a prefill
+    node's saves, named by the decode request's transfer parameters), then answer :class:`Count`:
+    the leading keys it holds. Those are read from ``node`` first from then on (see
+    ``store_backend.pool.tier.PoolTier.wait_at``). ``address``: the node's pool address ("" : the
+    directory's). A service without a pool answers ``bad_request``."""
+
+    id: int
+    node: str
+    keys: list[str]
+    wait_s: float
+    address: str = ""
+    transfer_id: str = ""
+
+
 class Stats(_Frame, tag="stats"):
     """``mine``: this connection's own counters rather than the whole store's."""
 
@@ -229,6 +244,8 @@ class Welcome(_Frame, tag="welcome"):
     ssd_path: str | None = None
     verify_reads: bool = False  # objects carry their writer's checksum; clients verify by default
     put_wait_s: float = 0.0  # the longest a reserve with room_wait_s None waits for room
+    pool_node: str = ""  # this node's id in its pool ("": no pool)
+    pool_address: str = ""  # its pool transport address, as its peers reach it
 
 
 class Count(_Frame, tag="count"):
@@ -366,7 +383,7 @@ class Error(_Frame, tag="error"):
 
 
 Request = Union[Hello, Exists, ExistsAll, Contains, SizeOf, TierOf, Pin, Unpin, Reserve, Commit, Abort,
-                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye, Forget]
+                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye, Forget, WaitPeer]
 Reply = Union[Welcome, Count, Bools, Sizes, Names, Ack, Slots, Statuses, KeyPage, FlushResult, StatsReply,
               Draining, Error]
 Frame = Union[Request, Reply]

@@ -19,6 +19,11 @@ order and sizes the header names. Exchanges (``req`` numbers a request; its answ
   > 0 (a retried remove: the wall-clock seconds, on the remover's clock, at which the remove was
   made) limits it to copies not known to be committed after that time (see
   :meth:`store_backend.pool.transport.Transport.remove`).
+- wait: ``wait`` (keys, ``wait_s``) -> ``wait_reply`` (statuses: OK for each of the leading keys
+  committed on the server's own tiers, NOT_FOUND from the first that is not; sizes: the OK
+  objects' sizes, 0 for the others), sent as soon as every key is committed there, or when
+  ``wait_s`` (at most :data:`MAX_WAIT_S`) passed: the readiness signal a decode node waits on for a
+  prefill node's saves.
 - ``error`` (error text) answers anything the peer refuses; the connection is closed after it.
 - Handshake (:mod:`store_backend.pool.auth`): ``auth_ok`` carries the server's proof. Every frame
   after it ends with a :data:`TAG_BYTES` tag, and payload checksums are keyed (:class:`Session`).
@@ -63,8 +68,10 @@ _RETIME_S = 0.05
 TAG_BYTES = 32
 
 OPS = ("get", "get_reply", "get_ack", "get_end", "put", "put_accept", "put_end", "put_reply", "remove", "remove_reply",
-       "error", "auth_ok")
-REQUEST_OPS = ("get", "put", "remove")
+       "wait", "wait_reply", "error", "auth_ok")
+REQUEST_OPS = ("get", "put", "remove", "wait")
+# The longest a wait request may ask the server to hold it.
+MAX_WAIT_S = 600.0
 _STATUSES = frozenset(int(s) for s in Status)
 
 
@@ -94,6 +101,7 @@ class Header(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     error: str = ""
     proof: bytes = b""  # handshake only: the server's HMAC
     before_s: float = 0.0  # remove only: see the module docstring (0: every copy)
+    wait_s: float = 0.0  # wait only: how long the server may hold the request
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -184,7 +192,7 @@ def validate(h: Header, max_object_bytes: int) -> Header:
         raise FrameError(f"keys: a {h.op} request names no keys")
     if h.op in ("get", "put") and len(h.sizes) != n:
         raise FrameError(f"sizes: {len(h.sizes)} sizes for {n} keys")
-    if h.op == "get_reply" and len(h.sizes) != len(h.statuses):
+    if h.op in ("get_reply", "wait_reply") and len(h.sizes) != len(h.statuses):
         raise FrameError(f"sizes: {len(h.sizes)} sizes for {len(h.statuses)} statuses")
     # A get names the reader's buffer capacities, which may be anything; every other size is an object's.
     top, what = (MAX_U64, "a 64-bit size") if h.op == "get" else (max_object_bytes, "max_object_bytes")
@@ -206,6 +214,9 @@ def validate(h: Header, max_object_bytes: int) -> Header:
     if h.before_s and (h.op != "remove" or not math.isfinite(h.before_s) or h.before_s < 0):
         raise FrameError(f"before_s: {h.before_s!r} is not a time of a remove (a finite number >= 0, "
                          f"remove requests only)")
+    if h.wait_s and (h.op != "wait" or not math.isfinite(h.wait_s) or not 0 <= h.wait_s <= MAX_WAIT_S):
+        raise FrameError(f"wait_s: {h.wait_s!r} is not a wait's time (a finite number in [0, {MAX_WAIT_S:g}] s, "
+                         f"wait requests only)")
     if len(h.proof) > 64:
         raise FrameError(f"proof: {len(h.proof)} bytes, more than 64")
     return h

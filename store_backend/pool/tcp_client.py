@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xxhash
 
 from store_backend.pool.auth import AuthError, RefusedError, client_handshake, secret_bytes
-from store_backend.pool.frames import (MAX_U64, FrameError, Header, PeerClosedError, Session, read_header,
+from store_backend.pool.frames import (MAX_U64, MAX_WAIT_S, FrameError, Header, PeerClosedError, Session, read_header,
                                        recv_exactly_into, send_header, send_view)
 from store_backend.pool.tcp_common import (DEFAULT_SOCKET_BUFFER_BYTES, KEYS_PER_FRAME, MIN_STREAM_BYTES, auto_streams,
                                            parse_address, split_by_bytes, time_left, tune_socket)
@@ -415,6 +415,43 @@ class TcpTransport:
             self._fail(e, address, "put", len(left))
 
     # -- remove -----------------------------------------------------------------------------------
+    def wait_stored(self, address: str, keys: Sequence[str], *, wait_s: float,
+                    timeout_s: float = 10.0) -> list[ReadResult]:
+        """See :meth:`store_backend.pool.transport.Transport.wait_stored`."""
+        check_batch(keys)
+        parse_address(address)
+        if not (isinstance(wait_s, (int, float)) and 0 <= wait_s <= MAX_WAIT_S):
+            raise ValueError(f"wait_s must be a number in [0, {MAX_WAIT_S:g}], got {wait_s!r}")
+        results = [ReadResult(Status.IO_ERROR)] * len(keys)
+        if any(check_key(k) is not None for k in keys):
+            return [ReadResult(Status.INVALID_KEY if check_key(k) is not None else Status.NOT_FOUND) for k in keys]
+        until = time.monotonic() + wait_s
+        for j in range(0, len(keys), KEYS_PER_FRAME):
+            part = list(keys[j:j + KEYS_PER_FRAME])
+            left = max(0.0, until - time.monotonic())
+            deadline = time.monotonic() + left + timeout_s
+
+            def body(conn: _Conn, j: int = j, part: list[str] = part, left: float = left) -> None:
+                req = next(self._req) & MAX_U64
+                self._count("requests")
+                self._send_request(conn, Header(op="wait", req=req, keys=part, wait_s=left), deadline)
+                reply = self._first_reply(conn, self._max_object_bytes, deadline, "wait_reply", req)
+                if len(reply.statuses) != len(part):
+                    raise _Failure("protocol", f"{address}: wait_reply has {len(reply.statuses)} statuses "
+                                               f"for {len(part)} keys")
+                for i, (st, size) in enumerate(zip(reply.statuses, reply.sizes)):
+                    results[j + i] = ReadResult(Status(st), size if st == Status.OK else 0)
+
+            try:
+                self._exchange(address, deadline, body)
+            except Exception as e:  # noqa: BLE001 - every failure is per-key data
+                self._fail(e, address, "wait", len(part))
+                break
+            if any(r.status is not Status.OK for r in results[j:j + len(part)]):
+                return [r if r.status is Status.OK or i < j + len(part) else ReadResult(Status.NOT_FOUND)
+                        for i, r in enumerate(results)]
+        return results
+
     def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0,
                before_s: float = 0.0) -> list[Status]:
         """See :meth:`store_backend.pool.transport.Transport.remove`."""

@@ -45,6 +45,8 @@ from store_backend.types import Status
 logger = logging.getLogger(__name__)
 
 _ACCEPT_POLL_S = 0.2
+# A peer's wait is held in slices of this, so a stopping server answers it within one.
+_WAIT_SLICE_S = 0.5
 
 
 def _wait_hashes(futures: Sequence[Future[int] | None]) -> None:
@@ -113,7 +115,7 @@ class TcpTransportServer:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("connections", "auth_failures", "handshake_failures", "bytes_sent",
                                      "bytes_received", "requests", "bad_frames", "bad_tags", "refused_connections",
-                                     "sendfile_bytes"), 0)
+                                     "sendfile_bytes", "waits"), 0)
         self._listener: socket.socket | None = None
         self._workers = Workers("pool transport server")  # the accept thread and one per connection
         self._accept_thread: threading.Thread | None = None
@@ -301,6 +303,8 @@ class TcpTransportServer:
                         self._get(sock, session, h, owner, deadline)
                     elif h.op == "put":
                         self._put(sock, session, h, owner, deadline)
+                    elif h.op == "wait":
+                        self._wait(sock, session, h)
                     else:
                         statuses = (self._store.remove(h.keys, before_s=h.before_s) if h.before_s
                                     else self._store.remove(h.keys))
@@ -407,6 +411,25 @@ class TcpTransportServer:
             if not released:
                 _wait_hashes(hashes)
                 self._store.release(held, owner=owner)
+
+    def _wait(self, sock: socket.socket, session: Session, h: Header) -> None:
+        """A peer's long-poll: answered once every key is committed on this node's own tiers (woken
+        by the store's commits), when ``h.wait_s`` passed, or when the server stops. The wait is
+        held in slices so a stopping server answers within one."""
+        until = time.monotonic() + h.wait_s
+        n = 0
+        while True:
+            left = until - time.monotonic()
+            n = self._store.exists(h.keys, wait_s=max(0.0, min(left, _WAIT_SLICE_S)), local_only=True)
+            if n == len(h.keys) or left <= 0 or self._stopping.is_set():
+                break
+        sizes = [s or 0 for s in self._store.size_of(h.keys[:n], local_only=True)] if n else []
+        n = next((i for i, s in enumerate(sizes) if not s), n)  # removed since: a prefix still
+        self._count("waits")
+        statuses = [int(Status.OK)] * n + [int(Status.NOT_FOUND)] * (len(h.keys) - n)
+        send_header(sock, Header(op="wait_reply", req=h.req, statuses=statuses,
+                                 sizes=sizes[:n] + [0] * (len(h.keys) - n)),
+                    time.monotonic() + self.frame_timeout_s, session)
 
     def _put(self, sock: socket.socket, session: Session, h: Header, owner: int, deadline: float) -> None:
         # The payload's checksums are keyed by the put header (the last frame received), by position.

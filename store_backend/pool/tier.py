@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from store_backend.metrics import FailureCounters
-from store_backend.pool.directory import Directory, DirectoryUnavailable, Location
+from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
 from store_backend.pool.remove_log import RemoveLog
 from store_backend.pool.transport import FAILURE_KINDS, Transport
 from store_backend.threads import Deadline, Workers, shutdown_pool
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 # Statuses of a replica's read after which the next replica is asked.
 _RETRY = (Status.IO_ERROR, Status.CORRUPT, Status.NOT_FOUND)
+# How long a holder a wait confirmed is read from first, and how many such keys are kept.
+HINT_TTL_S = 120.0
+HINTS_MAX = 1 << 16
 # How long a peer's address is reused before the directory is asked again.
 _ADDRESS_TTL_S = 5.0
 # Removes owed to live peers that did not confirm one, waiting for their retry (past it the oldest
@@ -98,9 +101,12 @@ class PoolTier:
         self._retry_thread: threading.Thread | None = None
         self._retry_wake = threading.Condition(self._lock)
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
+        # Holders a wait confirmed (see wait_at): key -> (location, expiry); node -> its address.
+        self._hints: collections.OrderedDict[str, tuple[Location, float]] = collections.OrderedDict()
+        self._hint_addresses: dict[str, str] = {}
         self._counts = dict.fromkeys(("hits", "misses", "bytes_read", "retries", "directory_errors",
                                       "failures_directory", "removes", "no_address", "remove_retries",
-                                      "remove_retries_dropped"), 0)
+                                      "remove_retries_dropped", "waits", "waits_ready", "waited_keys"), 0)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def bind(self, directory: Directory | None, transport: Transport | None) -> None:
@@ -130,6 +136,8 @@ class PoolTier:
         invalidation telling this node's cache so is at-most-once and may come later, while a
         holder not yet reached would still serve a pull. Quick, never calls the directory."""
         with self._lock:
+            for k in keys:
+                self._hints.pop(k, None)
             directory = self._directory
         forget = getattr(directory, "forget", None)
         if forget is not None:
@@ -185,7 +193,67 @@ class PoolTier:
         return got
 
     def _locate(self, directory: Directory, keys: Sequence[str]) -> list[list[Location]] | None:
-        return self._ask(lambda: directory.locate(keys, exclude=self.node_id), len(keys))
+        """Each key's replicas, best first: a holder a wait confirmed (:meth:`wait_at`) first, then
+        the directory's. With the directory down, the confirmed holders alone (None when there are
+        none: every key a miss)."""
+        locs = self._ask(lambda: directory.locate(keys, exclude=self.node_id), len(keys))
+        hinted = self._hinted(keys)
+        if not hinted:
+            return locs
+        out = [list(r) for r in locs] if locs is not None else [[] for _ in keys]
+        for i, loc in hinted.items():
+            out[i] = [loc] + [r for r in out[i] if r.node != loc.node]
+        return out
+
+    def _hinted(self, keys: Sequence[str]) -> dict[int, Location]:
+        if not self._hints:
+            return {}
+        now = self._clock()
+        out: dict[int, Location] = {}
+        with self._lock:
+            for i, k in enumerate(keys):
+                hint = self._hints.get(k)
+                if hint is not None:
+                    if hint[1] > now:
+                        out[i] = hint[0]
+                    else:
+                        del self._hints[k]
+        return out
+
+    def wait_at(self, node: str, keys: Sequence[str], wait_s: float, *, address: str = "",
+                hint_ttl_s: float = HINT_TTL_S) -> int:
+        """Wait (up to ``wait_s``) until ``node`` has committed every key of ``keys`` (a prefill
+        node's saves: the transport's long-poll, answered by its commits), and answer how many
+        leading keys it holds then. Those are read from ``node`` first for ``hint_ttl_s`` (before
+        the directory's replicas, and while the directory is down or its registration of them
+        is still on its way). ``address``: ``node``'s transport address (else the directory's).
+        0 when the node cannot be asked (unknown, gone: counted as a failure of the transport).
+        Blocking, up to ``wait_s`` + ``timeout_s``."""
+        parts = self._parts()
+        if parts is None or not keys or node == self.node_id:
+            return 0
+        directory, transport = parts
+        if not address:
+            address = self._address_map(directory, {node}).get(node, "")
+            if not address:
+                self._count("no_address", len(keys))
+                return 0
+        self._count("waits")
+        self._count("waited_keys", len(keys))
+        got = transport.wait_stored(address, keys, wait_s=wait_s, timeout_s=self.timeout_s)
+        n = next((i for i, r in enumerate(got) if r.status is not Status.OK), len(got))
+        if n == len(keys):
+            self._count("waits_ready")
+        if n:
+            until = self._clock() + hint_ttl_s
+            with self._lock:
+                self._hint_addresses[node] = address
+                for k, r in zip(keys[:n], got):
+                    self._hints[k] = (Location(node, TIER_DRAM, r.nbytes), until)
+                    self._hints.move_to_end(k)
+                while len(self._hints) > HINTS_MAX:
+                    self._hints.popitem(last=False)
+        return n
 
     def _address_map(self, directory: Directory, nodes: set[str]) -> dict[str, str]:
         now = self._clock()
@@ -199,6 +267,8 @@ class PoolTier:
                     for n, a in got.items():
                         self._addresses[n] = (a, now)
                 known.update(got)
+            with self._lock:  # the directory does not know (or cannot say): a wait's address
+                known.update({n: a for n in want if n not in known and (a := self._hint_addresses.get(n))})
         return known
 
     def _forget_address(self, node: str) -> None:
@@ -342,6 +412,9 @@ class PoolTier:
         if parts is None or not keys:
             return [Status.NOT_FOUND] * len(keys)
         directory, transport = parts
+        with self._lock:
+            for k in keys:
+                self._hints.pop(k, None)
         self._count("removes", len(keys))
         holders = self._ask(lambda: directory.remove(keys), len(keys))
         # After the directory's tombstone (with clock_skew_s, an upper bound of its time): what a

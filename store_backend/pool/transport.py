@@ -77,6 +77,15 @@ class Transport(Protocol):
         a peer included (a miss at worst, never the removed bytes)."""
         ...
 
+    def wait_stored(self, address: str, keys: Sequence[str], *, wait_s: float,
+                    timeout_s: float = 10.0) -> list[ReadResult]:
+        """Wait (up to ``wait_s``) until every key is committed on the node at ``address`` (its own
+        tiers), woken by its commits: a long-poll, the readiness signal of a transfer. Per key OK
+        with the object's size in ``nbytes`` for the leading keys committed there when answered,
+        NOT_FOUND from the first that was not, IO_ERROR where the peer could not be asked (gone,
+        refused, no answer within ``wait_s`` + ``timeout_s``)."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """Counters: ``bytes_received``, ``bytes_sent``, ``requests``, and ``failures_<kind>`` for
         every kind in :data:`FAILURE_KINDS`."""

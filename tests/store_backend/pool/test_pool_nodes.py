@@ -190,3 +190,34 @@ def test_a_remove_that_a_stalled_holder_missed_reaches_it_when_it_resumes(redis_
     finally:
         a.close()
         b.close()
+
+
+def test_a_wait_on_the_holder_node_returns_at_its_commit_and_the_bytes_cross_the_pool(pool: Pool) -> None:
+    """A decode node waiting for a prefill node's saves (``wait_peer``): the answer comes when A
+    commits (not at the end of the wait), the keys are then read on B from A byte for byte, and
+    B's pool counters show the bytes crossed the pool. Each service names its pool node and
+    address in its welcome (what a connector hands on in its transfer parameters)."""
+    import threading
+
+    (a, b, _c), _d = pool
+    ca, cb = a.client(), b.client()
+    assert ca.welcome is not None and cb.welcome is not None
+    assert (ca.welcome.pool_node, cb.welcome.pool_node) == ("A", "B") and ca.welcome.pool_address
+    keys = [f"xfer-{i}" for i in range(4)]
+    held = ca.reserve(keys, [SIZE] * len(keys))
+    for r, k in zip(held, keys):
+        r.view[:] = make_payload(k, 1, SIZE)
+
+    def commit_later() -> None:
+        time.sleep(0.4)
+        assert ca.commit(held) == [Status.OK] * len(keys)
+
+    threading.Thread(target=commit_later, daemon=True).start()
+    before = cb.stats().pool.bytes_read
+    t0 = time.monotonic()
+    assert cb.wait_peer("A", keys, 30.0, address=ca.welcome.pool_address, transfer_id="t-1") == len(keys)
+    assert time.monotonic() - t0 < 10.0
+    read_ok(cb, keys, SIZE, 1)
+    assert cb.stats().pool.bytes_read - before >= len(keys) * SIZE
+    # A key A never commits: the wait ends at its deadline with the leading run.
+    assert cb.wait_peer("A", [keys[0], "xfer-never"], 0.5) == 1

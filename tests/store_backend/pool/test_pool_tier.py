@@ -384,3 +384,49 @@ def test_a_lease_of_a_key_no_node_holds_counts_a_pool_miss_as_get_into_does(dire
         st = store.stats().pool
         assert (st.hits, st.misses) == (2, 2)
         assert _pool_samples(store)["mooncake_kv_tier_misses_total"] == 2
+
+
+def test_a_wait_at_the_holder_returns_on_its_commit_and_reads_from_it_before_the_directory_knows() -> None:
+    """``wait_at`` (a decode node waiting for a prefill node's saves): answered when the holder
+    commits, not at the end of the wait; the keys are then found and read from that holder though
+    the directory has no record of them (its registration on the way) and while the directory is
+    down; a remove through this node ends that. A key the holder never commits is not there."""
+    import threading
+
+    d = DownDirectory()
+    keys = ["t/0", "t/1", "t/2"]
+    with ExitStack() as stack:
+        b = Peer("B", _peer_store(None), d)  # holds nothing yet, registers nothing
+        stack.callback(b.close)
+        store, tier = stack.enter_context(local_node(d))
+        held = b.store.reserve(keys, [SIZE] * 3)
+        for r, k in zip(held, keys):
+            r.view[:] = memoryview(payload(k, SIZE)).cast("B")
+
+        def commit_later() -> None:
+            time.sleep(0.3)
+            assert b.store.commit(held) == [Status.OK] * 3
+
+        threading.Thread(target=commit_later, daemon=True).start()
+        t0 = time.monotonic()
+        assert tier.wait_at("B", keys, 20.0) == 3
+        assert time.monotonic() - t0 < 5.0
+        assert d.locate(keys) == [[], [], []]  # the directory does not know them
+        d.down = True
+        assert store.exists(keys) == 3
+        bufs = [bytearray(SIZE) for _ in keys]
+        assert [r.status for r in store.get_into(keys, bufs)] == [Status.OK] * 3
+        for k, buf in zip(keys, bufs):
+            assert bytes(buf) == payload(k, SIZE).tobytes(), k
+        d.down = False
+        stats = tier.extra_stats()
+        assert (stats["waits"], stats["waits_ready"], stats["waited_keys"]) == (1, 1, 3)
+        # A key the holder never commits: the wait ends at its deadline with the leading ones.
+        assert tier.wait_at("B", ["t/0", "t/never", "t/2"], 0.5) == 1
+        # A node the directory has no address for cannot be waited on.
+        assert tier.wait_at("nobody", keys, 5.0) == 0
+        # This node's remove of a key drops its confirmed holder (the remove reached B too).
+        assert b.store.put(["t/3"], [payload("t/3", SIZE)]) == [Status.OK]
+        assert tier.wait_at("B", ["t/3"], 1.0) == 1
+        store.remove(["t/3"])
+        assert store.exists(["t/3"]) == 0

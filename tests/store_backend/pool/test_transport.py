@@ -385,3 +385,46 @@ def test_tls_round_trip_and_a_plain_or_untrusting_client_is_refused(tmp_path):
             t.close()
             plain.close()
             untrusting.close()
+
+
+def test_a_wait_is_answered_when_the_keys_are_committed_not_before():
+    """``wait_stored`` is a long-poll: the server answers the moment the last key is committed in
+    its store (woken by the commit, not at the end of ``wait_s``), with the objects' sizes; keys
+    that never come answer NOT_FOUND from the first missing one once ``wait_s`` passed; a
+    reservation not committed is not there."""
+    with served() as (store, srv):
+        t = transport()
+        keys = [f"w/{i}" for i in range(3)]
+        data = [payload(k, 1000 + i) for i, k in enumerate(keys)]
+        try:
+            assert t.put(srv.address, keys[:1], data[:1]) == [Status.OK]
+            held = store.reserve(keys[1:], [d.nbytes for d in data[1:]])  # a save in flight
+            for r, d in zip(held, data[1:]):
+                r.view[:] = memoryview(d).cast("B")
+
+            def commit_later() -> None:
+                time.sleep(0.4)
+                assert store.commit(held) == [Status.OK, Status.OK]
+
+            threading.Thread(target=commit_later, daemon=True).start()
+            t0 = time.monotonic()
+            got = t.wait_stored(srv.address, keys, wait_s=20.0)
+            took = time.monotonic() - t0
+            assert got == [ReadResult(Status.OK, d.nbytes) for d in data]
+            assert 0.3 < took < 5.0, took  # answered by the commit, long before wait_s
+            t0 = time.monotonic()
+            got = t.wait_stored(srv.address, [keys[0], "w/never", keys[2]], wait_s=0.6)
+            assert [r.status for r in got] == [Status.OK, Status.NOT_FOUND, Status.NOT_FOUND]
+            assert 0.5 < time.monotonic() - t0 < 5.0
+            assert srv.stats()["waits"] == 2
+            # A dead address answers IO_ERROR at once, not after wait_s.
+            dead = socket.socket()
+            dead.bind(("127.0.0.1", 0))
+            port = dead.getsockname()[1]
+            dead.close()
+            t0 = time.monotonic()
+            assert [r.status for r in t.wait_stored(f"127.0.0.1:{port}", keys, wait_s=30.0, timeout_s=2.0)] == [
+                Status.IO_ERROR] * 3
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            t.close()
