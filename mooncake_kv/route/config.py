@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from mooncake_connector.costs import Prior
-from mooncake_kv.route.decide import POLICIES
+from mooncake_kv.route.decide import POLICIES, ROLES
 from store_backend.config import ConfigError, config_from_dict
 from store_backend.config_loader import read_file
 from store_backend.events.subscriber import SourceConfig
@@ -15,16 +15,21 @@ from store_backend.events.subscriber import SourceConfig
 class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One engine behind the router: ``name``, its OpenAI-compatible ``url``; ``source``: the
     index source of its KV events (its GPU blocks and the connector's chunks; null: none);
-    ``node_source``: the index source of its node service (null: none)."""
+    ``node_source``: the index source of its node service (null: none); ``role``: ``both`` (it
+    serves whole requests), ``prefill`` (a ``kv_producer``: prefill legs only) or ``decode`` (a
+    ``kv_consumer``: decode legs, and whole requests the router sends it without a prefill leg)."""
 
     name: str
     url: str
     source: str | None = None
     node_source: str | None = None
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("instances: a name must not be empty")
+        if self.role not in ROLES:
+            raise ValueError(f"instance {self.name!r}: role {self.role!r} is not one of {list(ROLES)}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"instance {self.name!r}: url {self.url!r} is not http(s)://host:port")
 
@@ -62,6 +67,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     retries: int = 1
     decisions_kept: int = 10_000
     prior: PriorConfig = msgspec.field(default_factory=PriorConfig)
+    # Prefill/decode pools (instances with role prefill or decode): a prefill leg is made only when
+    # it can hand over at least this many tokens (null: one chunk); decode instances whose recent
+    # time between tokens is over slo_tbt_s take no new request (null: no TBT SLO).
+    pd_min_transfer_tokens: int | None = None
+    slo_tbt_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -87,6 +97,24 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError("unhealthy_after and decisions_kept must be >= 1, retries >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
+        if self.pd:
+            roles = {i.role for i in self.instances}
+            if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
+                raise ValueError(f"instances: prefill/decode pools need an instance of role prefill (or both) and one "
+                                 f"of role decode (or both); the roles are {sorted(roles)}")
+        if self.slo_tbt_s is not None and self.slo_tbt_s <= 0:
+            raise ValueError(f"slo_tbt_s: must be > 0 (null: no TBT SLO), got {self.slo_tbt_s}")
+        if self.pd_min_transfer_tokens is not None and self.pd_min_transfer_tokens < 0:
+            raise ValueError(f"pd_min_transfer_tokens: must be >= 0, got {self.pd_min_transfer_tokens}")
+
+    @property
+    def pd(self) -> bool:
+        """Whether the router runs prefill/decode pools (some instance has role prefill or decode)."""
+        return any(i.role != "both" for i in self.instances)
+
+    @property
+    def min_transfer_tokens(self) -> int:
+        return self.chunk_tokens if self.pd_min_transfer_tokens is None else self.pd_min_transfer_tokens
 
     @property
     def leaves_rotation_within_s(self) -> float:

@@ -124,3 +124,58 @@ def decide(policy: str, instances: Sequence[Instance], prompt_tokens: int, *, tu
     e = estimates[chosen.name]
     reason = "remote_hit" if "REMOTE" in e.loaded else "local_hit" if e.loaded else "load"
     return Decision(chosen.name, reason, estimates)
+
+
+# -- prefill/decode disaggregation ---------------------------------------------------------------
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DecodeInstance:
+    """Facts about one decode instance for one request: ``running``: the sequences it decodes now
+    (the larger of the engine's ``vllm:num_requests_running`` and what the router has in flight
+    there); ``tbt_s``: its recent mean time between tokens (None: not measured yet);
+    ``loadable_tokens``: the prompt's prefix it can load itself (its own tiers, or over the pool)."""
+
+    name: str
+    healthy: bool
+    running: int
+    tbt_s: float | None = None
+    loadable_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PDPlan:
+    """``decode``: the decode instance (None: none can take it; ``reason`` says why: ``no_instance``
+    or ``tbt``); ``prefill_leg``: whether a prefill instance computes the prompt first (False:
+    the decode instance takes the request whole, ``reason`` says why: ``short`` or
+    ``decode_holds``)."""
+
+    decode: str | None
+    prefill_leg: bool
+    reason: str
+
+
+def plan_pd(decodes: Sequence[DecodeInstance], prompt_tokens: int, chunk_tokens: int, *,
+            min_transfer_tokens: int, slo_tbt_s: float | None = None) -> PDPlan:
+    """Where the decode leg goes and whether a prefill leg comes first.
+
+    The decode instance: the healthy one running the fewest sequences (ties: name), among those
+    whose recent time between tokens is within ``slo_tbt_s`` (all over it: none, ``tbt``). The
+    prefill leg is skipped when what it could hand over (the prompt's whole chunks short of its
+    last token) is under ``min_transfer_tokens`` (``short``), or when the decode instance can
+    already load all of it itself (``decode_holds``)."""
+    cands = [d for d in decodes if d.healthy]
+    if not cands:
+        return PDPlan(None, False, "no_instance")
+    if slo_tbt_s is not None:
+        cands = [d for d in cands if d.tbt_s is None or d.tbt_s <= slo_tbt_s]
+        if not cands:
+            return PDPlan(None, False, "tbt")
+    chosen = min(cands, key=lambda d: (d.running, d.name))
+    transferable = max(0, prompt_tokens - 1) // chunk_tokens * chunk_tokens
+    if transferable < max(1, min_transfer_tokens):
+        return PDPlan(chosen.name, False, "short")
+    if chosen.loadable_tokens >= transferable:
+        return PDPlan(chosen.name, False, "decode_holds")
+    return PDPlan(chosen.name, True, "prefill")

@@ -8,6 +8,9 @@
   in time gets 429 with ``Retry-After`` at once. An instance that cannot be reached before anything
   was sent is taken out of the rotation and the request decided again (``retries``); a client
   that goes away closes the upstream request (vLLM aborts it).
+- With instances of role ``prefill`` and ``decode``, a request goes in two legs
+  (``mooncake_kv.route.pd``): prefill on the instance the policy picks among the prefill pool,
+  decode on the least loaded decode instance, with the transfer parameters prefill answered.
 - ``GET /v1/models``: the first healthy instance's answer. ``GET /health``: 200 while some
   instance is healthy, else 503.
 - ``GET /metrics``: Prometheus text (decisions by policy and reason, rejections, first-token
@@ -40,11 +43,12 @@ from mooncake_connector.metrics import COST_PER_TOKEN
 from mooncake_kv.index.service import KVIndex, QueryResult
 from mooncake_kv.route.config import RouterConfig
 from mooncake_kv.route.decide import decide
+from mooncake_kv.route.errors import JSON, Unreachable, error
+from mooncake_kv.route.pd import route_pd
 from mooncake_kv.route.state import Record, RouterState
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
 _DEC = msgspec.json.Decoder()
 
 
@@ -69,11 +73,6 @@ class _Metrics:
         self.retries = Counter("mooncake_router_retries", "Requests decided again after an unreachable instance",
                                registry=r)
         self.aborted = Counter("mooncake_router_client_aborts", "Requests whose client went away", registry=r)
-
-
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode({"error": {"message": message, "code": status}}),
-                        content_type=JSON, headers=headers)
 
 
 class Router:
@@ -156,6 +155,7 @@ class Router:
                 waiting = _waiting(text)
                 if waiting is not None:
                     self.state.engine_load(name, waiting)
+                self.state.engine_decode(name, _running(text), _itl(text))
                 self.state.engine_costs(name, load_costs(text))
         async with self._session.get(url + "/v1/models", timeout=timeout) as r:
             if r.status == 200:
@@ -193,7 +193,7 @@ class Router:
                         return web.Response(body=await r.read(), status=r.status, content_type=JSON)
                 except (aiohttp.ClientError, OSError):
                     continue
-        return _error(503, "no instance is healthy")
+        return error(503, "no instance is healthy")
 
     # -- routing ------------------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -263,9 +263,9 @@ class Router:
         try:
             body = _DEC.decode(raw)
         except msgspec.DecodeError as e:
-            return _error(400, f"the body is not JSON: {e}")
+            return error(400, f"the body is not JSON: {e}")
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return error(400, "the body must be a JSON object")
         tokens = await self._tokens(path, body)
         result, index_failed = self._query(tokens, body)
         cached = self.state.cached_by_instance(result)
@@ -275,6 +275,8 @@ class Router:
             self._warned_index = False
         exclude: set[str] = set()
         prompt_tokens = len(tokens) if tokens else 0
+        if self.config.pd:
+            return await route_pd(self, request, path, body, cached, prompt_tokens, policy)
         for attempt in range(self.config.retries + 1):
             loop_now = time.monotonic()
             decision = decide(policy, self.state.facts(loop_now, cached, exclude), prompt_tokens,
@@ -287,20 +289,20 @@ class Router:
                 if decision.rejected:
                     best = min(e.ttft_s for e in decision.estimates.values())
                     retry = max(1, math.ceil(best - (self.config.slo_ttft_s or 0.0)))
-                    return _error(429, f"no instance can serve this request within the TTFT SLO of "
+                    return error(429, f"no instance can serve this request within the TTFT SLO of "
                                        f"{self.config.slo_ttft_s} s (best estimate {best:.2f} s)",
                                   **{"Retry-After": str(retry)})
-                return _error(503, "no instance is healthy")
+                return error(503, "no instance is healthy")
             try:
-                return await self._forward(request, path, raw, rec, bool(body.get("stream")))
-            except _Unreachable:
+                return await self.forward(request, path, raw, rec, bool(body.get("stream")))
+            except Unreachable:
                 self.metrics.retries.inc()
                 exclude.add(rec.choice)  # type: ignore[arg-type]
                 rec.status = "retried"
                 continue
-        return _error(503, "no instance could be reached")
+        return error(503, "no instance could be reached")
 
-    async def _forward(self, request: web.Request, path: str, raw: bytes, rec: Record,
+    async def forward(self, request: web.Request, path: str, raw: bytes, rec: Record,
                        stream: bool) -> web.StreamResponse:
         assert rec.choice is not None and self._session is not None
         inst = self.state.instances[rec.choice]
@@ -310,11 +312,9 @@ class Router:
             try:
                 up = await self._session.post(inst.config.url + path, data=raw, headers={"Content-Type": JSON})
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
-                logger.warning("instance %s unreachable (%s): out of rotation", rec.choice, e)
-                self.state.failed_instance(rec.choice)
-                self.metrics.healthy.labels(rec.choice).set(0)
+                self.unreachable(rec.choice, e)
                 status = "retried"
-                raise _Unreachable() from e
+                raise Unreachable() from e
             try:
                 rec.upstream_status = up.status
                 if not stream or up.status != 200:
@@ -328,7 +328,7 @@ class Router:
                 async for chunk in up.content.iter_any():
                     if first and chunk:
                         first = False
-                        self._first_token(rec)
+                        self.first_token(rec)
                     await resp.write(chunk)
                 await resp.write_eof()
                 status = "done"
@@ -345,7 +345,13 @@ class Router:
         finally:
             self.state.finished(rec, status)
 
-    def _first_token(self, rec: Record) -> None:
+    def unreachable(self, name: str, e: BaseException) -> None:
+        """``name`` could not be reached: out of the rotation until a health check passes."""
+        logger.warning("instance %s unreachable (%s): out of rotation", name, e)
+        self.state.failed_instance(name)
+        self.metrics.healthy.labels(name).set(0)
+
+    def first_token(self, rec: Record) -> None:
         ttft = self.state.first_token(rec, time.monotonic())
         if ttft is not None and rec.choice is not None:
             self.metrics.ttft.labels(rec.choice).observe(ttft)
@@ -370,6 +376,21 @@ def _waiting(metrics: str) -> int | None:
     return int(sum(v for _labels, v in got)) if got else None
 
 
+def _running(metrics: str) -> int | None:
+    """The sum of ``vllm:num_requests_running`` over an engine's series (None: not there)."""
+    got = _samples(metrics, "vllm:num_requests_running")
+    return int(sum(v for _labels, v in got)) if got else None
+
+
+def _itl(metrics: str) -> tuple[float, float] | None:
+    """(sum, count) of ``vllm:inter_token_latency_seconds`` over an engine's series (None: not there)."""
+    total = _samples(metrics, "vllm:inter_token_latency_seconds_sum")
+    count = _samples(metrics, "vllm:inter_token_latency_seconds_count")
+    if not total or not count:
+        return None
+    return sum(v for _l, v in total), sum(v for _l, v in count)
+
+
 def load_costs(metrics: str) -> dict[str, float]:
     """The connector's measured load seconds per token by store tier, from an engine's /metrics
     (``mooncake_kv_connector_cost_per_token_seconds``; ``compute`` left out): the largest over the
@@ -380,10 +401,6 @@ def load_costs(metrics: str) -> dict[str, float]:
         if tier and tier != "compute":
             out[tier] = max(value, out.get(tier, 0.0))
     return out
-
-
-class _Unreachable(Exception):
-    """The chosen instance could not be reached before anything was sent."""
 
 
 def make_router(config: RouterConfig) -> Router:

@@ -14,7 +14,7 @@ from typing import Any
 from mooncake_kv.index.service import QueryResult
 from mooncake_kv.route.config import InstanceConfig, RouterConfig
 from mooncake_connector.costs import CostModel, Pending, queue_s, service_observed
-from mooncake_kv.route.decide import Decision, Instance
+from mooncake_kv.route.decide import DecodeInstance, Decision, Instance, loaded_tokens
 
 _SLOWEST_FIRST = ("STORAGE", "CPU")
 _TIER_MEDIUM = {"dram": "CPU", "ssd": "STORAGE", "pool": "REMOTE"}  # the connector's tiers, as media
@@ -33,6 +33,9 @@ class InstanceState:
     engine_waiting: int = 0  # requests waiting in the engine, from its /metrics (other clients' too)
     mean_service_s: float = 0.0  # of the requests sent there (decayed), for waiting ones not ours
     measured_load: dict[str, float] = field(default_factory=dict)  # the connector's, by medium
+    engine_running: int = 0  # sequences the engine runs now, from its /metrics
+    tbt_s: float | None = None  # its mean time between tokens since the check before (None: not measured)
+    itl_seen: tuple[float, float] | None = None  # vllm:inter_token_latency_seconds (sum, count) last read
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Record:
     status: str = "sent"  # sent, done, failed, rejected, no_instance, aborted, retried
     ttft_s: float | None = None
     upstream_status: int | None = None
+    leg: str = ""  # prefill/decode pools: "prefill" or "decode" ("": a whole request)
+    pair: int | None = None  # the decode leg's record: its prefill leg's id
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -98,10 +103,26 @@ class RouterState:
         return out
 
     def facts(self, now_s: float, cached: Mapping[str, tuple[dict[str, int], int]],
-              exclude: set[str] = frozenset()) -> list[Instance]:  # type: ignore[assignment]
-        return [Instance(name, s.healthy and name not in exclude, self.queue_of(s, now_s), s.model,
-                         cached.get(name, ({}, 0))[0], cached.get(name, ({}, 0))[1], s.in_flight)
+              exclude: set[str] = frozenset(),  # type: ignore[assignment]
+              roles: tuple[str, ...] | None = None) -> list[Instance]:
+        """Every instance's facts; one excluded, or of another role than ``roles``, is unhealthy."""
+        return [Instance(name, s.healthy and name not in exclude and (roles is None or s.config.role in roles),
+                         self.queue_of(s, now_s), s.model, cached.get(name, ({}, 0))[0], cached.get(name, ({}, 0))[1],
+                         s.in_flight)
                 for name, s in self.instances.items()]
+
+    def decode_facts(self, cached: Mapping[str, tuple[dict[str, int], int]], prompt_tokens: int,
+                     exclude: set[str] = frozenset()) -> list[DecodeInstance]:  # type: ignore[assignment]
+        """The decode instances' facts (role decode or both)."""
+        out = []
+        for name, s in self.instances.items():
+            if s.config.role not in ("decode", "both"):
+                continue
+            own, remote = cached.get(name, ({}, 0))
+            inst = Instance(name, True, 0.0, s.model, own, remote if self.config.pool else 0)
+            out.append(DecodeInstance(name, s.healthy and name not in exclude, max(s.engine_running, s.in_flight),
+                                      s.tbt_s, sum(loaded_tokens(inst, prompt_tokens).values())))
+        return out
 
     @staticmethod
     def queue_of(s: InstanceState, now_s: float) -> float:
@@ -184,12 +205,26 @@ class RouterState:
         """The engine's ``vllm:num_requests_waiting`` (from its /metrics)."""
         self.instances[name].engine_waiting = waiting
 
+    def engine_decode(self, name: str, running: int | None, itl: tuple[float, float] | None) -> None:
+        """The engine's ``vllm:num_requests_running`` and its ``vllm:inter_token_latency_seconds``
+        (sum, count) now: the mean time between tokens since the last reading (kept while no token
+        came; a counter that went back, a restarted engine, starts over)."""
+        s = self.instances[name]
+        if running is not None:
+            s.engine_running = running
+        if itl is None:
+            return
+        before, s.itl_seen = s.itl_seen, itl
+        if before is not None and itl[1] > before[1] and itl[0] >= before[0]:
+            s.tbt_s = (itl[0] - before[0]) / (itl[1] - before[1])
     def status(self) -> dict[str, Any]:
-        return {"policy": self.config.policy, "slo_ttft_s": self.config.slo_ttft_s,
+        return {"policy": self.config.policy, "slo_ttft_s": self.config.slo_ttft_s, "slo_tbt_s": self.config.slo_tbt_s,
+                "pd": self.config.pd,
                 "leaves_rotation_within_s": self.config.leaves_rotation_within_s,
                 "instances": {n: {"url": s.config.url, "healthy": s.healthy, "failures": s.failures,
                                   "in_flight": s.in_flight, "pending": len(s.pending), "checks": s.checked,
                                   "engine_waiting": s.engine_waiting, "measured_load_s_per_token": s.measured_load,
+                                  "role": s.config.role, "engine_running": s.engine_running, "tbt_s": s.tbt_s,
                                   "model": s.model.coefficients(), "observations": s.model.observations}
                               for n, s in self.instances.items()},
                 "decisions": len(self.decisions)}

@@ -20,11 +20,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tests.node_service import ServiceRun
 from tests.ports import free_port, free_ports  # noqa: F401  (re-exported for the e2e tests)
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, store_section
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, run_engine, store_section
 
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 400
@@ -223,3 +223,41 @@ def metric(port: int, name: str) -> float:
     for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE):
         total += float(m.group(1))
     return total
+
+
+class DirectLeg(NamedTuple):
+    """The decode leg sent by a test itself (see :func:`direct_leg`)."""
+
+    params: dict[str, Any]  # what the prefill server answered in kv_transfer_params
+    tokens: list[int]  # the decode server's answer
+    decode_s: float  # how long the decode server took
+    hits: float  # its external prefix-cache hits for this request
+
+
+def direct_leg(prefill_port: int, decode_port: int, token_ids: list[int]) -> DirectLeg:
+    """Prefill ``token_ids`` (one token, ``do_remote_decode``), then ask the decode server at once
+    with the transfer parameters the prefill server answered (its saves may still be in flight)."""
+    body = {"model": "tiny", "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    hits = "vllm:external_prefix_cache_hits_total"
+    before = metric(decode_port, hits)
+    params = _post(prefill_port, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})[
+        "kv_transfer_params"]
+    t0 = time.monotonic()
+    out = _post(decode_port, {**body, "kv_transfer_params": params})
+    decode_s = time.monotonic() - t0
+    return DirectLeg(params, out["choices"][0]["token_ids"], decode_s, metric(decode_port, hits) - before)
+
+
+def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def baseline_tokens(model: Path, work: Path, prompts: Sequence[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens from a no-connector engine (one round per prompt)."""
+    baseline = run_engine({"model_dir": str(model), "connector": None,
+                           "rounds": [{"prompts": [p], "max_tokens": MAX_TOKENS} for p in prompts]}, work, "baseline")
+    return [r[0]["tokens"] for r in baseline["rounds"]]

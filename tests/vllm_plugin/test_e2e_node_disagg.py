@@ -9,10 +9,7 @@ may still be in flight), and its lookup waits in the service for their commit ra
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, metric, script_cluster
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt
+from tests.vllm_plugin.disagg_cluster import (SERVER_FLAGS, baseline_tokens, complete, direct_leg, metric,
+                                              script_cluster)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,13 +38,6 @@ def node_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
         yield ports
 
 
-def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("node-disagg")
@@ -58,29 +49,17 @@ def test_decode_loads_the_prefilled_prefix_through_the_service(cluster: dict[str
     ports = cluster["ports"]
     outputs = [complete(ports["proxy"], p) for p in PROMPTS]
     # The decode leg by hand: prefill answers with what it stored, and decode is asked at once.
-    body = {"model": "tiny", "prompt": DIRECT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
-    hits_before = metric(ports["decode"], "vllm:external_prefix_cache_hits_total")
-    prefilled = post(ports["prefill"], {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    params = prefilled["kv_transfer_params"]
-    t0 = time.monotonic()
-    direct = post(ports["decode"], {**body, "kv_transfer_params": params})
-    decode_s = time.monotonic() - t0
-    direct_hits = metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits_before
-
-    baseline = run_engine({"model_dir": str(tiny_model), "connector": None,
-                           "rounds": [{"prompts": [p], "max_tokens": MAX_TOKENS} for p in [*PROMPTS, DIRECT]]},
-                          cluster["work"], "baseline")
-    want = [r[0]["tokens"] for r in baseline["rounds"]]
-    assert [o["choices"][0]["token_ids"] for o in outputs] + [direct["choices"][0]["token_ids"]] == want
+    leg = direct_leg(ports["prefill"], ports["decode"], DIRECT)
+    want = baseline_tokens(tiny_model, cluster["work"], [*PROMPTS, DIRECT])
+    assert [o["choices"][0]["token_ids"] for o in outputs] + [leg.tokens] == want
 
     # What the prefill server stored is what the decode server loaded: every whole chunk short of
     # the prompt's last token, none computed again there.
-    stored = params["remote_prefix_tokens"]
+    stored = leg.params["remote_prefix_tokens"]
     assert stored == len(DIRECT) // CHUNK_TOKENS * CHUNK_TOKENS
-    assert direct_hits == min(stored, (len(DIRECT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)
+    assert leg.hits == min(stored, (len(DIRECT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)
     # Loaded as soon as committed: nowhere near the remote_prefill_wait_s (30 s) a miss would wait.
-    assert decode_s < 20, decode_s
+    assert leg.decode_s < 20, leg.decode_s
     want_hits = sum((len(p) - 1) // CHUNK_TOKENS * CHUNK_TOKENS for p in [*PROMPTS, DIRECT])
     assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") == want_hits
     assert metric(ports["decode"], "vllm:prefix_cache_hits_total") == 0  # nothing came from its local cache

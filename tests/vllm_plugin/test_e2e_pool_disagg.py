@@ -17,7 +17,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,9 @@ from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.factory import make_directory
 from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.redis_server import require_redis
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, run_engine
-from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, SERVER_FLAGS, complete, metric, script_cluster
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt
+from tests.vllm_plugin.disagg_cluster import (SERVER_FLAGS, baseline_tokens, complete, direct_leg, free_port,
+                                              metric, script_cluster)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,13 +51,6 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         line = wait_until(lambda: re.search(r"node services: (\S+) (\S+) ", log.read_text(errors="replace")), 60,
                           "the script naming its node services")
         yield {"ports": ports, "work": work, "sockets": {"prefill": line.group(1), "decode": line.group(2)}}
-
-
-def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
 
 
 def _pool_hits(sock: str) -> int:
@@ -85,28 +78,15 @@ def test_decode_on_another_node_waits_on_the_prefill_node_and_loads_over_the_poo
     outputs = [complete(ports["proxy"], p) for p in PROMPTS]
 
     # The decode leg by hand: prefill answers with what it stored and where, decode is asked at once.
-    body = {"model": "tiny", "prompt": DIRECT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
-    hits_before = metric(ports["decode"], hits)
-    prefilled = _post(ports["prefill"], {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    params = prefilled["kv_transfer_params"]
-    assert params["remote_node"] == "prefill-node" and params["remote_pool_address"].startswith("127.0.0.1:")
-    assert params["transfer_id"]
-    t0 = time.monotonic()
-    direct = _post(ports["decode"], {**body, "kv_transfer_params": params})
-    decode_s = time.monotonic() - t0
-    direct_hits = metric(ports["decode"], hits) - hits_before
-
-    baseline = run_engine({"model_dir": str(tiny_model), "connector": None,
-                           "rounds": [{"prompts": [p], "max_tokens": MAX_TOKENS} for p in [*PROMPTS, DIRECT]]},
-                          cluster["work"], "baseline")
-    want = [r[0]["tokens"] for r in baseline["rounds"]]
-    assert [o["choices"][0]["token_ids"] for o in outputs] + [direct["choices"][0]["token_ids"]] == want
-
-    stored = params["remote_prefix_tokens"]
+    leg = direct_leg(ports["prefill"], ports["decode"], DIRECT)
+    assert leg.params["remote_node"] == "prefill-node" and leg.params["remote_pool_address"].startswith("127.0.0.1:")
+    assert leg.params["transfer_id"]
+    want = baseline_tokens(tiny_model, cluster["work"], [*PROMPTS, DIRECT])
+    assert [o["choices"][0]["token_ids"] for o in outputs] + [leg.tokens] == want
+    stored = leg.params["remote_prefix_tokens"]
     assert stored == len(DIRECT) // CHUNK_TOKENS * CHUNK_TOKENS
-    assert direct_hits == min(stored, (len(DIRECT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)
-    assert decode_s < 20, decode_s  # answered at the commit, nowhere near remote_prefill_wait_s (30 s)
+    assert leg.hits == min(stored, (len(DIRECT) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)
+    assert leg.decode_s < 20, leg.decode_s  # answered at the commit, nowhere near remote_prefill_wait_s (30 s)
     chunks = [(len(p) - 1) // CHUNK_TOKENS for p in [*PROMPTS, DIRECT]]
     assert metric(ports["decode"], hits) == sum(chunks) * CHUNK_TOKENS
     assert metric(ports["decode"], "vllm:prefix_cache_hits_total") == 0
@@ -115,3 +95,47 @@ def test_decode_on_another_node_waits_on_the_prefill_node_and_loads_over_the_poo
     # The decode side waited on the prefill node once per request (its heartbeat publishes the count).
     wait_until(lambda: _server_waits(ports["redis"], "prefill-node") >= len(chunks), 30,
                "the prefill node's heartbeat counting the waits it answered")
+
+
+def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_alone(
+        cluster: dict[str, Any], tiny_model: Path) -> None:
+    """``mooncake-kv route`` with a prefill pool and a decode pool in front of the same two
+    servers: a long prompt is prefilled on the prefill server (one token, its transfer parameters
+    back) and decoded on the decode server, which loads every chunk over the pool; a prompt with no
+    whole chunk to hand over goes to the decode server alone. Tokens equal a no-connector engine."""
+    ports, sockets, work = cluster["ports"], cluster["sockets"], cluster["work"]
+    rp = free_port()
+    config = {"port": rp, "policy": "conductor", "chunk_tokens": CHUNK_TOKENS, "health_interval_s": 0.5,
+              "instances": [{"name": "p", "url": f"http://127.0.0.1:{ports['prefill']}", "role": "prefill"},
+                            {"name": "d", "url": f"http://127.0.0.1:{ports['decode']}", "role": "decode"}]}
+    (work / "router.json").write_text(json.dumps(config))
+    log = work / "router.log"
+    router = subprocess.Popen([sys.executable, "-m", "mooncake_kv.cli", "route", "--config", str(work / "router.json")],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
+    try:
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{rp}/health", timeout=5) as r:
+                    return r.status == 200
+            except OSError:
+                if router.poll() is not None:
+                    raise AssertionError(f"the router exited: {log.read_text()[-3000:]}") from None
+                return False
+
+        wait_until(healthy, 60, "the router's /health")
+        long_p, short_p = prompt(641, 600), prompt(642, CHUNK_TOKENS - 10)
+        hits, pool_before = metric(ports["decode"], "vllm:external_prefix_cache_hits_total"), _pool_hits(sockets["decode"])
+        got = [complete(rp, p)["choices"][0]["token_ids"] for p in (long_p, short_p)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{rp}/router/decisions", timeout=10) as r:
+            decisions = json.loads(r.read())
+    finally:
+        router.terminate()
+        router.wait(30)
+    assert got == baseline_tokens(tiny_model, work, [long_p, short_p])
+    assert [(d["leg"], d["choice"], d["reason"], d["status"]) for d in decisions] == [
+        ("prefill", "p", decisions[0]["reason"], "done"), ("decode", "d", "pulled", "done"),
+        ("decode", "d", "short", "done")]
+    assert decisions[1]["pair"] == decisions[0]["id"]
+    chunks = (len(long_p) - 1) // CHUNK_TOKENS
+    assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits == chunks * CHUNK_TOKENS
+    assert _pool_hits(sockets["decode"]) - pool_before >= chunks
