@@ -169,7 +169,8 @@ def _rate(hits: int, misses: int) -> float | None:
 def status_document(got: Probe) -> dict[str, Any]:
     """The ``status --json`` object: ``ready``, ``socket`` and, when it answers (ready, or
     draining: ``ready`` false, ``draining`` true), the service's pid,
-    uptime, segment, tiers (used/capacity bytes, objects, hits, misses, hit_rate, evictions),
+    uptime, segment, tiers (used/capacity bytes, objects, hits, misses, hit_rate, evictions,
+    failures by kind), its pool node id and transport address (null: no pool),
     queues, token gauges and clients; ``error`` when not."""
     doc: dict[str, Any] = {"ready": got.code == READY, "socket": got.socket}
     if got.code != READY or got.stats is None or got.welcome is None:
@@ -185,8 +186,10 @@ def status_document(got: Probe) -> dict[str, Any]:
                    "backend_id": n.events_backend_id} if n.events_endpoint else None,
         "tiers": {name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "objects": t.objects,
                          "hits": t.hits, "misses": t.misses, "hit_rate": _rate(t.hits, t.misses),
-                         "evictions": t.evictions}
+                         "evictions": t.evictions, "failures": msgspec.to_builtins(t.failures)}
                   for name, t in s.tiers.items() if name in got.welcome.tiers},
+        "pool": {"node_id": got.welcome.pool_node, "address": got.welcome.pool_address}
+                if got.welcome.pool_node else None,
         "queues": msgspec.to_builtins(s.queues),
         "connections": n.connections, "reservations": n.reservations, "leases": n.leases,
         "held_bytes": n.held_bytes, "zombie_bytes": n.zombie_bytes, "bad_frames": n.bad_frames,

@@ -226,7 +226,9 @@ class PoolTier:
         node's saves: the transport's long-poll, answered by its commits), and answer how many
         leading keys it holds then. Those are read from ``node`` first for ``hint_ttl_s`` (before
         the directory's replicas, and while the directory is down or its registration of them
-        is still on its way). ``address``: ``node``'s transport address (else the directory's).
+        is still on its way). ``address``: ``node``'s transport address (else the directory's);
+        reads from ``node`` use it as one the directory gave (for the same few seconds), then
+        whenever the directory cannot name one.
         0 when the node cannot be asked (unknown, gone: counted as a failure of the transport).
         Blocking, up to ``wait_s`` + ``timeout_s``."""
         parts = self._parts()
@@ -248,6 +250,8 @@ class PoolTier:
             until = self._clock() + hint_ttl_s
             with self._lock:
                 self._hint_addresses[node] = address
+                # Reached there now: used for the reads that follow as an address the directory gave.
+                self._addresses[node] = (address, self._clock())
                 for k, r in zip(keys[:n], got):
                     self._hints[k] = (Location(node, TIER_DRAM, r.nbytes), until)
                     self._hints.move_to_end(k)

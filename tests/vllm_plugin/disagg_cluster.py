@@ -241,15 +241,16 @@ def direct_leg(prefill_port: int, decode_port: int, token_ids: list[int]) -> Dir
             "return_token_ids": True}
     hits = "vllm:external_prefix_cache_hits_total"
     before = metric(decode_port, hits)
-    params = _post(prefill_port, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})[
+    params = post(prefill_port, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})[
         "kv_transfer_params"]
     t0 = time.monotonic()
-    out = _post(decode_port, {**body, "kv_transfer_params": params})
+    out = post(decode_port, {**body, "kv_transfer_params": params})
     decode_s = time.monotonic() - t0
     return DirectLeg(params, out["choices"][0]["token_ids"], decode_s, metric(decode_port, hits) - before)
 
 
-def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """POST ``body`` to the server's /v1/completions; its JSON answer."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:

@@ -14,7 +14,9 @@ attached to its own node's socket only).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -29,8 +31,8 @@ from store_backend.pool.factory import make_directory
 from tests.store_backend.node.server_harness import wait_until
 from tests.store_backend.pool.redis_server import require_redis
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt
-from tests.vllm_plugin.disagg_cluster import (SERVER_FLAGS, baseline_tokens, complete, direct_leg, free_port,
-                                              metric, script_cluster)
+from tests.vllm_plugin.disagg_cluster import (MAX_TOKENS, SERVER_FLAGS, baseline_tokens, complete, direct_leg,
+                                              free_port, metric, post, script_cluster)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,11 +55,16 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield {"ports": ports, "work": work, "sockets": {"prefill": line.group(1), "decode": line.group(2)}}
 
 
-def _pool_hits(sock: str) -> int:
+def _pool_tier(sock: str) -> dict[str, Any]:
+    """The pool tier's counters of the service at ``sock`` (``store_backend.node status --json``)."""
     got = subprocess.run([sys.executable, "-m", "store_backend.node", "status", "--socket", sock, "--json"],
                          capture_output=True, text=True, env=engine_env(), cwd=ROOT, timeout=60)
     assert got.returncode == 0, got.stdout + got.stderr
-    return int(json.loads(got.stdout)["tiers"]["pool"]["hits"])
+    return json.loads(got.stdout)["tiers"]["pool"]
+
+
+def _pool_hits(sock: str) -> int:
+    return int(_pool_tier(sock)["hits"])
 
 
 def _server_waits(redis_port: int, node: str) -> int:
@@ -139,3 +146,65 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
     chunks = (len(long_p) - 1) // CHUNK_TOKENS
     assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits == chunks * CHUNK_TOKENS
     assert _pool_hits(sockets["decode"]) - pool_before >= chunks
+
+
+def _redis_pid(port: int) -> int:
+    """The script's redis-server (found by its port on its command line)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("redis-server") and f":{port}" in cmd:  # its title: "redis-server 127.0.0.1:PORT"
+            return int(pid)
+    raise AssertionError(f"no redis-server on port {port}")
+
+
+def test_with_the_directory_down_the_decode_node_reads_from_the_holder_its_wait_confirmed(
+        cluster: dict[str, Any], tiny_model: Path) -> None:
+    """Redis stopped (SIGSTOP) for the whole transfer: the prefill node saves, the decode node's
+    wait on it is answered at the commit (the transfer's address, no directory needed), and the
+    decode node reads every chunk from that node though the directory cannot say where they are.
+    Tokens equal a no-connector engine; the decode node counts the directory's failures."""
+    ports, sockets = cluster["ports"], cluster["sockets"]
+    p = prompt(651, 520)
+    redis = _redis_pid(ports["redis"])
+    before = _pool_tier(sockets["decode"])
+    os.kill(redis, signal.SIGSTOP)
+    try:
+        leg = direct_leg(ports["prefill"], ports["decode"], p)
+    finally:
+        os.kill(redis, signal.SIGCONT)
+    after = _pool_tier(sockets["decode"])
+    chunks = (len(p) - 1) // CHUNK_TOKENS
+    assert leg.tokens == baseline_tokens(tiny_model, cluster["work"], [p])[0]
+    assert leg.hits == chunks * CHUNK_TOKENS and leg.decode_s < 20, leg
+    assert after["hits"] - before["hits"] >= chunks
+    assert after["failures"]["directory"] > before["failures"]["directory"]
+
+
+def test_chunks_corrupted_on_the_way_are_never_loaded(cluster: dict[str, Any], tiny_model: Path) -> None:
+    """The transfer's address rewritten to a relay that flips one byte of every connection's
+    stream from the prefill node, past the handshake and the wait's answer: the decode node's
+    read fails its checks (counted), the engine computes what it could not load, and its tokens
+    equal a no-connector engine's."""
+    from tests.store_backend.pool.transport_helpers import FlipProxy
+
+    ports, sockets = cluster["ports"], cluster["sockets"]
+    p = prompt(661, 520)
+    body = {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    params = post(ports["prefill"], {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})[
+        "kv_transfer_params"]
+    relay = FlipProxy(params["remote_pool_address"], flip_at=16 << 10, direction="down")
+    try:
+        before = _pool_tier(sockets["decode"])
+        out = post(ports["decode"], {**body, "kv_transfer_params": {**params, "remote_pool_address": relay.address}})
+        after = _pool_tier(sockets["decode"])
+    finally:
+        relay.close()
+    assert relay.flipped >= 1
+    assert out["choices"][0]["token_ids"] == baseline_tokens(tiny_model, cluster["work"], [p])[0]
+    # The frames' keyed checksums caught it: a payload's (checksum) or a header's tag (protocol).
+    failed = sum(after["failures"][k] - before["failures"][k] for k in ("checksum", "protocol"))
+    assert failed >= 1, (before, after)

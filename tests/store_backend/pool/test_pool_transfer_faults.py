@@ -1,0 +1,95 @@
+"""A transfer between two pooled node services (what P/D across nodes rests on: a decode node
+waiting on the prefill node for its saves with ``wait_peer``, then reading them over the pool),
+under faults, with real processes: the writer (a prefill engine) SIGKILLed before its commit, the
+holder's service SIGKILLed during the wait, the waiting node's service restarted. Each: no byte of
+a key that was not committed is ever read, no wait past its stated bound (``wait_s``, or at once
+when the holder is gone), and the counters say what happened. (The directory down and a relay
+corrupting the bytes are run through real engines in tests/vllm_plugin/test_e2e_pool_disagg.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from store_backend.types import Status
+from tests.store_backend.node.server_harness import REPO, wait_until
+from tests.store_backend.pool.pool_nodes import MiB, Pool, check_payload, make_payload, read, read_ok
+
+SIZE = 1 * MiB
+
+# A writer that reserves three keys on a node, fills them, commits the first only, says so, and
+# waits to be killed (a prefill engine dying with its saves in flight).
+_WRITER = """
+import sys, time
+from store_backend.node.client import NodeClient
+from tests.store_backend.pool.pool_nodes import make_payload
+sock, size = sys.argv[1], int(sys.argv[2])
+c = NodeClient(sock, name="dying-writer").start()
+keys = ["dying-0", "dying-1", "dying-2"]
+held = c.reserve(keys, [size] * 3)
+for r, k in zip(held, keys):
+    r.view[:] = make_payload(k, 1, size)
+assert [s.name for s in c.commit(held[:1])] == ["OK"]
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_what_was_committed(pool: Pool) -> None:
+    (a, b, _c), _d = pool
+    cb = b.client()
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, a.socket, str(SIZE)], stdout=subprocess.PIPE,
+                              text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["dying-0", "dying-1", "dying-2"], 2.0)))
+        t0 = time.monotonic()
+        waiter.start()
+        time.sleep(0.3)
+        writer.kill()
+        writer.wait(30)
+        waiter.join(30)
+        took = time.monotonic() - t0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(30)
+    assert got == [1] and 1.9 < took < 10.0, (got, took)
+    # The killed writer's reservations are gone: nothing of them is ever read, the committed one is.
+    ca = a.client()
+    wait_until(lambda: ca.stats().slots.reservations == 0, 30, "the killed writer's reservations reclaimed")
+    outcome, bufs = read(cb, ["dying-0", "dying-1", "dying-2"], SIZE)
+    assert [r.status for r in outcome] == [Status.OK, Status.NOT_FOUND, Status.NOT_FOUND]
+    check_payload("dying-0", bufs[0], 1)
+
+
+def test_the_holder_killed_during_a_wait_releases_the_waiter_at_once_and_a_restarted_waiter_reads(
+        pool: Pool) -> None:
+    (a, b, _c), _d = pool
+    ca, cb = a.client(), b.client()
+    keys = [f"held-{i}" for i in range(3)]
+    st = ca.put(keys, [make_payload(k, 1, SIZE) for k in keys])
+    assert all(s.ok for s in st), st
+    # The waiting node's service restarted between the prefill's answer and the decode's wait:
+    # its client reconnects, and the wait and the reads go to the holder as before.
+    b.close()
+    b.start()
+    cb = b.client()
+    assert cb.wait_peer("A", keys, 10.0, address=ca.welcome.pool_address if ca.welcome else "") == 3
+    read_ok(cb, keys, SIZE, 1)
+    # The holder's service SIGKILLed while a wait for keys it never commits is held there: the
+    # waiter is answered when the connection drops, not at the end of its 30 s.
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["never-0"], 30.0)))
+    waiter.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    a.kill()
+    waiter.join(40)
+    assert got == [0] and time.monotonic() - t0 < 10.0, (got, time.monotonic() - t0)
+    pool_failures = cb.stats().pool.failures
+    assert pool_failures.peer_gone + pool_failures.timeout + pool_failures.protocol >= 1, pool_failures
