@@ -153,6 +153,7 @@ class SchedulerSide:
         # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
         self._finishing: dict[str, TrackedRequest] = {}
         self._finish_retries: dict[str, int] = {}
+        self._warned_fingerprints: set[str] = set()  # prefill fingerprints this engine cannot load, warned once
         self._stats_source = StatsSource("scheduler")
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
@@ -377,8 +378,28 @@ class SchedulerSide:
 
     def _note_remote_prefill(self, t: TrackedRequest) -> None:
         params = t.request.kv_transfer_params or {}
-        if params.get(DO_REMOTE_PREFILL) and params.get(REMOTE_FINGERPRINT) in (None, self.shard_digests[0]):
-            t.remote_chunks = int(params.get(REMOTE_PREFIX_TOKENS, 0)) // self.chunk_tokens
+        theirs = params.get(REMOTE_FINGERPRINT)
+        if params.get(DO_REMOTE_PREFILL) and theirs not in (None, self.shard_digests[0]):
+            # Keyed for another layout: nothing of it can be loaded here, so nothing is waited for.
+            self.counters["remote_fingerprint_mismatch"] = self.counters.get("remote_fingerprint_mismatch", 0) + 1
+            theirs = str(theirs)[:200]
+            if theirs not in self._warned_fingerprints and len(self._warned_fingerprints) < 64:
+                self._warned_fingerprints.add(theirs)
+                logger.warning(
+                    "disaggregated request %s: the prefill instance stored its KV under fingerprint %s, this engine "
+                    "keys %s: another model, weights, KV dtype, chunk_tokens, cache epoch or tensor-parallel size. "
+                    "Nothing of it can be loaded here; the prompt is computed on this instance. Run prefill and "
+                    "decode with the same model, dtype, chunk_tokens and tensor-parallel size.",
+                    t.request.request_id, theirs, self.shard_digests[0])
+            return
+        if params.get(DO_REMOTE_PREFILL):
+            try:
+                promised = int(params.get(REMOTE_PREFIX_TOKENS) or 0)
+            except (TypeError, ValueError):
+                logger.warning("disaggregated request %s: %s=%r is not a token count; nothing is waited for",
+                               t.request.request_id, REMOTE_PREFIX_TOKENS, params.get(REMOTE_PREFIX_TOKENS))
+                return
+            t.remote_chunks = max(0, promised) // self.chunk_tokens
             t.remote_deadline = time.monotonic() + self.cfg.remote_prefill_wait_s
             node, address, transfer = params.get(REMOTE_NODE), params.get(REMOTE_POOL_ADDRESS), params.get(TRANSFER_ID)
             t.remote_node = node if isinstance(node, str) else ""

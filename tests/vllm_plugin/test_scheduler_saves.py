@@ -444,3 +444,30 @@ def test_with_draft_kv_the_held_back_chunk_is_saved_when_the_request_finishes(
         assert [b for b, _i, _h in _saves(_next_step(sched))] == [84]
     finally:
         sched.close()
+
+
+def test_a_decode_request_keyed_for_another_layout_is_computed_here_with_a_warning(make_scheduler: Any,
+                                                                                   caplog: Any) -> None:
+    """A prefill instance of another tensor-parallel size (or model, dtype, chunk_tokens, epoch)
+    stores under another fingerprint: the decode side waits for nothing, says why once, and counts
+    it; a malformed token count is refused by name, not raised into vLLM's scheduler."""
+    import logging
+
+    sched = make_scheduler("kv_both")
+    tokens = prompt(77, 3 * CHUNK_TOKENS + 1)
+    with caplog.at_level(logging.WARNING, logger="vllm_plugin.scheduler"):
+        for i in range(2):
+            req = _request(f"d{i}", tokens, do_remote_prefill=True, remote_prefix_tokens=3 * CHUNK_TOKENS,
+                           remote_fingerprint="0123456789abcdef")
+            t = sched.track(req)
+            assert (t.remote_chunks, t.remote_deadline) == (0, 0.0)
+        bad = sched.track(_request("bad", tokens, do_remote_prefill=True, remote_prefix_tokens="many"))
+        assert bad.remote_chunks == 0
+    assert sched.stats()["remote_fingerprint_mismatch"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("0123456789abcdef" in m and "tensor-parallel size" in m for m in said) == 1
+    assert any("remote_prefix_tokens='many' is not a token count" in m for m in said)
+    good = sched.track(_request("ok", tokens, do_remote_prefill=True, remote_prefix_tokens=3 * CHUNK_TOKENS,
+                                remote_fingerprint=sched.shard_digests[0]))
+    assert good.remote_chunks == 3 and good.remote_deadline > 0
+    sched.close()
