@@ -46,6 +46,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -92,6 +93,9 @@ REMOTE_FINGERPRINT = "remote_fingerprint"
 REMOTE_NODE = "remote_node"
 REMOTE_POOL_ADDRESS = "remote_pool_address"
 TRANSFER_ID = "transfer_id"
+# On a prefill request (the router sets it): the decode instance's pool node; each chunk is pushed
+# there as it lands, so the decode side's load is local.
+REMOTE_DECODE_NODE = "remote_decode_node"
 # A finished disaggregated-prefill request releases its blocks after this many failed saves while it
 # waited (its decode instance then computes what is missing after remote_prefill_wait_s).
 MAX_FINISH_RETRIES = 3
@@ -378,6 +382,11 @@ class SchedulerSide:
 
     def _note_remote_prefill(self, t: TrackedRequest) -> None:
         params = t.request.kv_transfer_params or {}
+        target = params.get(REMOTE_DECODE_NODE)
+        if params.get(DO_REMOTE_DECODE) and isinstance(target, str) and target and self.can_save:
+            mine = self._pool_node()
+            if mine and target != mine:
+                t.push_node = target
         theirs = params.get(REMOTE_FINGERPRINT)
         if params.get(DO_REMOTE_PREFILL) and theirs not in (None, self.shard_digests[0]):
             # Keyed for another layout: nothing of it can be loaded here, so nothing is waited for.
@@ -415,6 +424,9 @@ class SchedulerSide:
         # update_connector_output rolls this request back too) need no saving; the ones vLLM held
         # locally get saved.
         t.saved_chunks = max(t.saved_chunks, t.hit_chunks)
+        if t.push_node and t.hit_chunks and not t.hits_pushed:
+            t.hits_pushed = True  # what was found stored goes to the decode node too (saves push the rest)
+            self._push((t, c) for c in range(t.hit_chunks))
         if num_external_tokens <= 0:
             return
         start, end = t.local_tokens, t.local_tokens + num_external_tokens
@@ -548,6 +560,8 @@ class SchedulerSide:
         for timing in worker_meta.load_timings if isinstance(worker_meta, TieredWorkerMetadata) else ():
             self.load_costs.observe_load(timing.tokens_by_tier, timing.seconds)
         events = self.ledger.on_output(steps, invalid, reports)
+        if events.landed:
+            self._push(((self._reqs.get(r) or self._finishing.get(r), c) for r, c in events.landed))
         if invalid:
             # A chunk that failed to load is gone from the store (the worker removed a damaged
             # copy) or was never whole: every request holding one of its blocks saves it again.
@@ -579,6 +593,20 @@ class SchedulerSide:
         if self.events is not None:
             self._note_events(reports, events, worker_meta)
         self.counters["save_chunks_replanned"] += len(events.replan)
+
+    def _push(self, chunks: Iterable[tuple[TrackedRequest | None, int]]) -> None:
+        """P/D prefill: ask the node service to copy these chunks (every shard) to their request's
+        decode node, in the background (a push that fails leaves them to the decode side's pull)."""
+        if self._node_store is None or self._wait_pool is None:
+            return
+        by_node: dict[str, list[str]] = {}
+        for t, c in chunks:
+            if t is not None and t.push_node and c < len(t.hashes):
+                by_node.setdefault(t.push_node, []).extend(object_key(d, t.hashes[c]) for d in self.shard_digests)
+        for node, keys in by_node.items():
+            self._wait_pool.submit(self._node_store.push, node, keys)
+            self.counters["pushed_chunks"] = self.counters.get("pushed_chunks", 0) + len(keys) // len(
+                self.shard_digests)
 
     def _note_events(self, reports: list[SaveReport], events: LedgerEvents, worker_meta: object) -> None:
         """What this output tells the KV events: each rank's save outcome, the saves the ledger

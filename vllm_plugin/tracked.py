@@ -22,7 +22,7 @@ class TrackedRequest:
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
                  "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
                  "load_sources", "pin_from", "pin_tiers", "pin_at", "remote_node", "remote_address",
-                 "transfer_id", "remote_waited")
+                 "transfer_id", "remote_waited", "push_node", "hits_pushed")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -44,6 +44,8 @@ class TrackedRequest:
         self.remote_address = ""
         self.transfer_id = ""
         self.remote_waited = False
+        self.push_node = ""  # P/D prefill: the decode node its chunks are pushed to as they land
+        self.hits_pushed = False  # and the chunks it found stored, once
         self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
         # The hit last reported to vLLM, pinned in the store when reported: chunks [pin_from,
         # pin_from + len(pin_tiers)), each one's tier, and when (monotonic) the pins were taken.

@@ -17,13 +17,16 @@ class InstanceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     index source of its KV events (its GPU blocks and the connector's chunks; null: none);
     ``node_source``: the index source of its node service (null: none); ``role``: ``both`` (it
     serves whole requests), ``prefill`` (a ``kv_producer``: prefill legs only) or ``decode`` (a
-    ``kv_consumer``: decode legs, and whole requests the router sends it without a prefill leg)."""
+    ``kv_consumer``: decode legs, and whole requests the router sends it without a prefill leg);
+    ``node``: the pool node id of the node service it is attached to (a decode instance's: the
+    prefill leg pushes the chunks there as they are stored; null: the decode side pulls them)."""
 
     name: str
     url: str
     source: str | None = None
     node_source: str | None = None
     role: str = "both"
+    node: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -72,6 +75,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # time between tokens is over slo_tbt_s take no new request (null: no TBT SLO).
     pd_min_transfer_tokens: int | None = None
     slo_tbt_s: float | None = None
+    # The prefill leg names the decode instance's pool node (its `node`), so the chunks are pushed
+    # there as they are stored; false: the decode side pulls them after the prefill leg.
+    pd_push: bool = True
 
     def __post_init__(self) -> None:
         if not self.instances:

@@ -8,8 +8,10 @@ With instances of role ``prefill`` and ``decode`` (config), :func:`route_pd` han
    all of it already (its own tiers, or the pool).
 2. The prefill leg: the instance the policy picks among the prefill pool (the conductor's
    estimate by default; ``slo_ttft_s`` rejects here) gets the request with ``max_tokens`` 1, no
-   stream and ``kv_transfer_params: {"do_remote_decode": true}``; its answer's
-   ``kv_transfer_params`` name what it stored, its pool node and address, and a transfer id.
+   stream and ``kv_transfer_params: {"do_remote_decode": true}`` (and, with ``pd_push`` and the
+   decode instance's ``node`` known, ``"remote_decode_node"``: its chunks are pushed to the decode
+   node as they are stored); its answer's ``kv_transfer_params`` name what it stored, its pool
+   node and address, and a transfer id.
    Its time to answer is its time to first token, which its cost model learns.
 3. The decode leg: the original request, with those ``kv_transfer_params``, to the decode
    instance, streamed back to the client as any request.
@@ -42,9 +44,13 @@ if TYPE_CHECKING:
 _ENC = msgspec.json.Encoder()
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body: one token, one sequence, no stream, the KV handed on."""
-    out = dict(body, stream=False, max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+def prefill_body(body: dict[str, Any], push_to: str | None = None) -> dict[str, Any]:
+    """The prefill leg's body: one token, one sequence, no stream, the KV handed on (pushed to the
+    pool node ``push_to`` as it is stored, when given)."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if push_to:
+        params["remote_decode_node"] = push_to
+    out = dict(body, stream=False, max_tokens=1, n=1, kv_transfer_params=params)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     for key in ("stream_options", "min_tokens", "best_of"):
@@ -56,7 +62,8 @@ class PrefillUnreachable(Exception):
     """The prefill instance could not be reached before anything was sent."""
 
 
-async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record) -> tuple[int, bytes]:
+async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record,
+                   push_to: str | None) -> tuple[int, bytes]:
     """POST the prefill leg; (status, body). Its answer is its first token."""
     assert rec.choice is not None and router._session is not None
     inst = router.state.instances[rec.choice]
@@ -64,7 +71,7 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record)
     status = "failed"
     try:
         try:
-            async with router._session.post(inst.config.url + path, data=_ENC.encode(prefill_body(body)),
+            async with router._session.post(inst.config.url + path, data=_ENC.encode(prefill_body(body, push_to)),
                                             headers={"Content-Type": JSON}) as up:
                 data = await up.read()
                 rec.upstream_status = up.status
@@ -85,7 +92,7 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record)
 
 
 async def _prefill_leg(router: Router, path: str, body: dict[str, Any], cached: Any, prompt_tokens: int,
-                       policy: str) -> tuple[dict[str, Any] | None, int | None, str, web.Response | None]:
+                       policy: str, push_to: str | None) -> tuple[dict[str, Any] | None, int | None, str, web.Response | None]:
     """(kv_transfer_params, the leg's record id, why the decode leg gets none, an answer for the
     client instead of a decode leg)."""
     cfg = router.config
@@ -108,7 +115,7 @@ async def _prefill_leg(router: Router, path: str, body: dict[str, Any], cached: 
                          f"(best estimate {best:.2f} s)", **{"Retry-After": str(retry)})
             return None, rec.id, "prefill_unreachable" if exclude else "no_prefill", None
         try:
-            status, data = await _prefill(router, path, body, rec)
+            status, data = await _prefill(router, path, body, rec, push_to)
         except PrefillUnreachable:
             router.metrics.retries.inc()
             exclude.add(decision.choice)
@@ -149,7 +156,9 @@ async def route_pd(router: Router, request: web.Request, path: str, body: dict[s
                                          f"{cfg.slo_tbt_s} s", **{"Retry-After": "1"})
             return error(503, "no decode instance is healthy")
         if attempt == 0 and plan.prefill_leg:
-            params, prefill_id, skipped, answer = await _prefill_leg(router, path, body, cached, prompt_tokens, policy)
+            push_to = router.state.instances[plan.decode].config.node if cfg.pd_push else None
+            params, prefill_id, skipped, answer = await _prefill_leg(router, path, body, cached, prompt_tokens, policy,
+                                                                     push_to)
             if answer is not None:
                 return answer
         reason = plan.reason if not plan.prefill_leg else ("pulled" if params is not None else skipped)

@@ -128,6 +128,16 @@ class ClientQueries:
 
         return self._call(body, self._failed_lookup(0))
 
+    def push(self, node: str, keys: Sequence[str]) -> int:
+        """Ask the service to copy ``keys`` to pool node ``node`` in the background (see
+        :class:`store_backend.node.protocol.Push`); the keys queued. 0 when the service cannot be
+        asked (or has no pool: refused, logged)."""
+        keys = [keys[i] for i in _check_keys(keys)]
+        if not keys:
+            return 0
+        return self._call(lambda conn: max(0, self._ask(conn, lambda rid: p.Push(rid, node, keys), p.Count,
+                                                        self.op_timeout_s).n), self._failed_lookup(0))
+
     def exists_all(self, key_lists: Sequence[Sequence[str]], *, count_reserved: bool = False) -> int:
         """The shortest leading run stored over several key lists (every TP rank's keys of one
         prompt) in one round trip; 0 when the service cannot be asked."""

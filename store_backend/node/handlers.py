@@ -476,6 +476,14 @@ class ServiceHandlers:
         logger.debug("transfer %s: %d of %d keys committed on %s", m.transfer_id or "-", n, len(m.keys), m.node)
         return p.Count(m.id, n)
 
+    async def _on_push(self, c: ServiceConn, m: p.Push) -> p.Frame:
+        pusher = self.pool.pusher if self.pool is not None else None
+        if pusher is None:
+            raise ValueError("this node service has no pool (config section `pool`): it cannot push to a peer")
+        if not m.node:
+            raise ValueError("node: empty (name the pool node to push to)")
+        return p.Count(m.id, pusher.offer(m.node, m.keys))
+
     async def _on_stats(self, c: ServiceConn, m: p.Stats) -> p.Frame:
         assert self.store is not None
         whole = self.store.stats()
@@ -498,5 +506,5 @@ class ServiceHandlers:
         p.Reserve: _on_reserve, p.Commit: _on_commit, p.Abort: _on_abort, p.Lease: _on_lease,
         p.Release: _on_release, p.Remove: _on_remove, p.Keys: _on_keys, p.Flush: _on_flush,
         p.Stats: _on_stats, p.Shutdown: _on_shutdown, p.Goodbye: _on_goodbye, p.Forget: _on_forget,
-        p.WaitPeer: _on_wait_peer,
+        p.WaitPeer: _on_wait_peer, p.Push: _on_push,
     }

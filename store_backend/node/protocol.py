@@ -193,6 +193,17 @@ class WaitPeer(_Frame, tag="wait_peer"):
     transfer_id: str = ""
 
 
+class Push(_Frame, tag="push"):
+    """Copy ``keys`` (this node's own objects) to the pool node ``node``, in the background (a
+    prefill node pushing a transfer's chunks to its decode node as they are committed): answered
+    at once with :class:`Count`, the keys queued (0: dropped, counted). A service without a pool
+    answers ``bad_request``."""
+
+    id: int
+    node: str
+    keys: list[str]
+
+
 class Stats(_Frame, tag="stats"):
     """``mine``: this connection's own counters rather than the whole store's."""
 
@@ -383,7 +394,7 @@ class Error(_Frame, tag="error"):
 
 
 Request = Union[Hello, Exists, ExistsAll, Contains, SizeOf, TierOf, Pin, Unpin, Reserve, Commit, Abort,
-                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye, Forget, WaitPeer]
+                Lease, Release, Remove, Keys, Flush, Stats, Shutdown, Goodbye, Forget, WaitPeer, Push]
 Reply = Union[Welcome, Count, Bools, Sizes, Names, Ack, Slots, Statuses, KeyPage, FlushResult, StatsReply,
               Draining, Error]
 Frame = Union[Request, Reply]

@@ -130,41 +130,52 @@ class Replicator:
 
     def _send(self, target: str, address: str, keys: list[str], sizes: dict[str, int],
               at: dict[str, float] | None = None) -> None:
-        at = at or {}
-        ok = self.directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * self.timeout_s,
-                                      stored_at_s=[at.get(k, 0.0) for k in keys])
-        send = [k for k, fresh in zip(keys, ok) if fresh]
-        if not send:
-            return
-        leases = self.store.lease(send, ttl_s=2 * self.timeout_s, stage_in=True, owner=REPLICATOR_OWNER,
-                                  local_only=True)
-        held = [ls for ls in leases if ls.status is Status.OK]
-        failed = [ls.key for ls in leases if ls.status is not Status.OK]
-        committed: list[tuple[str, Location]] = []
-        try:
-            if held:
-                statuses = self.transport.put(address, [ls.key for ls in held], [ls.view for ls in held],
-                                              timeout_s=self.timeout_s)
-                for ls, st in zip(held, statuses):
-                    if st is Status.OK:  # EXISTS: the peer's object, maybe another one: not ours to list
-                        committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes,
-                                                           xxhash.xxh3_64_intdigest(ls.view))))
-                    else:
-                        failed.append(ls.key)
-        finally:
-            # A lease keeps its bytes until released, even past its TTL, and objects are
-            # immutable: what was sent is the object (the peer verified the frame checksum).
-            self.store.release(leases, owner=REPLICATOR_OWNER)
-        if committed:
-            # The peer's own registrar registers them too (with its checksum); put_end makes them
-            # visible now, whichever comes first.
-            # False: the peer's registrar was first (its record stands), or a remove ran meanwhile
-            # (then the peer registers its copy as one received from a peer, which the remove's
-            # tombstone refuses, and deletes it).
-            self.directory.put_end(target, committed, stored_at_s=[at.get(k, 0.0) for k, _l in committed])
-        if failed:
-            self.directory.put_abort(target, failed)
-        self.counters["replicas_sent"] += len(committed)
+        committed, failed = send_copies(self.store, self.directory, self.transport, target, address, keys, sizes,
+                                        at or {}, self.timeout_s, REPLICATOR_OWNER)
+        self.counters["replicas_sent"] += committed
         self.counters["replicas_failed"] += len(failed)
         if failed:
-            logger.warning("pool replicator: %d of %d copies to %s failed", len(failed), len(send), target)
+            logger.warning("pool replicator: %d of %d copies to %s failed", len(failed), len(keys), target)
+
+
+def send_copies(store: PoolHost, directory: Directory, transport: Transport, target: str, address: str,
+                keys: list[str], sizes: dict[str, int], at: dict[str, float], timeout_s: float,
+                owner: int) -> tuple[int, list[str]]:
+    """Place copies of ``keys`` (this node's own, leased from its tiers by ``owner``) on ``target``
+    at ``address``: ``put_start`` (pending, invisible) -> ``transport.put`` -> ``put_end`` for what
+    the peer committed, ``put_abort`` for the rest (see the module docstring). (copies placed, keys
+    that failed); a key the directory already lists on ``target`` (put_start refused) is neither.
+    Blocking; raises DirectoryUnavailable."""
+    ok = directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * timeout_s,
+                             stored_at_s=[at.get(k, 0.0) for k in keys])
+    send = [k for k, fresh in zip(keys, ok) if fresh]
+    if not send:
+        return 0, []
+    leases = store.lease(send, ttl_s=2 * timeout_s, stage_in=True, owner=owner, local_only=True)
+    held = [ls for ls in leases if ls.status is Status.OK]
+    failed = [ls.key for ls in leases if ls.status is not Status.OK]
+    committed: list[tuple[str, Location]] = []
+    try:
+        if held:
+            statuses = transport.put(address, [ls.key for ls in held], [ls.view for ls in held],
+                                     timeout_s=timeout_s)
+            for ls, st in zip(held, statuses):
+                if st is Status.OK:  # EXISTS: the peer's object, maybe another one: not ours to list
+                    committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes,
+                                                       xxhash.xxh3_64_intdigest(ls.view))))
+                else:
+                    failed.append(ls.key)
+    finally:
+        # A lease keeps its bytes until released, even past its TTL, and objects are
+        # immutable: what was sent is the object (the peer verified the frame checksum).
+        store.release(leases, owner=owner)
+    if committed:
+        # The peer's own registrar registers them too (with its checksum); put_end makes them
+        # visible now, whichever comes first.
+        # False: the peer's registrar was first (its record stands), or a remove ran meanwhile
+        # (then the peer registers its copy as one received from a peer, which the remove's
+        # tombstone refuses, and deletes it).
+        directory.put_end(target, committed, stored_at_s=[at.get(k, 0.0) for k, _l in committed])
+    if failed:
+        directory.put_abort(target, failed)
+    return len(committed), failed

@@ -28,6 +28,7 @@ from store_backend.pool.factory import make_directory
 from store_backend.pool.host import PeerView, PoolHost
 from store_backend.pool.registrar import Registrar, node_info
 from store_backend.pool.remove_log import RemoveLog
+from store_backend.pool.push import Pusher
 from store_backend.pool.replicator import Replicator
 from store_backend.pool.tcp_client import TcpTransport
 from store_backend.pool.tcp_server import TcpTransportServer
@@ -185,6 +186,7 @@ class PoolService:
         self.transport: TcpTransport | None = None
         self.registrar: Registrar | None = None
         self.replicator: Replicator | None = None
+        self.pusher: Pusher | None = None
         self.address = ""
         self.started_ns = 0
 
@@ -217,6 +219,8 @@ class PoolService:
                 self.replicator = Replicator(self.store, self.directory, self.transport, self.node_id, cfg.replicas,
                                              timeout_s=cfg.timeout_s).start()
             self.tier.bind(self.directory, self.transport)
+            self.pusher = Pusher(self.store, self.directory, self.transport, self.node_id,
+                                 timeout_s=cfg.timeout_s).start()
             self.registrar = Registrar(
                 self.store, self.directory, self.node_id, info=self.info, heartbeat_s=cfg.heartbeat_s,
                 node_ttl_s=cfg.node_ttl_s, checksum=cfg.checksum,
@@ -246,7 +250,7 @@ class PoolService:
 
     def counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for part in (self.registrar, self.replicator):
+        for part in (self.registrar, self.replicator, self.pusher):
             if part is not None:
                 out.update(part.counters)
         if self.server is not None:
@@ -265,10 +269,10 @@ class PoolService:
         locations dropped at once, not after its TTL), the tier unbound, client and directory
         closed. Idempotent; a directory that cannot be reached is logged, not raised."""
         self.stop_serving(timeout_s)
-        for part in (self.registrar, self.replicator):
+        for part in (self.registrar, self.replicator, self.pusher):
             if part is not None:
                 part.close(timeout_s)
-        self.registrar = self.replicator = None
+        self.registrar = self.replicator = self.pusher = None
         directory, self.directory = self.directory, None
         if directory is not None:
             try:

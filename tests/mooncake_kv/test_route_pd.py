@@ -78,11 +78,12 @@ def _dead_url() -> str:
 
 
 async def _run(prefill: Upstream | None, decode: Upstream, asks: list[dict[str, Any]], *,
-               extra: dict[str, Any] | None = None, checks: int = 1) -> tuple[list[tuple[int, Any]], list[dict]]:
+               extra: dict[str, Any] | None = None, checks: int = 1,
+               decode_node: str | None = None) -> tuple[list[tuple[int, Any]], list[dict]]:
     dec_url = await decode.start()
     pre_url = await prefill.start() if prefill is not None else _dead_url()
     config = config_from_dict({"instances": [{"name": "p", "url": pre_url, "role": "prefill"},
-                                             {"name": "d", "url": dec_url, "role": "decode"}],
+                                             {"name": "d", "url": dec_url, "role": "decode", "node": decode_node}],
                                "chunk_tokens": CT, "health_interval_s": 60, **(extra or {})}, RouterConfig)
     router = Router(config, None)
     client = TestClient(TestServer(router.app()))
@@ -119,6 +120,15 @@ def test_a_long_prompt_goes_in_two_legs_with_the_prefill_legs_transfer_parameter
     assert (second["leg"], second["choice"], second["reason"], second["pair"]) == ("decode", "d", "pulled",
                                                                                     first["id"])
     assert second["estimates"]["d"]["loaded"] == {"REMOTE": 48}  # it loads what the prefill leg stored
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_the_prefill_leg_names_the_decode_node_to_push_to(push: bool) -> None:
+    prefill, decode = Upstream("prefill"), Upstream("decode")
+    asyncio.run(_run(prefill, decode, [{"prompt": list(range(4 * CT))}], decode_node="decode-node",
+                     extra={"pd_push": push}))
+    want = {"do_remote_decode": True, **({"remote_decode_node": "decode-node"} if push else {})}
+    assert prefill.bodies[0]["kv_transfer_params"] == want
 
 
 def test_the_prefill_leg_is_skipped_for_a_short_prompt() -> None:

@@ -67,14 +67,19 @@ def _pool_hits(sock: str) -> int:
     return int(_pool_tier(sock)["hits"])
 
 
-def _server_waits(redis_port: int, node: str) -> int:
-    """The waits ``node``'s transport answered, as its heartbeat last published them."""
+def _published(redis_port: int, node: str) -> dict[str, int]:
+    """The counters ``node`` published with its last heartbeat."""
     directory = make_directory(DirectoryConfig(kind="redis", url=f"redis://127.0.0.1:{redis_port}/0"),
                                node_id="test-observer")
     try:
-        return next(n.counters.get("server_waits", 0) for n in directory.nodes() if n.node_id == node)
+        return next((dict(n.counters) for n in directory.nodes() if n.node_id == node), {})
     finally:
         directory.close()
+
+
+def _server_waits(redis_port: int, node: str) -> int:
+    """The waits ``node``'s transport answered, as its heartbeat last published them."""
+    return _published(redis_port, node).get("server_waits", 0)
 
 
 def test_decode_on_another_node_waits_on_the_prefill_node_and_loads_over_the_pool(
@@ -108,13 +113,15 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
         cluster: dict[str, Any], tiny_model: Path) -> None:
     """``mooncake-kv route`` with a prefill pool and a decode pool in front of the same two
     servers: a long prompt is prefilled on the prefill server (one token, its transfer parameters
-    back) and decoded on the decode server, which loads every chunk over the pool; a prompt with no
-    whole chunk to hand over goes to the decode server alone. Tokens equal a no-connector engine."""
-    ports, sockets, work = cluster["ports"], cluster["sockets"], cluster["work"]
+    back; the decode instance's pool node named, so each chunk is pushed there as it is stored) and
+    decoded on the decode server, which loads every chunk; a prompt with no whole chunk to hand
+    over goes to the decode server alone. Tokens equal a no-connector engine."""
+    ports, work = cluster["ports"], cluster["work"]
     rp = free_port()
     config = {"port": rp, "policy": "conductor", "chunk_tokens": CHUNK_TOKENS, "health_interval_s": 0.5,
               "instances": [{"name": "p", "url": f"http://127.0.0.1:{ports['prefill']}", "role": "prefill"},
-                            {"name": "d", "url": f"http://127.0.0.1:{ports['decode']}", "role": "decode"}]}
+                            {"name": "d", "url": f"http://127.0.0.1:{ports['decode']}", "role": "decode",
+                             "node": "decode-node"}]}
     (work / "router.json").write_text(json.dumps(config))
     log = work / "router.log"
     router = subprocess.Popen([sys.executable, "-m", "mooncake_kv.cli", "route", "--config", str(work / "router.json")],
@@ -131,7 +138,8 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
 
         wait_until(healthy, 60, "the router's /health")
         long_p, short_p = prompt(641, 600), prompt(642, CHUNK_TOKENS - 10)
-        hits, pool_before = metric(ports["decode"], "vllm:external_prefix_cache_hits_total"), _pool_hits(sockets["decode"])
+        hits = metric(ports["decode"], "vllm:external_prefix_cache_hits_total")
+        pushed = _published(ports["redis"], "prefill-node").get("pushes_sent", 0)
         got = [complete(rp, p)["choices"][0]["token_ids"] for p in (long_p, short_p)]
         with urllib.request.urlopen(f"http://127.0.0.1:{rp}/router/decisions", timeout=10) as r:
             decisions = json.loads(r.read())
@@ -145,7 +153,9 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
     assert decisions[1]["pair"] == decisions[0]["id"]
     chunks = (len(long_p) - 1) // CHUNK_TOKENS
     assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits == chunks * CHUNK_TOKENS
-    assert _pool_hits(sockets["decode"]) - pool_before >= chunks
+    # The prefill node pushed the chunks to the decode node (its heartbeat publishes the count).
+    wait_until(lambda: _published(ports["redis"], "prefill-node").get("pushes_sent", 0) - pushed >= chunks, 30,
+               "the prefill node's heartbeat counting its pushes")
 
 
 def _redis_pid(port: int) -> int:

@@ -49,6 +49,7 @@ SAMPLES: list[p.Frame] = [
     p.Goodbye(19),
     p.Forget(20, [3, 4], keep=[7]),
     p.WaitPeer(21, "node-a", ["k1", "k2"], 30.0, "10.0.0.1:7000", "transfer-1"),
+    p.Push(22, "node-b", ["k1"]),
     p.Welcome(1, p.PROTOCOL_VERSION, 99, 7, "2049:1234", 256 << 20, 4096, MAX_FRAME_BYTES, 3600.0,
               ["dram", "ssd"], ssd_path="/var/ssd"),
     p.Count(2, 17),

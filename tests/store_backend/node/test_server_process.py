@@ -164,12 +164,13 @@ def test_status_json_schema_exit_statuses_and_stop(sdir, capsys):
         assert set(doc) >= {"ready", "socket", "pid", "uptime_s", "auto_started", "started_by", "segment", "tiers",
                             "queues", "connections", "reservations", "leases", "held_bytes", "zombie_bytes",
                             "clients", "metrics"}
-        assert doc["ready"] is True and doc["pid"] == svc.proc.pid
+        assert doc["ready"] is True and doc["pid"] == svc.proc.pid and doc["pool"] is None
         assert doc["auto_started"] is True and doc["started_by"] == os.getpid()
         assert doc["segment"]["bytes"] == 16 << 20 and doc["segment"]["path"].startswith("/dev/shm/")
         assert set(doc["tiers"]) == {"dram"}
         dram = doc["tiers"]["dram"]
-        assert set(dram) == {"used_bytes", "capacity_bytes", "objects", "hits", "misses", "hit_rate", "evictions"}
+        assert set(dram) == {"used_bytes", "capacity_bytes", "objects", "hits", "misses", "hit_rate", "evictions",
+                             "failures"}
         assert dram["objects"] >= 1 and dram["used_bytes"] >= 8192 and dram["capacity_bytes"] == 16 << 20
         assert dram["hits"] == 1 and dram["misses"] == 1 and dram["hit_rate"] == 0.5
         assert doc["reservations"] == 1 and doc["held_bytes"] == 4096

@@ -22,6 +22,7 @@ from tests.store_backend.pool.pool_nodes import (
     check_payload,
     directory_of,
     make_payload,
+    published,
     put_all,
     put_past_dram,
     read,
@@ -221,3 +222,26 @@ def test_a_wait_on_the_holder_node_returns_at_its_commit_and_the_bytes_cross_the
     assert cb.stats().pool.bytes_read - before >= len(keys) * SIZE
     # A key A never commits: the wait ends at its deadline with the leading run.
     assert cb.wait_peer("A", [keys[0], "xfer-never"], 0.5) == 1
+
+
+def test_a_push_copies_a_nodes_objects_into_the_named_peers_own_tiers(pool: Pool) -> None:
+    """``push`` (a prefill node sending a transfer's chunks to its decode node): the objects land
+    in B's own DRAM, registered there, and B reads them locally (no pool hit), byte for byte; a key
+    A does not hold is skipped; the pusher's counters say so."""
+    (a, b, _c), d = pool
+    ca, cb = a.client(), b.client()
+    keys = [f"push-{i}" for i in range(3)]
+    put_all(ca, {k: make_payload(k, 1, SIZE) for k in keys})
+    assert ca.push("B", [*keys, "push-absent"]) == 4
+    wait_until(lambda: cb.tier_of(keys) == ["dram"] * 3, 30, "the pushed copies in B's DRAM")
+    hits = cb.stats().pool.hits
+    read_ok(cb, keys, SIZE, 1)
+    assert cb.stats().pool.hits == hits  # read from B's own copies
+    wait_located(d, keys, "B", tier="dram")
+
+    def counted() -> dict[str, int] | None:
+        got = published(d, "A")
+        return got if got and got.get("pushes_sent", 0) >= 3 and got.get("pushes_skipped", 0) >= 1 else None
+
+    wait_until(counted, 30, "A's heartbeat publishing its pushes")
+    assert ca.push("A", keys) == 0  # to itself: nothing
