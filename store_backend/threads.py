@@ -14,12 +14,14 @@ Pure helpers, callable from any thread; they block at most until the deadline.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +142,34 @@ class Workers:
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
         return stuck
+
+
+_Q = TypeVar("_Q", bound="QueueThread")
+
+
+class QueueThread:
+    """Base of a component that owns one thread draining a queue of its own (``self._queue``, a
+    deque) under ``self._cond``: :meth:`start` starts ``self._run`` as ``thread_name``;
+    :meth:`close` sets ``self._stopping``, drops what is queued, wakes the thread and joins it
+    (within ``timeout_s``; one still running is logged by :class:`Workers`)."""
+
+    def __init__(self, owner: str, thread_name: str) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._stopping = False
+        self._workers = Workers(owner)
+        self._thread_name = thread_name
+
+    def start(self: _Q) -> _Q:
+        self._workers.start(self._run, name=self._thread_name)
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._workers.join(Deadline(timeout_s))
+
+    def _run(self) -> None:
+        raise NotImplementedError

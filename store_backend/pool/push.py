@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 
 from store_backend.pool.directory import Directory, DirectoryUnavailable
 from store_backend.pool.host import PoolHost
 from store_backend.pool.replicator import send_copies
 from store_backend.pool.transport import Transport
-from store_backend.threads import Deadline, Workers
+from store_backend.threads import QueueThread
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ PUSHER_OWNER = (1 << 47) + 2
 QUEUE_MAX = 65536  # keys waiting to be pushed
 
 
-class Pusher:
+class Pusher(QueueThread):
     def __init__(self, store: PoolHost, directory: Directory, transport: Transport, node_id: str, *,
                  timeout_s: float = 10.0, queue_max: int = QUEUE_MAX) -> None:
         self.store = store
@@ -40,24 +39,11 @@ class Pusher:
         self.node_id = node_id
         self.timeout_s = timeout_s
         self._queue_max = queue_max
-        self._cond = threading.Condition()
+        super().__init__("pool pusher", "mkv-pool-push")
         self._queue: collections.deque[tuple[str, list[str]]] = collections.deque()
         self._queued_keys = 0
-        self._stopping = False
-        self._workers = Workers("pool pusher")
         self.counters = dict.fromkeys(("push_requests", "pushes_sent", "pushes_failed", "pushes_dropped",
                                        "pushes_skipped"), 0)
-
-    def start(self) -> Pusher:
-        self._workers.start(self._run, name="mkv-pool-push")
-        return self
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._queue.clear()
-            self._cond.notify_all()
-        self._workers.join(Deadline(timeout_s))
 
     def offer(self, target: str, keys: list[str]) -> int:
         """Queue ``keys`` to be copied to node ``target``; how many were queued (0: dropped, the

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 
 import xxhash
@@ -27,7 +26,7 @@ from store_backend.plans import replica_targets
 from store_backend.pool.directory import TIER_DRAM, Directory, DirectoryUnavailable, Location
 from store_backend.pool.host import PoolHost
 from store_backend.pool.transport import Transport
-from store_backend.threads import Deadline, Workers
+from store_backend.threads import QueueThread
 from store_backend.types import Status
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ QUEUE_MAX = 16384
 BATCH_MAX = 64
 
 
-class Replicator:
+class Replicator(QueueThread):
     def __init__(self, store: PoolHost, directory: Directory, transport: Transport, node_id: str, replicas: int, *,
                  timeout_s: float = 10.0, queue_max: int = QUEUE_MAX, batch_max: int = BATCH_MAX) -> None:
         self.store = store
@@ -49,23 +48,10 @@ class Replicator:
         self.timeout_s = timeout_s
         self._queue_max = queue_max
         self._batch_max = batch_max
-        self._cond = threading.Condition()
+        super().__init__("pool replicator", "mkv-pool-replicator")
         self._queue: collections.deque[tuple[str, int, float]] = collections.deque()  # key, size, stored_at_s
-        self._stopping = False
         self._busy = False
-        self._workers = Workers("pool replicator")
         self.counters = dict.fromkeys(("replicas_sent", "replicas_failed", "replicas_dropped", "replicas_skipped"), 0)
-
-    def start(self) -> Replicator:
-        self._workers.start(self._run, name="mkv-pool-replicator")
-        return self
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._queue.clear()
-            self._cond.notify_all()
-        self._workers.join(Deadline(timeout_s))  # one still running is logged there
 
     def offer(self, key_sizes: list[tuple[str, int]] | list[tuple[str, int, float]]) -> None:
         """Queue objects just stored here for their extra copies: (key, size) or (key, size,
