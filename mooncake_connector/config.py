@@ -164,7 +164,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # faster than the engine computes one, both measured (vllm_plugin.load_costs; every chunk
     # until measured); "always": every chunk found.
     load_policy: str = "cost"
-    # Disaggregated prefill: how long a decode instance waits for the prefill instance's chunks.
+    # Disaggregated prefill: how long a decode instance waits for the prefill instance's chunks (at most 600 s).
     remote_prefill_wait_s: float = 30.0
     # On shutdown, wait until saved objects reached the SSD tier (so another process can open them).
     flush_on_close: bool = True
@@ -190,6 +190,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("load_timeout_s", "lease_ttl_s", "flush_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not self.remote_prefill_wait_s <= 600:  # the pool transport's MAX_WAIT_S (a wait on a prefill node)
+            raise ValueError(f"remote_prefill_wait_s: must be at most 600 s, got {self.remote_prefill_wait_s}")
         if not self.lease_ttl_s <= 3600:  # the lookup service's MAX_LEASE_TTL_S (nan fails too)
             raise ValueError(f"lease_ttl_s: must be at most 3600 s, got {self.lease_ttl_s}")
         if self.model_id is not None and not self.model_id:

@@ -33,6 +33,8 @@ _BENCHES: dict[str, tuple[str, str]] = {
               "the index against the store's own lookup"),
     "route": ("mooncake_kv.bench.route", "the router's policies on two vLLM instances whose nodes share a "
               "rate-limited link (root: a network namespace and tc)"),
+    "pd": ("mooncake_kv.bench.pd", "prefill and decode on two nodes over a rate-limited link: the decode side's "
+           "wait, pulled against pushed (root: a network namespace and tc)"),
     "pool": ("mooncake_kv.bench.pool", "remote get/put through the pool (two node services, Redis) against the "
              "raw socket and Mooncake Store; directory lookups"),
 }

@@ -404,7 +404,7 @@ class SchedulerSide:
         if params.get(DO_REMOTE_PREFILL):
             try:
                 promised = int(params.get(REMOTE_PREFIX_TOKENS) or 0)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 logger.warning("disaggregated request %s: %s=%r is not a token count; nothing is waited for",
                                t.request.request_id, REMOTE_PREFIX_TOKENS, params.get(REMOTE_PREFIX_TOKENS))
                 return
@@ -634,6 +634,8 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.pop(request.request_id, None)
+        if t is not None and t.lookup is not None:
+            t.lookup.cancel()  # a lookup or a wait on a prefill node not started yet never runs
         params = request.kv_transfer_params or {}
         if t is None or not self.can_save:
             return False, None

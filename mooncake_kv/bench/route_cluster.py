@@ -130,6 +130,7 @@ class EngineSpec:
     vllm_blocks: int = 256
     chunk_tokens: int = 256
     dram_bytes: int = 256 << 20
+    max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: its default)
 
 
 @dataclass
@@ -142,7 +143,11 @@ class Cluster:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
 
-    def start(self, policy: str) -> Cluster:
+    def start(self, policy: str, *, roles: dict[str, str] | None = None, pd_push: bool = True) -> Cluster:
+        """``roles``: host -> the engine's kv_role (default kv_both on both); with a producer and a
+        consumer the router runs prefill and decode pools (``pd_push``: the prefill leg names the
+        decode node)."""
+        roles = roles or {}
         self.work.mkdir(parents=True, exist_ok=True)
         link = self.link
         try:
@@ -155,10 +160,10 @@ class Cluster:
                 nodes[host] = self._node(host, ip, secret)
             events = {h: self._wait_node(h, sock) for h, sock in nodes.items()}
             for core, host in enumerate(("a", "b")):
-                self._engine(host, core, nodes[host])
+                self._engine(host, core, nodes[host], roles.get(host, "kv_both"))
             for host in ("a", "b"):
                 self._wait_http(host, f"http://127.0.0.1:{self.ports[host]}")
-            self._router(policy, events)
+            self._router(policy, events, roles, pd_push)
             self._wait_http("router", self.router_url)
         except BaseException:
             self.close()
@@ -225,14 +230,14 @@ class Cluster:
             raise RuntimeError(f"node service {host} publishes no events: {status}")
         return {"socket": sock, **status["events"]}
 
-    def _engine(self, host: str, core: int, node: dict[str, str] | str) -> None:
+    def _engine(self, host: str, core: int, node: dict[str, str] | str, role: str = "kv_both") -> None:
         sock = node["socket"] if isinstance(node, dict) else node
         port = self.ports[host] = free_port()
         ev = self.ports[f"{host}_events"] = free_port()
         replay = self.ports[f"{host}_replay"] = free_port()
         s = self.spec
         ktc = {"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
-               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+               "kv_role": role, "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {"chunk_tokens": s.chunk_tokens, "kv_events": True,
                                              "store": {"node": {"socket": sock}}}}
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
@@ -243,11 +248,15 @@ class Cluster:
                "--max-model-len", str(s.max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
                "--num-gpu-blocks-override", str(s.vllm_blocks), "--seed", "0", "--disable-uvicorn-access-log",
                "--kv-transfer-config", json.dumps(ktc), "--kv-events-config", json.dumps(events)]
+        if s.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         env = {**_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         self._spawn(f"engine-{host}", cmd, env=env)
 
-    def _router(self, policy: str, nodes: dict[str, dict[str, str]]) -> None:
+    def _router(self, policy: str, nodes: dict[str, dict[str, str]], roles: dict[str, str] | None = None,
+                pd_push: bool = True) -> None:
+        pools = {"kv_producer": "prefill", "kv_consumer": "decode"}
         port = self.ports["router"] = free_port()
         sources = []
         for h in ("a", "b"):
@@ -257,8 +266,9 @@ class Cluster:
                             "replay_endpoint": nodes[h]["replay_endpoint"], "snapshot": True})
         config = {"port": port, "policy": policy, "chunk_tokens": self.spec.chunk_tokens, "health_interval_s": 1.0,
                   "instances": [{"name": h, "url": self.engine_url(h), "source": f"engine-{h}",
-                                 "node_source": f"node-{h}"} for h in ("a", "b")],
-                  "sources": sources}
+                                 "node_source": f"node-{h}", "node": f"node-{h}",
+                                 "role": pools.get((roles or {}).get(h, ""), "both")} for h in ("a", "b")],
+                  "sources": sources, "pd_push": pd_push}
         path = self.work / "router.json"
         path.write_text(json.dumps(config))
         self._spawn("router", [sys.executable, "-m", "mooncake_kv.cli", "route", "--config", str(path)])

@@ -26,6 +26,7 @@ replaced by another decode instance (its transfer parameters still name the pref
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from mooncake_kv.route.state import Record
 if TYPE_CHECKING:
     from mooncake_kv.route.server import Router
 
+logger = logging.getLogger(__name__)
 _ENC = msgspec.json.Encoder()
 
 
@@ -79,6 +81,10 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record,
             router.unreachable(rec.choice, e)
             status = "retried"
             raise PrefillUnreachable() from e
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            # Sent, then lost (a timeout, a broken answer): the decode instance takes it whole.
+            logger.warning("prefill leg on %s failed: %s: %s", rec.choice, type(e).__name__, e)
+            return 599, b""
         if up.status == 200:
             router.first_token(rec)
         status = "done"
@@ -164,8 +170,10 @@ async def route_pd(router: Router, request: web.Request, path: str, body: dict[s
         reason = plan.reason if not plan.prefill_leg else ("pulled" if params is not None else skipped)
         facts = next(i for i in router.state.facts(time.monotonic(), cached) if i.name == plan.decode)
         if params is not None:  # it loads what the prefill leg stored, from the pool
-            facts = Instance(facts.name, True, facts.queue_s, facts.model, {},
-                             int(params.get("remote_prefix_tokens", 0) or 0), facts.in_flight)
+            stored = params.get("remote_prefix_tokens")
+            stored = stored if isinstance(stored, int) and not isinstance(stored, bool) and stored > 0 else 0
+            facts = Instance(facts.name, True, facts.queue_s, facts.model, {}, min(stored, prompt_tokens),
+                             facts.in_flight)
         decision = Decision(plan.decode, reason, {plan.decode: estimate(facts, prompt_tokens)})
         rec = router.state.record(router.state.next_id(), time.monotonic(), prompt_tokens, decision, cached, "pd_decode")
         rec.leg, rec.pair = "decode", prefill_id

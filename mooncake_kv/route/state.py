@@ -17,6 +17,8 @@ from mooncake_connector.costs import CostModel, Pending, queue_s, service_observ
 from mooncake_kv.route.decide import DecodeInstance, Decision, Instance, loaded_tokens
 
 _SLOWEST_FIRST = ("STORAGE", "CPU")
+# Health-check readings without a new token after which an instance's measured TBT is forgotten.
+TBT_STALE_READINGS = 3
 _TIER_MEDIUM = {"dram": "CPU", "ssd": "STORAGE", "pool": "REMOTE"}  # the connector's tiers, as media
 
 
@@ -36,6 +38,7 @@ class InstanceState:
     engine_running: int = 0  # sequences the engine runs now, from its /metrics
     tbt_s: float | None = None  # its mean time between tokens since the check before (None: not measured)
     itl_seen: tuple[float, float] | None = None  # vllm:inter_token_latency_seconds (sum, count) last read
+    itl_still: int = 0  # readings since the count last moved
 
 
 @dataclass
@@ -207,16 +210,25 @@ class RouterState:
 
     def engine_decode(self, name: str, running: int | None, itl: tuple[float, float] | None) -> None:
         """The engine's ``vllm:num_requests_running`` and its ``vllm:inter_token_latency_seconds``
-        (sum, count) now: the mean time between tokens since the last reading (kept while no token
-        came; a counter that went back, a restarted engine, starts over)."""
+        (sum, count) now: the mean time between tokens since the last reading. It is forgotten
+        (not measured: the instance takes requests again) once the engine runs nothing, or after
+        :data:`TBT_STALE_READINGS` readings without a new token, so an instance the TBT SLO shut
+        out is not shut out for good; a counter that went back (a restarted engine) starts over."""
         s = self.instances[name]
         if running is not None:
             s.engine_running = running
+            if running == 0:
+                s.tbt_s = None
         if itl is None:
             return
         before, s.itl_seen = s.itl_seen, itl
         if before is not None and itl[1] > before[1] and itl[0] >= before[0]:
             s.tbt_s = (itl[0] - before[0]) / (itl[1] - before[1])
+            s.itl_still = 0
+        else:
+            s.itl_still += 1
+            if s.itl_still >= TBT_STALE_READINGS:
+                s.tbt_s = None
     def status(self) -> dict[str, Any]:
         return {"policy": self.config.policy, "slo_ttft_s": self.config.slo_ttft_s, "slo_tbt_s": self.config.slo_tbt_s,
                 "pd": self.config.pd,

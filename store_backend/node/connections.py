@@ -449,11 +449,12 @@ class ServiceConnections:
         hist.observe(time.monotonic() - t0)
 
     async def _blocking(self, c: ServiceConn, fn: Callable[..., Any], /, *args: Any, fast_lane: bool = False,
-                        **kwargs: Any) -> Any:
+                        lane_name: str | None = None, **kwargs: Any) -> Any:
         """``fn`` on one of the service's pools; the connection's task waits for it. ``fast_lane``:
         the threads kept for loads (stage-in leases, exists), which slow bulk calls (remove, flush,
-        keys) never take; in each lane a client process or a kind of call holds at most half."""
-        lane = self._lanes["fast" if fast_lane else "bulk"]
+        keys) never take; ``lane_name``: another lane by name (``peer_wait``); in each lane a client
+        process or a kind of call holds at most half."""
+        lane = self._lanes[lane_name or ("fast" if fast_lane else "bulk")]
 
         def submit(executor: concurrent.futures.ThreadPoolExecutor) -> concurrent.futures.Future[Any]:
             fut = c.in_flight = executor.submit(fn, *args, **kwargs)

@@ -472,7 +472,7 @@ class ServiceHandlers:
         check_wait_s("wait_s", m.wait_s)
         if not m.node:
             raise ValueError("node: empty (name the pool node that holds the keys)")
-        n = await self._blocking(c, tier.wait_at, m.node, m.keys, m.wait_s, address=m.address)
+        n = await self._blocking(c, tier.wait_at, m.node, m.keys, m.wait_s, address=m.address, lane_name="peer_wait")
         logger.debug("transfer %s: %d of %d keys committed on %s", m.transfer_id or "-", n, len(m.keys), m.node)
         return p.Count(m.id, n)
 

@@ -101,6 +101,10 @@ from store_backend.store import TieredStore
 
 logger = logging.getLogger(__name__)
 
+# Threads for waits on pool peers (WaitPeer): one client process, or all such waits, hold at most
+# half of them at once (16 waits); more wait their turn on the loop.
+PEER_WAIT_THREADS = 32
+
 # Listen backlog: clients beyond what the loop has accepted yet wait here.
 _TICK_S = 1.0
 # A lease is ended by the service this long after its TTL (the store has expired it by then).
@@ -131,7 +135,8 @@ class NodeService(ServiceConnections, ServiceHandlers):
         self._listener: socket.socket | None = None
         self._httpd: Any = None
         self._httpd_thread: threading.Thread | None = None
-        self._lanes: dict[str, Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists)
+        self._lanes: dict[str, Lane] = {}  # "bulk" (remove, flush, keys, long lists), "fast" (stage-ins, exists),
+        # "peer_wait" (waits on a pool peer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conns: dict[int, ServiceConn] = {}
         self._procs: dict[int, ClientProc] = {}  # client processes by pid (connected, or holding tokens or pins)
@@ -349,7 +354,10 @@ class NodeService(ServiceConnections, ServiceHandlers):
         self._wake = asyncio.Event()
         self._slots_changed = asyncio.Event()
         self._lanes = {"bulk": Lane("call", self.config.workers),
-                       "fast": Lane("fast", self.config.stage_in_workers)}
+                       "fast": Lane("fast", self.config.stage_in_workers),
+                       # Waits on a pool peer (P/D: a decode node's long-polls on a prefill node)
+                       # hold a thread for their whole wait: a lane of their own, never the others'.
+                       "peer_wait": Lane("peer-wait", PEER_WAIT_THREADS)}
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._request_stop, signal.Signals(sig).name, False)

@@ -48,6 +48,7 @@ _RETRY = (Status.IO_ERROR, Status.CORRUPT, Status.NOT_FOUND)
 # How long a holder a wait confirmed is read from first, and how many such keys are kept.
 HINT_TTL_S = 120.0
 HINTS_MAX = 1 << 16
+HINT_NODES_MAX = 1024  # nodes whose wait address is kept
 # How long a peer's address is reused before the directory is asked again.
 _ADDRESS_TTL_S = 5.0
 # Removes owed to live peers that did not confirm one, waiting for their retry (past it the oldest
@@ -103,7 +104,11 @@ class PoolTier:
         self._addresses: dict[str, tuple[str, float]] = {}  # node -> (address, when asked)
         # Holders a wait confirmed (see wait_at): key -> (location, expiry); node -> its address.
         self._hints: collections.OrderedDict[str, tuple[Location, float]] = collections.OrderedDict()
-        self._hint_addresses: dict[str, str] = {}
+        self._hint_addresses: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Removes seen (this node's, and peers' asking it): key -> the remove count then; a wait
+        # begun before a key's remove installs no hint for it.
+        self._removes_seen = 0
+        self._removed_at: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._counts = dict.fromkeys(("hits", "misses", "bytes_read", "retries", "directory_errors",
                                       "failures_directory", "removes", "no_address", "remove_retries",
                                       "remove_retries_dropped", "waits", "waits_ready", "waited_keys"), 0)
@@ -136,8 +141,7 @@ class PoolTier:
         invalidation telling this node's cache so is at-most-once and may come later, while a
         holder not yet reached would still serve a pull. Quick, never calls the directory."""
         with self._lock:
-            for k in keys:
-                self._hints.pop(k, None)
+            self._forget_hints(keys)
             directory = self._directory
         forget = getattr(directory, "forget", None)
         if forget is not None:
@@ -202,8 +206,20 @@ class PoolTier:
             return locs
         out = [list(r) for r in locs] if locs is not None else [[] for _ in keys]
         for i, loc in hinted.items():
-            out[i] = [loc] + [r for r in out[i] if r.node != loc.node]
+            # The directory's own record of that copy, when it has one, carries the writer's checksum.
+            same = [r for r in out[i] if r.node == loc.node]
+            out[i] = [same[0] if same else loc] + [r for r in out[i] if r.node != loc.node]
         return out
+
+    def _forget_hints(self, keys: Sequence[str]) -> None:
+        """(lock held) ``keys`` were removed: no hint of them, now or from a wait begun before."""
+        self._removes_seen += 1
+        for k in keys:
+            self._hints.pop(k, None)
+            self._removed_at[k] = self._removes_seen
+            self._removed_at.move_to_end(k)
+        while len(self._removed_at) > HINTS_MAX:
+            self._removed_at.popitem(last=False)
 
     def _hinted(self, keys: Sequence[str]) -> dict[int, Location]:
         if not self._hints:
@@ -242,6 +258,8 @@ class PoolTier:
                 return 0
         self._count("waits")
         self._count("waited_keys", len(keys))
+        with self._lock:
+            began = self._removes_seen
         got = transport.wait_stored(address, keys, wait_s=wait_s, timeout_s=self.timeout_s)
         n = next((i for i, r in enumerate(got) if r.status is not Status.OK), len(got))
         if n == len(keys):
@@ -249,10 +267,16 @@ class PoolTier:
         if n:
             until = self._clock() + hint_ttl_s
             with self._lock:
+                # A pool node proved the secret there: used for the reads that follow as an address
+                # the directory gave, and later whenever the directory cannot name one.
                 self._hint_addresses[node] = address
-                # Reached there now: used for the reads that follow as an address the directory gave.
+                self._hint_addresses.move_to_end(node)
+                while len(self._hint_addresses) > HINT_NODES_MAX:
+                    self._hint_addresses.popitem(last=False)
                 self._addresses[node] = (address, self._clock())
                 for k, r in zip(keys[:n], got):
+                    if self._removed_at.get(k, -1) > began:
+                        continue  # removed while the wait was on its way: no hint (a miss at worst)
                     self._hints[k] = (Location(node, TIER_DRAM, r.nbytes), until)
                     self._hints.move_to_end(k)
                 while len(self._hints) > HINTS_MAX:
@@ -417,8 +441,7 @@ class PoolTier:
             return [Status.NOT_FOUND] * len(keys)
         directory, transport = parts
         with self._lock:
-            for k in keys:
-                self._hints.pop(k, None)
+            self._forget_hints(keys)
         self._count("removes", len(keys))
         holders = self._ask(lambda: directory.remove(keys), len(keys))
         # After the directory's tombstone (with clock_skew_s, an upper bound of its time): what a

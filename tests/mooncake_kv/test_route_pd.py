@@ -42,7 +42,7 @@ class Upstream:
             self.reads += 1
             n = 10 * self.reads
             return web.Response(text=(
-                "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+                "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1.0\n"
                 "# TYPE vllm:inter_token_latency_seconds histogram\n"
                 f'vllm:inter_token_latency_seconds_bucket{{le="+Inf"}} {n}.0\n'
                 f"vllm:inter_token_latency_seconds_count {n}.0\n"
@@ -185,3 +185,27 @@ def test_pools_need_both_roles() -> None:
         config_from_dict({"instances": [{"name": "p", "url": "http://h:1", "role": "prefill"}]}, RouterConfig)
     with pytest.raises(ConfigError, match="role 'mixed'"):
         config_from_dict({"instances": [{"name": "p", "url": "http://h:1", "role": "mixed"}]}, RouterConfig)
+
+
+def test_a_measured_tbt_is_forgotten_when_no_token_comes_so_no_instance_is_shut_out_for_good() -> None:
+    """Readings of the engine's inter-token latency: the mean between two readings; kept while
+    tokens come; forgotten once the engine runs nothing or after three readings without a token
+    (an instance the TBT SLO excluded gets no tokens to measure)."""
+    from mooncake_kv.route.state import TBT_STALE_READINGS, RouterState
+
+    config = config_from_dict({"instances": [{"name": "d", "url": "http://h:1", "role": "decode"},
+                                             {"name": "p", "url": "http://h:2", "role": "prefill"}]}, RouterConfig)
+    state = RouterState(config)
+    state.engine_decode("d", 2, (1.0, 10.0))
+    assert state.instances["d"].tbt_s is None  # one reading: nothing measured yet
+    state.engine_decode("d", 2, (6.0, 20.0))
+    assert state.instances["d"].tbt_s == 0.5
+    for _ in range(TBT_STALE_READINGS - 1):
+        state.engine_decode("d", 2, (6.0, 20.0))
+        assert state.instances["d"].tbt_s == 0.5
+    state.engine_decode("d", 2, (6.0, 20.0))
+    assert state.instances["d"].tbt_s is None
+    state.engine_decode("d", 2, (7.0, 30.0))
+    assert state.instances["d"].tbt_s == 0.1
+    state.engine_decode("d", 0, (7.0, 30.0))  # it runs nothing
+    assert state.instances["d"].tbt_s is None

@@ -232,9 +232,12 @@ def test_a_busy_holder_is_avoided(scenario: dict[str, Any]) -> None:
     assert len(decisions) == len(BURST)
     moved = [d for d in decisions if d["choice"] != holder]
     assert moved, decisions
-    for d in moved:  # sent elsewhere because the holder's queue outweighed its cached prefix
-        assert d["reason"] == "load" and d["estimates"][holder]["queue_s"] > 0
-        assert d["cached"][holder]["cached"].get("GPU", 0) > 0
+    # The first sent elsewhere went because the holder's queue outweighed its cached prefix; a later
+    # one may find the prefix the first computed there (the other instance's own cache by then).
+    assert moved[0]["reason"] == "load", moved[0]
+    for d in moved:
+        assert d["estimates"][holder]["queue_s"] > 0 and d["cached"][holder]["cached"].get("GPU", 0) > 0
+        assert d["reason"] == "load" or (d["reason"] == "local_hit" and d["cached"][d["choice"]]["cached"]), d
     assert any(d["choice"] == holder and d["reason"] == "local_hit" for d in decisions)
 
 

@@ -463,6 +463,8 @@ def test_a_decode_request_keyed_for_another_layout_is_computed_here_with_a_warni
             assert (t.remote_chunks, t.remote_deadline) == (0, 0.0)
         bad = sched.track(_request("bad", tokens, do_remote_prefill=True, remote_prefix_tokens="many"))
         assert bad.remote_chunks == 0
+        huge = sched.track(_request("inf", tokens, do_remote_prefill=True, remote_prefix_tokens=float("inf")))
+        assert huge.remote_chunks == 0
     assert sched.stats()["remote_fingerprint_mismatch"] == 2
     said = [r.getMessage() for r in caplog.records]
     assert sum("0123456789abcdef" in m and "tensor-parallel size" in m for m in said) == 1

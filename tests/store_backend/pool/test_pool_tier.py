@@ -425,6 +425,21 @@ def test_a_wait_at_the_holder_returns_on_its_commit_and_reads_from_it_before_the
         assert tier.wait_at("B", ["t/0", "t/never", "t/2"], 0.5) == 1
         # A node the directory has no address for cannot be waited on.
         assert tier.wait_at("nobody", keys, 5.0) == 0
+        # A remove that reaches this node while a wait is on its way: the wait's answer installs no
+        # hint for that key (the holder may not have been reached by the remove yet).
+        late = b.store.reserve(["t/late"], [SIZE])
+        late[0].view[:] = memoryview(payload("t/late", SIZE)).cast("B")
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(tier.wait_at("B", ["t/late"], 20.0)))
+        waiter.start()
+        time.sleep(0.3)
+        tier.forget_cached(["t/late"])  # what a peer's remove of the key does here first
+        assert b.store.commit(late) == [Status.OK]
+        waiter.join(20)
+        assert got == [1]
+        d.down = True
+        assert store.exists(["t/late"]) == 0  # no hint: with the directory down, a miss
+        d.down = False
         # This node's remove of a key drops its confirmed holder (the remove reached B too).
         assert b.store.put(["t/3"], [payload("t/3", SIZE)]) == [Status.OK]
         assert tier.wait_at("B", ["t/3"], 1.0) == 1
