@@ -8,7 +8,8 @@ the objects' sizes from this node's own tiers, then
 :func:`store_backend.pool.replicator.send_copies` (the directory's pending mark, the bytes leased
 from this node's tiers, ``transport.put`` into reserved slots on the target, verified there, and
 the mark made visible or aborted). A key not held here (evicted, never committed), or already
-listed on the target, is not sent. Failures are counted and logged, never raised.
+listed on the target, is not sent; one the target already holds (its own pull of it came first)
+is counted as ``pushes_present``. Failures are counted and logged, never raised.
 ``start()``/``close()``; thread-safe ``offer``.
 """
 
@@ -43,7 +44,7 @@ class Pusher(QueueThread):
         self._queue: collections.deque[tuple[str, list[str]]] = collections.deque()
         self._queued_keys = 0
         self.counters = dict.fromkeys(("push_requests", "pushes_sent", "pushes_failed", "pushes_dropped",
-                                       "pushes_skipped"), 0)
+                                       "pushes_skipped", "pushes_present"), 0)
 
     def offer(self, target: str, keys: list[str]) -> int:
         """Queue ``keys`` to be copied to node ``target``; how many were queued (0: dropped, the
@@ -90,9 +91,10 @@ class Pusher(QueueThread):
         self.counters["pushes_skipped"] += len(keys) - len(here)
         if not here:
             return
-        sent, failed = send_copies(self.store, self.directory, self.transport, target, address, here, sizes, {},
-                                   self.timeout_s, PUSHER_OWNER)
+        sent, failed, present = send_copies(self.store, self.directory, self.transport, target, address, here,
+                                            sizes, {}, self.timeout_s, PUSHER_OWNER)
         self.counters["pushes_sent"] += sent
+        self.counters["pushes_present"] += len(present)  # the target had it already (its own pull won)
         self.counters["pushes_failed"] += len(failed)
         if failed:
             logger.warning("pool push: %d of %d copies to %s failed (they will be pulled)", len(failed), len(here),

@@ -116,8 +116,9 @@ class Replicator(QueueThread):
 
     def _send(self, target: str, address: str, keys: list[str], sizes: dict[str, int],
               at: dict[str, float] | None = None) -> None:
-        committed, failed = send_copies(self.store, self.directory, self.transport, target, address, keys, sizes,
-                                        at or {}, self.timeout_s, REPLICATOR_OWNER)
+        committed, failed, present = send_copies(self.store, self.directory, self.transport, target, address, keys,
+                                                 sizes, at or {}, self.timeout_s, REPLICATOR_OWNER)
+        failed += present  # not a copy this replicator placed: the peer's registrar lists its own
         self.counters["replicas_sent"] += committed
         self.counters["replicas_failed"] += len(failed)
         if failed:
@@ -126,21 +127,23 @@ class Replicator(QueueThread):
 
 def send_copies(store: PoolHost, directory: Directory, transport: Transport, target: str, address: str,
                 keys: list[str], sizes: dict[str, int], at: dict[str, float], timeout_s: float,
-                owner: int) -> tuple[int, list[str]]:
+                owner: int) -> tuple[int, list[str], list[str]]:
     """Place copies of ``keys`` (this node's own, leased from its tiers by ``owner``) on ``target``
     at ``address``: ``put_start`` (pending, invisible) -> ``transport.put`` -> ``put_end`` for what
     the peer committed, ``put_abort`` for the rest (see the module docstring). (copies placed, keys
-    that failed); a key the directory already lists on ``target`` (put_start refused) is neither.
+    that failed, keys the peer answered EXISTS: it holds an object under the key already); a key
+    the directory already lists on ``target`` (put_start refused) is none of them.
     Blocking; raises DirectoryUnavailable."""
     ok = directory.put_start(target, keys, [sizes[k] for k in keys], ttl_s=2 * timeout_s,
                              stored_at_s=[at.get(k, 0.0) for k in keys])
     send = [k for k, fresh in zip(keys, ok) if fresh]
     if not send:
-        return 0, []
+        return 0, [], []
     leases = store.lease(send, ttl_s=2 * timeout_s, stage_in=True, owner=owner, local_only=True)
     held = [ls for ls in leases if ls.status is Status.OK]
     failed = [ls.key for ls in leases if ls.status is not Status.OK]
     committed: list[tuple[str, Location]] = []
+    present: list[str] = []
     try:
         if held:
             statuses = transport.put(address, [ls.key for ls in held], [ls.view for ls in held],
@@ -149,6 +152,8 @@ def send_copies(store: PoolHost, directory: Directory, transport: Transport, tar
                 if st is Status.OK:  # EXISTS: the peer's object, maybe another one: not ours to list
                     committed.append((ls.key, Location(target, TIER_DRAM, ls.nbytes,
                                                        xxhash.xxh3_64_intdigest(ls.view))))
+                elif st is Status.EXISTS:
+                    present.append(ls.key)
                 else:
                     failed.append(ls.key)
     finally:
@@ -162,6 +167,6 @@ def send_copies(store: PoolHost, directory: Directory, transport: Transport, tar
         # (then the peer registers its copy as one received from a peer, which the remove's
         # tombstone refuses, and deletes it).
         directory.put_end(target, committed, stored_at_s=[at.get(k, 0.0) for k, _l in committed])
-    if failed:
-        directory.put_abort(target, failed)
-    return len(committed), failed
+    if failed or present:
+        directory.put_abort(target, failed + present)
+    return len(committed), failed, present
