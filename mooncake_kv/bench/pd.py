@@ -210,6 +210,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_p50_s": round(statistics.median(r["prefill_s"] for r in recs), 4),
             "loaded_tokens": sorted({r["loaded_tokens"] for r in recs}),
             "pushes_sent": pushes.get("pushes_sent", 0), "pushes_failed": pushes.get("pushes_failed", 0),
+            "pushes_present": pushes.get("pushes_present", 0),
             "tokens_equal": not mismatches, "token_mismatches": mismatches, "kv_mib_per_request": round(kv_mib, 1),
             "requests_each_way": args.requests, "link_mbit": None if args.loopback else args.link_mbit,
             "chunk_tokens": args.chunk_tokens, "work_dir": str(work)}
@@ -221,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode wait p50: pull {out['decode_wait_p50_s_pull']:.3f} s {out['decode_wait_s_pull']}, push "
           f"{out['decode_wait_p50_s_push']:.3f} s {out['decode_wait_s_push']}: push/pull "
           f"{out['push_wait_vs_pull']} (target <= 0.5: {'met' if target else 'MISSED'}); loaded "
-          f"{out['loaded_tokens']} tokens; pushes {out['pushes_sent']} sent, {out['pushes_failed']} failed; "
+          f"{out['loaded_tokens']} tokens; pushes {out['pushes_sent']} sent, {out['pushes_present']} there already, "
+          f"{out['pushes_failed']} failed; "
           f"tokens equal: {out['tokens_equal']}")
     if args.json:
         print(json.dumps(out))
