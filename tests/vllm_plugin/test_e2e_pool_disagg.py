@@ -218,3 +218,24 @@ def test_chunks_corrupted_on_the_way_are_never_loaded(cluster: dict[str, Any], t
     # The frames' keyed checksums caught it: a payload's (checksum) or a header's tag (protocol).
     failed = sum(after["failures"][k] - before["failures"][k] for k in ("checksum", "protocol"))
     assert failed >= 1, (before, after)
+
+
+def test_a_decode_that_never_comes_leaves_nothing_held(cluster: dict[str, Any]) -> None:
+    """A prefill leg whose decode leg never comes (pushed to the decode node, too): once prefill
+    has answered, neither node service holds a reservation or a lease for it (the prefill engine
+    freed its blocks when its saves landed; a pushed copy is an ordinary object on the decode
+    node), so nothing waits on a lease to be released."""
+    ports, sockets = cluster["ports"], cluster["sockets"]
+    body = {"model": "tiny", "prompt": prompt(671, 520), "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True, "remote_decode_node": "decode-node"}}
+    params = post(ports["prefill"], body)["kv_transfer_params"]
+    assert params["remote_prefix_tokens"] > 0
+
+    def idle(sock: str) -> bool:
+        got = subprocess.run([sys.executable, "-m", "store_backend.node", "status", "--socket", sock, "--json"],
+                             capture_output=True, text=True, env=engine_env(), cwd=ROOT, timeout=60)
+        doc = json.loads(got.stdout)
+        return doc["reservations"] == 0 and doc["leases"] == 0
+
+    for name in ("prefill", "decode"):
+        wait_until(lambda name=name: idle(sockets[name]), 30, f"the {name} node holding no slot")
