@@ -14,6 +14,7 @@ Pure helpers, callable from any thread; they block at most until the deadline.
 
 from __future__ import annotations
 
+import abc
 import collections
 import inspect
 import logging
@@ -147,7 +148,7 @@ class Workers:
 _Q = TypeVar("_Q", bound="QueueThread")
 
 
-class QueueThread:
+class QueueThread(abc.ABC):
     """Base of a component that owns one thread draining a queue of its own (``self._queue``, a
     deque) under ``self._cond``: :meth:`start` starts ``self._run`` as ``thread_name``;
     :meth:`close` sets ``self._stopping``, drops what is queued, wakes the thread and joins it
@@ -171,5 +172,6 @@ class QueueThread:
             self._cond.notify_all()
         self._workers.join(Deadline(timeout_s))
 
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The thread: drain ``self._queue`` until ``self._stopping``."""

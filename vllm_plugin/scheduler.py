@@ -250,10 +250,14 @@ class SchedulerSide:
         return self.lookups.wait_remote([keys[:wanted] for keys in key_lists], node, deadline - time.monotonic(),
                                         address=address, transfer_id=transfer_id) if wanted else 0
 
-    def _pool_node(self) -> str:
-        """This instance's node service's pool node id ("" : embedded mode, or no pool)."""
+    def _pool_identity(self) -> tuple[str, str]:
+        """This instance's node service's pool node id and transport address ("": embedded mode,
+        or no pool)."""
         welcome = self._node_store.welcome if self._node_store is not None else None
-        return welcome.pool_node if welcome is not None else ""
+        return (welcome.pool_node, welcome.pool_address) if welcome is not None else ("", "")
+
+    def _pool_node(self) -> str:
+        return self._pool_identity()[0]
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------------
     def track(self, request: Request) -> TrackedRequest:
@@ -664,11 +668,9 @@ class SchedulerSide:
             REMOTE_PREFIX_TOKENS: max(t.saved_chunks, final_chunks) * self.chunk_tokens,
             REMOTE_FINGERPRINT: self.shard_digests[0],
         }
-        node = self._pool_node()
+        node, address = self._pool_identity()
         if node:
-            welcome = self._node_store.welcome if self._node_store is not None else None
-            params_out.update({REMOTE_NODE: node, TRANSFER_ID: request.request_id,
-                               REMOTE_POOL_ADDRESS: welcome.pool_address if welcome is not None else ""})
+            params_out.update({REMOTE_NODE: node, TRANSFER_ID: request.request_id, REMOTE_POOL_ADDRESS: address})
         return delay, params_out
 
     def _final_chunks(self, t: TrackedRequest, block_ids: list[int]) -> int:

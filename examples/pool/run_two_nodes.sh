@@ -17,6 +17,8 @@
 set -euo pipefail
 # shellcheck source=../lib/healthy.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/healthy.sh"
+# shellcheck source=../lib/pool.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/pool.sh"
 VENV=${MOONCAKE_KV_VENV:-$HOME/.cache/mooncake-kv/venv}
 PY="$VENV/bin/python"
 MODEL=${MODEL:?set MODEL to a model name or a local model directory}
@@ -29,21 +31,8 @@ EXTRA_ARGS=${EXTRA_ARGS:-}    # e.g. "--block-size 32 --max-model-len 8192" (CPU
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 RUN_DIR=$(mktemp -d /tmp/mkv-pool-XXXXXX)   # sockets, configs, the secret, Redis' directory (private)
 chmod 700 "$RUN_DIR"
+SHM_TAG=mkv-example           # the node services' arenas: /dev/shm/$SHM_TAG-<node>-<pid>-*
 
-if [ "$REDIS_PORT" = 0 ]; then
-  REDIS_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-fi
-head -c 32 /dev/urandom | base64 >"$RUN_DIR/pool.secret"
-chmod 600 "$RUN_DIR/pool.secret"
-
-node_config() {  # $1: node name
-  cat >"$RUN_DIR/$1.json" <<JSON
-{"socket": "$RUN_DIR/$1/node.sock", "metrics": null,
- "store": {"dram": {"capacity_bytes": "$DRAM", "shm_name": "mkv-example-$1-$$"}},
- "pool": {"node_id": "$1", "listen": "127.0.0.1:0", "secret_file": "$RUN_DIR/pool.secret",
-          "directory": {"kind": "redis", "url": "redis://127.0.0.1:$REDIS_PORT/0"}}}
-JSON
-}
 engine_config() {  # $1: node name
   echo '{"kv_connector": "MooncakeTieredConnector", "kv_connector_module_path": "vllm_plugin.connector",
          "kv_role": "kv_both",
@@ -52,35 +41,17 @@ engine_config() {  # $1: node name
 }
 
 pids=()
-services=()
-service_pids=()
-redis=""
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait "${pids[@]}" 2>/dev/null || true
-  for n in "${services[@]}"; do "$PY" -m store_backend.node stop --socket "$RUN_DIR/$n/node.sock" --wait 120 || true; done
-  wait "${service_pids[@]}" 2>/dev/null || true
-  for n in "${services[@]}"; do rm -f /dev/shm/mkv-example-"$n"-$$-*; done   # the arena of a service that was killed
-  if [ -n "$redis" ]; then kill "$redis" 2>/dev/null || true; wait "$redis" 2>/dev/null || true; fi
+  pool_stop
   rm -rf "$RUN_DIR"
 }
 trap cleanup EXIT
 trap "exit 130" INT  # the EXIT trap cleans up, once
 trap "exit 143" TERM
 
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$RUN_DIR" \
-    --logfile "$RUN_DIR/redis.log" &
-redis=$!
-for n in node1 node2; do
-  mkdir -m 700 "$RUN_DIR/$n"
-  node_config "$n"
-  "$PY" -m store_backend.node serve --config "$RUN_DIR/$n.json" &
-  services+=("$n")
-  service_pids+=($!)
-done
-for n in node1 node2; do
-  "$PY" -m store_backend.node status --socket "$RUN_DIR/$n/node.sock" --wait 120 >/dev/null
-done
+pool_start node1 node2
 
 port_of() { if [ "$1" = node1 ]; then echo "$PORT1"; else echo "$PORT2"; fi; }
 for n in node1 node2; do

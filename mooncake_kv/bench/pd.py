@@ -192,8 +192,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 recs.append(rec)
                 _progress(f"{'push' if push else 'pull'}: prefill {rec['prefill_s']:.3f} s, decode wait "
                           f"{rec['decode_wait_s']:.3f} s, loaded {rec['loaded_tokens']} tokens")
-            time.sleep(2.0)  # the heartbeat that publishes the pushes
-            pushes = _published(cluster, "node-a")
+            # Every pushed chunk settled (sent, there already, failed or skipped), as the prefill
+            # node's heartbeat publishes it; at most 30 s.
+            want = (1 + args.requests) * (args.prompt_tokens // args.chunk_tokens)
+            deadline = time.monotonic() + 30.0
+            while True:
+                pushes = _published(cluster, "node-a")
+                settled = sum(pushes.get(k, 0) for k in ("pushes_sent", "pushes_present", "pushes_failed",
+                                                         "pushes_skipped", "pushes_dropped"))
+                if settled >= want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)  # poll interval (the heartbeat's); the loop has a deadline
         finally:
             cluster.close()
     finally:

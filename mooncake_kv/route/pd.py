@@ -167,7 +167,7 @@ async def route_pd(router: Router, request: web.Request, path: str, body: dict[s
                                                                      push_to)
             if answer is not None:
                 return answer
-        reason = plan.reason if not plan.prefill_leg else ("pulled" if params is not None else skipped)
+        reason = plan.reason if not plan.prefill_leg else ("prefilled" if params is not None else skipped)
         facts = next(i for i in router.state.facts(time.monotonic(), cached) if i.name == plan.decode)
         if params is not None:  # it loads what the prefill leg stored, from the pool
             stored = params.get("remote_prefix_tokens")

@@ -414,7 +414,7 @@ class TcpTransport:
                 results[i] = Status.IO_ERROR
             self._fail(e, address, "put", len(left))
 
-    # -- remove -----------------------------------------------------------------------------------
+    # -- wait -------------------------------------------------------------------------------------
     def wait_stored(self, address: str, keys: Sequence[str], *, wait_s: float,
                     timeout_s: float = 10.0) -> list[ReadResult]:
         """See :meth:`store_backend.pool.transport.Transport.wait_stored`."""
@@ -452,6 +452,7 @@ class TcpTransport:
                         for i, r in enumerate(results)]
         return results
 
+    # -- remove -----------------------------------------------------------------------------------
     def remove(self, address: str, keys: Sequence[str], *, timeout_s: float = 10.0,
                before_s: float = 0.0) -> list[Status]:
         """See :meth:`store_backend.pool.transport.Transport.remove`."""

@@ -115,7 +115,7 @@ class TcpTransportServer:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("connections", "auth_failures", "handshake_failures", "bytes_sent",
                                      "bytes_received", "requests", "bad_frames", "bad_tags", "refused_connections",
-                                     "sendfile_bytes", "waits"), 0)
+                                     "sendfile_bytes", "waits", "waiting"), 0)
         self._listener: socket.socket | None = None
         self._workers = Workers("pool transport server")  # the accept thread and one per connection
         self._accept_thread: threading.Thread | None = None
@@ -418,11 +418,15 @@ class TcpTransportServer:
         held in slices so a stopping server answers within one."""
         until = time.monotonic() + h.wait_s
         n = 0
-        while True:
-            left = until - time.monotonic()
-            n = self._store.exists(h.keys, wait_s=max(0.0, min(left, _WAIT_SLICE_S)), local_only=True)
-            if n == len(h.keys) or left <= 0 or self._stopping.is_set():
-                break
+        self._count("waiting")  # a gauge: the waits held now
+        try:
+            while True:
+                left = until - time.monotonic()
+                n = self._store.exists(h.keys, wait_s=max(0.0, min(left, _WAIT_SLICE_S)), local_only=True)
+                if n == len(h.keys) or left <= 0 or self._stopping.is_set():
+                    break
+        finally:
+            self._count("waiting", -1)
         sizes = [s or 0 for s in self._store.size_of(h.keys[:n], local_only=True)] if n else []
         n = next((i for i, s in enumerate(sizes) if not s), n)  # removed since: a prefix still
         self._count("waits")

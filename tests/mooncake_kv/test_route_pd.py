@@ -117,7 +117,7 @@ def test_a_long_prompt_goes_in_two_legs_with_the_prefill_legs_transfer_parameter
     assert dec["min_tokens"] == 2
     first, second = decisions
     assert (first["leg"], first["choice"], first["status"]) == ("prefill", "p", "done")
-    assert (second["leg"], second["choice"], second["reason"], second["pair"]) == ("decode", "d", "pulled",
+    assert (second["leg"], second["choice"], second["reason"], second["pair"]) == ("decode", "d", "prefilled",
                                                                                     first["id"])
     assert second["estimates"]["d"]["loaded"] == {"REMOTE": 48}  # it loads what the prefill leg stored
 

@@ -148,7 +148,7 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
         router.wait(30)
     assert got == baseline_tokens(tiny_model, work, [long_p, short_p])
     assert [(d["leg"], d["choice"], d["reason"], d["status"]) for d in decisions] == [
-        ("prefill", "p", decisions[0]["reason"], "done"), ("decode", "d", "pulled", "done"),
+        ("prefill", "p", decisions[0]["reason"], "done"), ("decode", "d", "prefilled", "done"),
         ("decode", "d", "short", "done")]
     assert decisions[1]["pair"] == decisions[0]["id"]
     chunks = (len(long_p) - 1) // CHUNK_TOKENS

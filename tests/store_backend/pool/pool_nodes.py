@@ -220,3 +220,11 @@ def wait_nodes_alive(directory: RedisDirectory, names: list[str], timeout_s: flo
             return False
 
     wait_until(alive, timeout_s, f"nodes {names} alive")
+
+
+
+def wait_held(directory: RedisDirectory, node: str) -> None:
+    """Until ``node``'s heartbeat publishes a peer's wait held there now (``server_waiting``), or
+    AssertionError after 15 s."""
+    wait_until(lambda: (published(directory, node) or {}).get("server_waiting", 0) >= 1, 15,
+               f"a peer's wait held at {node}")

@@ -24,6 +24,7 @@ from tests.store_backend.pool.pool_nodes import (
     make_payload,
     published,
     put_all,
+    wait_held,
     put_past_dram,
     read,
     read_ok,
@@ -200,7 +201,7 @@ def test_a_wait_on_the_holder_node_returns_at_its_commit_and_the_bytes_cross_the
     address in its welcome (what a connector hands on in its transfer parameters)."""
     import threading
 
-    (a, b, _c), _d = pool
+    (a, b, _c), d = pool
     ca, cb = a.client(), b.client()
     assert ca.welcome is not None and cb.welcome is not None
     assert (ca.welcome.pool_node, cb.welcome.pool_node) == ("A", "B") and ca.welcome.pool_address
@@ -209,15 +210,19 @@ def test_a_wait_on_the_holder_node_returns_at_its_commit_and_the_bytes_cross_the
     for r, k in zip(held, keys):
         r.view[:] = make_payload(k, 1, SIZE)
 
-    def commit_later() -> None:
-        time.sleep(0.4)
+    committed_at: list[float] = []
+
+    def commit_once_the_wait_is_there() -> None:
+        wait_held(d, "A")
+        committed_at.append(time.monotonic())
         assert ca.commit(held) == [Status.OK] * len(keys)
 
-    threading.Thread(target=commit_later, daemon=True).start()
+    threading.Thread(target=commit_once_the_wait_is_there, daemon=True).start()
     before = cb.stats().pool.bytes_read
     t0 = time.monotonic()
     assert cb.wait_peer("A", keys, 30.0, address=ca.welcome.pool_address, transfer_id="t-1") == len(keys)
-    assert time.monotonic() - t0 < 10.0
+    done = time.monotonic()
+    assert committed_at and committed_at[0] <= done and done - t0 < 10.0, (committed_at, done - t0)
     read_ok(cb, keys, SIZE, 1)
     assert cb.stats().pool.bytes_read - before >= len(keys) * SIZE
     # A key A never commits: the wait ends at its deadline with the leading run.

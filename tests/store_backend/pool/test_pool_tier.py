@@ -27,7 +27,7 @@ from store_backend.prometheus import StoreCollector
 from store_backend.store import TieredStore
 from store_backend.types import Status
 
-from tests.store_backend.pool.transport_helpers import SECRET, FlipProxy, payload
+from tests.store_backend.pool.transport_helpers import SECRET, FlipProxy, payload, wait_for
 
 MiB = 1 << 20
 SIZE = 256 << 10
@@ -403,11 +403,11 @@ def test_a_wait_at_the_holder_returns_on_its_commit_and_reads_from_it_before_the
         for r, k in zip(held, keys):
             r.view[:] = memoryview(payload(k, SIZE)).cast("B")
 
-        def commit_later() -> None:
-            time.sleep(0.3)
+        def commit_once_the_wait_is_there() -> None:
+            assert wait_for(lambda: b.server.stats()["waiting"] == 1, 10.0)  # the wait is held at B
             assert b.store.commit(held) == [Status.OK] * 3
 
-        threading.Thread(target=commit_later, daemon=True).start()
+        threading.Thread(target=commit_once_the_wait_is_there, daemon=True).start()
         t0 = time.monotonic()
         assert tier.wait_at("B", keys, 20.0) == 3
         assert time.monotonic() - t0 < 5.0
@@ -432,7 +432,7 @@ def test_a_wait_at_the_holder_returns_on_its_commit_and_reads_from_it_before_the
         got: list[int] = []
         waiter = threading.Thread(target=lambda: got.append(tier.wait_at("B", ["t/late"], 20.0)))
         waiter.start()
-        time.sleep(0.3)
+        assert wait_for(lambda: b.server.stats()["waiting"] == 1, 10.0)  # the wait is held at B
         tier.forget_cached(["t/late"])  # what a peer's remove of the key does here first
         assert b.store.commit(late) == [Status.OK]
         waiter.join(20)

@@ -16,14 +16,14 @@ import time
 
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import REPO, wait_until
-from tests.store_backend.pool.pool_nodes import MiB, Pool, check_payload, make_payload, read, read_ok
+from tests.store_backend.pool.pool_nodes import MiB, Pool, check_payload, make_payload, read, read_ok, wait_held
 
 SIZE = 1 * MiB
 
 # A writer that reserves three keys on a node, fills them, commits the first only, says so, and
 # waits to be killed (a prefill engine dying with its saves in flight).
 _WRITER = """
-import sys, time
+import signal, sys
 from store_backend.node.client import NodeClient
 from tests.store_backend.pool.pool_nodes import make_payload
 sock, size = sys.argv[1], int(sys.argv[2])
@@ -34,12 +34,12 @@ for r, k in zip(held, keys):
     r.view[:] = make_payload(k, 1, size)
 assert [s.name for s in c.commit(held[:1])] == ["OK"]
 print("ready", flush=True)
-time.sleep(600)
+signal.pause()  # until killed
 """
 
 
 def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_what_was_committed(pool: Pool) -> None:
-    (a, b, _c), _d = pool
+    (a, b, _c), d = pool
     cb = b.client()
     writer = subprocess.Popen([sys.executable, "-c", _WRITER, a.socket, str(SIZE)], stdout=subprocess.PIPE,
                               text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -49,7 +49,7 @@ def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_wh
         waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["dying-0", "dying-1", "dying-2"], 2.0)))
         t0 = time.monotonic()
         waiter.start()
-        time.sleep(0.3)
+        wait_held(d, "A")  # the wait is held at A: the writer dies during it
         writer.kill()
         writer.wait(30)
         waiter.join(30)
@@ -69,7 +69,7 @@ def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_wh
 
 def test_the_holder_killed_during_a_wait_releases_the_waiter_at_once_and_a_restarted_waiter_reads(
         pool: Pool) -> None:
-    (a, b, _c), _d = pool
+    (a, b, _c), d = pool
     ca, cb = a.client(), b.client()
     keys = [f"held-{i}" for i in range(3)]
     st = ca.put(keys, [make_payload(k, 1, SIZE) for k in keys])
@@ -86,7 +86,7 @@ def test_the_holder_killed_during_a_wait_releases_the_waiter_at_once_and_a_resta
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["never-0"], 30.0)))
     waiter.start()
-    time.sleep(0.5)
+    wait_held(d, "A")
     t0 = time.monotonic()
     a.kill()
     waiter.join(40)

@@ -402,21 +402,25 @@ def test_a_wait_is_answered_when_the_keys_are_committed_not_before():
             for r, d in zip(held, data[1:]):
                 r.view[:] = memoryview(d).cast("B")
 
-            def commit_later() -> None:
-                time.sleep(0.4)
+            committed_at: list[float] = []
+
+            def commit_once_the_wait_is_there() -> None:
+                assert wait_for(lambda: srv.stats()["waiting"] == 1, 10.0)  # the wait is held at the server
+                committed_at.append(time.monotonic())
                 assert store.commit(held) == [Status.OK, Status.OK]
 
-            threading.Thread(target=commit_later, daemon=True).start()
+            threading.Thread(target=commit_once_the_wait_is_there, daemon=True).start()
             t0 = time.monotonic()
             got = t.wait_stored(srv.address, keys, wait_s=20.0)
-            took = time.monotonic() - t0
+            done = time.monotonic()
             assert got == [ReadResult(Status.OK, d.nbytes) for d in data]
-            assert 0.3 < took < 5.0, took  # answered by the commit, long before wait_s
+            # Answered by the commit (held until it came), long before wait_s.
+            assert committed_at and committed_at[0] <= done and done - t0 < 5.0, (committed_at, done - t0)
             t0 = time.monotonic()
             got = t.wait_stored(srv.address, [keys[0], "w/never", keys[2]], wait_s=0.6)
             assert [r.status for r in got] == [Status.OK, Status.NOT_FOUND, Status.NOT_FOUND]
             assert 0.5 < time.monotonic() - t0 < 5.0
-            assert srv.stats()["waits"] == 2
+            assert srv.stats()["waits"] == 2 and srv.stats()["waiting"] == 0
             # A dead address answers IO_ERROR at once, not after wait_s.
             dead = socket.socket()
             dead.bind(("127.0.0.1", 0))
