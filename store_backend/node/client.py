@@ -46,6 +46,7 @@ what they share.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -158,6 +159,9 @@ class NodeClient(ClientQueries, ClientSlots):
         self._forget: set[int] = set()
         self._owed: dict[str, set[int]] = {"abort": set(), "release": set()}
         self._shut = False  # close() has torn the pool down
+        # get_into's prefetch threads (at most max_connections), started at the first batch read
+        # of several keys and shut down by close(); a forked child starts its own.
+        self._prefetch: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def open_connections(self) -> int:
@@ -236,6 +240,7 @@ class NodeClient(ClientQueries, ClientSlots):
         with self._cond:
             self._shut = True
             self._cond.notify_all()
+            prefetch, self._prefetch = self._prefetch, None
             conns, self._conns = self._conns, []
             self._tokens.clear()
             mapping, self._mapping = self._mapping, None
@@ -250,6 +255,21 @@ class NodeClient(ClientQueries, ClientSlots):
             MAPPINGS.release(c.mapping)
         if mapping is not None:
             MAPPINGS.release(mapping)
+        if prefetch is not None:
+            # The reads that use it were in flight, waited for above; a prefetch still queued (close
+            # gave up waiting) runs and finds the client shut (StoreClosedError to its reader).
+            prefetch.shutdown(wait=False)
+
+    def _prefetch_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The owned pool of ``get_into``'s prefetch threads (see ``_reset_process_state``);
+        StoreClosedError once the client is closed."""
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError("the node client is closed")
+            if self._prefetch is None:
+                self._prefetch = concurrent.futures.ThreadPoolExecutor(
+                    self.max_connections, thread_name_prefix=f"node-prefetch-{self.name}")
+            return self._prefetch
 
     def note_stuck_threads(self, count: int) -> None:
         with self._cond:

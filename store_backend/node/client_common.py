@@ -47,7 +47,7 @@ class _Held:
     segment_id: str
     conn_id: int
     token: int
-    owner: int
+    owner: int | str  # a caller's int, or get_into's own (a str no caller can pass)
     kind: str  # "reserve" | "lease"
     key: str
     offset: int

@@ -8,8 +8,11 @@ failure rules."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from store_backend.api import StoreClosedError
@@ -42,6 +45,32 @@ from store_backend.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# ``get_into`` of several keys leases them in groups of about this many bytes, the next group's
+# lease (a pull from the pool, a read from SSD) overlapping this group's copy.
+PIPELINE_GROUP_BYTES = 8 << 20
+PIPELINE_DEPTH = 2  # groups leased ahead of the one being copied
+# The owner of get_into's own leases: not an int, so no caller can name it (reclaim, release).
+_GET_INTO_OWNER = "get_into"
+
+
+# A leased slot get_into copies: (its key's index, its size, its writer's checksum, its view).
+_Slot = tuple[int, int, "int | None", memoryview]
+
+
+def _refused(i: int, status: Status, out: list[ReadResult], done: list[bool], again: list[int]) -> None:
+    """get_into's answer for key ``i`` whose lease was refused ``status``; NO_SPACE goes ``again``."""
+    if status is Status.NO_SPACE:
+        again.append(i)
+    out[i], done[i] = ReadResult(status if status in _READ_STATUSES else Status.IO_ERROR), True
+
+
+def _prefetched(fut: Future[list[SlotLease]]) -> list[SlotLease]:
+    """A prefetch's leases; StoreClosedError when it was cancelled (the client closed)."""
+    try:
+        return fut.result()
+    except concurrent.futures.CancelledError:
+        raise StoreClosedError("the node client was closed during the call") from None
 
 
 class ClientSlots:
@@ -205,47 +234,167 @@ class ClientSlots:
             self._enter()
             self._exit()
             return out
+        if len(valid) >= 2 and sum(nbytes_of(buffers[i]) for i in valid) >= 2 * PIPELINE_GROUP_BYTES:
+            # A large batch is leased a group at a time, the next groups' leases (which may pull
+            # their keys from another node of the pool, or stage them from SSD) in flight while
+            # this thread copies the last. What was refused NO_SPACE is read in rounds below.
+            valid = self._get_pipelined(keys, buffers, valid, out, done)
+            if not valid:
+                return out
         return self._call(body, fail)
+
+    def _get_pipelined(self, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
+                       out: list[ReadResult], done: list[bool]) -> list[int]:
+        """``get_into`` of the indices ``todo`` as a pipeline of leases: up to ``PIPELINE_DEPTH``
+        groups are leased ahead on the client's prefetch threads while this thread copies the
+        current group out of its slots and releases it. The first group is one key; the next ones
+        hold about ``PIPELINE_GROUP_BYTES`` each, sized by the objects seen so far. One call in
+        flight (``close`` waits for it; a forked child starts over here); its leases are tagged
+        with an owner no caller can name (``reclaim`` never ends them). Fills ``out``/``done``
+        and returns the indices refused NO_SPACE (for the caller's rounds). Whatever ends it,
+        every group it leased is released before it returns or raises."""
+        self._enter()
+        try:
+            prefetch = self._prefetch_executor()
+            again: list[int] = []
+            group, rest = todo[:1], todo[1:]
+            leases: list[SlotLease] | None = self._lease_now([keys[i] for i in group])
+            ahead: collections.deque[tuple[list[int], Future[list[SlotLease]]]] = collections.deque()
+            per = 0
+            try:
+                while True:
+                    assert leases is not None
+                    if not per:
+                        sizes = [r.nbytes for r in leases if r.status is Status.OK]
+                        per = max(1, PIPELINE_GROUP_BYTES // max(1, max(sizes))) if sizes else 0
+                    while rest and len(ahead) < PIPELINE_DEPTH:
+                        nxt, rest = (rest[:per], rest[per:]) if per else (rest, [])
+                        try:
+                            fut = prefetch.submit(self._lease_now, [keys[i] for i in nxt])
+                        except RuntimeError:  # the executor was shut down: close() gave up waiting
+                            raise StoreClosedError("the node client was closed during the call") from None
+                        ahead.append((nxt, fut))
+                    current, leases = leases, None
+                    self._copy_out(keys, buffers, group, current, out, done, again)
+                    if not ahead:
+                        return again
+                    group, fut = ahead.popleft()
+                    leases = _prefetched(fut)
+            finally:
+                if leases is not None:  # leased, not copied: given back
+                    self._give_back(leases)
+                for _group, fut in ahead:
+                    try:
+                        self._give_back(_prefetched(fut))
+                    except StoreClosedError:
+                        pass  # that lease never ran: nothing to give back
+        finally:
+            self._exit()
+
+    def _lease_now(self, keys: list[str]) -> list[SlotLease]:
+        """A lease of ``keys`` (valid) for ``get_into``, within its call (no second in-flight
+        count); run on a prefetch thread or the calling one."""
+        body, fail = self._lease_calls(keys, DEFAULT_TTL_S, True, 0.0, _GET_INTO_OWNER)
+        return self._run(body, fail)
+
+    def _release_now(self, leases: list[SlotLease]) -> list[bool | None]:
+        """Release ``get_into``'s own leases, the slots unchecked (the caller checked its copies);
+        per lease True (stable), False, or None where the service could not be asked."""
+        def send(conn: Connection, held: list[_Held]) -> list[bool]:
+            return self._release_on(conn, [h.token for h in held])
+
+        # A lease this client no longer holds (its service start is gone) was lost with it: None too.
+        out = self._settle(leases, "lease", _GET_INTO_OWNER, send, None, lambda r: None, "release", in_call=True)
+        _release_views(leases)
+        return out
+
+    def _give_back(self, leases: list[SlotLease]) -> None:
+        """Release leases ``get_into`` took and will not copy (its call is ending early)."""
+        try:
+            self._release_now(leases)
+        except BaseException:  # noqa: BLE001 (already ending with another error; owed releases are sent later)
+            logger.debug("leases of an interrupted get_into not released", exc_info=True)
+
+    def _copy_out(self, keys: list[str], buffers: Sequence[Buffer], group: list[int], leases: list[SlotLease],
+                  out: list[ReadResult], done: list[bool], again: list[int]) -> None:
+        """Copy one leased group into its buffers, check each copy (``verify_reads``) and release
+        the group; per index its ReadResult (OK only when the copy was checked and the release said
+        the bytes were stable; IO_ERROR, counted in ``loads_failed_disconnect``, when the service
+        could not be asked). NO_SPACE refusals go to ``again``."""
+        held: list[SlotLease] = []
+        slots: list[_Slot] = []
+        for i, r in zip(group, leases):
+            if r.status is not Status.OK:
+                _refused(i, r.status, out, done, again)
+                continue
+            assert r.view is not None
+            held.append(r)
+            slots.append((i, r.nbytes, r.checksum, r.view))
+        try:
+            copied, corrupt = self._copy_slots(keys, buffers, slots, out, self.verify_reads)
+        finally:
+            stable = self._release_now(held)
+        self._answer(slots, stable, copied, corrupt, out, done)
+        lost = sum(1 for ok in stable if ok is None)
+        if lost:
+            with self._cond:
+                self.counters.loads_failed_disconnect += lost
 
     def _lease_round(self, conn: Connection, keys: list[str], buffers: Sequence[Buffer], todo: list[int],
                      out: list[ReadResult], done: list[bool]) -> list[int]:
-        """One lease -> copy -> release round of ``get_into`` over the indices ``todo``; fills
-        ``out``/``done`` for what it answered and returns the indices refused NO_SPACE (to go again)."""
+        """One lease -> copy -> release round of ``get_into`` over the indices ``todo``, on one
+        connection; fills ``out``/``done`` for what it answered and returns the indices refused
+        NO_SPACE (to go again)."""
         sub = [keys[i] for i in todo]
         conn.granted = True
         replies = self._ask_split(conn, len(sub), lambda rid, lo, hi: p.Lease(
             rid, sub[lo:hi], DEFAULT_TTL_S, True, 0.0), p.Slots)
         grants = self._grants(conn, replies, len(sub), None)
-        held: list[int] = []
+        tokens: list[int] = []
+        slots: list[_Slot] = []
+        again: list[int] = []
+        for i, g in zip(todo, grants):
+            if g.status is not Status.OK:
+                _refused(i, g.status, out, done, again)
+                continue
+            tokens.append(g.token)
+            slots.append((i, g.nbytes, g.checksum, conn.mapping.slot(g.offset, g.nbytes)))
+        try:
+            copied, corrupt = self._copy_slots(keys, buffers, slots, out, self._reads_verified(conn))
+        finally:
+            stable = self._release_on(conn, tokens)
+        self._answer(slots, stable, copied, corrupt, out, done)
+        return again
+
+    def _copy_slots(self, keys: list[str], buffers: Sequence[Buffer], slots: list[_Slot],
+                    out: list[ReadResult], verify: bool) -> tuple[set[int], set[int]]:
+        """Copy each leased slot (index, nbytes, the writer's checksum, its view) into its buffer
+        (BUFFER_TOO_SMALL, with the size, where it does not fit) and, with ``verify``, check the
+        copy; (the indices copied, those whose copy did not match)."""
         copied: set[int] = set()
         corrupt: set[int] = set()
-        again: list[int] = []
-        try:
-            for i, g in zip(todo, grants):
-                if g.status is not Status.OK:
-                    if g.status is Status.NO_SPACE:
-                        again.append(i)
-                    out[i], done[i] = ReadResult(g.status if g.status in _READ_STATUSES else Status.IO_ERROR), True
-                    continue
-                held.append(i)
-                if nbytes_of(buffers[i]) < g.nbytes:
-                    out[i] = ReadResult(Status.BUFFER_TOO_SMALL, g.nbytes)
-                    continue
-                dst = byte_view(buffers[i])
-                copy_bytes(dst, conn.mapping.slot(g.offset, g.nbytes))
-                copied.add(i)
-                if self._reads_verified(conn) and not self._verified(keys[i], g.checksum, dst[:g.nbytes]):
-                    corrupt.add(i)
-        finally:
-            by_index = dict(zip(todo, grants))
-            stable = self._release_on(conn, [by_index[i].token for i in held])
-        for i, ok in zip(held, stable):
+        for i, nbytes, checksum, view in slots:
+            if nbytes_of(buffers[i]) < nbytes:
+                out[i] = ReadResult(Status.BUFFER_TOO_SMALL, nbytes)
+                continue
+            dst = byte_view(buffers[i])
+            copy_bytes(dst, view)
+            copied.add(i)
+            if verify and not self._verified(keys[i], checksum, dst[:nbytes]):
+                corrupt.add(i)
+        return copied, corrupt
+
+    @staticmethod
+    def _answer(slots: list[_Slot], stable: Sequence[bool | None],
+                copied: set[int], corrupt: set[int], out: list[ReadResult], done: list[bool]) -> None:
+        """Each released slot's answer: CORRUPT; OK (the copy was made and the release said the bytes
+        were stable), else IO_ERROR; or BUFFER_TOO_SMALL as :meth:`_copy_slots` set it."""
+        for (i, nbytes, _checksum, _view), ok in zip(slots, stable):
             done[i] = True
             if i in corrupt:
                 out[i] = ReadResult(Status.CORRUPT)
-            elif i in copied or out[i].status is not Status.BUFFER_TOO_SMALL:
-                out[i] = ReadResult(Status.OK, by_index[i].nbytes) if ok else ReadResult(Status.IO_ERROR)
-        return again
+            elif i in copied:
+                out[i] = ReadResult(Status.OK, nbytes) if ok else ReadResult(Status.IO_ERROR)
 
     # -- the slot API --------------------------------------------------------------------------------
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], parents: Sequence[str | None] | None = None,
@@ -309,8 +458,16 @@ class ClientSlots:
         _check_owner(owner)
         check_wait_s("wait_pending_s", wait_pending_s)
         every = list(keys)
-        keys = [every[i] for i in ok]
+        body, fail = self._lease_calls([every[i] for i in ok], ttl_s, stage_in, wait_pending_s, owner)
 
+        def invalid(i: int) -> SlotLease:
+            return SlotLease(Status.INVALID_KEY, every[i], 0, 0, 0, None)
+
+        return self._call_valid(len(every), ok, body, fail, invalid)
+
+    def _lease_calls(self, keys: list[str], ttl_s: float, stage_in: bool, wait_pending_s: float, owner: int | str,
+                     ) -> tuple[Callable[[Connection], list[SlotLease]], Callable[[str], list[SlotLease]]]:
+        """The body and the fail of a lease of ``keys`` (all valid), for ``_call``/``_run``."""
         def body(conn: Connection) -> list[SlotLease]:
             conn.waiting = wait_pending_s > 0
             conn.granted = True
@@ -338,13 +495,10 @@ class ClientSlots:
                 self.counters.loads_failed_disconnect += len(keys)
             return [SlotLease(Status.IO_ERROR, k, 0, 0, 0, None) for k in keys]
 
-        def invalid(i: int) -> SlotLease:
-            return SlotLease(Status.INVALID_KEY, every[i], 0, 0, 0, None)
+        return body, fail
 
-        return self._call_valid(len(every), ok, body, fail, invalid)
-
-    def _claim(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
-               ) -> tuple[list[int], list[tuple[int, _Held]], list[int]]:
+    def _claim(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int | str,
+               count_foreign: bool = True) -> tuple[list[int], list[tuple[int, _Held]], list[int]]:
         """(Under the lock.) The items ``owner`` holds in this client as ``kind`` for the current
         service start: (their indexes, their (handle, held) pairs, now settling), and the indexes
         of the rest (not OK, finished, another owner's or client's, or of a service start that is
@@ -357,7 +511,7 @@ class ClientSlots:
             h = self._tokens.get(r.token) if r.status is Status.OK and isinstance(r.token, int) else None
             if h is None or h.owner != owner or h.kind != kind or h.key != r.key or h.settling \
                     or h.segment_id != seg:
-                if r.status is Status.OK:
+                if r.status is Status.OK and count_foreign:
                     self.counters.slot_foreign += 1  # as the store counts a token it does not hold
                     if h is not None and h.segment_id != seg:
                         del self._tokens[r.token]
@@ -368,19 +522,23 @@ class ClientSlots:
             held.append((r.token, h))
         return idx, held, rest
 
-    def _settle(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int,
+    def _settle(self, items: Sequence[Reservation | SlotLease], kind: str, owner: int | str,
                 send: Callable[[Connection, list[_Held]], list[Any]], lost_value: Any,
-                rest_value: Callable[[Reservation | SlotLease], Any], owe: str | None) -> list[Any]:
+                rest_value: Callable[[Reservation | SlotLease], Any], owe: str | None, *,
+                in_call: bool = False) -> list[Any]:
         """End the handles of ``items``: ``send(conn, held)`` on any connection to the service start
         that granted them (the service keeps tokens per process), never waiting for a busy one;
         tried again once on a new connection when the first is lost. Per item its answer;
         ``lost_value`` where the service could not be asked (``owe``: "abort"/"release", sent
         again at a later call, so the slot is given back all the same); ``rest_value(item)`` for
-        items this client does not hold."""
-        self._enter()
+        items this client does not hold. ``in_call``: part of a call already counted in flight
+        (``get_into``'s own leases: neither counted again nor refused by a close it holds up; a
+        handle the client no longer holds, after a service restart, is not counted foreign)."""
+        if not in_call:
+            self._enter()
         try:
             with self._cond:
-                idx, pairs, rest = self._claim(items, kind, owner)
+                idx, pairs, rest = self._claim(items, kind, owner, count_foreign=not in_call)
             out: list[Any] = [None] * len(items)
             for i in rest:
                 out[i] = rest_value(items[i])
@@ -431,7 +589,8 @@ class ClientSlots:
                                kind, "owed, sent again at the next call" if owe else "counted as failed")
             return out
         finally:
-            self._exit()
+            if not in_call:
+                self._exit()
 
     def commit(self, reservations: Sequence[Reservation], *, owner: int = 0) -> list[Status]:
         """Make reserved objects visible, each with the checksum of its slot's bytes as they are

@@ -133,3 +133,47 @@ def test_a_get_larger_than_this_process_share_is_read_in_rounds() -> None:
         assert c.stats().slots.leases == 0
     finally:
         c.close(flush=False)
+
+
+def test_a_batch_get_is_leased_in_groups_and_answers_as_one_call(monkeypatch) -> None:
+    """get_into of several keys leases them a group at a time, the next group(s) in flight on the
+    client's prefetch threads while this thread copies: over random batches (sizes across group
+    bounds, absent keys, a buffer too small, a key twice) every answer and every byte is what one
+    lease-copy-release of the whole batch gives, and no lease is left held."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from store_backend.node import client_slots
+
+    monkeypatch.setattr(client_slots, "PIPELINE_GROUP_BYTES", 16 * 1024)
+    c = serve_node({"dram": {"capacity_bytes": 8 * MiB}})
+    try:
+        sizes = {f"g{i}": 1 + (i * 7919) % (24 * 1024) for i in range(24)}
+        keys = list(sizes)
+        assert c.put(keys, [payload(k, n) for k, n in sizes.items()]) == [Status.OK] * len(keys)
+        item = st.tuples(st.sampled_from([*keys, "absent-1", "absent-2"]), st.sampled_from([0, 0, 0, 5, -1]))
+
+        @settings(max_examples=40, deadline=None)
+        @given(st.lists(item, min_size=2, max_size=30))
+        def check(batch: list[tuple[str, int]]) -> None:
+            ks = [k for k, _ in batch]
+            bufs = [bytearray(max(0, sizes.get(k, 64) + slack)) for k, slack in batch]
+            got = c.get_into(ks, bufs)
+            for (k, slack), buf, r in zip(batch, bufs, got):
+                if k not in sizes:
+                    assert r == ReadResult(Status.NOT_FOUND), (k, r)
+                elif slack < 0:
+                    assert r == ReadResult(Status.BUFFER_TOO_SMALL, sizes[k]), (k, r)
+                else:
+                    assert r == ReadResult(Status.OK, sizes[k]), (k, r)
+                    assert bytes(buf[:sizes[k]]) == payload(k, sizes[k]).tobytes(), k
+            assert c.stats().slots.leases == 0
+
+        before = set(threading.enumerate())
+        check()
+        mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("node-prefetch-")]
+        assert mine
+    finally:
+        c.close(flush=False)
+    # The prefetch threads are the client's: closed with it.
+    wait_until(lambda: not any(t.is_alive() for t in mine), 10, "the client's prefetch threads to end")

@@ -9,10 +9,12 @@ that asks to verify is told its reads go unverified."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
 from store_backend.checksum import object_checksum
+from store_backend.node import client_slots
 from store_backend.node.client import NodeClient
 from store_backend.types import ReadResult, Status
 
@@ -21,8 +23,11 @@ from .server_harness import OtherProcess, ServiceProcess, service_config
 MiB = 1 << 20
 
 
-def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verifying_reader(sdir, caplog) -> None:
+def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verifying_reader(
+        sdir, caplog, monkeypatch) -> None:
     caplog.set_level(logging.DEBUG, logger="store_backend.node.client_slots")
+    # 1 MiB groups: a batch of three 1 MiB objects below is read as a pipeline of leases.
+    monkeypatch.setattr(client_slots, "PIPELINE_GROUP_BYTES", MiB)
     svc = ServiceProcess(service_config(sdir, verify_reads=True), sdir)
     svc.wait_ready()
     checked = NodeClient(svc.socket_path, name="checked").start()  # verifies as the service says
@@ -59,6 +64,15 @@ def test_bytes_written_into_the_segment_after_the_commit_are_corrupt_to_a_verify
         # Without verification those bytes would have been served as key-A's: what the check stops.
         assert trusting.get_into(["key-A"], [out]) == [ReadResult(Status.OK, MiB)] and out == b.tobytes()
         assert checked.get_into(["key-B"], [out]) == [ReadResult(Status.OK, MiB)] and out == b.tobytes()
+        # A batch is leased a group at a time (the next group in flight while this one is copied):
+        # the damaged key, leased ahead on the prefetch thread, is still checked and CORRUPT, and the
+        # others are served.
+        outs = [bytearray(MiB) for _ in range(3)]
+        assert checked.get_into(["key-B", "key-A", "key-B"], outs) == [
+            ReadResult(Status.OK, MiB), ReadResult(Status.CORRUPT), ReadResult(Status.OK, MiB)]
+        assert outs[0] == outs[2] == b.tobytes() and checked.counters.corrupt_reads == 3
+        assert checked.stats().slots.leases == 0
+        assert any(t.name == "node-prefetch-checked_0" for t in threading.enumerate())  # it was pipelined
     finally:
         rogue.kill()
         checked.close(flush=False)
