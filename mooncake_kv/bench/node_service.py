@@ -11,6 +11,7 @@ import signal
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ from store_backend.node.launch import spawn_service, wait_answering
 class BenchNodeService:
     """One node service with ``capacity_bytes`` of DRAM (and ``pool``, a pool section, if given);
     the constructor blocks until it answers on ``socket``, or closes it and raises RuntimeError with
-    the end of its log after ``start_timeout_s`` or when it exits."""
+    the end of its log after ``start_timeout_s`` or when it exits. ``prefix``: a command it runs
+    under (``ip netns exec NAME``: another host's network, the same files and shared memory)."""
 
     def __init__(self, capacity_bytes: int, start_timeout_s: float, *, name: str | None = None,
-                 pool: dict[str, Any] | None = None, verify_reads: bool = False) -> None:
+                 pool: dict[str, Any] | None = None, verify_reads: bool = False,
+                 prefix: Sequence[str] = ()) -> None:
         self.name = name
         self.directory = Path(tempfile.mkdtemp(prefix=f"mkv-bench-{name}-" if name else "mkv-bench-"))
         self.socket = str(self.directory / "node.sock")
@@ -39,7 +42,7 @@ class BenchNodeService:
             f.write(json.dumps(doc))
         self.log = self.directory / "node.log"
         with open(self.log, "wb") as log:
-            self.proc = spawn_service(config, log)
+            self.proc = spawn_service(config, log, prefix=prefix)
         what = f"node service {name}" if name else "the node service"
         try:
             wait_answering(self.socket, self.proc, start_timeout_s, self.log, what=what)

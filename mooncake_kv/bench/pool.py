@@ -1,6 +1,9 @@
 """``mooncake-kv bench pool``: remote get and put through the pool against the raw socket and Mooncake.
 
-One run, everything on loopback:
+One run, everything on loopback, or (``--link-mbit``) node A in a network namespace behind a veth
+link shaped with ``tbf`` (:class:`~mooncake_kv.bench.route_cluster.Link`), so that every transfer
+and the plain stream it is compared with cross the same link, where the link and not the CPU is the
+limit:
 
 - a ``redis-server`` on a free port in a private directory (or ``--redis-url``), the directory both
   node services share;
@@ -15,7 +18,9 @@ One run, everything on loopback:
   * ``pool_put``: the same transport stores fresh keys into A (reserve, receive into the slot,
     verify, commit);
   * ``node_pool_get``: what an engine attached to node B sees: B's client reads keys only A holds
-    (fresh ones each round), B's pool tier pulling them over TCP into B's arena;
+    (fresh ones each round), B's pool tier pulling them over TCP into B's arena while the client
+    copies the keys already there (``get_into`` leases a group at a time, the next in flight);
+    ``node_pool_get_vs_socket`` is its ratio to ``socket_limit``;
   * ``socket_limit``: one plain Python stream between two processes, ``sendall`` -> ``recv_into``
     (:func:`store_backend.pool.socket_limit.raw_socket_limit_gbps`);
   * ``mooncake_get``: Mooncake Store's TCP get between two processes
@@ -54,6 +59,7 @@ from rich.table import Table
 from mooncake_kv.bench import mooncake_peer
 from mooncake_kv.bench.node_service import BenchNodeService
 from mooncake_kv.bench.ports import free_port
+from mooncake_kv.bench.route_cluster import Link
 from mooncake_kv.bench.store import _aligned
 from store_backend.config import parse_size
 from store_backend.node.client import NodeClient
@@ -65,6 +71,7 @@ from store_backend.pool.tcp_common import auto_streams, usable_cpus
 from store_backend.types import Status
 
 SIZES = "1MiB,4MiB,16MiB"
+LINK_BURST_KIB = 1024
 LOOKUP_KEYS = 1024
 REGISTER_TIMEOUT_S = 60.0
 
@@ -78,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=None,
                    help="TCP connections per peer for one batch (default: the pool's own, 1 below 4 usable CPUs, else 2)")
     p.add_argument("--redis-url", default=None, help="use this Redis (redis://host:port/db) instead of starting one")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="put node A in a network namespace behind a veth link shaped with tbf to this rate "
+                        "(each way); every transfer and the socket stream cross it (needs root and iproute2)")
+    p.add_argument("--link-burst-kib", type=int, default=LINK_BURST_KIB, help="the tbf burst of --link-mbit")
     p.add_argument("--mooncake-python", default=None,
                    help="the interpreter of the Mooncake environment (default $MKV_MOONCAKE_PYTHON, "
                         "else ~/.cache/mooncake-kv/mooncake-venv/bin/python)")
@@ -86,9 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _Redis:
-    """``redis-server`` on 127.0.0.1 at a free port, no persistence, in a private directory."""
+    """``redis-server`` on ``host`` (127.0.0.1) at a free port, no persistence, in a private directory."""
 
-    def __init__(self, start_timeout_s: float) -> None:
+    def __init__(self, start_timeout_s: float, host: str = "127.0.0.1") -> None:
+        self.host = host
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not os.path.exists(binary):
             raise SystemExit("bench pool: redis-server is not installed (apt-get install redis-server), "
@@ -96,7 +108,7 @@ class _Redis:
         self.directory = Path(tempfile.mkdtemp(prefix="mkv-bench-redis-"))
         self.port = free_port()
         conf = self.directory / "redis.conf"
-        conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\nsave \"\"\nappendonly no\n"
+        conf.write_text(f"port {self.port}\nbind {host}\nprotected-mode no\ndir {self.directory}\nsave \"\"\nappendonly no\n"
                         f"logfile {self.directory / 'redis.log'}\n")
         self.proc = subprocess.Popen([binary, str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
@@ -109,11 +121,11 @@ class _Redis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def _answers(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
@@ -308,20 +320,32 @@ def run(args: argparse.Namespace) -> int:
     secret_file.chmod(0o600)
     namespace = f"mkvbench{uuid.uuid4().hex[:8]}"
 
-    redis = None if args.redis_url else _Redis(args.start_timeout_s)
+    # Over a shaped link node A, which holds what is read, is the far host (a network namespace);
+    # node B, Redis and this process are on the near one. Else everything is on loopback.
+    link = None
+    if args.link_mbit is not None:
+        why = Link.check()
+        if why is not None:
+            raise SystemExit(f"bench pool: --link-mbit {why}")
+        link = Link(args.link_mbit, burst_kib=args.link_burst_kib).open()
+    host_a, host_b = (link.ip_b, link.ip_a) if link is not None else ("127.0.0.1", "127.0.0.1")
+    redis = None if args.redis_url else _Redis(args.start_timeout_s, host_b)
     redis_url = args.redis_url or redis.url  # type: ignore[union-attr]
     dir_cfg = {"kind": "redis", "url": redis_url, "namespace": namespace}
 
-    def pool(node_id: str) -> dict[str, Any]:
-        return {"node_id": node_id, "listen": "127.0.0.1:0", "secret_file": str(secret_file),
+    def pool(node_id: str, host: str) -> dict[str, Any]:
+        return {"node_id": node_id, "listen": f"{host}:0", "secret_file": str(secret_file),
                 "directory": dir_cfg, "streams": args.streams, "replicas": 1}
 
     mooncake_reason: str | None = "--no-mooncake" if args.no_mooncake else None
+    if link is not None and mooncake_reason is None:
+        mooncake_reason = "not measured over a shaped link (--link-mbit)"
     services: list[BenchNodeService] = []
     per_size: dict[str, dict[str, float | None]] = {}
     try:
-        services.append(BenchNodeService(capacity, args.start_timeout_s, name="a", pool=pool("bench-a")))
-        services.append(BenchNodeService(capacity, args.start_timeout_s, name="b", pool=pool("bench-b")))
+        services.append(BenchNodeService(capacity, args.start_timeout_s, name="a", pool=pool("bench-a", host_a),
+                                         prefix=link.in_b([]) if link is not None else ()))
+        services.append(BenchNodeService(capacity, args.start_timeout_s, name="b", pool=pool("bench-b", host_b)))
         directory = _make_directory(DirectoryConfig(**dir_cfg), "bench-reader")
         transport = _make_transport(secret, args.streams)
         a = NodeClient(services[0].socket, name="bench-a", max_connections=2).start()
@@ -333,7 +357,9 @@ def run(args: argparse.Namespace) -> int:
                 # The references are measured right after the pool get of the same size: on a
                 # loaded machine figures taken minutes apart are not comparable.
                 row: dict[str, float | None] = {"pool_get_gbps": r.pool_get(args.repeat)}
-                row["socket_limit_gbps"] = raw_socket_limit_gbps([size], batch_bytes, repeats=args.repeat)[size]
+                row["socket_limit_gbps"] = raw_socket_limit_gbps(
+                    [size], batch_bytes, repeats=args.repeat, host=host_b,
+                    sender_netns=link.ns if link is not None else None)[size]
                 row["mooncake_get_gbps"] = None
                 if mooncake_reason is None:
                     got = mooncake_peer.measure([size], batch_bytes, args.repeat, python=args.mooncake_python)
@@ -354,6 +380,8 @@ def run(args: argparse.Namespace) -> int:
             svc.close()
         if redis is not None:
             redis.close()
+        if link is not None:
+            link.close()
         shutil.rmtree(secret_dir, ignore_errors=True)
 
     embedded = _make_directory(DirectoryConfig(kind="embedded"), "bench-reader")
@@ -369,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
             row[k] = None if v is None else round(v, 3)
         row["pool_get_vs_socket"] = _ratio(row["pool_get_gbps"], row["socket_limit_gbps"])
         row["pool_get_vs_mooncake"] = _ratio(row["pool_get_gbps"], row["mooncake_get_gbps"])
+        row["node_pool_get_vs_socket"] = _ratio(row["node_pool_get_gbps"], row["socket_limit_gbps"])
 
     def mean(field: str) -> float | None:
         values = [r[field] for r in per_size.values()]
@@ -382,9 +411,11 @@ def run(args: argparse.Namespace) -> int:
         "mooncake_get_gbps": mean("mooncake_get_gbps"),
         "pool_get_vs_socket": _ratio(mean("pool_get_gbps"), mean("socket_limit_gbps")),
         "pool_get_vs_mooncake": _ratio(mean("pool_get_gbps"), mean("mooncake_get_gbps")),
+        "node_pool_get_vs_socket": _ratio(mean("node_pool_get_gbps"), mean("socket_limit_gbps")),
         # The targets hold at every size: the worst one.
         "pool_get_vs_socket_min": _lowest(per_size, "pool_get_vs_socket"),
         "pool_get_vs_mooncake_min": _lowest(per_size, "pool_get_vs_mooncake"),
+        "node_pool_get_vs_socket_min": _lowest(per_size, "node_pool_get_vs_socket"),
         "lookup_keys_per_s_redis": round(lookup_redis["leading"]),
         "lookup_keys_per_s_embedded": round(lookup_embedded["leading"]),
         "locate_keys_per_s_redis": round(lookup_redis["locate"]),
@@ -394,17 +425,22 @@ def run(args: argparse.Namespace) -> int:
         "streams": args.streams,
         "repeat": args.repeat,
         "cpus": usable_cpus(),
+        "link_mbit": args.link_mbit,
+        "link_burst_kib": args.link_burst_kib if link is not None else None,
     }
     if mooncake_reason is not None:
         summary["mooncake_reason"] = mooncake_reason
 
-    table = Table(title=f"pool over loopback TCP, batches of {batch_bytes >> 20} MiB, {args.streams} streams (GB/s)")
-    for col in ("size", "pool get", "pool put", "get via B", "socket", "mooncake", "get/socket", "get/mooncake"):
+    where = "loopback TCP" if link is None else f"a {args.link_mbit:g} Mbit/s link (tbf)"
+    table = Table(title=f"pool over {where}, batches of {batch_bytes >> 20} MiB, {args.streams} streams (GB/s)")
+    for col in ("size", "pool get", "pool put", "get via B", "socket", "mooncake", "get/socket", "get/mooncake",
+                "via B/socket"):
         table.add_column(col, justify="right")
     for size in sizes:
         row = per_size[str(size)]
         cells = [row[k] for k in ("pool_get_gbps", "pool_put_gbps", "node_pool_get_gbps", "socket_limit_gbps",
-                                  "mooncake_get_gbps", "pool_get_vs_socket", "pool_get_vs_mooncake")]
+                                  "mooncake_get_gbps", "pool_get_vs_socket", "pool_get_vs_mooncake",
+                                  "node_pool_get_vs_socket")]
         label = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
         table.add_row(label, *("-" if c is None else f"{c:.2f}" for c in cells))
     console.print(table)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,16 +51,59 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: exit {got.returncode}: {got.stderr.strip()}")
 
 
+def wait_http(url: str, procs: list[tuple[str, subprocess.Popen]], name: str, tail: Callable[[str], str],
+              timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until ``url``/health (process ``name``'s) answers 200; RuntimeError when one of ``procs``
+    (name, process) exits first or ``timeout_s`` passes, with ``tail(name)`` (the end of that
+    process's log)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pname, proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{pname} exited with {proc.returncode} while waiting for {name} at {url}:\n"
+                                   f"{tail(pname)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)  # poll interval; the loop has a deadline
+    raise RuntimeError(f"{name} at {url} not healthy after {timeout_s:.0f} s:\n{tail(name)}")
+
+
+def stop_groups(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """SIGTERM every process's group (each was started in a session of its own), then wait for
+    them, SIGKILLing a group still there ``timeout_s`` after the first signal."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
 class Link:
     """Host B's namespace and the shaped veth pair (see the module docstring)."""
 
-    def __init__(self, rate_mbit: float) -> None:
+    def __init__(self, rate_mbit: float, burst_kib: int = 64) -> None:
         tag = os.getpid() % 10000
         self.ns = f"mkvr{tag}"
         self.dev_a, self.dev_b = f"mkvra{tag}", f"mkvrb{tag}"
         net = 200 + os.getpid() % 50
         self.ip_a, self.ip_b = f"10.231.{net}.1", f"10.231.{net}.2"
         self.rate_mbit = rate_mbit
+        self.burst_kib = burst_kib
         self._up = False
 
     @staticmethod
@@ -84,10 +128,12 @@ class Link:
             _run("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ip_b}/30", "dev", self.dev_b)
             _run("ip", "netns", "exec", self.ns, "ip", "link", "set", self.dev_b, "up")
             _run("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
-            # tbf: the rate, a burst of 64 KiB, at most 50 ms of queue; both directions.
-            _run("tc", "qdisc", "add", "dev", self.dev_a, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms")
+            # tbf: the rate, a burst of burst_kib (64 KiB unless asked), at most 50 ms of queue; both
+            # directions.
+            burst = f"{self.burst_kib}kb"
+            _run("tc", "qdisc", "add", "dev", self.dev_a, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
             _run("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.dev_b, "root", "tbf", "rate", rate,
-                 "burst", "64kb", "latency", "50ms")
+                 "burst", burst, "latency", "50ms")
         except BaseException:
             self.close()
             raise
@@ -274,20 +320,7 @@ class Cluster:
         self._spawn("router", [sys.executable, "-m", "mooncake_kv.cli", "route", "--config", str(path)])
 
     def _wait_http(self, name: str, url: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for pname, proc in self.procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{pname} exited with {proc.returncode} while waiting for {name}:\n"
-                                       f"{self._tail(pname)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)  # poll interval; the loop has a deadline
-        raise RuntimeError(f"{name} at {url} not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{self._tail(name)}")
+        wait_http(url, self.procs, name, self._tail)
 
     def _tail(self, name: str, n: int = 3000) -> str:
         path = self.work / f"{name}.log"
@@ -296,22 +329,7 @@ class Cluster:
     def close(self) -> None:
         """Stop every process (engines and the router first, then the node services, then Redis)."""
         order = sorted(self.procs, key=lambda p: ("redis" in p[0], p[0].startswith("node")))
-        for _name, proc in order:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 60
-        for _name, proc in order:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        stop_groups([proc for _name, proc in order])
         self.procs.clear()
         for host in ("a", "b"):
             shutil.rmtree(f"/tmp/mkv-route-{os.getpid()}-{host}", ignore_errors=True)

@@ -1,5 +1,6 @@
 """The raw limit a Python TCP stream reaches on this machine: a plain ``sendall`` -> ``recv_into``
-between two processes over loopback, what the pool transport is measured against.
+between two processes over loopback (or over a link to a network namespace), what the pool
+transport is measured against.
 
 :func:`raw_socket_limit_gbps` starts one sender process (multiprocessing, spawn), connects to it
 on 127.0.0.1 and, per object size, times receiving a batch of ``total_bytes`` in objects of that
@@ -11,17 +12,34 @@ and ends it before returning. Used by the pool benchmark (``mooncake_kv.bench.po
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import socket
 import struct
 import time
 from collections.abc import Sequence
 
 _REQ = struct.Struct(">QQ")  # object size, object count; (0, 0) ends the sender
+_CLONE_NEWNET = 0x40000000
 
 
-def _sender(port: int, buffer_bytes: int) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+def _enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``name`` (``ip netns add NAME``; needs root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _sender(port: int, buffer_bytes: int, host: str = "127.0.0.1", netns: str | None = None) -> None:
+    if netns is not None:
+        _enter_netns(netns)
+    with socket.create_connection((host, port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
@@ -50,15 +68,19 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def raw_socket_limit_gbps(sizes_bytes: Sequence[int], total_bytes: int, *, repeats: int = 3,
-                          buffer_bytes: int = 0) -> dict[int, float]:
+                          buffer_bytes: int = 0, host: str = "127.0.0.1",
+                          sender_netns: str | None = None) -> dict[int, float]:
     """GB/s (1e9 bytes/s) of one plain Python stream per object size in ``sizes_bytes``, moving
     ``total_bytes`` (at least one object) per repeat; the best of ``repeats``. ``buffer_bytes``:
-    SO_SNDBUF/SO_RCVBUF to set (0: the kernel's default, as a plain socket has)."""
+    SO_SNDBUF/SO_RCVBUF to set (0: the kernel's default, as a plain socket has). ``host``: the
+    address this process listens on and the sender connects to; ``sender_netns``: the network
+    namespace the sender runs in (the stream then crosses whatever link joins it to ``host``)."""
     ctx = multiprocessing.get_context("spawn")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((host, 0))
         listener.listen(1)
-        proc = ctx.Process(target=_sender, args=(listener.getsockname()[1], buffer_bytes), daemon=True)
+        proc = ctx.Process(target=_sender, args=(listener.getsockname()[1], buffer_bytes, host, sender_netns),
+                           daemon=True)
         proc.start()
         try:
             listener.settimeout(60)
