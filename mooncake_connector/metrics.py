@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from mooncake_connector.kv_layout import LAYOUT_INFO, LAYOUT_LABELS
 from store_backend.metrics import LatencyHistogram
 from store_backend.prometheus import (
     COUNTER,
@@ -99,6 +100,10 @@ DESCRIPTIONS: dict[str, str] = {
     f"{_P}_cost_per_token_seconds": "What the connector's scheduler measured (load_policy): seconds to load a "
                                     "token's KV from each tier, and to compute one (tier compute); a tier appears "
                                     "once measured.",
+    LAYOUT_INFO: "1, with the engine's KV layout in its labels: what must be equal for one engine to load the "
+                 "chunks another stored (TP and PP size, KV heads per shard, chunk_tokens, hash scheme, and a "
+                 "digest of the key fingerprint without its shard index and cache epoch). Set by the scheduler "
+                 "at start; mooncake-kv route pairs prefill and decode instances only when they match.",
 }
 
 # Meanings of the failure kinds only the connector sees (checksum, io_error and capacity: as in the
@@ -123,4 +128,6 @@ def connector_families() -> list[Family]:
     out += histogram_families(ConnectorLatency, _P, lambda s: s.latency, DESCRIPTIONS)
     # The scheduler fills this one itself (vllm_plugin.scheduler.take_stats); a worker's stats have none.
     out.append(Family(COST_PER_TOKEN, GAUGE, ("tier",), DESCRIPTIONS[COST_PER_TOKEN], lambda _s: []))
+    # The scheduler's too (vllm_plugin.layout_info); the same on every step.
+    out.append(Family(LAYOUT_INFO, GAUGE, LAYOUT_LABELS, DESCRIPTIONS[LAYOUT_INFO], lambda _s: []))
     return out

@@ -371,6 +371,11 @@ def split_key(key: str) -> list[str]:
     return key.split(_SEP) if key else []
 
 
+def payload_key(label_values: Iterable[str]) -> str:
+    """The payload key of one sample's label values (:func:`split_key` reads it back)."""
+    return _SEP.join(label_values)
+
+
 class DeltaTracker:
     """What moved since the last :meth:`take`, as payloads (not thread-safe: one caller thread)."""
 

@@ -50,4 +50,9 @@ def lookup_name(vllm_config: VllmConfig) -> str:
     """Name of this engine's lookup endpoints: the KV engine id plus the DP rank (vLLM appends the DP
     rank to the engine id for its own DP engines, but a configured ``engine_id`` is shared as given)."""
     dp_rank, _ = dp_position(vllm_config.parallel_config)
-    return f"{vllm_config.kv_transfer_config.engine_id}-dp{dp_rank}"
+    return engine_name(vllm_config.kv_transfer_config.engine_id, dp_rank)
+
+
+def engine_name(engine_id: str, dp_rank: int) -> str:
+    """:func:`lookup_name` from its parts (vLLM's frontend knows each engine's index, its DP rank)."""
+    return f"{engine_id}-dp{dp_rank}"

@@ -55,6 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
 from mooncake_connector.keys import object_key
+from mooncake_connector.kv_layout import kv_layout
 from mooncake_connector.lookup_client import NodeLookups, RankLookups, ShardLookups
 from mooncake_connector.lookup_service import socket_path
 from mooncake_connector.metrics import COST_PER_TOKEN
@@ -67,11 +68,12 @@ from vllm_plugin.metadata import (ChunkLoad, ChunkSave, RequestPlan, SaveReport,
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
 from vllm_plugin.kv_events import ConnectorEvents
+from vllm_plugin.layout_info import layout_path, layout_payload, publish_layout, withdraw_layout
 from vllm_plugin.load_costs import LoadCosts
 from vllm_plugin.tracked import TrackedRequest
 from vllm_plugin.save_ledger import LedgerEvents, SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
-from vllm_plugin.stats import FAILURES, HIT_TOKENS, StatsSource, TieredConnectorStats
+from vllm_plugin.stats import FAILURES, HIT_TOKENS, SCHEDULER, StatsSource, TieredConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -140,6 +142,14 @@ class SchedulerSide:
         self._fingerprints = shard_fingerprints(vllm_config, geometry, cfg, stage=0,
                                                 weights=weights_identity(vllm_config, cfg))
         self.shard_digests = self._digests(self.epoch)
+        # What a decode engine must share with this one to load its chunks: in the engine's
+        # /metrics from its start (vllm_plugin.layout_info), for routers pairing prefill and decode.
+        parallel = vllm_config.parallel_config
+        self.layout = kv_layout(self._fingerprints, tp_size=parallel.tensor_parallel_size,
+                                pp_size=parallel.pipeline_parallel_size, chunk_tokens=cfg.chunk_tokens,
+                                hash_scheme=cfg.hash_scheme)
+        self._layout_file = layout_path(lookup_name(vllm_config), cfg.lookup_socket_dir)
+        publish_layout(self._layout_file, self.layout)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sched-lookup")
         # Node mode: decode-side lookups that wait in the service for a prefill instance's chunks,
         # on threads of their own so they never hold up other requests' lookups.
@@ -158,7 +168,7 @@ class SchedulerSide:
         self._finishing: dict[str, TrackedRequest] = {}
         self._finish_retries: dict[str, int] = {}
         self._warned_fingerprints: set[str] = set()  # prefill fingerprints this engine cannot load, warned once
-        self._stats_source = StatsSource("scheduler")
+        self._stats_source = StatsSource(SCHEDULER)
         self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
                          "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
                          "hits_capped_staging": 0, "save_chunks_replanned_shared": 0, "hits_cut_cost": 0,
@@ -172,6 +182,7 @@ class SchedulerSide:
         name and left behind) and close the lookup clients (node mode: release the service's
         client)."""
         deadline = Deadline(timeout_s)
+        withdraw_layout(self._layout_file, self.layout)
         shutdown_pool(self._pool, deadline, owner="scheduler lookups")
         if self._wait_pool is not None:
             shutdown_pool(self._wait_pool, deadline, owner="scheduler remote-prefill waits")
@@ -708,11 +719,12 @@ class SchedulerSide:
 
     def take_stats(self) -> TieredConnectorStats | None:
         """Prompt tokens planned for loading and lookups no worker answered, since the last call,
-        and the measured costs per token (gauges, once measured), for vLLM's stats hooks (the
-        workers report the rest); None when nothing moved. Scheduler thread."""
+        the measured costs per token (gauges, once measured) and the KV layout (a gauge, every
+        call), for vLLM's stats hooks (the workers report the rest). Scheduler thread."""
         return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]},
                                         FAILURES: {"peer_gone": self.lookups.failures},
-                                        COST_PER_TOKEN: self.load_costs.measured()})
+                                        COST_PER_TOKEN: self.load_costs.measured(),
+                                        **layout_payload(self.layout)})
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),

@@ -16,6 +16,8 @@ Three places, three processes (or one, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   (``tier``, ``kind``, ``queue``), and applies each payload: counters ``inc``, gauges ``set`` to
   the sum over workers (``multiprocess_mode="mostrecent"``, as vLLM's own gauges, when the API
   server runs several processes), histograms take the buckets' counts.
+- The layout gauge (:mod:`vllm_plugin.layout_info`) is set at the frontend's start from the file
+  its engine's scheduler left, and again by every scheduler payload.
 - ``build_kv_connector_stats`` turns the payload dict back into a :class:`TieredConnectorStats`
   for vLLM's log line (:meth:`TieredConnectorStats.reduce`).
 
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from mooncake_connector.config import load_connector_config
 from mooncake_connector.metrics import connector_families
 from store_backend.metrics import StoreStats
 from store_backend.prometheus import (
@@ -44,6 +47,8 @@ from store_backend.prometheus import (
     store_families,
     to_payload,
 )
+from vllm_plugin.layout_info import layout_path, layout_payload, read_layout
+from vllm_plugin.parallel import engine_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +61,8 @@ DELTAS, GAUGES = "deltas", "gauges"
 # load, nor the lookups that never reached them.
 HIT_TOKENS = "mooncake_kv_connector_hit_tokens"
 FAILURES = "mooncake_kv_connector_failures"
+# The scheduler's name as a source of gauges (its workers are named by rank).
+SCHEDULER = "scheduler"
 
 
 def all_families() -> list[Family]:
@@ -154,6 +161,27 @@ class TieredPromMetrics(KVConnectorPromMetrics):
                                         histogram_cls=self._histogram_cls, labelnames=labelnames,
                                         replace_in=REGISTRY)
         self._failed = False
+        self._set_layouts(vllm_config)
+
+    def _set_layouts(self, vllm_config: VllmConfig) -> None:
+        """Each engine's KV layout, from the file its scheduler wrote at start (see
+        :mod:`vllm_plugin.layout_info`); an engine whose file is not here gets it with its first
+        step's stats."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        if ktc is None or not ktc.engine_id:
+            return
+        try:
+            directory = load_connector_config(ktc.kv_connector_extra_config).lookup_socket_dir
+        except Exception as e:  # noqa: BLE001 (the engine core has refused it already, or will)
+            logger.debug("connector config not read for the KV layout gauge: %s", e)
+            return
+        for engine_idx, labelvalues in self.per_engine_labelvalues.items():
+            # A DP engine core appends "_dp<rank>" to the engine id it was given.
+            for engine_id in (f"{ktc.engine_id}_dp{engine_idx}", ktc.engine_id):
+                layout = read_layout(layout_path(engine_name(engine_id, int(engine_idx)), directory))
+                if layout is not None:
+                    self._mirror.apply({}, {SCHEDULER: layout_payload(layout)}, labelvalues)
+                    break
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Apply one payload (vLLM's output thread). Never raises into vLLM: a payload that cannot

@@ -78,6 +78,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The prefill leg names the decode instance's pool node (its `node`), so the chunks are pushed
     # there as they are stored; false: the decode side pulls them after the prefill leg.
     pd_push: bool = True
+    # At start, how long the router waits for every instance's /metrics to name its KV layout
+    # before it checks that prefill and decode instances can be paired (0: one health check);
+    # an instance not read by then is checked when it first answers.
+    pd_layout_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -110,6 +114,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                                  f"of role decode (or both); the roles are {sorted(roles)}")
         if self.slo_tbt_s is not None and self.slo_tbt_s <= 0:
             raise ValueError(f"slo_tbt_s: must be > 0 (null: no TBT SLO), got {self.slo_tbt_s}")
+        if not 0 <= self.pd_layout_wait_s <= 3600:
+            raise ValueError(f"pd_layout_wait_s: must be in [0, 3600], got {self.pd_layout_wait_s}")
         if self.pd_min_transfer_tokens is not None and self.pd_min_transfer_tokens < 0:
             raise ValueError(f"pd_min_transfer_tokens: must be >= 0, got {self.pd_min_transfer_tokens}")
 

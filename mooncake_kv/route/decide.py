@@ -135,21 +135,24 @@ class DecodeInstance:
     """Facts about one decode instance for one request: ``running``: the sequences it decodes now
     (the larger of the engine's ``vllm:num_requests_running`` and what the router has in flight
     there); ``tbt_s``: its recent mean time between tokens (None: not measured yet);
-    ``loadable_tokens``: the prompt's prefix it can load itself (its own tiers, or over the pool)."""
+    ``loadable_tokens``: the prompt's prefix it can load itself (its own tiers, or over the pool);
+    ``pairable``: whether some prefill instance's KV layout matches its own (or is not known; see
+    ``mooncake_kv.route.layouts``)."""
 
     name: str
     healthy: bool
     running: int
     tbt_s: float | None = None
     loadable_tokens: int = 0
+    pairable: bool = True
 
 
 @dataclass(frozen=True)
 class PDPlan:
     """``decode``: the decode instance (None: none can take it; ``reason`` says why: ``no_instance``
     or ``tbt``); ``prefill_leg``: whether a prefill instance computes the prompt first (False:
-    the decode instance takes the request whole, ``reason`` says why: ``short`` or
-    ``decode_holds``)."""
+    the decode instance takes the request whole, ``reason`` says why: ``short``, ``decode_holds``
+    or ``layout``)."""
 
     decode: str | None
     prefill_leg: bool
@@ -163,8 +166,9 @@ def plan_pd(decodes: Sequence[DecodeInstance], prompt_tokens: int, chunk_tokens:
     The decode instance: the healthy one running the fewest sequences (ties: name), among those
     whose recent time between tokens is within ``slo_tbt_s`` (all over it: none, ``tbt``). The
     prefill leg is skipped when what it could hand over (the prompt's whole chunks short of its
-    last token) is under ``min_transfer_tokens`` (``short``), or when the decode instance can
-    already load all of it itself (``decode_holds``)."""
+    last token) is under ``min_transfer_tokens`` (``short``), when the decode instance can
+    already load all of it itself (``decode_holds``), or when no prefill instance's KV layout
+    matches the decode instance's (``layout``: it could load nothing a prefill leg stored)."""
     cands = [d for d in decodes if d.healthy]
     if not cands:
         return PDPlan(None, False, "no_instance")
@@ -178,4 +182,6 @@ def plan_pd(decodes: Sequence[DecodeInstance], prompt_tokens: int, chunk_tokens:
         return PDPlan(chosen.name, False, "short")
     if chosen.loadable_tokens >= transferable:
         return PDPlan(chosen.name, False, "decode_holds")
+    if not chosen.pairable:
+        return PDPlan(chosen.name, False, "layout")
     return PDPlan(chosen.name, True, "prefill")

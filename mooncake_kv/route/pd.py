@@ -5,14 +5,15 @@ With instances of role ``prefill`` and ``decode`` (config), :func:`route_pd` han
 1. :func:`~mooncake_kv.route.decide.plan_pd` picks the decode instance by load (the fewest running
    sequences, within ``slo_tbt_s``) and says whether a prefill leg comes first: not for a prompt
    with less than ``pd_min_transfer_tokens`` to hand over, nor when the decode instance can load
-   all of it already (its own tiers, or the pool).
-2. The prefill leg: the instance the policy picks among the prefill pool (the conductor's
-   estimate by default; ``slo_ttft_s`` rejects here) gets the request with ``max_tokens`` 1, no
-   stream and ``kv_transfer_params: {"do_remote_decode": true}`` (and, with ``pd_push`` and the
-   decode instance's ``node`` known, ``"remote_decode_node"``: its chunks are pushed to the decode
-   node as they are stored); its answer's ``kv_transfer_params`` name what it stored, its pool
-   node and address, and a transfer id.
-   Its time to answer is its time to first token, which its cost model learns.
+   all of it already (its own tiers, or the pool), nor when no prefill instance has its KV layout
+   (``mooncake_kv.route.layouts``).
+2. The prefill leg: the instance the policy picks among the prefill instances of the decode
+   instance's KV layout (the conductor's estimate by default; ``slo_ttft_s`` rejects here) gets
+   the request with ``max_tokens`` 1, no stream and ``kv_transfer_params: {"do_remote_decode":
+   true}`` (and, with ``pd_push`` and the decode instance's ``node`` known,
+   ``"remote_decode_node"``: its chunks are pushed to the decode node as they are stored); its
+   answer's ``kv_transfer_params`` name what it stored, its pool node and address, and a transfer
+   id. Its time to answer is its time to first token, which its cost model learns.
 3. The decode leg: the original request, with those ``kv_transfer_params``, to the decode
    instance, streamed back to the client as any request.
 
@@ -98,15 +99,17 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], rec: Record,
 
 
 async def _prefill_leg(router: Router, path: str, body: dict[str, Any], cached: Any, prompt_tokens: int,
-                       policy: str, push_to: str | None) -> tuple[dict[str, Any] | None, int | None, str, web.Response | None]:
+                       policy: str, push_to: str | None, never: set[str]
+                       ) -> tuple[dict[str, Any] | None, int | None, str, web.Response | None]:
     """(kv_transfer_params, the leg's record id, why the decode leg gets none, an answer for the
-    client instead of a decode leg)."""
+    client instead of a decode leg). ``never``: prefill instances of another KV layout than the
+    decode instance's."""
     cfg = router.config
     exclude: set[str] = set()
     for _attempt in range(cfg.retries + 1):
         now = time.monotonic()
-        decision = decide(policy, router.state.facts(now, cached, exclude, roles=("prefill", "both")), prompt_tokens,
-                          turn=router.state.turn, slo_ttft_s=cfg.slo_ttft_s)
+        decision = decide(policy, router.state.facts(now, cached, exclude | never, roles=("prefill", "both")),
+                          prompt_tokens, turn=router.state.turn, slo_ttft_s=cfg.slo_ttft_s)
         router.state.turn += 1
         rec = router.state.record(router.state.next_id(), now, prompt_tokens, decision, cached, policy)
         rec.leg = "prefill"
@@ -163,8 +166,9 @@ async def route_pd(router: Router, request: web.Request, path: str, body: dict[s
             return error(503, "no decode instance is healthy")
         if attempt == 0 and plan.prefill_leg:
             push_to = router.state.instances[plan.decode].config.node if cfg.pd_push else None
+            never = router.state.unpairable_prefills(plan.decode)
             params, prefill_id, skipped, answer = await _prefill_leg(router, path, body, cached, prompt_tokens, policy,
-                                                                     push_to)
+                                                                     push_to, never)
             if answer is not None:
                 return answer
         reason = plan.reason if not plan.prefill_leg else ("prefilled" if params is not None else skipped)

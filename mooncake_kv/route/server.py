@@ -15,8 +15,13 @@
   instance is healthy, else 503.
 - ``GET /metrics``: Prometheus text (decisions by policy and reason, rejections, first-token
   times and the estimate's error, instance health and load, index errors).
-- ``GET /router/status``: instances, health, fitted models; ``GET /router/decisions?since=ID``:
-  the decisions kept, each with its estimates, what every instance held and what happened.
+- ``GET /router/status``: instances, health, fitted models, KV layouts and the prefill/decode
+  pairs never made; ``GET /router/decisions?since=ID``: the decisions kept, each with its
+  estimates, what every instance held and what happened.
+- Prefill/decode pools: at start the router waits (``pd_layout_wait_s``) for every instance's
+  ``/metrics`` to name its KV layout and refuses to start (:class:`IncompatibleLayouts`) when a
+  prefill instance's differs from a decode instance's (``mooncake_kv.route.layouts``); an instance
+  read later with a layout that differs is never paired across it (logged, counted).
 
 The index is this process's :class:`~mooncake_kv.index.service.KVIndex` (the config's
 ``sources``). If a query fails, the request is routed ``least_loaded`` with a warning, never an
@@ -39,11 +44,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_connector.kv_layout import LAYOUT_INFO, KVLayout
 from mooncake_connector.metrics import COST_PER_TOKEN
 from mooncake_kv.index.service import KVIndex, QueryResult
 from mooncake_kv.route.config import RouterConfig
 from mooncake_kv.route.decide import decide
 from mooncake_kv.route.errors import JSON, Unreachable, error
+from mooncake_kv.route.layouts import IncompatibleLayouts, refusal, why_not_paired
 from mooncake_kv.route.pd import route_pd
 from mooncake_kv.route.state import Record, RouterState
 
@@ -73,6 +80,9 @@ class _Metrics:
         self.retries = Counter("mooncake_router_retries", "Requests decided again after an unreachable instance",
                                registry=r)
         self.aborted = Counter("mooncake_router_client_aborts", "Requests whose client went away", registry=r)
+        self.layout_mismatches = Counter("mooncake_router_layout_mismatches",
+                                         "Prefill/decode pairs found with different KV layouts (never paired)",
+                                         registry=r)
 
 
 class Router:
@@ -87,6 +97,8 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._warned_index = False
+        self._warned_layout: set[str] = set()  # instances whose /metrics named no KV layout
+        self._serving = False  # past the start's layout check
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -104,7 +116,34 @@ class Router:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
             total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s))
         await self.check_health()
+        if self.config.pd:
+            try:
+                await self._check_layouts()
+            except IncompatibleLayouts:
+                await self._session.close()
+                raise
+        self._serving = True
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
+
+    async def _check_layouts(self) -> None:
+        """Wait up to ``pd_layout_wait_s`` (a health check every ``health_interval_s``) until every
+        instance's /metrics has been read; raise :class:`IncompatibleLayouts` when a prefill
+        instance's KV layout differs from a decode instance's. Instances not read by then are
+        checked when they first answer."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.pd_layout_wait_s
+        while True:
+            unread = sorted(n for n, s in self.state.instances.items() if not s.layout_read)
+            left = deadline - loop.time()
+            if not unread or left <= 0:
+                break
+            await asyncio.sleep(min(self.config.health_interval_s, left))
+            await self.check_health()
+        if self.state.layout_mismatches:
+            raise IncompatibleLayouts(refusal(self.state.layout_mismatches))
+        if unread:
+            logger.warning("instances %s did not answer within pd_layout_wait_s (%s s): their KV layouts are "
+                           "checked when they first answer", unread, self.config.pd_layout_wait_s)
 
     async def _stop(self, _app: web.Application) -> None:
         if self._health_task is not None:
@@ -150,18 +189,36 @@ class Router:
         adapter's name, as the engine's events key its blocks)."""
         assert self._session is not None
         async with self._session.get(url + "/metrics", timeout=timeout) as r:
-            if r.status == 200:
+            if r.status != 200:
+                self._note_layout(name, None)
+            else:
                 text = await r.text()
                 waiting = _waiting(text)
                 if waiting is not None:
                     self.state.engine_load(name, waiting)
                 self.state.engine_decode(name, _running(text), _itl(text))
                 self.state.engine_costs(name, load_costs(text))
+                self._note_layout(name, kv_layout_of(text))
         async with self._session.get(url + "/v1/models", timeout=timeout) as r:
             if r.status == 200:
                 cards = (await r.json(content_type=None)).get("data") or []
                 self.state.adapters.update(c["id"] for c in cards
                                            if isinstance(c, dict) and c.get("parent") and c.get("id"))
+
+    def _note_layout(self, name: str, layout: KVLayout | None) -> None:
+        """Take the KV layout an instance's /metrics names: an instance without one is logged
+        once (prefill/decode pools only); a pair found to differ once the router serves is logged
+        and counted (at start, :meth:`_check_layouts` refuses instead)."""
+        if layout is None and self.config.pd and name not in self._warned_layout:
+            self._warned_layout.add(name)
+            logger.warning("instance %s: its /metrics has no %s (an engine without this connector, or an older "
+                           "one): its KV layout is unknown, so it is paired with any instance", name, LAYOUT_INFO)
+        for m in self.state.engine_layout(name, layout):
+            self.metrics.layout_mismatches.inc()
+            if self._serving:
+                logger.error("%s. The router never pairs them: a request decoded on %r gets its prefill leg from a "
+                             "prefill instance of its layout, or none (%r computes the prompt). %s", m.describe(),
+                             m.decode, m.decode, why_not_paired([m]))
 
     # -- simple endpoints -----------------------------------------------------------------------------
     async def _health(self, _request: web.Request) -> web.Response:
@@ -389,6 +446,16 @@ def _itl(metrics: str) -> tuple[float, float] | None:
     if not total or not count:
         return None
     return sum(v for _l, v in total), sum(v for _l, v in count)
+
+
+def kv_layout_of(metrics: str) -> KVLayout | None:
+    """The KV layout an engine's /metrics names (the connector's ``mooncake_kv_connector_layout_info``;
+    the first sample whose labels make one); None: none there."""
+    for labels, _value in _samples(metrics, LAYOUT_INFO):
+        layout = KVLayout.from_labels(labels)
+        if layout is not None:
+            return layout
+    return None
 
 
 def load_costs(metrics: str) -> dict[str, float]:

@@ -11,10 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from mooncake_kv.index.service import QueryResult
 from mooncake_kv.route.config import InstanceConfig, RouterConfig
 from mooncake_connector.costs import CostModel, Pending, queue_s, service_observed
+from mooncake_connector.kv_layout import KVLayout
 from mooncake_kv.route.decide import DecodeInstance, Decision, Instance, loaded_tokens
+from mooncake_kv.route.layouts import PREFILL_ROLES, Mismatch, mismatches, unpairable
 
 _SLOWEST_FIRST = ("STORAGE", "CPU")
 # Health-check readings without a new token after which an instance's measured TBT is forgotten.
@@ -39,6 +43,8 @@ class InstanceState:
     tbt_s: float | None = None  # its mean time between tokens since the check before (None: not measured)
     itl_seen: tuple[float, float] | None = None  # vllm:inter_token_latency_seconds (sum, count) last read
     itl_still: int = 0  # readings since the count last moved
+    layout: KVLayout | None = None  # its KV layout, from its /metrics (None: not known)
+    layout_read: bool = False  # its /metrics answered at least once (with a layout or without)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class RouterState:
         self.adapters: set[str] = set()  # LoRA adapter names the instances serve (from /v1/models)
         self._ids = itertools.count(1)
         self.decisions: collections.deque[Record] = collections.deque(maxlen=config.decisions_kept)
+        self.layout_mismatches: list[Mismatch] = []  # pairs never made (mooncake_kv.route.layouts)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -118,14 +125,21 @@ class RouterState:
                      exclude: set[str] = frozenset()) -> list[DecodeInstance]:  # type: ignore[assignment]
         """The decode instances' facts (role decode or both)."""
         out = []
+        prefills = [n for n, s in self.instances.items() if s.config.role in PREFILL_ROLES]
         for name, s in self.instances.items():
             if s.config.role not in ("decode", "both"):
                 continue
             own, remote = cached.get(name, ({}, 0))
             inst = Instance(name, True, 0.0, s.model, own, remote if self.config.pool else 0)
+            never = self.unpairable_prefills(name)
             out.append(DecodeInstance(name, s.healthy and name not in exclude, max(s.engine_running, s.in_flight),
-                                      s.tbt_s, sum(loaded_tokens(inst, prompt_tokens).values())))
+                                      s.tbt_s, sum(loaded_tokens(inst, prompt_tokens).values()),
+                                      pairable=not prefills or any(p not in never for p in prefills)))
         return out
+
+    def unpairable_prefills(self, decode: str) -> set[str]:
+        """The prefill instances whose KV layout differs from ``decode``'s (never its prefill leg)."""
+        return unpairable(self.layout_mismatches, decode)
 
     @staticmethod
     def queue_of(s: InstanceState, now_s: float) -> float:
@@ -204,6 +218,19 @@ class RouterState:
             self.instances[name].model.set_load_costs(media)
             self.instances[name].measured_load = media
 
+    def engine_layout(self, name: str, layout: KVLayout | None) -> list[Mismatch]:
+        """The KV layout the engine's /metrics names (None: none); returns the pairs of instances
+        whose layouts differ that were not known to differ before."""
+        s = self.instances[name]
+        s.layout_read = True
+        if layout == s.layout:
+            return []
+        s.layout = layout
+        before = {(m.prefill, m.decode, m.differs) for m in self.layout_mismatches}
+        self.layout_mismatches = mismatches({n: i.layout for n, i in self.instances.items()},
+                                            {n: i.config.role for n, i in self.instances.items()})
+        return [m for m in self.layout_mismatches if (m.prefill, m.decode, m.differs) not in before]
+
     def engine_load(self, name: str, waiting: int) -> None:
         """The engine's ``vllm:num_requests_waiting`` (from its /metrics)."""
         self.instances[name].engine_waiting = waiting
@@ -237,6 +264,9 @@ class RouterState:
                                   "in_flight": s.in_flight, "pending": len(s.pending), "checks": s.checked,
                                   "engine_waiting": s.engine_waiting, "measured_load_s_per_token": s.measured_load,
                                   "role": s.config.role, "engine_running": s.engine_running, "tbt_s": s.tbt_s,
+                                  "layout": msgspec.structs.asdict(s.layout) if s.layout is not None else None,
+                                  "layout_read": s.layout_read,
                                   "model": s.model.coefficients(), "observations": s.model.observations}
                               for n, s in self.instances.items()},
+                "layout_mismatches": [m.as_dict() for m in self.layout_mismatches],
                 "decisions": len(self.decisions)}

@@ -1,7 +1,7 @@
 """``mooncake-kv status --router URL``: what a running router says of itself (``/router/status``):
-its policy and SLO, each instance's health, load and fitted cost model, and its decisions by reason
-(``/metrics``). Exit status 0 when some instance is healthy, 1 when none is, 2 when the router does
-not answer."""
+its policy and SLO, each instance's health, load and fitted cost model, the prefill/decode pairs
+it never makes (their KV layouts differ), and its decisions by reason (``/metrics``). Exit status
+0 when some instance is healthy, 1 when none is, 2 when the router does not answer."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name} {inst['url']}: {'healthy' if inst['healthy'] else 'OUT OF ROTATION'}, "
                   f"{inst['in_flight']} in flight, {inst['observations']} first tokens observed, "
                   f"{inst['model']['per_token_s'] * 1e6:.1f} us/token")
+        for m in status.get("layout_mismatches", []):
+            print(f"  NEVER PAIRED: prefill {m['prefill']} (TP {m['prefill_tp_size']}) with decode {m['decode']} "
+                  f"(TP {m['decode_tp_size']}): {', '.join(m['differs'])}")
         for key, n in sorted(reasons.items()):
             print(f"  decisions {key}: {n:.0f}")
     return 0 if any(i["healthy"] for i in status["instances"].values()) else 1

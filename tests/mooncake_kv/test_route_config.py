@@ -31,6 +31,7 @@ def test_defaults_and_the_rotation_bound(tmp_path) -> None:  # noqa: ANN001
     ({"health_interval_s": -1}, "health_interval_s: must be > 0"),
     ({"unhealthy_after": 0}, "unhealthy_after"),
     ({"port": 70000}, "not a TCP port"),
+    ({"pd_layout_wait_s": -1}, r"pd_layout_wait_s: must be in \[0, 3600\]"),
     ({"polcy": "conductor"}, "polcy"),
     ({"sources": [{"name": "a", "endpoint": "http://x"}]}, "is not a ZMQ endpoint"),
 ])

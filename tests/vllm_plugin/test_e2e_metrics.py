@@ -6,6 +6,7 @@ production), with vLLM's own prefix cache off so that the second request's prefi
 from the store. With two API server processes, vLLM serves ``/metrics`` from prometheus_client's
 multiprocess files (PROMETHEUS_MULTIPROC_DIR): the same numbers must come out.
 
+Before any request the frontend shows the KV layout its engine core's scheduler wrote at start.
 Two requests with the same long prompt: the first saves every whole chunk, the
 second loads them from DRAM; the scrape after each must show exactly that.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_kv.route.server import kv_layout_of
 from store_backend.store import TieredStore
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, prompt, store_section
 from tests.vllm_plugin.disagg_cluster import MAX_TOKENS, complete, free_port, stop, wait_healthy
@@ -95,6 +97,10 @@ def test_vllm_metrics_show_saves_then_dram_hits_and_sigterm_keeps_every_chunk(
         assert families.get("mooncake_kv_tier_hits") == "counter", log.read_text()[-3000:]
         assert families.get("mooncake_kv_tier_used_bytes") == "gauge"
         assert families.get("mooncake_kv_store_get_seconds") == "histogram"
+        # The KV layout, from the scheduler's start (in another process), before any step.
+        layout = kv_layout_of(scrape_text(port))
+        assert layout is not None and (layout.tp_size, layout.chunk_tokens) == (1, CHUNK_TOKENS), \
+            log.read_text()[-3000:]
 
         first = complete(port, PROMPT)["choices"][0]["token_ids"]
         one = wait_for(port, lambda s: total(s, "mooncake_kv_connector_saved_objects_total") >= SAVED_CHUNKS)
@@ -120,6 +126,7 @@ def test_vllm_metrics_show_saves_then_dram_hits_and_sigterm_keeps_every_chunk(
     text = log.read_text()
     assert "all workers exited gracefully" in text, text[-4000:]
     assert not list(sockets.glob("mooncake-kv-*.sock")), "the connector did not close"
+    assert not list(sockets.glob("mooncake-kv-*.layout.json")), "the scheduler left its layout behind"
     with TieredStore(store) as after:  # what the next server on this directory finds
         on_ssd = [k for k in after.keys() if after.tier_of([k]) == ["ssd"]]
     assert len(on_ssd) >= SAVED_CHUNKS

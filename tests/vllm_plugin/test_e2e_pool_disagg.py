@@ -8,7 +8,8 @@ be in flight), its scheduler waits on the prefill node for their commit (the tra
 name that node and its address; the prefill node's transport counts the waits it answered), and
 the bytes cross the pool: the decode node's pool tier counts the hits (both services are on one
 machine, so only its counters can tell a pool read from a shared segment, and the decode server is
-attached to its own node's socket only).
+attached to its own node's socket only). Both servers name their KV layout (TP 1) in their
+/metrics before their first request, which the router checks before it pairs them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from mooncake_kv.route.server import kv_layout_of
 from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.factory import make_directory
 from tests.store_backend.node.server_harness import wait_until
@@ -77,6 +79,12 @@ def _published(redis_port: int, node: str) -> dict[str, int]:
         directory.close()
 
 
+def _layout(port: int) -> Any:
+    """The KV layout the server at ``port`` names in its /metrics (None: none)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return kv_layout_of(r.read().decode())
+
+
 def _server_waits(redis_port: int, node: str) -> int:
     """The waits ``node``'s transport answered, as its heartbeat last published them."""
     return _published(redis_port, node).get("server_waits", 0)
@@ -85,6 +93,10 @@ def _server_waits(redis_port: int, node: str) -> int:
 def test_decode_on_another_node_waits_on_the_prefill_node_and_loads_over_the_pool(
         cluster: dict[str, Any], tiny_model: Path) -> None:
     ports, sockets = cluster["ports"], cluster["sockets"]
+    # Before any request (no engine step yet): each server's layout, from its scheduler's start.
+    layouts = [_layout(ports["prefill"]), _layout(ports["decode"])]
+    assert layouts[0] is not None and layouts[0] == layouts[1], layouts
+    assert (layouts[0].tp_size, layouts[0].pp_size, layouts[0].chunk_tokens) == (1, 1, CHUNK_TOKENS)
     hits = "vllm:external_prefix_cache_hits_total"
     pool_before = _pool_hits(sockets["decode"])
     outputs = [complete(ports["proxy"], p) for p in PROMPTS]
@@ -143,6 +155,8 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
         got = [complete(rp, p)["choices"][0]["token_ids"] for p in (long_p, short_p)]
         with urllib.request.urlopen(f"http://127.0.0.1:{rp}/router/decisions", timeout=10) as r:
             decisions = json.loads(r.read())
+        with urllib.request.urlopen(f"http://127.0.0.1:{rp}/router/status", timeout=10) as r:
+            status = json.loads(r.read())
     finally:
         router.terminate()
         router.wait(30)
@@ -151,6 +165,9 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
         ("prefill", "p", decisions[0]["reason"], "done"), ("decode", "d", "prefilled", "done"),
         ("decode", "d", "short", "done")]
     assert decisions[1]["pair"] == decisions[0]["id"]
+    # The router read both layouts (TP 1) and pairs them.
+    assert [status["instances"][n]["layout"]["tp_size"] for n in ("p", "d")] == [1, 1]
+    assert status["layout_mismatches"] == []
     chunks = (len(long_p) - 1) // CHUNK_TOKENS
     assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits == chunks * CHUNK_TOKENS
     # The prefill node pushed the chunks to the decode node (its heartbeat publishes the count).

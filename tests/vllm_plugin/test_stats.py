@@ -4,6 +4,7 @@ and the frontend's Prometheus metrics built from them (real prometheus_client, o
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -168,3 +169,65 @@ def test_the_log_line_counts_a_damaged_chunk_once() -> None:
     assert reduced["failures"] == 1
     assert reduced["tier failures"] == 1
     assert (reduced["SSD hits"], reduced["DRAM hits"]) == (2, 0)
+
+
+def test_the_kv_layout_is_in_the_frontends_metrics_before_any_step(tiny_model, tmp_path) -> None:  # noqa: ANN001
+    """The scheduler leaves its layout beside the lookup sockets when it starts; the frontend's
+    metrics, built once the engine core is ready, show it before any step; every scheduler payload
+    carries the same sample; the scheduler's close takes the file away."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from mooncake_connector.config import load_connector_config
+    from mooncake_connector.kv_layout import LAYOUT_INFO, KVLayout
+    from vllm_plugin.layout_info import layout_path
+    from vllm_plugin.model_info import KVGeometry
+    from vllm_plugin.parallel import lookup_name
+    from vllm_plugin.scheduler import SchedulerSide
+
+    extra = {"chunk_tokens": 64, "lookup_socket_dir": str(tmp_path)}
+    ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
+                           kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
+    config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=32, dtype="float32",
+                        max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc).create_engine_config()
+    geometry = KVGeometry(block_size=32, num_layers=2, num_kv_heads=2, head_size=64, kv_dtype="float32",
+                          element_bytes=4, is_mla=False, shard_count=1)
+    sched = SchedulerSide(config, load_connector_config(extra), geometry)
+    try:
+        reg = CollectorRegistry()
+        types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+                 Histogram: functools.partial(Histogram, registry=reg)}
+        prom = TieredPromMetrics(config, types, ["model_name", "engine"], {0: ["tiny", 0]})
+        (sample,) = [s for m in reg.collect() if m.name == LAYOUT_INFO for s in m.samples]
+        assert sample.value == 1
+        assert KVLayout.from_labels(sample.labels) == sched.layout
+        assert (sched.layout.tp_size, sched.layout.pp_size, sched.layout.kv_heads) == (1, 1, 2)
+        assert sample.labels["engine"] == "0" and len(sched.layout.fingerprint) == 16
+        step = sched.take_stats()
+        assert step is not None
+        prom.observe(step.to_dict(), 0)
+        assert [s for m in reg.collect() if m.name == LAYOUT_INFO for s in m.samples] == [sample]
+    finally:
+        sched.close()
+    assert not os.path.exists(layout_path(lookup_name(config), str(tmp_path)))
+
+
+def test_a_layout_file_left_by_a_killed_scheduler_is_removed_by_the_next(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from mooncake_connector.kv_layout import KVLayout
+    from vllm_plugin.layout_info import layout_path, publish_layout, read_layout
+
+    layout = KVLayout(tp_size=1, pp_size=1, kv_heads=2, chunk_tokens=64, hash_scheme="xxh3_128", fingerprint="f" * 16)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    left = layout_path("killed-dp0", str(tmp_path))
+    with open(left, "wb") as f:
+        f.write(msgspec.json.encode({"pid": int(dead.stdout), "layout": layout}))
+    assert read_layout(left) == layout
+    mine = layout_path("live-dp0", str(tmp_path))
+    assert publish_layout(mine, layout)
+    assert not os.path.exists(left) and read_layout(mine) == layout
