@@ -20,13 +20,17 @@ each), 4 chunks of 256 tokens (16 MiB objects); vLLM's step budget 256 tokens
 generated; each node's DRAM arena 1.5 GiB; the link 500 Mbit/s each way. Target: push's median
 decode wait at most 0.5x pull's.
 
-Not measured here yet: time between tokens under P/D against one colocated instance on a window
-of the conversation trace (the issue's second figure).
+The second figure, in the same invocation (``--no-trace`` skips it): TTFT and time between tokens
+of 1P1D through the router against one colocated instance on both cores, on a pre-registered
+window of the conversation trace (:mod:`mooncake_kv.bench.pd_trace`: its settings and target).
+The no-connector engine serves that window's prompts too, and their tokens join the check.
 
 Last line with ``--json``: ``decode_wait_p50_s_pull``, ``decode_wait_p50_s_push``,
-``push_wait_vs_pull``, each way's min and max, the loaded tokens, the prefill node's pushes, and
-``tokens_equal``. Needs root (the namespace, ``tc``) and ``redis-server``; ``--loopback`` runs
-both hosts on loopback (not the pre-registered run).
+``push_wait_vs_pull``, each way's min and max, the loaded tokens, the prefill node's pushes;
+``ttft_p50_s_pd``, ``ttft_p99_s_pd``, ``tbt_p50_s_pd``, ``tbt_p99_s_pd``, the same for
+``_colocated``, ``tbt_p99_pd_vs_colocated``, ``ttft_p50_pd_vs_colocated``, ``trace_window``; and
+``tokens_equal`` (both figures). Needs root (the namespace, ``tc``) and ``redis-server``;
+``--loopback`` runs both hosts on loopback (not the pre-registered run).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_kv.bench import pd_trace
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.route_cluster import Cluster, EngineSpec, Link, NoLink
 from mooncake_kv.bench.serve import BLOCK_SIZE
@@ -69,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mbit", type=float, default=500.0, help="the link's rate, each way (tbf)")
     p.add_argument("--loopback", action="store_true", help="both hosts on loopback, nothing shaped")
     p.add_argument("--work-dir", type=Path, default=None)
+    pd_trace.add_arguments(p)
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +129,8 @@ def _one(cluster: Cluster, prompt: list[int], push: bool, max_tokens: int) -> di
             "loaded_tokens": int(_hits(decode) - hits), "tokens": tokens}
 
 
-def _baseline(work: Path, model: Path, prompts: list[list[int]], max_tokens: int, max_model_len: int) -> list[list[int]]:
+def _baseline(work: Path, model: Path, requests: list[tuple[list[int], int]], max_model_len: int) -> list[list[int]]:
+    """The no-connector engine's tokens for each (prompt, max_tokens), one request at a time."""
     port = free_port()
     log = work / "baseline.log"
     proc = start_server(ServerConfig("baseline", None), model=model, port=port, block_size=BLOCK_SIZE,
@@ -132,8 +139,9 @@ def _baseline(work: Path, model: Path, prompts: list[list[int]], max_tokens: int
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)
-        return [_post(url, {"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "return_token_ids": True})["choices"][0]["token_ids"] for p in prompts]
+        return [_post(url, {"model": MODEL_NAME, "prompt": p, "max_tokens": n, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True})["choices"][0]["token_ids"]
+                for p, n in requests]
     finally:
         stop_server(proc)
 
@@ -163,6 +171,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("bench pd: needs redis-server (your package manager)")
     if args.prompt_tokens % args.chunk_tokens or args.chunk_tokens % BLOCK_SIZE:
         raise SystemExit(f"--prompt-tokens must be a multiple of --chunk-tokens, itself one of {BLOCK_SIZE}")
+    trace = None if args.no_trace else pd_trace.plan(args, SHAPE)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="mooncake-kv-bench-pd-"))
     work.mkdir(parents=True, exist_ok=True)
     model = write_seeded_llama(work / "model", SHAPE)
@@ -179,6 +188,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     _progress(f"{args.requests} requests each way, {kv_mib:.0f} MiB of KV each; link "
               f"{'loopback' if args.loopback else f'{args.link_mbit:g} Mbit/s'}; logs in {work}")
     recs: list[dict[str, Any]] = []
+    trace_pd: list[dict[str, Any]] | None = None
+    trace_colocated: list[dict[str, Any]] | None = None
+    reasons: dict[str, int] | None = None
     link.open()
     try:
         cluster = Cluster(work / "pd", link, spec).start("conductor", roles={"a": "kv_producer", "b": "kv_consumer"})
@@ -205,11 +217,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.25)  # poll interval (the heartbeat's); the loop has a deadline
         finally:
             cluster.close()
+        if trace is not None:  # the second figure, P/D on the same link
+            trace_pd, reasons = pd_trace.run_pd(trace, work, model, link, SHAPE.vocab)
     finally:
         link.close()
+    if trace is not None:
+        trace_colocated = pd_trace.run_colocated(trace, work, model, SHAPE.vocab)
     _progress("baseline: one vllm serve without the connector")
-    base = _baseline(work, model, [prompts[r["prompt"]] for r in recs], args.max_tokens, max_model_len)
+    wanted = [(prompts[r["prompt"]], args.max_tokens) for r in recs]
+    if trace is not None:
+        wanted += [(r.prompt, trace.max_tokens) for r in trace.workload]
+    base = _baseline(work, model, wanted, max(max_model_len, trace.max_model_len if trace else 0))
     mismatches = [r["prompt"] for r, want in zip(recs, base) if r["tokens"] != want]
+    trace_mismatches: dict[str, list[int]] | None = None
+    if trace_pd is not None and trace_colocated is not None:
+        trace_base = base[len(recs):]
+        trace_mismatches = {name: [r["index"] for r, want in zip(got, trace_base) if r["tokens"] != want]
+                            for name, got in (("pd", trace_pd), ("colocated", trace_colocated))}
+        (work / "trace-requests.json").write_text(json.dumps({"pd": trace_pd, "colocated": trace_colocated}))
     pull = [r["decode_wait_s"] for r in recs if not r["push"]]
     push = [r["decode_wait_s"] for r in recs if r["push"]]
     s_pull, s_push = _summary(pull), _summary(push)
@@ -220,9 +245,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "loaded_tokens": sorted({r["loaded_tokens"] for r in recs}),
             "pushes_sent": pushes.get("pushes_sent", 0), "pushes_failed": pushes.get("pushes_failed", 0),
             "pushes_present": pushes.get("pushes_present", 0),
-            "tokens_equal": not mismatches, "token_mismatches": mismatches, "kv_mib_per_request": round(kv_mib, 1),
+            "tokens_equal": not mismatches and not any((trace_mismatches or {}).values()),
+            "token_mismatches": mismatches, "kv_mib_per_request": round(kv_mib, 1),
             "requests_each_way": args.requests, "link_mbit": None if args.loopback else args.link_mbit,
-            "chunk_tokens": args.chunk_tokens, "work_dir": str(work)}
+            "chunk_tokens": args.chunk_tokens, "work_dir": str(work),
+            **pd_trace.figures(trace, trace_pd, trace_colocated, reasons, trace_mismatches)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,6 +261,15 @@ def run(args: argparse.Namespace) -> int:
           f"{out['loaded_tokens']} tokens; pushes {out['pushes_sent']} sent, {out['pushes_present']} there already, "
           f"{out['pushes_failed']} failed; "
           f"tokens equal: {out['tokens_equal']}")
+    if out["trace_window"] is not None:
+        r = out["tbt_p99_pd_vs_colocated"]
+        print(f"trace window: TBT p99 P/D {out['tbt_p99_s_pd']} s, colocated {out['tbt_p99_s_colocated']} s: P/D / "
+              f"colocated {r} (target <= {pd_trace.TBT_TARGET}: "
+              f"{'met' if r is not None and r <= pd_trace.TBT_TARGET else 'MISSED'}); TBT p50 {out['tbt_p50_s_pd']} s "
+              f"against {out['tbt_p50_s_colocated']} s; TTFT p50 {out['ttft_p50_s_pd']} s against "
+              f"{out['ttft_p50_s_colocated']} s (P/D / colocated {out['ttft_p50_pd_vs_colocated']}), p99 "
+              f"{out['ttft_p99_s_pd']} s against {out['ttft_p99_s_colocated']} s; token mismatches "
+              f"{out['trace_token_mismatches']}")
     if args.json:
         print(json.dumps(out))
     return 0 if out["tokens_equal"] else 1
