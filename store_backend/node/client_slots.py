@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # ``get_into`` of several keys leases them in groups of about this many bytes, the next group's
 # lease (a pull from the pool, a read from SSD) overlapping this group's copy.
-PIPELINE_GROUP_BYTES = 8 << 20
+PIPELINE_GROUP_BYTES = 32 << 20
 PIPELINE_DEPTH = 2  # groups leased ahead of the one being copied
 # The owner of get_into's own leases: not an int, so no caller can name it (reclaim, release).
 _GET_INTO_OWNER = "get_into"
