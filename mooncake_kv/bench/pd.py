@@ -53,8 +53,8 @@ from mooncake_kv.bench import pd_trace
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.route_cluster import Cluster, EngineSpec, Link, NoLink
 from mooncake_kv.bench.serve import BLOCK_SIZE
-from mooncake_kv.bench.serve_server import (MODEL_NAME, ModelShape, ServerConfig, start_server, stop_server,
-                                            wait_healthy, write_seeded_llama)
+from mooncake_kv.bench.serve_server import (MODEL_NAME, ModelShape, ServerConfig, post_completion, start_server,
+                                            stop_server, wait_healthy, write_seeded_llama)
 
 SHAPE = ModelShape(layers=8, hidden=1024, heads=8, kv_heads=8, intermediate=2048)
 TIMEOUT_S = 600.0
@@ -78,10 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
-        return json.loads(r.read())
+    return post_completion(url, body, TIMEOUT_S)
 
 
 def _stream_first(url: str, body: dict[str, Any]) -> tuple[float, list[int]]:

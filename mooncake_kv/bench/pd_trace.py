@@ -66,7 +66,7 @@ import httpx
 from mooncake_kv.bench.ports import free_port
 from mooncake_kv.bench.route_cluster import Cluster, EngineSpec, Link, NoLink, stop_groups, wait_http
 from mooncake_kv.bench.serve import BLOCK_SIZE
-from mooncake_kv.bench.serve_server import MODEL_NAME, ROOT, ModelShape
+from mooncake_kv.bench.serve_server import MODEL_NAME, ROOT, ModelShape, post_completion
 from mooncake_kv.bench.serve_workload import ServeRequest, build_workload
 from store_backend.dram import unlink_leftover_segments
 
@@ -176,6 +176,7 @@ class TracePlan:
     max_tokens: int
     max_model_len: int
     dram_bytes: int
+    kv_bytes_per_token: int  # of the model served (its shape)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def spec(self, model: Path, vllm_blocks: int = PD_VLLM_BLOCKS) -> EngineSpec:
@@ -224,7 +225,7 @@ def plan(args: argparse.Namespace, shape: ModelShape) -> TracePlan:
                 "prompt_tokens_max": longest, "vllm_blocks_pd": PD_VLLM_BLOCKS,
                 "vllm_blocks_colocated": 2 * PD_VLLM_BLOCKS, "dram_mib": dram_bytes >> 20,
                 "coalesce_s": COALESCE_S}
-    return TracePlan(workload, args.trace_max_tokens, max_model_len, dram_bytes, settings)
+    return TracePlan(workload, args.trace_max_tokens, max_model_len, dram_bytes, shape.kv_bytes_per_token, settings)
 
 
 # -- the client --------------------------------------------------------------------------------------
@@ -263,11 +264,6 @@ async def _drive(url: str, workload: list[ServeRequest], max_tokens: int) -> lis
         return list(await asyncio.gather(*(_one(client, url, r, max_tokens, t0) for r in workload)))
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-        return json.loads(r.read())
 
 
 def _warm_up(url: str, vocab: int) -> None:
@@ -275,7 +271,7 @@ def _warm_up(url: str, vocab: int) -> None:
     other: the first calls' one-time costs are no measured request's."""
     for seed in (1, 2):
         prompt = [(7919 * seed * i) % (vocab - 3) + 3 for i in range(1, 4 * CHUNK_TOKENS + 2)]
-        _post(url, _body(prompt, 4, False))
+        post_completion(url, _body(prompt, 4, False), REQUEST_TIMEOUT_S)
 
 
 def _serve(name: str, url: str, tp: TracePlan, logs: Path) -> list[dict[str, Any]]:
@@ -322,6 +318,7 @@ class Colocated:
 
     work: Path
     spec: EngineSpec
+    kv_bytes_per_token: int
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     port: int = 0
 
@@ -370,7 +367,7 @@ class Colocated:
                    "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
             # The CPU build's KV space must hold the blocks (a quarter more for its own rounding);
             # its OpenMP threads on both cores, none reserved, as each P/D engine has its own core.
-            kv_gib = math.ceil(s.vllm_blocks * s.block_size * _kv_bytes_per_token(s.model) * 1.25 / 2**30)
+            kv_gib = math.ceil(s.vllm_blocks * s.block_size * self.kv_bytes_per_token * 1.25 / 2**30)
             self._spawn("engine", cmd, {**env, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
                                         "VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
             self._wait_http()
@@ -393,15 +390,10 @@ class Colocated:
         unlink_leftover_segments(self._shm)
 
 
-def _kv_bytes_per_token(model: Path) -> int:
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
-
-
 def run_colocated(tp: TracePlan, work: Path, model: Path, vocab: int) -> list[dict[str, Any]]:
     """The window straight to one fresh colocated engine on both cores; its records."""
-    engine = Colocated(work / "colocated", tp.spec(model, vllm_blocks=2 * PD_VLLM_BLOCKS)).start()
+    spec = tp.spec(model, vllm_blocks=2 * PD_VLLM_BLOCKS)
+    engine = Colocated(work / "colocated", spec, tp.kv_bytes_per_token).start()
     try:
         _warm_up(engine.url, vocab)
         return _serve("colocated", engine.url, tp, engine.work)

@@ -170,6 +170,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
 
 
+def post_completion(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` to ``url``'s ``/v1/completions`` (not streamed) and return the decoded answer;
+    urllib's errors propagate."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()

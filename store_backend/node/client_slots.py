@@ -511,8 +511,9 @@ class ClientSlots:
             h = self._tokens.get(r.token) if r.status is Status.OK and isinstance(r.token, int) else None
             if h is None or h.owner != owner or h.kind != kind or h.key != r.key or h.settling \
                     or h.segment_id != seg:
-                if r.status is Status.OK and count_foreign:
-                    self.counters.slot_foreign += 1  # as the store counts a token it does not hold
+                if r.status is Status.OK:
+                    if count_foreign:
+                        self.counters.slot_foreign += 1  # as the store counts a token it does not hold
                     if h is not None and h.segment_id != seg:
                         del self._tokens[r.token]
                 rest.append(i)
