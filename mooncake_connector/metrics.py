@@ -42,6 +42,7 @@ class ConnectorCounters(msgspec.Struct):
     lookup_keys: int = 0
     lookup_hits: int = 0  # leading keys found
     hit_tokens: int = 0  # prompt tokens an engine will load from the store instead of computing
+    async_loads: int = 0  # requests whose prefix a decode engine loads beside its steps (vLLM)
     save_batches: int = 0
     saved_objects: int = 0  # newly stored
     save_exists: int = 0  # already stored (content-addressed: nothing to do)
@@ -83,6 +84,8 @@ DESCRIPTIONS: dict[str, str] = {
     f"{_P}_lookup_keys": "Chunk keys the lookups asked about.",
     f"{_P}_lookup_hits": "Leading chunk keys the lookups found (stored, or being saved).",
     f"{_P}_hit_tokens": "Prompt tokens the engine loads from the store instead of computing them.",
+    f"{_P}_async_loads": "Requests whose prefix (a disaggregated decode's) the engine loads beside its steps, "
+                         "parked until it is in their blocks (vLLM, remote_prefill_load: async).",
     f"{_P}_save_batches": "Save batches the store answered.",
     f"{_P}_saved_objects": "Chunks newly stored by saves.",
     f"{_P}_save_exists": "Chunks a save found already stored (nothing written).",

@@ -50,7 +50,7 @@ SGLANG_KEYS = frozenset({
 # one config text serves both engines, and logged when given, since here they change nothing.
 VLLM_ONLY_KEYS = frozenset({
     "io_workers", "lookup_wait_s", "lookup_socket_dir", "save_decode", "remote_prefill_wait_s", "load_copy",
-    "kv_events", "load_policy",
+    "kv_events", "load_policy", "remote_prefill_load",
 })
 
 

@@ -143,9 +143,10 @@ class MooncakeTieredConnector(KVConnectorBase_V1):
 
     @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose blocks the scheduler kept for their saves and now releases."""
+        """Finished requests whose blocks the scheduler kept for their saves and now releases, and
+        requests whose asynchronous load ended (their failed blocks in the same step's load errors)."""
         assert self._worker is not None
-        return self._worker.take_released() or None, None
+        return self._worker.take_released() or None, self._worker.take_finished_loads() or None
 
     # -- scheduler side ----------------------------------------------------------------------------
     @_timed

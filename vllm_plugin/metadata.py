@@ -41,9 +41,15 @@ class ChunkSave:
 
 @dataclass
 class RequestPlan:
+    """One request's loads and saves of a step. ``async_load``: the loads are of a request vLLM
+    parked in ``WAITING_FOR_REMOTE_KVS`` (a disaggregated decode's prefix): the workers copy them
+    beside the steps and name the request in ``get_finished`` once its KV is in its blocks (or its
+    failed blocks are reported); such a plan has no saves."""
+
     req_id: str
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    async_load: bool = False
 
 
 @dataclass
@@ -59,6 +65,11 @@ class TieredConnectorMetadata(KVConnectorMetadata):
     @property
     def has_loads(self) -> bool:
         return any(r.loads for r in self.requests)
+
+    @property
+    def has_step_loads(self) -> bool:
+        """Loads this step's forward reads (not the asynchronous ones)."""
+        return any(r.loads and not r.async_load for r in self.requests)
 
     @property
     def has_saves(self) -> bool:

@@ -13,6 +13,9 @@ decides; the worker half moves bytes.
   the store as it reports them (``lease_ttl_s``), and a chunk the pin no longer finds (evicted since
   the lookup) is not reported; calling it twice reuses those pins, so it is harmless.
 - ``update_state_after_alloc`` turns an accepted hit into a load plan (its chunks already pinned).
+  A disaggregated decode's hit is answered with ``load_kv_async`` (``remote_prefill_load: async``):
+  vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and ``build_connector_meta`` sends its loads
+  as an asynchronous plan, once; the workers name it in ``get_finished`` when its KV is in its blocks.
 
 An embedded store lives with the workers (they move the bytes); lookups and leases go to each
 worker's :class:`mooncake_connector.lookup_service.LookupServer`, which works whether the worker
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from mooncake_connector.config import ConnectorConfig
 from mooncake_connector.epoch import EpochFile
@@ -73,7 +77,7 @@ from vllm_plugin.load_costs import LoadCosts
 from vllm_plugin.tracked import TrackedRequest
 from vllm_plugin.save_ledger import LedgerEvents, SaveLedger
 from vllm_plugin.sizing import load_budget_chunks, staging_chunks
-from vllm_plugin.stats import FAILURES, HIT_TOKENS, SCHEDULER, StatsSource, TieredConnectorStats
+from vllm_plugin.stats import ASYNC_LOADS, FAILURES, HIT_TOKENS, SCHEDULER, StatsSource, TieredConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -169,8 +173,8 @@ class SchedulerSide:
         self._finish_retries: dict[str, int] = {}
         self._warned_fingerprints: set[str] = set()  # prefill fingerprints this engine cannot load, warned once
         self._stats_source = StatsSource(SCHEDULER)
-        self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "load_plans": 0, "save_chunks": 0,
-                         "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
+        self.counters = {"lookups": 0, "ask_later": 0, "hit_tokens": 0, "async_loads": 0, "load_plans": 0,
+                         "save_chunks": 0, "save_chunks_landed": 0, "save_chunks_replanned": 0, "ask_later_staging": 0,
                          "hits_capped_staging": 0, "save_chunks_replanned_shared": 0, "hits_cut_cost": 0,
                          "chunks_recomputed_cost": 0}
         # load_policy "cost": the measured speeds that decide load or recompute; step -> (start, tokens).
@@ -364,7 +368,13 @@ class SchedulerSide:
                 t.pin_tiers = t.pin_tiers[:keep]
         t.hit_chunks = hit
         t.local_tokens = num_computed_tokens
-        return max(0, hit * self.chunk_tokens - num_computed_tokens), False
+        tokens = max(0, hit * self.chunk_tokens - num_computed_tokens)
+        # A disaggregated decode's prefix loads beside the steps (docs/VLLM.md, "Loads beside the
+        # steps"): vLLM parks the request until the workers name it in get_finished. Once per
+        # request: a hit asked again (after a failed load) loads in its step.
+        t.async_hit = (tokens > 0 and t.remote_chunks > 0 and self.cfg.remote_prefill_load == "async"
+                       and not t.async_load_done)
+        return tokens, t.async_hit
 
     def _pin_hit(self, t: TrackedRequest, local_chunks: int, hit: int) -> int:
         """Pin chunks [local_chunks, hit) before they are reported to vLLM, and answer the hit cut
@@ -443,6 +453,7 @@ class SchedulerSide:
             t.hits_pushed = True  # what was found stored goes to the decode node too (saves push the rest)
             self._push((t, c) for c in range(t.hit_chunks))
         if num_external_tokens <= 0:
+            t.async_hit = False
             return
         start, end = t.local_tokens, t.local_tokens + num_external_tokens
         block_size = self.chunk_tokens // self.blocks_per_chunk
@@ -452,6 +463,8 @@ class SchedulerSide:
             first = max(lo, start // block_size)
             loads.append(ChunkLoad(t.hashes[c], t.block_ids[first:lo + self.blocks_per_chunk], first - lo))
         t.plan_loads = loads
+        t.async_load = t.async_hit
+        t.async_hit = False
         self._step_load_chunks += len(loads)
         first_chunk = start // self.chunk_tokens
         if t.pin_from == first_chunk and len(t.pin_tiers) >= len(loads):
@@ -478,7 +491,7 @@ class SchedulerSide:
         meta = TieredConnectorMetadata(step=step)
         scheduled = scheduler_output.num_scheduled_tokens
         # A step that loads waits for its loads: it says nothing of the compute speed (tokens 0).
-        loading = any(t.plan_loads for t in self._reqs.values())
+        loading = any(t.plan_loads and not t.async_load for t in self._reqs.values())
         self._step_started[step] = (time.monotonic(), 0 if loading else sum(scheduled.values()))
         planned: list[tuple[TrackedRequest, str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -505,14 +518,36 @@ class SchedulerSide:
                 self.ledger.note_loads(step, ld.block_ids)
         for t, req_id, computed_after in planned:
             self._plan(meta, t, req_id, computed_after)
+        self._plan_async_loads(meta, {req_id for _t, req_id, _c in planned})
         for req_id, t in list(self._finishing.items()):
             self._plan_finishing(meta, t, req_id)
         meta.commit_saves, meta.discard_saves = self.ledger.take_decisions()
         return meta
 
+    def _plan_async_loads(self, meta: TieredConnectorMetadata, scheduled: set[str]) -> None:
+        """The loads of requests vLLM parked in WAITING_FOR_REMOTE_KVS this step (allocated, not
+        scheduled): sent once, as asynchronous plans; the workers name each request in
+        get_finished when its KV is in its blocks, and report its failed blocks no later. Loads are
+        not registered with the save ledger: the request computes nothing over them before every
+        rank reported, failures included."""
+        for req_id, t in self._reqs.items():
+            if not (t.async_load and t.plan_loads) or req_id in scheduled:
+                continue
+            loads, t.plan_loads, t.async_load = t.plan_loads, [], False
+            if t.request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # vLLM neither scheduled it nor parked it: no worker may name it as loaded (vLLM
+                # accepts that only of parked or finished requests). Its pins expire by their lease.
+                logger.error("request %s: %d chunk loads planned but the request is %s; not loaded",
+                             req_id, len(loads), t.request.status.name)
+                continue
+            t.async_load_done = True
+            meta.requests.append(RequestPlan(req_id, loads=loads, async_load=True))
+            self.counters["async_loads"] += 1
+
     def _plan(self, meta: TieredConnectorMetadata, t: TrackedRequest, req_id: str, computed_after: int) -> None:
         plan = RequestPlan(req_id, loads=t.plan_loads)
         t.plan_loads = []
+        t.async_load = False  # scheduled in its step after all (vLLM loads it there)
         if self.can_save and not t.stale:
             limit = computed_after
             if not self.cfg.save_decode:
@@ -718,10 +753,12 @@ class SchedulerSide:
         return self.events.take() if self.events is not None else []
 
     def take_stats(self) -> TieredConnectorStats | None:
-        """Prompt tokens planned for loading and lookups no worker answered, since the last call,
-        the measured costs per token (gauges, once measured) and the KV layout (a gauge, every
-        call), for vLLM's stats hooks (the workers report the rest). Scheduler thread."""
+        """Prompt tokens planned for loading, requests loaded beside the steps and lookups no
+        worker answered, since the last call, the measured costs per token (gauges, once
+        measured) and the KV layout (a gauge, every call), for vLLM's stats hooks (the workers
+        report the rest). Scheduler thread."""
         return self._stats_source.take({HIT_TOKENS: {"": self.counters["hit_tokens"]},
+                                        ASYNC_LOADS: {"": self.counters["async_loads"]},
                                         FAILURES: {"peer_gone": self.lookups.failures},
                                         COST_PER_TOKEN: self.load_costs.measured(),
                                         **layout_payload(self.layout)})

@@ -60,6 +60,7 @@ DELTAS, GAUGES = "deltas", "gauges"
 # Families the scheduler fills itself: its workers' clients never see how many tokens it plans to
 # load, nor the lookups that never reached them.
 HIT_TOKENS = "mooncake_kv_connector_hit_tokens"
+ASYNC_LOADS = "mooncake_kv_connector_async_loads"
 FAILURES = "mooncake_kv_connector_failures"
 # The scheduler's name as a source of gauges (its workers are named by rank).
 SCHEDULER = "scheduler"

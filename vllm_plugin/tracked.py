@@ -22,7 +22,8 @@ class TrackedRequest:
     __slots__ = ("request", "extra", "hashes", "lookup", "lookup_chunks", "hit_chunks", "local_tokens",
                  "block_ids", "saved_chunks", "plan_loads", "remote_chunks", "remote_deadline", "stale",
                  "load_sources", "pin_from", "pin_tiers", "pin_at", "remote_node", "remote_address",
-                 "transfer_id", "remote_waited", "push_node", "hits_pushed")
+                 "transfer_id", "remote_waited", "push_node", "hits_pushed", "async_hit", "async_load",
+                 "async_load_done")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -46,6 +47,12 @@ class TrackedRequest:
         self.remote_waited = False
         self.push_node = ""  # P/D prefill: the decode node its chunks are pushed to as they land
         self.hits_pushed = False  # and the chunks it found stored, once
+        # async_hit: the last hit was answered for a load beside the steps (a disaggregated decode's
+        # prefix); async_load: its plan_loads are such a load; async_load_done: one was sent to the
+        # workers (at most one per request).
+        self.async_hit = False
+        self.async_load = False
+        self.async_load_done = False
         self.load_sources: dict[CacheHitSource, int] = {}  # the planned load's tokens by the tier holding them
         # The hit last reported to vLLM, pinned in the store when reported: chunks [pin_from,
         # pin_from + len(pin_tiers)), each one's tier, and when (monotonic) the pins were taken.

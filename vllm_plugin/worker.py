@@ -43,7 +43,9 @@ One step, as vLLM drives it:
    then) and their slots or staging given back.
 5. ``build_connector_worker_meta``: the step's report to the scheduler (the step it closes, every
    save outcome since the last report); ``get_finished`` names the finished requests whose blocks
-   the scheduler released. vLLM reads the step's output (``get_finished``, the load errors, this
+   the scheduler released, and the requests whose load beside the steps ended
+   (:mod:`vllm_plugin.worker_async_loads`: a parked disaggregated decode's prefix, started in
+   ``start_load_kv`` on a loader of its own; its failed blocks join the same step's load errors). vLLM reads the step's output (``get_finished``, the load errors, this
    report) after ``wait_for_save`` normally, but before it with speculative decoding, and on a
    non-last pipeline rank without it: whichever comes first ends the step's loads (every layer
    written, the leases released, a release saying False failing its chunks), so a load whose
@@ -81,12 +83,13 @@ from store_backend.store import StoreClosedError
 from store_backend.types import Status
 from vllm_plugin.device import DeviceCopies
 from vllm_plugin.loader import LayerLoader, LoadChunk, LoadJob
-from vllm_plugin.metadata import ChunkLoad, LoadTiming, TieredConnectorMetadata, TieredWorkerMetadata
+from vllm_plugin.metadata import ChunkLoad, LoadTiming, RequestPlan, TieredConnectorMetadata, TieredWorkerMetadata
 from vllm_plugin.model_info import KVGeometry, kv_layer_names, paged_layers, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name, rank_position
 from vllm_plugin.sizing import staging_bytes, staging_shortfall
 from vllm_plugin.stats import StatsSource, TieredConnectorStats
 from vllm_plugin.worker_io import SaveReports, SlotCalls, StagingInFlight, WorkerCounters
+from vllm_plugin.worker_async_loads import AsyncLoads
 from vllm_plugin.worker_loads import LoadPipeline, SlotLoads, StagedLoads, log_failed_loads, remove_damaged
 from vllm_plugin.worker_epochs import ShardEpochs
 from vllm_plugin.worker_residency import ResidencyWatch
@@ -148,6 +151,7 @@ class WorkerSide:
         self._meta: TieredConnectorMetadata | None = None
         self.load_job: LoadJob | None = None  # this step's (read only outside this class)
         self._load_future: Future | None = None  # staging path: the reads of self.load_job
+        self._loads_started = False  # start_load_kv ran this step
         self._loads_checked = False
         self._loaded_layers: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -162,6 +166,7 @@ class WorkerSide:
         self.reports = SaveReports(self.rank, self.counters)
         self._report_step: int | None = None
         self._released: set[str] = set()
+        self.async_loads = AsyncLoads(self)  # loads of requests vLLM parked for their KV
 
     # -- setup -------------------------------------------------------------------------------------
     @property
@@ -248,6 +253,7 @@ class WorkerSide:
             stuck += self.lookup_server.close()
         if self.loader is not None:
             stuck += self.loader.close(timeout_s=self.cfg.load_timeout_s)
+        stuck += self.async_loads.close(timeout_s=self.cfg.load_timeout_s)
         # A step left open (wait_for_save never came) gives back its leases and reservations too:
         # the store may outlive this worker (another holder of it in this process).
         job, self.load_job = self.load_job, None
@@ -312,55 +318,71 @@ class WorkerSide:
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
         """Submit every planned chunk load of the step (reads into staging, or leases on the
         store's slots: the load pipeline's way) and return; the loader writes the layers as the
-        reads come in."""
+        reads come in. Asynchronous plans go to :class:`vllm_plugin.worker_async_loads.AsyncLoads`
+        (no forward waits for them). Once per step."""
         self._begin(meta)
-        if not meta.has_loads or self.staging is None or self.load_job is not None or self._loads_checked:
+        if not meta.has_loads or self.staging is None or self._loads_started:
             return
-        chunks: list[LoadChunk] = []
-        keys: list[str] = []
+        self._loads_started = True
         self._recheck_device()
-        loads = self.loads
         # Wait (bounded, once for the whole step) for staging rather than fail a load: saves
         # landing free it.
         deadline = time.monotonic() + self.cfg.load_timeout_s
+        plans = [p for p in meta.requests if p.loads and p.async_load]
+        if plans:
+            chunks, keys = self._load_chunks(plans, deadline)
+            self.async_loads.submit(plans, chunks, keys)
+        plans = [p for p in meta.requests if p.loads and not p.async_load]
+        if not plans:
+            return
+        chunks, keys = self._load_chunks(plans, deadline)
+        if not chunks:
+            return
+        job, self._load_future = self.loads.job(chunks, keys)
+        self.load_job = job
+        self._layer_loader().submit(job)
+
+    def _load_chunks(self, plans: list[RequestPlan], deadline: float) -> tuple[list[LoadChunk], list[str]]:
+        """The chunks of ``plans``' loads that can start (a staging buffer each, where the load
+        pipeline reads into staging), and their store keys; the others are failed now (their
+        blocks are in the load errors). Forward thread; may wait for staging until ``deadline``."""
+        chunks: list[LoadChunk] = []
+        keys: list[str] = []
+        loads = self.loads
         # Keys this worker holds reserved (held saves awaiting the scheduler's decision): a lookup
         # in node mode counts them as present, but only this worker commits them, at a later step's
         # start, so a lease would wait for a commit that cannot come while it waits.
         own = self.held.keys()
         skipped: Counter[str] = Counter()  # chunks failed before any read, by reason
-        for plan in meta.requests:
+        for plan in plans:
             for chunk in plan.loads:
                 if object_key(self.digest, chunk.chunk_hash) in own:
                     self.counters.loads_own_held += 1
-                    self._fail_load(plan.req_id, chunk)
+                    self.fail_load(plan.req_id, chunk)
                     skipped["still held unsaved by this worker"] += 1
                     continue
                 buf, refused = loads.chunk_buffer(deadline)
                 if refused is not None:
-                    self._fail_load(plan.req_id, chunk)
+                    self.fail_load(plan.req_id, chunk)
                     skipped[refused] += 1
                     continue
                 chunks.append(LoadChunk(plan.req_id, chunk, kernel_block_ids(chunk.block_ids, self.ratio),
                                         chunk.first_block * self.ratio, buf=buf))
                 keys.append(object_key(self.digest, chunk.chunk_hash))
         log_failed_loads(skipped, len(chunks) + sum(skipped.values()))
-        if not chunks:
-            return
-        job, self._load_future = loads.job(chunks, keys)
-        self.load_job = job
-        self._layer_loader().submit(job)
+        return chunks, keys
 
-    def _fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
+    def fail_load(self, req_id: str, chunk: ChunkLoad) -> None:
         self._load_errors.update(chunk.block_ids)
         self._failed_reqs.add(req_id)
         self.counters.chunks_load_failed += 1
         self.counters.load_error_blocks += len(chunk.block_ids)
 
-    def _fail_chunks(self, chunks: list[LoadChunk], why: str) -> None:
+    def fail_chunks(self, chunks: list[LoadChunk], why: str) -> None:
         for c in chunks:
             if c.ok:
                 c.ok = False
-                self._fail_load(c.req_id, c.plan)
+                self.fail_load(c.req_id, c.plan)
         logger.warning("%d loaded chunks recomputed: %s", len(chunks), why)
 
     def _check_loads(self) -> None:
@@ -385,18 +407,25 @@ class WorkerSide:
                 self.client.abandon_load(self._load_future, len(job.chunks))
             for c in job.chunks:
                 c.ok = False
-                self._fail_load(c.req_id, c.plan)
+                self.fail_load(c.req_id, c.plan)
             return
         self._note_load_timing(job)
+        self.fail_unusable(job, [object_key(self.digest, c.plan.chunk_hash) for c in job.chunks])
+
+    def fail_unusable(self, job: LoadJob, keys: list[str]) -> None:
+        """Fail the chunks of resolved ``job`` that its resolve found unusable (``keys``: each
+        chunk's store key). A copy that read back CORRUPT is removed from this rank's store before
+        anything else happens: objects are immutable (a put of a present key keeps the stored
+        bytes), so only then does the save of the recomputed chunk replace it."""
         damaged: list[str] = []
         failed: Counter[str] = Counter()
-        for c in job.chunks:
+        for c, key in zip(job.chunks, keys):
             if c.ok:
                 continue
-            self._fail_load(c.req_id, c.plan)
+            self.fail_load(c.req_id, c.plan)
             failed[c.status.name] += 1
             if c.status is Status.CORRUPT:
-                damaged.append(object_key(self.digest, c.plan.chunk_hash))
+                damaged.append(key)
         log_failed_loads(failed, len(job.chunks))
         if damaged:
             remove_damaged(self, damaged)
@@ -431,7 +460,7 @@ class WorkerSide:
         else:
             self._layer_loader().cancel(job)
             self.client.count(timeouts=len(usable))
-            self._fail_chunks(usable, f"layer {layer} not written within {self.cfg.load_timeout_s:.1f} s")
+            self.fail_chunks(usable, f"layer {layer} not written within {self.cfg.load_timeout_s:.1f} s")
         self.counters.scatter_s += time.perf_counter() - t0
 
     def _finish_loads(self, *, late: bool = False) -> None:
@@ -452,16 +481,22 @@ class WorkerSide:
             if late:
                 loader.cancel(job)
                 if missing:
-                    self._fail_chunks(usable, f"the step ended without writing layers {sorted(missing)[:4]}")
+                    self.fail_chunks(usable, f"the step ended without writing layers {sorted(missing)[:4]}")
             elif not loader.finish(job, self.cfg.load_timeout_s):
                 loader.cancel(job)
                 self.client.count(timeouts=len(usable))
-                self._fail_chunks(usable, f"layers not written within {self.cfg.load_timeout_s:.1f} s")
+                self.fail_chunks(usable, f"layers not written within {self.cfg.load_timeout_s:.1f} s")
+        self.retire_load(loader, job)
+        self.load_job = None
+
+    def retire_load(self, loader: LayerLoader, job: LoadJob) -> None:
+        """Give ``job``'s sources back (it is finished or cancelled); a chunk whose release says
+        its bytes were not stable while read fails. Then count what loaded."""
         stable = loader.retire(job)
         if stable is not None:
             unstable = [c for c, ok in zip(job.chunks, stable) if c.ok and not ok]
             if unstable:
-                self._fail_chunks(unstable, "their slots were not stable while read (lease expired)")
+                self.fail_chunks(unstable, "their slots were not stable while read (lease expired)")
         loaded = job.ok_chunks
         self.counters.chunks_loaded += len(loaded)
         if loaded and job.complete:
@@ -470,7 +505,6 @@ class WorkerSide:
             self.counters.load_s += job.load_s() or 0.0
             self.counters.load_bytes += sum(len(c.block_ids) for c in loaded) * self.paged[0].block_tokens \
                 * self.layout.token_bytes_per_layer * len(self.paged)
-        self.load_job = None
 
     # -- saves -------------------------------------------------------------------------------------
     def _prepare_saves(self) -> list[SaveJob]:
@@ -554,6 +588,7 @@ class WorkerSide:
         self._meta = None
         self.load_job = None
         self._load_future = None
+        self._loads_started = False
         self._loads_checked = False
         self._loaded_layers = set()
         self._failed_reqs = set()
@@ -597,12 +632,18 @@ class WorkerSide:
         released, self._released = self._released, set()
         return released
 
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call; their failed blocks are in
+        the load errors by now (vLLM reads those after this, in the same step's output)."""
+        return self.async_loads.take_finished()
+
     def stats(self) -> dict[str, Any]:
         loader = self.loader
         copies = {"load_copy_s": loader.copy_s, "load_copied_bytes": loader.copied_bytes} if loader else {}
         self._recheck_device()
         return {**msgspec.structs.asdict(self.counters), **copies, "load_copy": self.cfg.load_copy,
-                "slot_copies": self.loads.one_copy, "held_saves": len(self.held), "client": self.client.stats()}
+                "slot_copies": self.loads.one_copy, "held_saves": len(self.held),
+                "async_loads_in_flight": self.async_loads.in_flight, "client": self.client.stats()}
 
     def take_stats(self) -> TieredConnectorStats | None:
         """What this rank's store and client counted since the last call, for vLLM's stats hooks

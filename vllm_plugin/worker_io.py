@@ -100,6 +100,8 @@ class WorkerCounters(msgspec.Struct):
     load_first_layer_s: float = 0.0
     load_s: float = 0.0
     load_bytes: int = 0
+    async_load_jobs: int = 0  # jobs of loads beside the steps (worker_async_loads)
+    async_load_timeouts: int = 0
     staging_wait_s: float = 0.0
     scatter_s: float = 0.0
     gather_s: float = 0.0

@@ -64,3 +64,5 @@ def test_decode_loads_the_prefilled_prefix_through_the_service(cluster: dict[str
     assert metric(ports["decode"], "vllm:external_prefix_cache_hits_total") == want_hits
     assert metric(ports["decode"], "vllm:prefix_cache_hits_total") == 0  # nothing came from its local cache
     assert metric(ports["prefill"], "vllm:external_prefix_cache_hits_total") == 0
+    # Each decode leg's prefix was loaded beside the decode engine's steps (remote_prefill_load: async).
+    assert metric(ports["decode"], "mooncake_kv_connector_async_loads_total") == len(PROMPTS) + 1

@@ -23,60 +23,35 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/install_vllm.sh")
 
 import torch  # noqa: E402
-from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed.parallel_state import (  # noqa: E402
-    destroy_distributed_environment,
-    destroy_model_parallel,
-    ensure_model_parallel_initialized,
-    init_distributed_environment,
-    model_parallel_is_initialized,
-)
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 
 from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.config import load_connector_config  # noqa: E402
 from mooncake_connector.keys import object_key  # noqa: E402
 from mooncake_connector.layout import PageFormat, PagedLayer  # noqa: E402
 from mooncake_connector.staging import StagingPool  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS  # noqa: E402
+from tests.vllm_plugin.worker_objects import (  # noqa: E402
+    BLOCK,
+    GEOMETRY,
+    LAYERS,
+    cache_config,
+    connector_config,
+    single_process_groups,
+)
 from store_backend.types import Buffer, Status  # noqa: E402
 from vllm_plugin.metadata import ChunkLoad, ChunkSave, RequestPlan, TieredConnectorMetadata  # noqa: E402
-from vllm_plugin.model_info import KVGeometry  # noqa: E402
 from vllm_plugin.worker import WorkerSide  # noqa: E402
 
-BLOCK = 32
 NUM_BLOCKS = 32
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-GEOMETRY = KVGeometry(block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=64, kv_dtype="float32",
-                      element_bytes=4, is_mla=False, shard_count=1)
 CHUNK_BYTES = GEOMETRY.chunk_layout(CHUNK_TOKENS).chunk_bytes
-
-
 
 
 @pytest.fixture(scope="module")
 def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path_factory.mktemp("sockets")),
              "load_timeout_s": 0.5}
-    ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
-                           kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
-    vllm_config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
-                             max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc).create_engine_config()
-    owns_groups = not model_parallel_is_initialized()
-    with set_current_vllm_config(vllm_config):
-        if owns_groups:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-            ensure_model_parallel_initialized(1, 1)
-    page_bytes = 2 * BLOCK * GEOMETRY.num_kv_heads * GEOMETRY.head_size * 4
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=2 * NUM_BLOCKS * page_bytes, layers=LAYERS,
-                                        layer_stride=NUM_BLOCKS * page_bytes, block_stride=page_bytes)],
-        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    vllm_config = connector_config(tiny_model, extra)
+    kv_cache_config = cache_config(NUM_BLOCKS)
     workers: list[WorkerSide] = []
 
     def make(staging_chunks: int) -> WorkerSide:
@@ -89,12 +64,10 @@ def make_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
         workers.append(w)
         return w
 
-    yield make
-    for w in workers:
-        w.close()
-    if owns_groups:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+    with single_process_groups(vllm_config):
+        yield make
+        for w in workers:
+            w.close()
 
 
 def _step(step: int, first_block: int) -> TieredConnectorMetadata:
