@@ -166,8 +166,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load_policy: str = "cost"
     # vLLM only: how a decode instance loads the prefix a prefill instance computed. "async": beside
     # the decode steps (vLLM parks the request until its KV is in its blocks, so the running
-    # requests' steps never wait for it); "step": inside the request's first step, layer by layer.
-    remote_prefill_load: str = "async"
+    # requests' steps never wait for it); "step": inside the request's first step, layer by layer
+    # (overlapping the copy with that step's compute); "auto": beside the steps when the engine's
+    # last step ran other requests, else in the step.
+    remote_prefill_load: str = "auto"
     # Disaggregated prefill: how long a decode instance waits for the prefill instance's chunks (at most 600 s).
     remote_prefill_wait_s: float = 30.0
     # On shutdown, wait until saved objects reached the SSD tier (so another process can open them).
@@ -185,7 +187,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes: must be > 0, got {self.staging_bytes}")
         one_of("load_policy", self.load_policy, ("cost", "always"))
-        one_of("remote_prefill_load", self.remote_prefill_load, ("async", "step"))
+        one_of("remote_prefill_load", self.remote_prefill_load, ("auto", "async", "step"))
         for name in ("lookup_wait_s", "lease_ttl_s", "load_timeout_s", "remote_prefill_wait_s", "flush_timeout_s"):
             if not math.isfinite(getattr(self, name)):  # the loader refuses these too; a Struct built directly
                 raise ValueError(f"{name}: must be a finite number of seconds, got {getattr(self, name)}")

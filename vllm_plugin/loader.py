@@ -129,15 +129,22 @@ class LayerLoader:
     loader's own thread; ``start()`` before ``submit``, ``close()`` at the end."""
 
     def __init__(self, paged: Sequence[PagedLayer], layout: ChunkLayout, *, copy: str = "inline",
-                 load_stream: Any = None, max_jobs: int = 4, name: str = "kv-layer-loader") -> None:
+                 load_stream: Any = None, max_jobs: int = 4, name: str = "kv-layer-loader",
+                 ready_order: bool = False) -> None:
         if copy not in COPY_MODES:
             raise ValueError(f"copy: must be one of {COPY_MODES}, got {copy!r}")
+        # ready_order: jobs are written in the order their resolves end, not the order submitted, so
+        # a job whose resolve is slow never holds up one resolved after it (jobs that outlive a
+        # step: vllm_plugin.worker_async_loads). A step's jobs keep the submit order.
+        self.ready_order = ready_order
         self.paged = list(paged)
         self.layout = layout
         self.copy = copy
         self.load_stream = load_stream
         self.name = name
-        self._queue: queue.Queue[LoadJob | None] = queue.Queue(maxsize=max_jobs)
+        # Ready order: each job is queued by its resolver, never waiting (jobs resolved while the
+        # thread is behind wait in the queue, holding their sources until written or retired).
+        self._queue: queue.Queue[LoadJob | None] = queue.Queue(maxsize=0 if ready_order else max_jobs)
         self._workers = Workers(name)  # the loader thread and each job's resolver
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -185,7 +192,8 @@ class LayerLoader:
         with self._lock:
             if len(self._resolving) < self._max_jobs:
                 try:
-                    self._queue.put_nowait(job)
+                    if not self.ready_order:
+                        self._queue.put_nowait(job)
                 except queue.Full:
                     pass
                 else:
@@ -291,6 +299,8 @@ class LayerLoader:
             if self._mark_ready(job):
                 # The step was over before its loads resolved: nothing is written, the sources go back.
                 job.release(job)
+            elif self.ready_order:
+                self._queue.put(job)  # its turn on the loader's thread
         except Exception:
             logger.exception("%s: releasing %d chunk loads failed", self.name, len(job.chunks))
         finally:

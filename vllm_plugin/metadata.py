@@ -67,11 +67,6 @@ class TieredConnectorMetadata(KVConnectorMetadata):
         return any(r.loads for r in self.requests)
 
     @property
-    def has_step_loads(self) -> bool:
-        """Loads this step's forward reads (not the asynchronous ones)."""
-        return any(r.loads and not r.async_load for r in self.requests)
-
-    @property
     def has_saves(self) -> bool:
         return any(r.saves for r in self.requests)
 

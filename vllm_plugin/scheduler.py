@@ -13,7 +13,8 @@ decides; the worker half moves bytes.
   the store as it reports them (``lease_ttl_s``), and a chunk the pin no longer finds (evicted since
   the lookup) is not reported; calling it twice reuses those pins, so it is harmless.
 - ``update_state_after_alloc`` turns an accepted hit into a load plan (its chunks already pinned).
-  A disaggregated decode's hit is answered with ``load_kv_async`` (``remote_prefill_load: async``):
+  A disaggregated decode's hit is answered with ``load_kv_async`` (``remote_prefill_load``, while
+  other requests run):
   vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and ``build_connector_meta`` sends its loads
   as an asynchronous plan, once; the workers name it in ``get_finished`` when its KV is in its blocks.
 
@@ -168,6 +169,7 @@ class SchedulerSide:
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
+        self._last_step_requests = 0  # requests the last step scheduled (remote_prefill_load "auto")
         # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
         self._finishing: dict[str, TrackedRequest] = {}
         self._finish_retries: dict[str, int] = {}
@@ -369,12 +371,20 @@ class SchedulerSide:
         t.hit_chunks = hit
         t.local_tokens = num_computed_tokens
         tokens = max(0, hit * self.chunk_tokens - num_computed_tokens)
-        # A disaggregated decode's prefix loads beside the steps (docs/VLLM.md, "Loads beside the
-        # steps"): vLLM parks the request until the workers name it in get_finished. Once per
-        # request: a hit asked again (after a failed load) loads in its step.
-        t.async_hit = (tokens > 0 and t.remote_chunks > 0 and self.cfg.remote_prefill_load == "async"
-                       and not t.async_load_done)
+        t.async_hit = tokens > 0 and self._loads_beside_steps(t)
         return tokens, t.async_hit
+
+    def _loads_beside_steps(self, t: TrackedRequest) -> bool:
+        """Whether ``t``'s hit loads beside the steps (docs/VLLM.md, "Loads beside the decode
+        steps"): vLLM parks it until the workers name it in get_finished. Only a disaggregated
+        decode's prefix, once per request (a hit asked again, after a failed load or a preemption,
+        loads in its step); with "auto" only while other requests run (the engine's last step
+        scheduled some): alone, a load in its step overlaps the copy with the step's compute and
+        holds up nobody."""
+        policy = self.cfg.remote_prefill_load
+        if t.remote_chunks <= 0 or t.async_load_done or policy == "step":
+            return False
+        return policy == "async" or self._last_step_requests > 0
 
     def _pin_hit(self, t: TrackedRequest, local_chunks: int, hit: int) -> int:
         """Pin chunks [local_chunks, hit) before they are reported to vLLM, and answer the hit cut
@@ -490,6 +500,7 @@ class SchedulerSide:
         self._step_load_chunks = 0  # the next step's load budget starts empty
         meta = TieredConnectorMetadata(step=step)
         scheduled = scheduler_output.num_scheduled_tokens
+        self._last_step_requests = len(scheduled)
         # A step that loads waits for its loads: it says nothing of the compute speed (tokens 0).
         loading = any(t.plan_loads and not t.async_load for t in self._reqs.values())
         self._step_started[step] = (time.monotonic(), 0 if loading else sum(scheduled.values()))

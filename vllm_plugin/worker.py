@@ -328,19 +328,18 @@ class WorkerSide:
         # Wait (bounded, once for the whole step) for staging rather than fail a load: saves
         # landing free it.
         deadline = time.monotonic() + self.cfg.load_timeout_s
+        plans = [p for p in meta.requests if p.loads and not p.async_load]
+        chunks, keys = self._load_chunks(plans, deadline)
+        if chunks:
+            job, self._load_future = self.loads.job(chunks, keys)
+            self.load_job = job
+            self._layer_loader().submit(job)
         plans = [p for p in meta.requests if p.loads and p.async_load]
         if plans:
-            chunks, keys = self._load_chunks(plans, deadline)
+            # After the step's own loads, and never waiting for staging (this thread runs the
+            # forward): a chunk with none free now fails, and is recomputed.
+            chunks, keys = self._load_chunks(plans, time.monotonic())
             self.async_loads.submit(plans, chunks, keys)
-        plans = [p for p in meta.requests if p.loads and not p.async_load]
-        if not plans:
-            return
-        chunks, keys = self._load_chunks(plans, deadline)
-        if not chunks:
-            return
-        job, self._load_future = self.loads.job(chunks, keys)
-        self.load_job = job
-        self._layer_loader().submit(job)
 
     def _load_chunks(self, plans: list[RequestPlan], deadline: float) -> tuple[list[LoadChunk], list[str]]:
         """The chunks of ``plans``' loads that can start (a staging buffer each, where the load

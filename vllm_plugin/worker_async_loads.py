@@ -4,14 +4,18 @@ The scheduler answers a disaggregated decode's hit with ``load_kv_async`` (confi
 ``remote_prefill_load: async``); vLLM allocates the request's blocks, parks it, and sends its loads
 in an asynchronous :class:`vllm_plugin.metadata.RequestPlan`. :class:`AsyncLoads` makes one
 :class:`vllm_plugin.loader.LoadJob` of a step's asynchronous plans and hands it to a layer loader
-of its own (its own thread, always copying in the background; on a GPU its own load stream), so
-neither a slow resolve nor a long copy ever holds up the layer-wise loads of the running requests'
-steps. No forward waits for it.
+of its own (its own thread, always copying in the background, jobs in the order their resolves
+end; on a GPU its own load stream), so neither a slow resolve nor a long copy ever holds up the
+layer-wise loads of the running requests' steps, and a slow resolve holds up no other job's copy.
+No forward waits for it. Its leases are taken on its own resolver threads; on the staged path its
+reads share the client's I/O threads, and its chunks take staging only where some is free at once
+(never waiting on the forward thread; one that finds none fails and is recomputed).
 
 The forward thread polls the jobs in ``get_finished`` (:meth:`AsyncLoads.take_finished`): a job
 whose every layer is in the pages (on a GPU: its last copy done) has its sources released and each
 of its requests named as finished; a chunk that could not be used, was not stable while read, or
-whose job ran past ``load_timeout_s`` (the job is then stopped: no layer starts after that) is
+whose job ran out of time (its resolve ``load_timeout_s`` from the submit, its copy
+``load_timeout_s`` from the resolve's end; the job is then stopped: no layer starts after that) is
 added to the worker's load errors in that same call, so vLLM learns of every failed block no later
 than of the request's end and recomputes from the first one. A CORRUPT copy is removed, as in the
 step's loads. Every request of a plan is named exactly once, failures included, or vLLM would keep
@@ -48,7 +52,6 @@ class _Pending:
     job: LoadJob
     keys: list[str]  # each chunk's store key (the epoch may move on before the job ends)
     req_ids: set[str]
-    deadline: float  # monotonic: past it, the job is stopped and its chunks fail
     future: Future | None  # staged path: the reads the job waits for
 
 
@@ -73,7 +76,7 @@ class AsyncLoads:
             if w.device is not None:
                 stream = torch.cuda.Stream(device=w.paged[0].device) if w.paged else w.device.load_stream
             self._loader = LayerLoader(w.paged, w.layout, copy="background", load_stream=stream,
-                                       max_jobs=MAX_ASYNC_JOBS, name="kv-async-loader").start()
+                                       max_jobs=MAX_ASYNC_JOBS, name="kv-async-loader", ready_order=True).start()
         return self._loader
 
     def submit(self, plans: list[RequestPlan], chunks: list[LoadChunk], keys: list[str]) -> None:
@@ -87,14 +90,14 @@ class AsyncLoads:
             return
         w = self._w
         job, fut = w.loads.job(chunks, keys)
-        self._pending.append(_Pending(job, keys, started, time.monotonic() + w.cfg.load_timeout_s, fut))
+        self._pending.append(_Pending(job, keys, started, fut))
         self._layer_loader().submit(job)
         w.counters.async_load_jobs += 1
 
     def take_finished(self) -> set[str]:
         """Requests whose asynchronous load ended since the last call (their failed blocks are in
         the worker's load errors by now). Never blocks on a copy still running."""
-        now = time.monotonic()
+        now = time.perf_counter()
         still: list[_Pending] = []
         for p in self._pending:
             if self._settle(p, now):
@@ -120,20 +123,28 @@ class AsyncLoads:
     # -- forward thread ----------------------------------------------------------------------------
     @staticmethod
     def _ended(job: LoadJob) -> bool:
-        """Every layer written or given up on (a failed copy wakes the last layer too), and on a
-        GPU the load stream past the last one written."""
+        """Resolved with no chunk usable (nothing to write: a job the loader refused is one), or
+        every layer written or given up on (a failed copy wakes the last layer too), and on a GPU
+        the load stream past the last one written."""
         if not job.ready.is_set():
             return False
+        if not job.ok_chunks:
+            return True
         if job.num_layers and not job.layer_ready[-1].is_set():
             return False
         last = job.events[job.written - 1] if job.written else None
         return last is None or bool(last.query())
 
     def _settle(self, p: _Pending, now: float) -> bool:
-        """End ``p`` when its job ended or ran past its deadline (True); else leave it (False)."""
+        """End ``p`` when its job ended or ran out of time (True); else leave it (False). Its
+        resolve has ``load_timeout_s`` from the submit, its copy ``load_timeout_s`` from the resolve's
+        end (``now``: perf_counter)."""
         w = self._w
         job = p.job
         loader = self._layer_loader()
+        limit = w.cfg.load_timeout_s
+        t_ready = job.t_ready
+        late = now - (job.t_submit if t_ready is None else t_ready) >= limit
         if self._ended(job):
             if job.complete:
                 loader.finish(job, 0.0)  # GPU: the forward's stream orders after the last copy
@@ -141,7 +152,7 @@ class AsyncLoads:
             usable = job.ok_chunks
             if usable and not job.complete:
                 w.fail_chunks(usable, "the copy into the pages failed")
-        elif now >= p.deadline:
+        elif late:
             loader.cancel(job)
             if p.future is not None and not job.ready.is_set():
                 w.client.abandon_load(p.future, len(job.chunks))

@@ -189,9 +189,13 @@ def _stop_group(proc: subprocess.Popen, wait_s: float) -> None:
 @contextmanager
 def example_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
     """``examples/vllm_disagg/run_1p1d.sh`` as a user runs it (both servers and the proxy), on ``model``
-    with the CPU build's flags, its SSD directory and logs under ``work``; see :func:`script_cluster`."""
+    with the CPU build's flags, its SSD directory and logs under ``work``; see :func:`script_cluster`.
+    The decode server loads every prefix beside its steps (``remote_prefill_load: async``, by the
+    environment, as a user may set it): the proxy's requests come one at a time, which "auto" would
+    load in their step (the other P/D clusters cover that)."""
     env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
-           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
+           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix,
+           "MOONCAKE_KV_REMOTE_PREFILL_LOAD": "async"}
     with script_cluster(ROOT / "examples" / "vllm_disagg" / "run_1p1d.sh", work, env) as ports:
         yield ports
 

@@ -10,8 +10,9 @@ made up, the KV bytes are the point.
 A plain request computes the prompt and its chunks are saved; vLLM's prefix cache is reset and the
 cache pages overwritten; then the decode request (``do_remote_prefill``) must park in
 ``WAITING_FOR_REMOTE_KVS`` while another request keeps decoding, join the batch with the loaded
-prefix counted as computed, and find the saved bytes in its blocks. A chunk that fails is recomputed
-from its first block; an abort during the load frees the blocks only once the load ended.
+prefix counted as computed, and find the saved bytes in its blocks; alone, it loads in its step. A
+chunk that fails is recomputed from its first block; an abort during the load frees the blocks only
+once the load ended.
 """
 
 from __future__ import annotations
@@ -156,9 +157,11 @@ def _request(req_id: str, tokens: list[int], max_tokens: int, **params: Any) -> 
 
 
 @pytest.fixture
-def engine(tiny_model: Path, tmp_path: Path) -> Iterator[_Engine]:
+def engine(tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Engine]:
+    """The engine with ``remote_prefill_load`` the test's parameter (default "auto")."""
     extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(tmp_path), "load_timeout_s": 5.0,
-             "store": {"dram": {"capacity_bytes": "16MiB"}}, "flush_on_close": False}
+             "store": {"dram": {"capacity_bytes": "16MiB"}}, "flush_on_close": False,
+             "remote_prefill_load": getattr(request, "param", "auto")}
     vllm_config = connector_config(tiny_model, extra, max_model_len=1024, max_num_batched_tokens=1024,
                                    kv_load_failure_policy="recompute")
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets after profiling
@@ -206,6 +209,9 @@ def _prefill(e: _Engine, tokens: list[int]) -> list[torch.Tensor]:
 
 
 def test_a_decode_request_parks_while_others_decode_and_joins_with_its_prefix_loaded(engine: _Engine) -> None:
+    """"auto" while another request decodes: the decode request parks until its slow load ends,
+    the other request's steps go on meanwhile, and it joins with the prefix counted as computed
+    and byte-equal in its blocks."""
     e = engine
     tokens = prompt(5, PROMPT_TOKENS)
     want = _prefill(e, tokens)
@@ -237,6 +243,24 @@ def test_a_decode_request_parks_while_others_decode_and_joins_with_its_prefix_lo
     assert e.w.stats()["chunks_loaded"] == PREFIX_CHUNKS and e.w.stats()["async_load_jobs"] == 1
 
 
+def test_alone_the_prefix_loads_in_its_step(engine: _Engine) -> None:
+    """"auto" with no other request running: nothing to hold up, so the load runs in the
+    request's first step (overlapping that step's compute); the request never parks."""
+    e = engine
+    tokens = prompt(8, PROMPT_TOKENS)
+    want = _prefill(e, tokens)
+    e.sched.add_request(_request("decode", tokens, max_tokens=2, do_remote_prefill=True,
+                                 remote_prefix_tokens=PREFIX_CHUNKS * CHUNK_TOKENS))
+    out = e.until("the decode request scheduled", lambda out: "decode" in out.num_scheduled_tokens)
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS not in e.statuses["decode"]
+    assert out.has_sync_kv_loads
+    assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [PREFIX_CHUNKS * CHUNK_TOKENS]
+    for g, x in zip(e.pages(e.blocks("decode")[:PREFIX_CHUNKS * CHUNK_TOKENS // BLOCK]), want):
+        assert torch.equal(g, x)
+    assert e.sched.connector.stats()["async_loads"] == 0
+
+
+@pytest.mark.parametrize("engine", ["async"], indirect=True)
 def test_a_chunk_that_fails_is_recomputed_from_its_first_block(engine: _Engine) -> None:
     e = engine
     tokens = prompt(7, PROMPT_TOKENS)
@@ -254,6 +278,7 @@ def test_a_chunk_that_fails_is_recomputed_from_its_first_block(engine: _Engine) 
         assert torch.equal(g, x[:CHUNK_TOKENS // BLOCK])
 
 
+@pytest.mark.parametrize("engine", ["async"], indirect=True)
 def test_an_abort_during_the_load_frees_the_blocks_once_the_load_ended(engine: _Engine) -> None:
     e = engine
     tokens = prompt(9, PROMPT_TOKENS)

@@ -45,7 +45,7 @@ def test_decode_server_loads_the_prefilled_prefix_and_matches_baseline(
     decode = cluster["ports"]["decode"]
     assert metric(decode, "vllm:external_prefix_cache_hits_total") == want_hits
     assert metric(decode, "vllm:prefix_cache_hits_total") == 0  # nothing came from its local cache
-    # Each prefix was loaded beside the decode engine's steps (remote_prefill_load: async, the default).
+    # Each prefix was loaded beside the decode engine's steps (the cluster sets remote_prefill_load: async).
     assert metric(decode, "mooncake_kv_connector_async_loads_total") == len(PROMPTS)
     # The prefill server saw each prompt once and hit nothing (it had nothing to reuse).
     assert metric(cluster["ports"]["prefill"], "vllm:external_prefix_cache_hits_total") == 0

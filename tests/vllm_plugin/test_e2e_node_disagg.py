@@ -31,8 +31,10 @@ DIRECT = prompt(233, 520)  # sent by the test itself: prefill, then decode at on
 def node_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
     """``run_1p1d_node.sh`` as a user runs it, on ``model`` with the CPU build's flags; yields the
     ports (see :func:`~tests.vllm_plugin.disagg_cluster.script_cluster`)."""
+    # Every prefix beside the decode steps (as test_e2e_disagg.py's cluster; by the environment).
     env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
-           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix}
+           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix,
+           "MOONCAKE_KV_REMOTE_PREFILL_LOAD": "async"}
     with script_cluster(ROOT / "examples" / "vllm_disagg" / "run_1p1d_node.sh", work, env,
                         stop_wait_s=120) as ports:
         yield ports
