@@ -138,7 +138,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # sizes the pool from the model and max_num_batched_tokens (three steps of chunks), capped at
     # this and never below four chunks; a smaller pool is logged at start. A save or load that finds
     # no room waits (bounded by load_timeout_s) for staging to free; a save that still cannot run is
-    # planned again, never counted as saved; a hit longer than the pool loads what fits. SGLang:
+    # planned again, never counted as saved; where loads go through staging (not from the store's
+    # slots), a hit longer than the pool loads what fits. SGLang:
     # the bound of each of its two staging buffers.
     staging_bytes: int = 2 * 1024 * 1024 * 1024
     # Longest a prefix lookup may hold the scheduler before it answers "ask later".

@@ -115,7 +115,9 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     ``invalid_block_ids``); ``saves``: saves that finished on a rank since its last report;
     ``residency``: what the ranks' stores did to saved chunks since (with ``kv_events``), and
     ``residency_gaps`` the ranks that could not tell all of it; ``load_timings``: the ranks' load
-    jobs that became ready since.
+    jobs that became ready since; ``staged_loads``: some rank's loads go through staging buffers
+    (a store without slots, a GPU whose store mapping is not registered), so the scheduler keeps a
+    step's loads within the staging pool.
     """
 
     steps: list[int] = field(default_factory=list)
@@ -123,10 +125,12 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     residency: list[ResidencyReport] = field(default_factory=list)
     residency_gaps: list[int] = field(default_factory=list)
     load_timings: list[LoadTiming] = field(default_factory=list)
+    staged_loads: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TieredWorkerMetadata:
         assert isinstance(other, TieredWorkerMetadata)
         return TieredWorkerMetadata(steps=sorted(set(self.steps) | set(other.steps)),
                                     saves=self.saves + other.saves, residency=self.residency + other.residency,
                                     residency_gaps=self.residency_gaps + other.residency_gaps,
-                                    load_timings=self.load_timings + other.load_timings)
+                                    load_timings=self.load_timings + other.load_timings,
+                                    staged_loads=self.staged_loads or other.staged_loads)

@@ -170,6 +170,11 @@ class SchedulerSide:
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
         self._last_step_requests = 0  # requests the last step scheduled (remote_prefill_load "auto")
+        # Whether some worker's loads go through staging (the staging budget applies): as the
+        # workers' last report says (TieredWorkerMetadata.staged_loads); until their first, not on
+        # the CPU (both stores have slots there), and assumed on a GPU (its store mapping may not
+        # register).
+        self._staged_loads = getattr(vllm_config.device_config, "device_type", "cuda") != "cpu"
         # Finished disaggregated-prefill requests whose blocks vLLM keeps until their saves landed.
         self._finishing: dict[str, TrackedRequest] = {}
         self._finish_retries: dict[str, int] = {}
@@ -347,12 +352,14 @@ class SchedulerSide:
             self._start_lookup(t)
             self.counters["ask_later"] += 1
             return None, False
-        # Staging budget (sizing.py): several requests' loads in one step share half the pool, so
-        # they fit beside the saves in flight. A hit that does not fit beside loads already planned
-        # is asked again next step, where it comes first; alone, a hit may fill the whole pool (this
-        # step's saves then wait for the I/O in flight), and only a larger one is cut to it.
+        # Staging budget (sizing.py), while the workers' loads go through staging (until their
+        # first report says otherwise; loads copied straight from the store's slots take none):
+        # several requests' loads in one step share half the pool, so they fit beside the saves in
+        # flight. A hit that does not fit beside loads already planned is asked again next step,
+        # where it comes first; alone, a hit may fill the whole pool (this step's saves then wait
+        # for the I/O in flight), and only a larger one is cut to it.
         local_chunks = num_computed_tokens // self.chunk_tokens
-        if hit - local_chunks > self.load_budget - self._step_load_chunks:
+        if self._staged_loads and hit - local_chunks > self.load_budget - self._step_load_chunks:
             if self._step_load_chunks:
                 self.counters["ask_later_staging"] += 1
                 return None, False
@@ -607,6 +614,8 @@ class SchedulerSide:
         others discarded; a request whose load failed, or whose save did not land, plans the chunk
         again from its first bad one (vLLM recomputes the failed blocks first)."""
         worker_meta = output.kv_connector_worker_meta
+        if isinstance(worker_meta, TieredWorkerMetadata):
+            self._staged_loads = worker_meta.staged_loads
         steps = worker_meta.steps if isinstance(worker_meta, TieredWorkerMetadata) else []
         reports = worker_meta.saves if isinstance(worker_meta, TieredWorkerMetadata) else []
         invalid = set(output.invalid_block_ids or ())
@@ -777,4 +786,5 @@ class SchedulerSide:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),
                 "saves_unsettled": self.ledger.unsettled_count, "finishing_requests": len(self._finishing),
+                "staged_loads": self._staged_loads,
                 "lookup_failures": self.lookups.failures, "load_costs": self.load_costs.stats()}

@@ -53,8 +53,9 @@ def staging_shortfall(vllm_config: VllmConfig, cfg: ConnectorConfig, geometry: K
             f"{recommended} bytes recommended for max_num_batched_tokens="
             f"{vllm_config.scheduler_config.max_num_batched_tokens}: saves and loads wait for staging "
             f"(at most load_timeout_s={cfg.load_timeout_s}), a save that still finds none is planned again, "
-            f"loads of several requests are spread over steps, and a prefix hit longer than {chunks} chunks "
-            f"loads {chunks} and computes the rest. Raise staging_bytes to avoid this.")
+            f"and where loads go through staging (not from the store's slots), loads of several requests are "
+            f"spread over steps and a prefix hit longer than {chunks} chunks loads {chunks} and computes the "
+            f"rest. Raise staging_bytes to avoid this.")
 
 
 def staging_chunks(vllm_config: VllmConfig, cfg: ConnectorConfig, geometry: KVGeometry) -> int:

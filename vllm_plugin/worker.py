@@ -625,7 +625,7 @@ class WorkerSide:
         self._report_step = None
         timings, self._load_timings = self._load_timings, []
         return TieredWorkerMetadata(steps=steps, saves=reports, load_timings=timings,
-                                    **self.residency.report(self.rank))
+                                    staged_loads=not self.loads.one_copy, **self.residency.report(self.rank))
 
     def take_released(self) -> set[str]:
         released, self._released = self._released, set()

@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is installed by scripts/i
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from mooncake_connector.client import KVClient  # noqa: E402
 from mooncake_connector.lookup_service import LookupServer  # noqa: E402
@@ -27,6 +28,7 @@ from store_backend.store import TieredStore  # noqa: E402
 from tests.vllm_plugin.conftest import CHUNK_TOKENS, prompt  # noqa: E402
 from tests.vllm_plugin.test_scheduler_saves import (  # noqa: E402, F401
     _ask, _first_step, _gated_lookup, _in_flight_prefix, _request, make_scheduler)
+from vllm_plugin.metadata import TieredWorkerMetadata  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -130,3 +132,29 @@ def test_chunks_whose_saves_are_in_flight_still_count(make_scheduler: Any) -> No
         sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in range(30, 37)],)),
                                        3 * CHUNK_TOKENS)
         assert len(sched.tracked("B").plan_loads) == 3
+
+
+def test_the_staging_cap_applies_only_while_loads_go_through_staging(make_scheduler: Any) -> None:
+    """A pool of one chunk. On the CPU the loads come from the store's slots (both stores have
+    them), so a three-chunk hit is reported whole from the start; once the workers report loads
+    through staging it is cut to the pool, and whole again once they report slots."""
+    sched = make_scheduler("kv_both")
+    sched.staging_chunks = sched.load_budget = 1
+    tokens = prompt(11, 3 * CHUNK_TOKENS + 1)
+
+    def report(staged: bool) -> None:
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=TieredWorkerMetadata(
+            staged_loads=staged)))
+
+    try:
+        with _served(sched) as (_store, client):
+            _stored(sched, client, tokens)
+            assert sched.stats()["staged_loads"] is False
+            assert _ask(sched, _request("B", tokens), 0) == 3 * CHUNK_TOKENS
+            report(staged=True)
+            assert _ask(sched, _request("C", tokens), 0) == CHUNK_TOKENS
+            report(staged=False)
+            assert _ask(sched, _request("D", tokens), 0) == 3 * CHUNK_TOKENS
+        assert sched.stats()["hits_capped_staging"] == 1
+    finally:
+        sched.close()
