@@ -162,7 +162,8 @@ class AsyncLoads:
                            len(job.chunks), w.cfg.load_timeout_s)
             if job.ready.is_set():
                 w.fail_unusable(job, p.keys)
-                w.fail_chunks(job.ok_chunks, "the asynchronous load ran out of time")
+                if job.ok_chunks:
+                    w.fail_chunks(job.ok_chunks, "the asynchronous load ran out of time")
             else:
                 for c in job.chunks:
                     c.ok = False
