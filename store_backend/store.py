@@ -153,6 +153,7 @@ class TieredStore(StoreWrites, StoreSlots, StoreReads, StoreFill, StoreQueries, 
         self._writing_bytes = 0  # DRAM bytes leased by SSD writes in flight, all writers together
         self._put_seq = 0  # numbers committed puts (Entry.put_seq), so a flush knows what came before it
         self._commits = 0  # commit rounds that stored something (exists(wait_s) waits for it to move)
+        self._abandoned: dict[str, float] = {}  # key -> when its reservation ended unstored (abandoned())
         # Unpins owed to no live entry, by key: pins on an entry that a remove took away, and pins
         # of an object that was only on SSD (nothing pinned). The next unpins of the key pay them
         # off, so they never release a pin someone took on the key's newer entry. (count, expiry)

@@ -21,6 +21,10 @@ from store_backend.types import Status, check_batch, check_key, check_ttl_s, che
 
 logger = logging.getLogger(__name__)
 
+# abandoned(): how long a reservation that ended unstored marks its key, and how many keys are kept.
+ABANDONED_TTL_S = 10.0
+_ABANDONED_MAX = 1 << 16
+
 
 class StoreSlots:
     """Slot calls of :class:`~store_backend.store.TieredStore` (see the module docstring)."""
@@ -156,8 +160,37 @@ class StoreSlots:
                     continue
                 self._slots.take(r.token)
                 self._end_reservation(row.entry)
+                self._mark_abandoned(row.entry.key)
                 self.metrics_counters.store.slot_aborts += 1
             self._slot_changed.notify_all()  # lease(wait_pending_s) waiters: the key is not coming
+
+    def _mark_abandoned(self, key: str) -> None:
+        """(lock held) ``key``'s reservation ended unstored (see :meth:`abandoned`)."""
+        marks = self._abandoned
+        marks.pop(key, None)
+        marks[key] = time.monotonic()
+        if len(marks) > _ABANDONED_MAX:
+            del marks[next(iter(marks))]
+
+    def abandoned(self, key: str) -> bool:
+        """Whether a write of ``key`` was given up and none has taken its place: its last
+        reservation on this node ended unstored (aborted, reclaimed when its owner's process went
+        away, or expired) within the last ``ABANDONED_TTL_S`` seconds, nothing stored it since, and
+        no one is writing it now. A peer waiting on this node for a transfer's keys (a decode node
+        waiting on the prefill node) stops waiting on such a key: a prefill engine that died with
+        its saves in flight is never going to commit them. A later writer may still store the key
+        (it is then no longer abandoned). A key that is not valid never is. Thread-safe; no I/O."""
+        if check_key(key) is not None:
+            return False
+        with self._call(), self._lock:
+            self._expire_slots()
+            when = self._abandoned.get(key)
+            if when is None:
+                return False
+            if time.monotonic() - when > ABANDONED_TTL_S:
+                del self._abandoned[key]
+                return False
+            return key not in self._dram.entries
 
     def _end_reservation(self, e: Entry) -> None:
         """(lock held) Free a reservation's slot unstored: drop the entry if it is still the
@@ -471,6 +504,7 @@ class StoreSlots:
                 row = self._slots.take(token)
                 if row.kind is SlotKind.RESERVATION:
                     self._end_reservation(row.entry)
+                    self._mark_abandoned(row.entry.key)
                     n_res += 1
                 else:
                     self._end_lease(row)
@@ -493,6 +527,7 @@ class StoreSlots:
             e = row.entry
             if row.kind is SlotKind.RESERVATION and self._live(e) and e.state is EntryState.WRITING:
                 del self._dram.entries[e.key]
+                self._mark_abandoned(e.key)
         self._slot_changed.notify_all()
 
     def expire_slots(self) -> None:

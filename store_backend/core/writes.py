@@ -258,6 +258,7 @@ class StoreWrites:
             entry.put_seq = self._put_seq
             self._losses.clear(entry.key)
             self._known_below.discard(entry.key)
+            self._abandoned.pop(entry.key, None)
             stored.append(ResidencyEvent("stored", entry.key, "dram", entry.size))
             m.store.puts += 1
             m.dram.bytes_written += entry.size

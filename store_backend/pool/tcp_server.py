@@ -115,7 +115,7 @@ class TcpTransportServer:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("connections", "auth_failures", "handshake_failures", "bytes_sent",
                                      "bytes_received", "requests", "bad_frames", "bad_tags", "refused_connections",
-                                     "sendfile_bytes", "waits", "waiting"), 0)
+                                     "sendfile_bytes", "waits", "waiting", "waits_abandoned"), 0)
         self._listener: socket.socket | None = None
         self._workers = Workers("pool transport server")  # the accept thread and one per connection
         self._accept_thread: threading.Thread | None = None
@@ -414,8 +414,10 @@ class TcpTransportServer:
 
     def _wait(self, sock: socket.socket, session: Session, h: Header) -> None:
         """A peer's long-poll: answered once every key is committed on this node's own tiers (woken
-        by the store's commits), when ``h.wait_s`` passed, or when the server stops. The wait is
-        held in slices so a stopping server answers within one."""
+        by the store's commits), when ``h.wait_s`` passed, when the first key not committed was
+        abandoned (its writer aborted it, or died and was reclaimed: it is not coming; answered
+        within one slice of that), or when the server stops. The wait is held in slices so a
+        stopping server answers within one."""
         until = time.monotonic() + h.wait_s
         n = 0
         self._count("waiting")  # a gauge: the waits held now
@@ -424,6 +426,9 @@ class TcpTransportServer:
                 left = until - time.monotonic()
                 n = self._store.exists(h.keys, wait_s=max(0.0, min(left, _WAIT_SLICE_S)), local_only=True)
                 if n == len(h.keys) or left <= 0 or self._stopping.is_set():
+                    break
+                if self._store.abandoned(h.keys[n]):
+                    self._count("waits_abandoned")
                     break
         finally:
             self._count("waiting", -1)

@@ -359,3 +359,37 @@ def test_a_process_with_two_connections_holds_one_share_of_the_service_arena() -
                 assert st.reservations == first + 1, st  # the closed connection's were reclaimed
     finally:
         cleanup_dir(d)
+
+
+def test_a_key_whose_reservation_ended_unstored_is_abandoned_until_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``abandoned``: what a peer's wait stops on. A reservation aborted, reclaimed (its owner's
+    process gone) or expired marks its key; a new writer's reservation hides the mark while it
+    writes, a commit clears it, and the mark lapses after ``ABANDONED_TTL_S``."""
+    from store_backend.core import slot_calls
+    from tests.store_backend.node.server_harness import wait_until
+
+    s = TieredStore({"dram": {"capacity_bytes": 4 * MiB}}).start()
+    try:
+        assert not s.abandoned("never")
+        (r,) = s.reserve(["a"], [SIZE], owner=7)
+        assert not s.abandoned("a")  # being written
+        s.abort([r], owner=7)
+        assert s.abandoned("a")
+        (r,) = s.reserve(["a"], [SIZE], owner=8)
+        assert not s.abandoned("a")  # another writer took it up
+        s.reclaim(8)  # that writer's process went away
+        assert s.abandoned("a")
+        (r,) = s.reserve(["a"], [SIZE])
+        r.view[:] = tagged(1)
+        assert s.commit([r]) == [Status.OK]
+        assert not s.abandoned("a")  # stored
+        assert s.remove(["a"]) == [Status.OK]
+        assert not s.abandoned("a")  # removed after it was stored: not a given-up write
+        (r,) = s.reserve(["b"], [SIZE], ttl_s=0.05)
+        wait_until(lambda: s.abandoned("b"), 10, "the expired reservation's key abandoned")
+        monkeypatch.setattr(slot_calls, "ABANDONED_TTL_S", -1.0)  # every mark has lapsed
+        assert not s.abandoned("b")
+        assert not s.abandoned("") and not s.abandoned("x\x00")
+    finally:
+        s.close()
+

@@ -20,6 +20,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from mooncake_connector.keys import chunk_hashes, object_key
 from mooncake_kv.route.server import kv_layout_of
 from store_backend.pool.config import DirectoryConfig
 from store_backend.pool.factory import make_directory
@@ -256,3 +259,113 @@ def test_a_decode_that_never_comes_leaves_nothing_held(cluster: dict[str, Any]) 
 
     for name in ("prefill", "decode"):
         wait_until(lambda name=name: idle(sockets[name]), 30, f"the {name} node holding no slot")
+
+
+def _pids_under(root: int) -> list[int]:
+    """``root`` and every process descended from it, children first."""
+    parents: dict[int, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parents.items() if pp == p]
+    return out[::-1]
+
+
+def _server_pid(port: int) -> int:
+    """The ``vllm serve`` (api_server) process listening on ``port``, by its command line."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and str(port).encode() in cmd:
+            return int(pid)
+    raise AssertionError(f"no vllm api_server on port {port}")
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_prefill_killed_with_its_saves_in_flight_releases_the_decode_wait_at_once(
+        cluster: dict[str, Any], tiny_model: Path) -> None:
+    """The prefill server SIGKILLed while its saves of a long prompt are in flight: stopped
+    (SIGSTOP) at a moment its node holds slots reserved for the prompt and not committed, then
+    killed. The decode server is asked with the transfer parameters a prefill server answers for
+    it (that answer may come before its saves land). The prefill node reclaims the dead engine's
+    slots, its answer to the decode node's wait comes at once with the chunks that were committed
+    (not after ``remote_prefill_wait_s``, 30 s), the decode server loads those and computes the
+    rest, and its tokens equal a no-connector engine's; the prefill node counts the abandoned wait.
+
+    The script's supervisor is paused meanwhile (it stops every server when one exits), so the
+    decode server outlives the prefill server as it would on another machine. Last in the module:
+    the prefill server is gone after it, and the supervisor then stops the rest."""
+    from store_backend.node.client import NodeClient
+
+    ports, sockets = cluster["ports"], cluster["sockets"]
+    template = direct_leg(ports["prefill"], ports["decode"], prompt(681, 200)).params  # the node, address, fingerprint
+    server = _server_pid(ports["prefill"])
+    supervisor = os.getpgid(server)  # the script (its process group's leader)
+    observer = NodeClient(sockets["prefill"], name="test-observer").start()
+    body = {"model": "tiny", "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        caught = None
+        for attempt in range(6):  # each try a fresh prompt; the stop lands while slots are held, or again
+            p = prompt(690 + attempt, 3000)
+            keys = [object_key(template["remote_fingerprint"], h) for h in chunk_hashes(p, CHUNK_TOKENS)]
+            leg = threading.Thread(target=lambda p=p: _post_quiet(ports["prefill"], {**body, "prompt": p}), daemon=True)
+            leg.start()
+            while leg.is_alive() and caught is None:
+                if observer.stats().slots.reservations:
+                    pids = _pids_under(server)
+                    _signal_all(pids, signal.SIGSTOP)
+                    committed, reserved = observer.exists(keys), observer.exists(keys, count_reserved=True)
+                    if reserved > committed:
+                        caught = (p, keys, pids, committed)
+                    else:
+                        _signal_all(pids, signal.SIGCONT)
+            if caught is not None:
+                break
+            leg.join(60)
+        assert caught is not None, "the prefill server was never stopped with a save of the prompt in flight"
+        p, keys, pids, committed = caught
+        _signal_all(pids, signal.SIGKILL)
+        wait_until(lambda: observer.stats().slots.reservations == 0, 30, "the killed engine's slots reclaimed")
+        assert observer.exists(keys) == committed < len(keys)
+        abandoned = _published(ports["redis"], "prefill-node").get("server_waits_abandoned", 0)
+        params = {**template, "transfer_id": "killed-prefill", "remote_prefix_tokens": len(keys) * CHUNK_TOKENS}
+        hits = metric(ports["decode"], "vllm:external_prefix_cache_hits_total")
+        t0 = time.monotonic()
+        out = post(ports["decode"], {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                     "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params})
+        decode_s = time.monotonic() - t0
+        got_hits = metric(ports["decode"], "vllm:external_prefix_cache_hits_total") - hits
+        wait_until(lambda: _published(ports["redis"], "prefill-node").get("server_waits_abandoned", 0) > abandoned,
+                   30, "the prefill node's heartbeat counting the abandoned wait")
+    finally:
+        observer.close()
+        os.kill(supervisor, signal.SIGCONT)  # it now stops the rest (Redis too)
+    assert decode_s < 10, decode_s  # answered at the reclaim, nowhere near remote_prefill_wait_s (30 s)
+    assert out["choices"][0]["token_ids"] == baseline_tokens(tiny_model, cluster["work"], [p])[0]
+    assert got_hits == committed * CHUNK_TOKENS, (got_hits, committed)
+
+
+def _post_quiet(port: int, body: dict[str, Any]) -> None:
+    """POST, ignoring the connection dying (the server is killed under it)."""
+    try:
+        post(port, body)
+    except OSError:
+        pass

@@ -1,14 +1,15 @@
 """A transfer between two pooled node services (what P/D across nodes rests on: a decode node
 waiting on the prefill node for its saves with ``wait_peer``, then reading them over the pool),
-under faults, with real processes: the writer (a prefill engine) SIGKILLed before its commit, the
-holder's service SIGKILLed during the wait, the waiting node's service restarted. Each: no byte of
-a key that was not committed is ever read, no wait past its stated bound (``wait_s``, or at once
-when the holder is gone), and the counters say what happened. (The directory down and a relay
+under faults, with real processes: the writer (a prefill engine) SIGKILLed or SIGSTOPped before its
+commit, the holder's service SIGKILLed during the wait, the waiting node's service restarted. Each:
+no byte of a key that was not committed is ever read, no wait past its stated bound (``wait_s``; at
+once when the holder is gone or the writer died), and the counters say what happened. (The directory down and a relay
 corrupting the bytes are run through real engines in tests/vllm_plugin/test_e2e_pool_disagg.py.)"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +17,8 @@ import time
 
 from store_backend.types import Status
 from tests.store_backend.node.server_harness import REPO, wait_until
-from tests.store_backend.pool.pool_nodes import MiB, Pool, check_payload, make_payload, read, read_ok, wait_held
+from tests.store_backend.pool.pool_nodes import (MiB, Pool, check_payload, make_payload, published, read, read_ok,
+                                                 wait_held)
 
 SIZE = 1 * MiB
 
@@ -38,7 +40,11 @@ signal.pause()  # until killed
 """
 
 
-def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_what_was_committed(pool: Pool) -> None:
+def _writer_wait(pool: Pool, fault: str, wait_s: float) -> tuple[list[int], float]:
+    """A writer (a prefill engine) reserves three keys on node A, commits the first and holds the
+    others; node B waits on A for the three; the writer gets ``fault`` (``kill``: SIGKILL, or
+    ``stop``: SIGSTOP, alive and holding its slots) while the wait is held. The wait's answer and
+    how long it took."""
     (a, b, _c), d = pool
     cb = b.client()
     writer = subprocess.Popen([sys.executable, "-c", _WRITER, a.socket, str(SIZE)], stdout=subprocess.PIPE,
@@ -46,25 +52,46 @@ def test_a_writer_killed_before_its_commit_ends_the_wait_at_its_deadline_with_wh
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         got: list[int] = []
-        waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["dying-0", "dying-1", "dying-2"], 2.0)))
+        waiter = threading.Thread(target=lambda: got.append(cb.wait_peer("A", ["dying-0", "dying-1", "dying-2"],
+                                                                         wait_s)))
         t0 = time.monotonic()
         waiter.start()
-        wait_held(d, "A")  # the wait is held at A: the writer dies during it
-        writer.kill()
-        writer.wait(30)
-        waiter.join(30)
-        took = time.monotonic() - t0
-    finally:
-        if writer.poll() is None:
+        wait_held(d, "A")  # the wait is held at A: the fault comes during it
+        if fault == "kill":
             writer.kill()
             writer.wait(30)
-    assert got == [1] and 1.9 < took < 10.0, (got, took)
-    # The killed writer's reservations are gone: nothing of them is ever read, the committed one is.
-    ca = a.client()
+        else:
+            writer.send_signal(signal.SIGSTOP)
+        waiter.join(wait_s + 30)
+        took = time.monotonic() - t0
+    finally:
+        writer.kill()
+        writer.wait(30)
+    return got, took
+
+
+def test_a_writer_killed_before_its_commit_ends_the_wait_at_once_with_what_was_committed(pool: Pool) -> None:
+    """The writer's process dies: node A reclaims its reservations, the keys it held are abandoned,
+    and the wait is answered with the committed prefix within a slice (0.5 s) of that, not at the
+    end of its 20 s; A counts it. Nothing of the killed writer's keys is ever read."""
+    (a, b, _c), d = pool
+    before = (published(d, "A") or {}).get("server_waits_abandoned", 0)
+    got, took = _writer_wait(pool, "kill", 20.0)
+    assert got == [1] and took < 10.0, (got, took)
+    ca, cb = a.client(), b.client()
     wait_until(lambda: ca.stats().slots.reservations == 0, 30, "the killed writer's reservations reclaimed")
+    wait_until(lambda: (published(d, "A") or {}).get("server_waits_abandoned", 0) > before, 15,
+               "A's heartbeat counting the abandoned wait")
     outcome, bufs = read(cb, ["dying-0", "dying-1", "dying-2"], SIZE)
     assert [r.status for r in outcome] == [Status.OK, Status.NOT_FOUND, Status.NOT_FOUND]
     check_payload("dying-0", bufs[0], 1)
+
+
+def test_a_writer_stopped_before_its_commit_holds_the_wait_to_its_deadline(pool: Pool) -> None:
+    """The writer stopped (SIGSTOP), alive with its slots reserved: its keys may still come, so the
+    wait is held to its deadline (2 s) and answered with the committed prefix."""
+    got, took = _writer_wait(pool, "stop", 2.0)
+    assert got == [1] and 1.9 < took < 10.0, (got, took)
 
 
 def test_the_holder_killed_during_a_wait_releases_the_waiter_at_once_and_a_restarted_waiter_reads(
