@@ -1,9 +1,6 @@
-"""Real vLLM OpenAI servers for the disaggregated (1P1D) e2e tests, and the example proxy in front.
-
-:func:`disagg_cluster` starts a prefill (``kv_producer``) and a decode (``kv_consumer``) server, waits
-until both answer ``/health``, starts ``examples/vllm_disagg/proxy.py`` in front of them and stops all
-three on exit. The servers are whatever the caller's ``start_server`` makes (the tests differ in their
-connector config and batch size). The HTTP helpers block; none is thread-safe beyond what urllib is.
+"""Real vLLM OpenAI servers for the disaggregated (1P1D) e2e tests, started by the example scripts
+as a user starts them (:func:`script_cluster`, :func:`example_cluster`), and the HTTP helpers the
+tests ask them with. The helpers block; none is thread-safe beyond what urllib is.
 """
 
 from __future__ import annotations
@@ -17,20 +14,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tests.node_service import ServiceRun
 from tests.ports import free_port, free_ports  # noqa: F401  (re-exported for the e2e tests)
-from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, run_engine, store_section
+from tests.vllm_plugin.conftest import CHUNK_TOKENS, ROOT, engine_env, run_engine
 
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 400
-
-# (port, kv_role, log path) -> the started server process
-StartServer = Callable[[int, str, Path], subprocess.Popen]
 
 
 # Ports handed to servers that bind them a minute later come from below the kernel's ephemeral range
@@ -66,20 +60,6 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list[Path]) -> N
     raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s; every process is still running\n{tails}")
 
 
-def vllm_server(model: Path, port: int, role: str, ssd: Path, log: Path, *,
-                extra_config: dict[str, Any] | None = None, args: Sequence[str] = ()) -> subprocess.Popen:
-    """A vLLM OpenAI server on ``port`` with this connector as ``role``, sharing the SSD directory
-    ``ssd``; ``extra_config`` adds connector keys, ``args`` adds server flags. Output goes to ``log``."""
-    ktc = {"kv_connector": "MooncakeTieredConnector", "kv_role": role,
-           "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "shared_ssd": True, **(extra_config or {}),
-                                         "store": store_section(ssd)}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-           "--block-size", "32", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", *args,
-           "--kv-transfer-config", json.dumps(ktc)]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env(), cwd=ROOT)
-
-
 def node_service_server(model: Path, port: int, svc: ServiceRun, log: Path) -> subprocess.Popen:
     """A vLLM OpenAI server on ``port`` with this connector (kv_both) attached to the node service
     ``svc``. Output goes to ``log``."""
@@ -101,31 +81,6 @@ def stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-@contextmanager
-def disagg_cluster(work: Path, start_server: StartServer) -> Iterator[dict[str, int]]:
-    """Prefill and decode servers from ``start_server`` and the example proxy, logging under ``work``.
-
-    Yields the ports (``"prefill"``, ``"decode"``, ``"proxy"``); a server that exits before it is
-    healthy fails with its log. Every process is stopped on exit."""
-    ports = free_ports("prefill", "decode", "proxy")
-    logs = [work / "prefill.log", work / "decode.log"]
-    servers = [start_server(ports["prefill"], "kv_producer", logs[0]),
-               start_server(ports["decode"], "kv_consumer", logs[1])]
-    procs = list(servers)
-    try:
-        for name in ("prefill", "decode"):
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", servers, logs)
-        proxy_log = work / "proxy.log"
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "vllm_disagg" / "proxy.py"), "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode", f"http://127.0.0.1:{ports['decode']}"],
-            stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env={**os.environ}))
-        wait_healthy(f"http://127.0.0.1:{ports['proxy']}", procs[2:], [proxy_log])
-        yield ports
-    finally:
-        stop(procs)
 
 
 SERVER_FLAGS = ("--served-model-name tiny --host 127.0.0.1 --skip-tokenizer-init --block-size 32 --dtype float32 "
@@ -187,15 +142,17 @@ def _stop_group(proc: subprocess.Popen, wait_s: float) -> None:
 
 
 @contextmanager
-def example_cluster(work: Path, model: Path) -> Iterator[dict[str, int]]:
+def example_cluster(work: Path, model: Path, *, env: dict[str, str] | None = None,
+                    args: str = "") -> Iterator[dict[str, int]]:
     """``examples/vllm_disagg/run_1p1d.sh`` as a user runs it (both servers and the proxy), on ``model``
-    with the CPU build's flags, its SSD directory and logs under ``work``; see :func:`script_cluster`.
-    The decode server loads every prefix beside its steps (``remote_prefill_load: async``, by the
-    environment, as a user may set it): the proxy's requests come one at a time, which "auto" would
-    load in their step (the other P/D clusters cover that)."""
+    with the CPU build's flags (and ``args``), its SSD directory and logs under ``work``, ``env``
+    added to its environment (``MOONCAKE_KV_*`` connector settings, as a user may set them); see
+    :func:`script_cluster`. The decode server loads every prefix beside its steps
+    (``remote_prefill_load: async``, by the environment): the proxy's requests come one at a time,
+    which "auto" would load in their step (the other P/D clusters cover that)."""
     env = {**engine_env(), "MODEL": str(model), "SSD_DIR": str(work / "ssd"), "CHUNK_TOKENS": str(CHUNK_TOKENS),
-           "DRAM": "64MiB", "EXTRA_ARGS": SERVER_FLAGS, "MOONCAKE_KV_VENV": sys.prefix,
-           "MOONCAKE_KV_REMOTE_PREFILL_LOAD": "async"}
+           "DRAM": "64MiB", "EXTRA_ARGS": f"{SERVER_FLAGS} {args}".strip(), "MOONCAKE_KV_VENV": sys.prefix,
+           "MOONCAKE_KV_REMOTE_PREFILL_LOAD": "async", **(env or {})}
     with script_cluster(ROOT / "examples" / "vllm_disagg" / "run_1p1d.sh", work, env) as ports:
         yield ports
 
