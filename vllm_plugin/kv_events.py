@@ -23,6 +23,9 @@ different steps): a chunk is announced once the save ledger says every rank stor
   epoch, the old chunks unreachable), and for a chunk whose load failed (the worker removed a
   damaged copy, or the copy is not loadable now). Never ``AllBlocksCleared`` (it has no medium
   and would wipe the engine's GPU entries in a router).
+- After vLLM's own ``AllBlocksCleared`` (a prefix-cache reset without the connector, seen on the
+  engine's own event stream by ``vllm_plugin.cleared_watch``): ``BlockStored`` again of every
+  announced chunk in each of its media, since a consumer may have applied the reset to them.
 
 The payload of a chunk is taken from the live request when its save is planned (``planned``) and
 kept while it is announced, to announce it in another medium. Bounded: at most ``max_announced``
@@ -42,6 +45,7 @@ Scheduler thread only.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -79,6 +83,7 @@ class _Chunk:
     saves: set[int] = field(default_factory=set)  # save ids planned and not settled
     landed: bool = False  # stored on every rank once (announced, or announceable)
     remote: bool = False  # found on another node of the pool (reachable over it)
+    announced_in: int = 0  # the take() that gave its last announcement
 
 
 class ConnectorEvents:
@@ -96,6 +101,9 @@ class ConnectorEvents:
         self._out: list[KVCacheEvent] = []
         self.skipped = 0  # chunks whose request had no block hashes for them (not announced)
         self.gaps = 0  # reports of ranks whose store could not tell all it did
+        self.reannounces = 0  # vLLM's own resets after which everything was announced again
+        self._takes = 0  # take() calls so far
+        self._take_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)  # (take, wall time)
 
     # -- saves ---------------------------------------------------------------------------------------
     def planned(self, request: Request, chunk: int, chunk_hash: str, save_id: int) -> None:
@@ -208,10 +216,30 @@ class ConnectorEvents:
         before it (under the old epoch) announce nothing when they settle."""
         self._drop_all()
 
+    def reannounce(self, cleared_at: float) -> None:
+        """vLLM's own ``AllBlocksCleared`` went out in the batch it published at ``cleared_at``
+        (its ``ts``; a prefix-cache reset the connector was not told of, seen by
+        ``vllm_plugin.cleared_watch``): a consumer may have dropped every medium of this engine
+        with it, so every chunk announced in an earlier batch is announced again in each medium
+        it is announced in now, oldest first. What the take just before ``cleared_at`` gave went
+        out in that same batch, after the reset (vLLM appends the connector's events to its own),
+        and is not repeated. Nothing is withdrawn: the store still holds what it held."""
+        self.reannounces += 1
+        # The take whose events shared the reset's batch: the last one before it was stamped.
+        same = next((n for n, at in reversed(self._take_times) if at <= cleared_at), None)
+        for c in self._chunks.values():
+            if c.media and (same is None or c.announced_in < same):
+                for medium in sorted(c.media):
+                    self._announce(c, medium)
+
     def take(self) -> list[KVCacheEvent]:
-        """The events since the last call, in order."""
+        """The events since the last call, in order (vLLM publishes them right after, in one
+        batch with its own)."""
+        self._takes += 1
+        self._take_times.append((self._takes, time.time()))
         out, self._out = self._out, []
         return out
+
 
     @property
     def announced(self) -> int:
@@ -253,10 +281,14 @@ class ConnectorEvents:
         self._withdraw(c, c.media - want)
         for medium in sorted(want - c.media):
             c.media.add(medium)
-            if medium == REMOTE_CPU:
-                self._out.append(msgspec.structs.replace(_decode(c.event), medium=MEDIUM_CPU, locality=REMOTE))
-            else:
-                self._out.append(msgspec.structs.replace(_decode(c.event), medium=medium))
+            self._announce(c, medium)
+
+    def _announce(self, c: _Chunk, medium: str) -> None:
+        c.announced_in = self._takes + 1  # the take that gives it to vLLM
+        if medium == REMOTE_CPU:
+            self._out.append(msgspec.structs.replace(_decode(c.event), medium=MEDIUM_CPU, locality=REMOTE))
+        else:
+            self._out.append(msgspec.structs.replace(_decode(c.event), medium=medium))
 
     def _withdraw(self, c: _Chunk, media: set[str]) -> None:
         for medium in sorted(media & c.media):

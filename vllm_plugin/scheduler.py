@@ -72,6 +72,7 @@ from vllm_plugin.metadata import (ChunkLoad, ChunkSave, RequestPlan, SaveReport,
                                   TieredWorkerMetadata)
 from vllm_plugin.model_info import KVGeometry, shard_fingerprints, weights_identity
 from vllm_plugin.parallel import lookup_name
+from vllm_plugin.cleared_watch import ClearedWatch, own_endpoint
 from vllm_plugin.kv_events import ConnectorEvents
 from vllm_plugin.layout_info import layout_path, layout_payload, publish_layout, withdraw_layout
 from vllm_plugin.load_costs import LoadCosts
@@ -166,6 +167,8 @@ class SchedulerSide:
         kv_events = vllm_config.kv_events_config
         self.events = (ConnectorEvents(geometry.block_size, self.blocks_per_chunk, geometry.shard_count)
                        if cfg.kv_events and kv_events is not None and kv_events.enable_kv_cache_events else None)
+        # vLLM's own prefix-cache resets, seen on this engine's event stream: announce again after one.
+        self._cleared_watch = self._watch_resets(vllm_config) if self.events is not None else None
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
@@ -188,11 +191,28 @@ class SchedulerSide:
         self.load_costs = LoadCosts()
         self._step_started: dict[int, tuple[float, int]] = {}
 
+    @staticmethod
+    def _watch_resets(vllm_config: VllmConfig) -> ClearedWatch | None:
+        """A watch on this engine's own KV-event publisher (None when it publishes none, or where
+        this host cannot subscribe to it: logged once)."""
+        kv_events = vllm_config.kv_events_config
+        if kv_events is None or kv_events.publisher != "zmq":
+            return None
+        endpoint = own_endpoint(kv_events.endpoint, vllm_config.parallel_config.data_parallel_index)
+        if endpoint is None:
+            logger.warning("kv_events: this engine publishes on %s, which cannot be subscribed to from here; after "
+                           "a prefix-cache reset without the connector (vLLM's AllBlocksCleared) the store's chunks "
+                           "are announced again only by new saves and loads", kv_events.endpoint)
+            return None
+        return ClearedWatch(endpoint, kv_events.topic)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the lookup thread (bounded: a lookup still running past ``timeout_s`` is logged by
         name and left behind) and close the lookup clients (node mode: release the service's
         client)."""
         deadline = Deadline(timeout_s)
+        if self._cleared_watch is not None:
+            self._cleared_watch.close(deadline.left())
         withdraw_layout(self._layout_file, self.layout)
         shutdown_pool(self._pool, deadline, owner="scheduler lookups")
         if self._wait_pool is not None:
@@ -769,8 +789,15 @@ class SchedulerSide:
         return dict(t.load_sources)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """This step's KV events (vLLM publishes them beside its own); none unless enabled."""
-        return self.events.take() if self.events is not None else []
+        """This step's KV events (vLLM publishes them beside its own); none unless enabled. After
+        vLLM's own ``AllBlocksCleared`` went out (seen on the engine's stream, so these come in a
+        later batch than it), every announced chunk is announced again."""
+        if self.events is None:
+            return []
+        if self._cleared_watch is not None:
+            for cleared_at in self._cleared_watch.take():
+                self.events.reannounce(cleared_at)
+        return self.events.take()
 
     def take_stats(self) -> TieredConnectorStats | None:
         """Prompt tokens planned for loading, requests loaded beside the steps and lookups no
@@ -787,4 +814,5 @@ class SchedulerSide:
         return {**self.counters, **self.ledger.counters, "live_requests": len(self._reqs),
                 "saves_unsettled": self.ledger.unsettled_count, "finishing_requests": len(self._finishing),
                 "staged_loads": self._staged_loads,
+                "kv_events_reannounced": self.events.reannounces if self.events is not None else 0,
                 "lookup_failures": self.lookups.failures, "load_costs": self.load_costs.stats()}

@@ -195,7 +195,8 @@ def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_a
     with the chunk's token ids (which hash to the store's chunk keys) and vLLM's own block hashes
     (the GPU events of the same engine name the same blocks); at the reset a BlockRemoved for
     each of them, never an AllBlocksCleared of ours; after it, the chunks saved again are announced
-    in STORAGE once the store has written them to SSD."""
+    in STORAGE once the store has written them to SSD, and in CPU again after vLLM's own reset of
+    its prefix cache (round 3's, without the connector)."""
     events = [e for batch in reset_runs["events"] for e in batch.events]
     ours = [e for e in events if getattr(e, "medium", None) == "CPU"]
     first_removal = next(i for i, e in enumerate(ours) if type(e).__name__ == "BlockRemoved")
@@ -227,6 +228,13 @@ def test_kv_events_announce_the_stored_chunks_self_described_and_their_removal_a
     by_medium = {m: {tuple(e.block_hashes) for e in after if e.medium == m} for m in ("CPU", "STORAGE")}
     assert len(by_medium["CPU"]) == (len(P_A) - 1) // CHUNK_TOKENS and by_medium["STORAGE"] == by_medium["CPU"]
     assert all(e.token_ids for e in after)
+    # Round 3 began with a plain prefix-cache reset (vLLM's AllBlocksCleared, which a router may
+    # apply to every medium): after it, the connector announced P_A's chunks in CPU again.
+    last_cleared = max(i for i, e in enumerate(events) if type(e).__name__ == "AllBlocksCleared")
+    again = {tuple(e.block_hashes) for e in events[last_cleared + 1:]
+             if type(e).__name__ == "BlockStored" and e.medium == "CPU"}
+    assert again >= by_medium["CPU"], (len(again), len(by_medium["CPU"]))
+    assert reset_runs["a"]["stats"]["scheduler"]["kv_events_reannounced"] >= 1
 
 
 def test_the_index_keys_the_engines_events_by_tokens(reset_runs: dict[str, Any]) -> None:

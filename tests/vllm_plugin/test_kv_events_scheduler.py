@@ -6,6 +6,7 @@ all without ``kv_events`` or without vLLM's --kv-events-config."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,14 @@ init_none_hash(HASH_FN)
 def make_scheduler(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     sockets = tmp_path_factory.mktemp("sockets")
 
-    def make(*, kv_events: bool = True, vllm_events: bool = True, shards: int = 1) -> SchedulerSide:
+    def make(*, kv_events: bool = True, vllm_events: bool = True, shards: int = 1,
+             endpoint: str | None = None) -> SchedulerSide:
+        """``endpoint``: vLLM's publisher is "zmq" on it (else "null")."""
         extra = {"chunk_tokens": CHUNK_TOKENS, "lookup_socket_dir": str(sockets), "kv_events": kv_events}
         ktc = KVTransferConfig(kv_connector="MooncakeTieredConnector", kv_role="kv_both",
                                kv_connector_module_path="vllm_plugin.connector", kv_connector_extra_config=extra)
-        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if vllm_events else None
+        publisher = {"publisher": "zmq", "endpoint": endpoint} if endpoint else {"publisher": "null"}
+        events = KVEventsConfig(enable_kv_cache_events=True, **publisher) if vllm_events else None
         config = EngineArgs(model=str(tiny_model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
                             max_model_len=4096, enforce_eager=True, kv_transfer_config=ktc,
                             kv_events_config=events, tensor_parallel_size=shards).create_engine_config()
@@ -124,6 +128,55 @@ def test_a_failed_load_and_a_reset_announce_removals(make_scheduler: Any) -> Non
     assert sorted(map(tuple, (e.block_hashes for e in removed))) == sorted(
         tuple(announced[i].block_hashes) for i in (0, 2))
     assert all(type(e).__name__ != "AllBlocksCleared" for e in removed)
+
+
+def test_after_vllms_own_reset_every_announced_chunk_is_announced_again(make_scheduler: Any, tmp_path: Path) -> None:
+    """vLLM's own ``AllBlocksCleared`` (a prefix-cache reset the connector is not told of),
+    published by vLLM's own ZMQ publisher on the endpoint the engine's config names: the connector
+    sees it on that stream, and its next ``take_events`` (a later batch than the reset's) announces
+    every chunk it announces now again, each once, in its medium; a chunk withdrawn before is not.
+    Without a reset, nothing."""
+    from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
+
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint)
+    sched = make_scheduler(endpoint=endpoint)
+    try:
+        blocks = list(range(60, 70))
+        _land_all(sched, _first_step(sched, _request("ra", prompt(9, 3 * CHUNK_TOKENS + 1)), blocks))
+        announced = _stored(sched.take_events())
+        assert len(announced) == 3
+        sched.update_connector_output(KVConnectorOutput(invalid_block_ids={blocks[2]}))  # chunk 1 withdrawn
+        assert [type(e) for e in sched.take_events()] == [BlockRemoved]
+        assert sched.take_events() == [] and sched.stats()["kv_events_reannounced"] == 0
+        # The subscription is live some time after the connect (ZMQ drops what is sent before):
+        # a reset is published again until the connector has seen one.
+        deadline = time.monotonic() + 30
+        got: list = []
+        while not got:
+            assert time.monotonic() < deadline, "the connector never saw vLLM's AllBlocksCleared"
+            publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            until = time.monotonic() + 0.5
+            while not got and time.monotonic() < until:
+                got = sched.take_events()
+        assert got == [announced[0], announced[2]]
+        assert sched.stats()["kv_events_reannounced"] >= 1
+    finally:
+        sched.close()
+        publisher.shutdown()
+
+
+@pytest.mark.parametrize("endpoint, rank, want", [
+    ("tcp://*:5557", 0, "tcp://127.0.0.1:5557"), ("tcp://*:5557", 2, "tcp://127.0.0.1:5559"),
+    ("tcp://[::]:5557", 0, "tcp://[::1]:5557"), ("ipc:///tmp/kv", 0, "ipc:///tmp/kv"),
+    ("inproc://kv", 1, "inproc://kv_dp1"),
+    ("tcp://*:0", 0, None),  # a port chosen at bind time
+    ("tcp://10.0.0.5:5557", 0, None),  # vLLM connects out to it (a broker)
+    ("ipc:///tmp/kv", 1, None)])  # vLLM's own publisher refuses it
+def test_the_watched_endpoint_is_where_vllm_binds(endpoint: str, rank: int, want: str | None) -> None:
+    from vllm_plugin.cleared_watch import own_endpoint
+
+    assert own_endpoint(endpoint, rank) == want
 
 
 @pytest.mark.parametrize("kv_events, vllm_events", [(False, True), (True, False)])
