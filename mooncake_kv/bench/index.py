@@ -17,7 +17,8 @@ Each of ``--runs`` runs, in this process, over real ZMQ sockets on loopback TCP:
   (``query_array_4096_us``: no list to convert), of hashing the prompt alone (``hash_4096_us``), and of
   the store's own in-process ``exists`` of the same keys: ``query_vs_exists`` = query_tokens /
   exists (target: at most 2), ``query_keys_vs_exists`` = query_keys / exists, ``query_array_vs_exists``
-  = the array query / exists; and the round trip of
+  = the array query / exists, ``int64_4096_us`` the list's conversion to int64s alone (what the
+  keys hash; ``int64_vs_exists`` = it / exists: a floor under the list query); and the round trip of
   ``POST /query`` over HTTP (aiohttp server, httpx client), beside it.
 
 The last line with ``--json`` is one JSON object: the medians over the runs, each with its min and
@@ -36,7 +37,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from mooncake_connector.keys import chunk_hashes, object_key
+from mooncake_connector.keys import as_int64, chunk_hashes, object_key
 from mooncake_kv.bench.node import median_us
 from mooncake_kv.index.http import serve_in_thread
 from mooncake_kv.index.service import IndexConfig, KVIndex
@@ -157,6 +158,8 @@ def _queries(calls: int) -> dict[str, float]:
         out = {"query_4096_us": median_us(lambda: index.query_tokens(prompt, fingerprints=[DIGEST]), calls),
                "query_keys_4096_us": median_us(lambda: index.query_keys(keys), calls),
                "hash_4096_us": median_us(lambda: chunk_hashes(prompt, CHUNK_TOKENS), calls),
+               # The list's conversion to the int64s the keys hash, alone (the fastest known here).
+               "int64_4096_us": median_us(lambda: as_int64(prompt), calls),
                # The same prompt as a numpy array (a router holding its tokenizer's array output).
                "query_array_4096_us": median_us(lambda: index.query_tokens(array, fingerprints=[DIGEST]), calls),
                "exists_4096_us": median_us(lambda: store.exists(keys), calls)}
@@ -183,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         one["query_vs_exists"] = one["query_4096_us"] / one["exists_4096_us"]
         one["query_keys_vs_exists"] = one["query_keys_4096_us"] / one["exists_4096_us"]
         one["query_array_vs_exists"] = one["query_array_4096_us"] / one["exists_4096_us"]
+        one["int64_vs_exists"] = one["int64_4096_us"] / one["exists_4096_us"]
         runs.append(one)
         print(f"run {r + 1}: " + ", ".join(f"{k} {v:,.1f}" for k, v in one.items()))
     summary: dict[str, Any] = {}
@@ -198,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
           f" us), store exists {summary['exists_4096_us']:.1f} us: x{summary['query_vs_exists']:.2f} (target <= 2); "
           f"over HTTP {summary['http_query_4096_us']:.0f} us; hashing the prompt alone {summary['hash_4096_us']:.1f} us, "
           f"keys given x{summary['query_keys_vs_exists']:.2f}, "
-          f"prompt as an int64 array x{summary['query_array_vs_exists']:.2f}")
+          f"prompt as an int64 array x{summary['query_array_vs_exists']:.2f}; the list's int64 conversion alone "
+          f"{summary['int64_4096_us']:.1f} us (x{summary['int64_vs_exists']:.2f})")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -18,7 +18,7 @@ def test_bench_index_reports_every_figure(capsys) -> None:  # noqa: ANN001
     assert bench_index.run(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("events_per_s", "store_events_per_s", "query_4096_us", "exists_4096_us", "query_vs_exists",
-                "query_keys_vs_exists", "http_query_4096_us", "hash_4096_us"):
+                "query_keys_vs_exists", "http_query_4096_us", "hash_4096_us", "int64_4096_us", "int64_vs_exists"):
         assert summary[key] > 0 and summary[f"{key}_min"] <= summary[key] <= summary[f"{key}_max"], key
     assert summary["runs"] == 2 and summary["prompt_tokens"] == 4096
 
