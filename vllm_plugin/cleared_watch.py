@@ -16,8 +16,8 @@ batch after the reset's.
 Where the engine binds its publisher (``tcp://*:PORT``, ``tcp://[::]:PORT``, ``ipc://``,
 ``inproc://``: vLLM's own rule) the watch connects to it on this host; an endpoint vLLM connects
 out to (a broker elsewhere) or ``tcp://*:0`` (a port chosen at bind time) cannot be watched from
-here, which :func:`own_endpoint` says (None) and the scheduler logs once. One owned thread, closed
-by :meth:`ClearedWatch.close`; payloads are checked for the event's tag as bytes before any is
+here, which :func:`own_endpoint` says (None) and the scheduler logs once. One owned thread, the
+socket's one user, stopped by :meth:`ClearedWatch.close`; payloads are checked for the event's tag as bytes before any is
 decoded, so the watch costs next to nothing while no reset happens.
 """
 
@@ -51,10 +51,12 @@ def own_endpoint(endpoint: str, data_parallel_rank: int) -> str | None:
         return None
     if ep.startswith(("ipc://", "inproc://")):
         return ep
-    port = ep.rpartition(":")[2]
-    if not port.isdigit() or int(port) == 0:
+    host, _sep, port = ep.removeprefix("tcp://").rpartition(":")
+    if not ep.startswith("tcp://") or not port.isdigit() or int(port) == 0:
         return None
-    return f"tcp://[::1]:{port}" if "::" in ep else f"tcp://127.0.0.1:{port}"
+    if host in ("*", "[::]", "::"):  # every address: this host's loopback
+        return f"tcp://[::1]:{port}" if "::" in host else f"tcp://127.0.0.1:{port}"
+    return ep  # a bind on one address (vLLM binds any with "::" in it): that address
 
 
 class ClearedWatch:
@@ -74,7 +76,7 @@ class ClearedWatch:
         # vLLM's publisher uses the process's shared context, so an inproc:// endpoint is reachable.
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        if endpoint.startswith("tcp://[::1]"):
+        if endpoint.startswith("tcp://") and endpoint.count(":") > 2:  # an IPv6 address
             self._sub.setsockopt(zmq.IPV6, 1)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
@@ -89,13 +91,20 @@ class ClearedWatch:
         return out
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (within one poll) and close the socket (left to the process's exit when
-        the thread is still in it past ``timeout_s``: a socket is closed only by its one user)."""
+        """Stop the thread (within one poll; it closes its socket as it ends)."""
         self._stop.set()
-        if self._workers.join(Deadline(timeout_s)) == 0:
-            self._sub.close(0)
+        self._workers.join(Deadline(timeout_s))
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except zmq.ZMQError as e:
+            logger.warning("kv events: watching %s for prefix-cache resets stopped (%s); after one, the "
+                           "store's chunks are announced again only by new saves and loads", self.endpoint, e)
+        finally:
+            self._sub.close(0)  # by its one user
+
+    def _watch(self) -> None:
         while not self._stop.is_set():
             if not self._sub.poll(_POLL_MS):
                 continue

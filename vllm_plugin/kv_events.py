@@ -25,7 +25,8 @@ different steps): a chunk is announced once the save ledger says every rank stor
   and would wipe the engine's GPU entries in a router).
 - After vLLM's own ``AllBlocksCleared`` (a prefix-cache reset without the connector, seen on the
   engine's own event stream by ``vllm_plugin.cleared_watch``): ``BlockStored`` again of every
-  announced chunk in each of its media, since a consumer may have applied the reset to them.
+  announced chunk in each of its local media, since a consumer may have applied the reset to
+  them, spread over the next steps (``REANNOUNCE_PER_TAKE`` events each).
 
 The payload of a chunk is taken from the live request when its save is planned (``planned``) and
 kept while it is announced, to announce it in another medium. Bounded: at most ``max_announced``
@@ -63,6 +64,8 @@ REMOTE_CPU = "CPU@REMOTE"
 # Each chunk keeps its event, encoded (token ids included), to announce it in another medium: about
 # 3.4 KiB per chunk of 256 tokens in 16-token blocks (measured), about 220 MiB at this bound.
 DEFAULT_MAX_ANNOUNCED = 1 << 16
+# Announcements again after vLLM's own reset, per take (each about 10 us on the scheduler thread).
+REANNOUNCE_PER_TAKE = 1024
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -83,7 +86,7 @@ class _Chunk:
     saves: set[int] = field(default_factory=set)  # save ids planned and not settled
     landed: bool = False  # stored on every rank once (announced, or announceable)
     remote: bool = False  # found on another node of the pool (reachable over it)
-    announced_in: int = 0  # the take() that gave its last announcement
+    announced_in: dict[str, int] = field(default_factory=dict)  # medium -> the take() that gave its last announcement
 
 
 class ConnectorEvents:
@@ -104,6 +107,9 @@ class ConnectorEvents:
         self.reannounces = 0  # vLLM's own resets after which everything was announced again
         self._takes = 0  # take() calls so far
         self._take_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)  # (take, wall time)
+        # Chunks to announce again after a reset, each with the take that shared the reset's
+        # batch: worked off at most REANNOUNCE_PER_TAKE events per take.
+        self._again: collections.deque[tuple[str, int | None]] = collections.deque()
 
     # -- saves ---------------------------------------------------------------------------------------
     def planned(self, request: Request, chunk: int, chunk_hash: str, save_id: int) -> None:
@@ -220,26 +226,37 @@ class ConnectorEvents:
         """vLLM's own ``AllBlocksCleared`` went out in the batch it published at ``cleared_at``
         (its ``ts``; a prefix-cache reset the connector was not told of, seen by
         ``vllm_plugin.cleared_watch``): a consumer may have dropped every medium of this engine
-        with it, so every chunk announced in an earlier batch is announced again in each medium
-        it is announced in now, oldest first. What the take just before ``cleared_at`` gave went
+        with it, so each chunk is announced again in each local medium it was announced in before
+        that batch and still is, oldest first. What the take just before ``cleared_at`` gave went
         out in that same batch, after the reset (vLLM appends the connector's events to its own),
-        and is not repeated. Nothing is withdrawn: the store still holds what it held."""
+        and is not repeated; nor is what was announced since. The announcements are spread over
+        the next takes, at most ``REANNOUNCE_PER_TAKE`` events each (a full bound of chunks in two
+        media is about 1.4 s of work). Nothing is withdrawn: the store still holds what it held.
+        A chunk reached only over the pool (``CPU`` ``REMOTE``) is not announced again: whether
+        that node still holds it is its own stream's to say."""
         self.reannounces += 1
         # The take whose events shared the reset's batch: the last one before it was stamped.
         same = next((n for n, at in reversed(self._take_times) if at <= cleared_at), None)
-        for c in self._chunks.values():
-            if c.media and (same is None or c.announced_in < same):
-                for medium in sorted(c.media):
-                    self._announce(c, medium)
+        # A later reset's list covers an earlier one's: what was announced before either is owed.
+        self._again = collections.deque((h, same) for h in self._chunks)
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, in order (vLLM publishes them right after, in one
-        batch with its own)."""
+        batch with its own), then the next re-announcements owed."""
+        budget = REANNOUNCE_PER_TAKE
+        while self._again and budget > 0:
+            h, same = self._again.popleft()
+            c = self._chunks.get(h)
+            if c is None:
+                continue
+            for medium in sorted(c.media - {REMOTE_CPU}):
+                if same is None or c.announced_in.get(medium, 0) < same:
+                    self._announce(c, medium)
+                    budget -= 1
         self._takes += 1
         self._take_times.append((self._takes, time.time()))
         out, self._out = self._out, []
         return out
-
 
     @property
     def announced(self) -> int:
@@ -284,7 +301,7 @@ class ConnectorEvents:
             self._announce(c, medium)
 
     def _announce(self, c: _Chunk, medium: str) -> None:
-        c.announced_in = self._takes + 1  # the take that gives it to vLLM
+        c.announced_in[medium] = self._takes + 1  # the take that gives it to vLLM
         if medium == REMOTE_CPU:
             self._out.append(msgspec.structs.replace(_decode(c.event), medium=MEDIUM_CPU, locality=REMOTE))
         else:
@@ -305,6 +322,7 @@ class ConnectorEvents:
             self._withdraw(c, set(c.media))
         self._chunks.clear()
         self._by_save.clear()
+        self._again.clear()
 
     def _bound(self) -> None:
         """At most ``max_announced`` chunks are kept: the oldest goes first (withdrawn)."""

@@ -167,8 +167,6 @@ class SchedulerSide:
         kv_events = vllm_config.kv_events_config
         self.events = (ConnectorEvents(geometry.block_size, self.blocks_per_chunk, geometry.shard_count)
                        if cfg.kv_events and kv_events is not None and kv_events.enable_kv_cache_events else None)
-        # vLLM's own prefix-cache resets, seen on this engine's event stream: announce again after one.
-        self._cleared_watch = self._watch_resets(vllm_config) if self.events is not None else None
         self.load_budget = load_budget_chunks(vllm_config, cfg, geometry)
         self.staging_chunks = staging_chunks(vllm_config, cfg, geometry)
         self._step_load_chunks = 0  # chunk loads accepted for the step being scheduled
@@ -190,6 +188,9 @@ class SchedulerSide:
         # load_policy "cost": the measured speeds that decide load or recompute; step -> (start, tokens).
         self.load_costs = LoadCosts()
         self._step_started: dict[int, tuple[float, int]] = {}
+        # vLLM's own prefix-cache resets, seen on this engine's event stream: announce again after
+        # one. Started last (a thread of its own, closed by close()).
+        self._cleared_watch = self._watch_resets(vllm_config) if self.events is not None else None
 
     @staticmethod
     def _watch_resets(vllm_config: VllmConfig) -> ClearedWatch | None:

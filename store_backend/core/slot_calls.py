@@ -21,7 +21,7 @@ from store_backend.types import Status, check_batch, check_key, check_ttl_s, che
 
 logger = logging.getLogger(__name__)
 
-# abandoned(): how long a reservation that ended unstored marks its key, and how many keys are kept.
+# abandoned(): how long a dead writer's reservation marks its key, and how many keys are kept.
 ABANDONED_TTL_S = 10.0
 _ABANDONED_MAX = 1 << 16
 
@@ -160,12 +160,11 @@ class StoreSlots:
                     continue
                 self._slots.take(r.token)
                 self._end_reservation(row.entry)
-                self._mark_abandoned(row.entry.key)
                 self.metrics_counters.store.slot_aborts += 1
             self._slot_changed.notify_all()  # lease(wait_pending_s) waiters: the key is not coming
 
     def _mark_abandoned(self, key: str) -> None:
-        """(lock held) ``key``'s reservation ended unstored (see :meth:`abandoned`)."""
+        """(lock held) ``key``'s writer died with it reserved (see :meth:`abandoned`)."""
         marks = self._abandoned
         marks.pop(key, None)
         marks[key] = time.monotonic()
@@ -173,13 +172,15 @@ class StoreSlots:
             del marks[next(iter(marks))]
 
     def abandoned(self, key: str) -> bool:
-        """Whether a write of ``key`` was given up and none has taken its place: its last
-        reservation on this node ended unstored (aborted, reclaimed when its owner's process went
-        away, or expired) within the last ``ABANDONED_TTL_S`` seconds, nothing stored it since, and
-        no one is writing it now. A peer waiting on this node for a transfer's keys (a decode node
-        waiting on the prefill node) stops waiting on such a key: a prefill engine that died with
-        its saves in flight is never going to commit them. A later writer may still store the key
-        (it is then no longer abandoned). A key that is not valid never is. Thread-safe; no I/O."""
+        """Whether the writer of ``key`` died with it reserved and none has taken its place: its
+        reservation was reclaimed because the owner's process exited (``reclaim(gone=True)``)
+        within the last ``ABANDONED_TTL_S`` seconds, nothing stored it since, and no one is
+        writing it now. A peer waiting on this node for a transfer's keys (a decode node waiting
+        on the prefill node) stops waiting on such a key: a prefill engine that died with its
+        saves in flight is never going to commit them. A reservation aborted or expired does not
+        count: its writer is alive and may reserve the key again (a save the connector retries).
+        A later writer may still store the key (it is then no longer abandoned). A key that is
+        not valid never is. Thread-safe; no I/O."""
         if check_key(key) is not None:
             return False
         with self._call(), self._lock:
@@ -490,11 +491,12 @@ class StoreSlots:
         self._check_open()
         return self._dram.arena.view
 
-    def reclaim(self, owner: int, keep: Collection[int] = ()) -> tuple[int, int]:
+    def reclaim(self, owner: int, keep: Collection[int] = (), *, gone: bool = False) -> tuple[int, int]:
         """End every token ``owner`` holds but those in ``keep``, as if it aborted its reservations
         and released its leases (its process exited, or it said those tokens are void): their
-        bytes are free again. Returns (reservations aborted, leases released). Thread-safe; no
-        I/O; works on expired tokens."""
+        bytes are free again. ``gone``: the owner's process exited, so the keys it was writing are
+        abandoned (:meth:`abandoned`). Returns (reservations aborted, leases released).
+        Thread-safe; no I/O; works on expired tokens."""
         n_res = n_lease = 0
         with self._call(), self._lock:
             self._expire_slots()
@@ -503,8 +505,9 @@ class StoreSlots:
                     continue
                 row = self._slots.take(token)
                 if row.kind is SlotKind.RESERVATION:
+                    if gone and self._live(row.entry):
+                        self._mark_abandoned(row.entry.key)
                     self._end_reservation(row.entry)
-                    self._mark_abandoned(row.entry.key)
                     n_res += 1
                 else:
                     self._end_lease(row)
@@ -527,7 +530,6 @@ class StoreSlots:
             e = row.entry
             if row.kind is SlotKind.RESERVATION and self._live(e) and e.state is EntryState.WRITING:
                 del self._dram.entries[e.key]
-                self._mark_abandoned(e.key)
         self._slot_changed.notify_all()
 
     def expire_slots(self) -> None:

@@ -329,7 +329,7 @@ class ServiceConnections:
         elif proc.ended:
             # The process exited while this connection's call ran: what it granted after the
             # exit's reclaim goes now.
-            self._reclaim(c.conn_id)
+            self._reclaim(c.conn_id, gone=True)
         try:
             c.sock.close()
         except OSError:
@@ -342,20 +342,21 @@ class ServiceConnections:
         ends if its process exited or forgot the connection meanwhile."""
         proc.in_flight.pop(conn_id, None)
         if proc.ended:
-            self._reclaim(conn_id)
+            self._reclaim(conn_id, gone=True)
         elif conn_id in proc.forgotten:
             keep = proc.forgotten.pop(conn_id)
             self._reclaim(conn_id, keep)
             if not keep:
                 proc.owners.discard(conn_id)
 
-    def _reclaim(self, conn_id: int, keep: Collection[int] = ()) -> tuple[int, int]:
-        """The store ends every token of ``conn_id`` but ``keep``; (reservations, leases) ended."""
+    def _reclaim(self, conn_id: int, keep: Collection[int] = (), *, gone: bool = False) -> tuple[int, int]:
+        """The store ends every token of ``conn_id`` but ``keep``; (reservations, leases) ended.
+        ``gone``: its process exited (the keys it was writing are abandoned)."""
         store = self.store
         if store is None:
             return 0, 0
         try:
-            aborted, released = store.reclaim(conn_id, keep)
+            aborted, released = store.reclaim(conn_id, keep, gone=gone)
         except StoreClosedError:
             return 0, 0
         except Exception:
@@ -393,7 +394,7 @@ class ServiceConnections:
                 self._written(slot.obj)
         proc.slots.clear()
         for cid in proc.owners:  # kept: a connection whose call still runs reclaims again when it ends
-            self._reclaim(cid)
+            self._reclaim(cid, gone=True)
         pins = 0
         if self.store is not None:
             try:

@@ -415,8 +415,8 @@ class TcpTransportServer:
     def _wait(self, sock: socket.socket, session: Session, h: Header) -> None:
         """A peer's long-poll: answered once every key is committed on this node's own tiers (woken
         by the store's commits), when ``h.wait_s`` passed, when the first key not committed was
-        abandoned (its writer aborted it, or died and was reclaimed: it is not coming; answered
-        within one slice of that), or when the server stops. The wait is held in slices so a
+        abandoned (its writer's process died with it reserved: it is not coming; answered within
+        one slice of that), or when the server stops. The wait is held in slices so a
         stopping server answers within one."""
         until = time.monotonic() + h.wait_s
         n = 0

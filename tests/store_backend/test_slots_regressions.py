@@ -361,10 +361,12 @@ def test_a_process_with_two_connections_holds_one_share_of_the_service_arena() -
         cleanup_dir(d)
 
 
-def test_a_key_whose_reservation_ended_unstored_is_abandoned_until_written(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``abandoned``: what a peer's wait stops on. A reservation aborted, reclaimed (its owner's
-    process gone) or expired marks its key; a new writer's reservation hides the mark while it
-    writes, a commit clears it, and the mark lapses after ``ABANDONED_TTL_S``."""
+def test_a_key_whose_writer_died_with_it_reserved_is_abandoned_until_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``abandoned``: what a peer's wait stops on. A reservation reclaimed because its owner's
+    process exited marks its key; one aborted, expired, or reclaimed from a live owner does not
+    (that writer may reserve the key again: a retried save). A new writer's reservation hides the
+    mark while it writes, a commit clears it, a late reclaim of a reservation some other writer
+    replaced marks nothing, and a mark lapses after ``ABANDONED_TTL_S``."""
     from store_backend.core import slot_calls
     from tests.store_backend.node.server_harness import wait_until
 
@@ -374,22 +376,35 @@ def test_a_key_whose_reservation_ended_unstored_is_abandoned_until_written(monke
         (r,) = s.reserve(["a"], [SIZE], owner=7)
         assert not s.abandoned("a")  # being written
         s.abort([r], owner=7)
-        assert s.abandoned("a")
-        (r,) = s.reserve(["a"], [SIZE], owner=8)
-        assert not s.abandoned("a")  # another writer took it up
-        s.reclaim(8)  # that writer's process went away
+        assert not s.abandoned("a")  # aborted by a live writer
+        s.reserve(["a"], [SIZE], owner=8)
+        s.reclaim(8)  # a live owner's tokens declared void
+        assert not s.abandoned("a")
+        s.reserve(["a"], [SIZE], owner=9)
+        s.reclaim(9, gone=True)  # that writer's process exited
         assert s.abandoned("a")
         (r,) = s.reserve(["a"], [SIZE])
+        assert not s.abandoned("a")  # another writer took it up
         r.view[:] = tagged(1)
         assert s.commit([r]) == [Status.OK]
         assert not s.abandoned("a")  # stored
         assert s.remove(["a"]) == [Status.OK]
         assert not s.abandoned("a")  # removed after it was stored: not a given-up write
-        (r,) = s.reserve(["b"], [SIZE], ttl_s=0.05)
-        wait_until(lambda: s.abandoned("b"), 10, "the expired reservation's key abandoned")
+        # A reservation that expired, then another writer's commit, then the first owner's exit.
+        s.reserve(["b"], [SIZE], owner=10, ttl_s=0.05)
+        wait_until(lambda: s.exists(["b"], count_reserved=True) == 0, 10, "the reservation's expiry")
+        assert not s.abandoned("b")  # expired: its writer may be slow, not gone
+        (r,) = s.reserve(["b"], [SIZE])
+        r.view[:] = tagged(2)
+        assert s.commit([r]) == [Status.OK]
+        s.reclaim(10, gone=True)
+        assert s.remove(["b"]) == [Status.OK]
+        assert not s.abandoned("b")  # the dead writer's reservation was no longer the key's
+        s.reserve(["c"], [SIZE], owner=11)
+        s.reclaim(11, gone=True)
+        assert s.abandoned("c")
         monkeypatch.setattr(slot_calls, "ABANDONED_TTL_S", -1.0)  # every mark has lapsed
-        assert not s.abandoned("b")
+        assert not s.abandoned("c")
         assert not s.abandoned("") and not s.abandoned("x\x00")
     finally:
         s.close()
-

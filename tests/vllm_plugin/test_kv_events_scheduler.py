@@ -166,9 +166,51 @@ def test_after_vllms_own_reset_every_announced_chunk_is_announced_again(make_sch
         publisher.shutdown()
 
 
+def _landed_chunks(events: Any, tokens: list[int], n: int) -> Request:
+    req = _request(f"r{tokens[0]}", tokens)
+    for c in range(n):
+        events.planned(req, c, f"h{tokens[0]}-{c}", 1000 * tokens[0] + c)
+        events.landed(1000 * tokens[0] + c)
+    return req
+
+
+def test_a_reannouncement_skips_what_went_out_with_or_after_the_reset_per_medium() -> None:
+    """The reset's batch holds what the take before it gave, after the reset: a chunk that gained
+    STORAGE in that take is announced again in CPU only (announced before the reset), and a medium
+    withdrawn since is not announced again."""
+    from vllm_plugin.kv_events import ConnectorEvents
+    from vllm_plugin.worker_residency import SSD_IN
+
+    events = ConnectorEvents(BLOCK, CHUNK_TOKENS // BLOCK)
+    _landed_chunks(events, prompt(21, 2 * CHUNK_TOKENS + 1), 2)
+    assert [e.medium for e in events.take()] == ["CPU", "CPU"]
+    events.changed(0, "h%d-0" % prompt(21, 1)[0], SSD_IN)  # chunk 0 reaches SSD in the reset's step
+    assert [e.medium for e in events.take()] == ["STORAGE"]
+    cleared_at = time.time()  # vLLM stamps the batch right after the connector's take
+    events.reannounce(cleared_at)
+    got = events.take()
+    assert [(e.medium, e.token_ids[0]) for e in got] == [("CPU", prompt(21, 1)[0]), ("CPU", prompt(21, 65)[64])]
+    assert events.take() == []  # once
+
+
+def test_a_reannouncement_is_spread_over_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_plugin import kv_events
+
+    monkeypatch.setattr(kv_events, "REANNOUNCE_PER_TAKE", 2)
+    events = kv_events.ConnectorEvents(BLOCK, CHUNK_TOKENS // BLOCK)
+    _landed_chunks(events, prompt(22, 3 * CHUNK_TOKENS + 1), 3)
+    assert len(events.take()) == 3
+    assert events.take() == []  # a step later, vLLM's reset goes out
+    events.reannounce(time.time())
+    events.gone(["h%d-2" % prompt(22, 1)[0]])  # withdrawn before its turn: not announced again
+    assert [type(e).__name__ for e in events.take()] == ["BlockRemoved", "BlockStored", "BlockStored"]
+    assert events.take() == [] and events.reannounces == 1
+
+
 @pytest.mark.parametrize("endpoint, rank, want", [
     ("tcp://*:5557", 0, "tcp://127.0.0.1:5557"), ("tcp://*:5557", 2, "tcp://127.0.0.1:5559"),
-    ("tcp://[::]:5557", 0, "tcp://[::1]:5557"), ("ipc:///tmp/kv", 0, "ipc:///tmp/kv"),
+    ("tcp://[::]:5557", 0, "tcp://[::1]:5557"), ("tcp://[2001:db8::5]:5557", 1, "tcp://[2001:db8::5]:5558"),
+    ("ipc:///tmp/kv", 0, "ipc:///tmp/kv"),
     ("inproc://kv", 1, "inproc://kv_dp1"),
     ("tcp://*:0", 0, None),  # a port chosen at bind time
     ("tcp://10.0.0.5:5557", 0, None),  # vLLM connects out to it (a broker)
