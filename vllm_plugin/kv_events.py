@@ -243,8 +243,9 @@ class ConnectorEvents:
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, in order (vLLM publishes them right after, in one
         batch with its own), then the next re-announcements owed."""
-        budget = REANNOUNCE_PER_TAKE
-        while self._again and budget > 0:
+        budget, visits = REANNOUNCE_PER_TAKE, 8 * REANNOUNCE_PER_TAKE  # events, and chunks looked at
+        while self._again and budget > 0 and visits > 0:
+            visits -= 1
             h, same = self._again.popleft()
             c = self._chunks.get(h)
             if c is None:

@@ -422,9 +422,13 @@ class TcpTransportServer:
         n = 0
         self._count("waiting")  # a gauge: the waits held now
         try:
+            first = True
             while True:
                 left = until - time.monotonic()
-                n = self._store.exists(h.keys, wait_s=max(0.0, min(left, _WAIT_SLICE_S)), local_only=True)
+                # The first look does not wait: a wait that comes after the writer died ends at once.
+                n = self._store.exists(h.keys, wait_s=0.0 if first else max(0.0, min(left, _WAIT_SLICE_S)),
+                                       local_only=True)
+                first = False
                 if n == len(h.keys) or left <= 0 or self._stopping.is_set():
                     break
                 if self._store.abandoned(h.keys[n]):
