@@ -70,7 +70,6 @@ class ClearedWatch:
         self.endpoint = endpoint
         self._lock = threading.Lock()
         self._seen: list[float] = []  # timestamps of batches with a reset, not taken yet
-        self.cleared = 0  # resets seen in all (a batch may hold several)
         self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self._event_type = AllBlocksCleared
         # vLLM's publisher uses the process's shared context, so an inproc:// endpoint is reachable.
@@ -117,8 +116,6 @@ class ClearedWatch:
             except msgspec.DecodeError as e:  # not vLLM's batch (another publisher on the port)
                 logger.warning("kv events on %s: a batch that does not decode (%s); ignored", self.endpoint, e)
                 continue
-            n = sum(1 for e in batch.events if isinstance(e, self._event_type))
-            if n:
+            if any(isinstance(e, self._event_type) for e in batch.events):
                 with self._lock:
                     self._seen.append(batch.ts)
-                    self.cleared += n

@@ -107,9 +107,10 @@ class ConnectorEvents:
         self.reannounces = 0  # vLLM's own resets after which everything was announced again
         self._takes = 0  # take() calls so far
         self._take_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)  # (take, wall time)
-        # Chunks to announce again after a reset, each with the take that shared the reset's
-        # batch: worked off at most REANNOUNCE_PER_TAKE events per take.
-        self._again: collections.deque[tuple[str, int | None]] = collections.deque()
+        # Chunks to announce again after a reset (worked off at most REANNOUNCE_PER_TAKE events per
+        # take), and the take that shared the reset's batch (None: not known, every medium again).
+        self._again: collections.deque[str] = collections.deque()
+        self._again_before: int | None = None
 
     # -- saves ---------------------------------------------------------------------------------------
     def planned(self, request: Request, chunk: int, chunk_hash: str, save_id: int) -> None:
@@ -236,18 +237,18 @@ class ConnectorEvents:
         that node still holds it is its own stream's to say."""
         self.reannounces += 1
         # The take whose events shared the reset's batch: the last one before it was stamped.
-        same = next((n for n, at in reversed(self._take_times) if at <= cleared_at), None)
         # A later reset's list covers an earlier one's: what was announced before either is owed.
-        self._again = collections.deque((h, same) for h in self._chunks)
+        self._again_before = next((n for n, at in reversed(self._take_times) if at <= cleared_at), None)
+        self._again = collections.deque(self._chunks)
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, in order (vLLM publishes them right after, in one
         batch with its own), then the next re-announcements owed."""
         budget, visits = REANNOUNCE_PER_TAKE, 8 * REANNOUNCE_PER_TAKE  # events, and chunks looked at
+        same = self._again_before
         while self._again and budget > 0 and visits > 0:
             visits -= 1
-            h, same = self._again.popleft()
-            c = self._chunks.get(h)
+            c = self._chunks.get(self._again.popleft())
             if c is None:
                 continue
             for medium in sorted(c.media - {REMOTE_CPU}):

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +178,22 @@ def test_the_router_sends_a_long_prompt_in_two_legs_and_a_short_one_to_decode_al
                "the prefill node's heartbeat counting its pushes")
 
 
-def _redis_pid(port: int) -> int:
-    """The script's redis-server (found by its port on its command line)."""
+def _pid_of(what: str, match: Callable[[list[str]], bool]) -> int:
+    """The process whose command line (its arguments) ``match`` accepts."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if cmd.startswith("redis-server") and f":{port}" in cmd:  # its title: "redis-server 127.0.0.1:PORT"
+        if match(args):
             return int(pid)
-    raise AssertionError(f"no redis-server on port {port}")
+    raise AssertionError(f"no {what}")
+
+
+def _redis_pid(port: int) -> int:
+    """The script's redis-server (its title: "redis-server 127.0.0.1:PORT")."""
+    return _pid_of(f"redis-server on port {port}",
+                   lambda args: args[0].startswith("redis-server") and f":{port}" in " ".join(args))
 
 
 def test_with_the_directory_down_the_decode_node_reads_from_the_holder_its_wait_confirmed(
@@ -280,14 +286,8 @@ def _pids_under(root: int) -> list[int]:
 
 def _server_pid(port: int) -> int:
     """The ``vllm serve`` (api_server) process listening on ``port``, by its command line."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in cmd and str(port).encode() in cmd:
-            return int(pid)
-    raise AssertionError(f"no vllm api_server on port {port}")
+    return _pid_of(f"vllm api_server on port {port}",
+                   lambda args: "vllm.entrypoints.openai.api_server" in args and str(port) in args)
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
